@@ -1,0 +1,1 @@
+"""walbus demux: the database topic -> compacted per-table topics, keyed by primary key."""

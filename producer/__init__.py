@@ -1,0 +1,1 @@
+"""walbus producer: PostgreSQL logical replication -> one LSN-keyed Kafka topic per database."""

@@ -1,0 +1,201 @@
+"""A local PostgreSQL for development and tests: initdb, start, stop (logical decoding on)."""
+
+from __future__ import annotations
+
+import glob
+import os
+import pwd
+import shutil
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import psycopg
+
+from walbus.dev.processes import StackError, pid_alive, port_in_use, spawn, stop_pid, tail
+
+SUPERUSER = "postgres"
+INSTALL_HINT = "install PostgreSQL's server, e.g. `apt-get install postgresql-15 postgresql-15-wal2json`"
+
+
+def find_bindir() -> Path:
+    """Where initdb/postgres live: ``pg_config --bindir`` or /usr/lib/postgresql/*/bin."""
+    candidates: list[Path] = []
+    env = os.environ.get("WALBUS_PG_BINDIR")
+    if env:
+        candidates.append(Path(env))
+    pg_config = shutil.which("pg_config")
+    if pg_config:
+        try:
+            out = subprocess.run([pg_config, "--bindir"], capture_output=True, text=True, check=True)
+            candidates.append(Path(out.stdout.strip()))
+        except subprocess.CalledProcessError:
+            pass
+    candidates += [Path(p) for p in sorted(glob.glob("/usr/lib/postgresql/*/bin"), reverse=True)]
+    for c in candidates:
+        if (c / "initdb").exists() and (c / "postgres").exists():
+            return c
+    raise StackError(f"no PostgreSQL server binaries (initdb, postgres) found: {INSTALL_HINT}")
+
+
+def _run_as() -> str | None:
+    """initdb and postgres refuse to run as root: run them as the 'postgres' system user then."""
+    if os.geteuid() != 0:
+        return None
+    try:
+        pwd.getpwnam("postgres")
+    except KeyError:
+        raise StackError("running as root and no 'postgres' system user exists to run PostgreSQL as") from None
+    return "postgres"
+
+
+def _chown_tree(path: Path, user: str | None) -> None:
+    if user is None:
+        return
+    pw = pwd.getpwnam(user)
+    for root, dirs, files in os.walk(path):
+        os.chown(root, pw.pw_uid, pw.pw_gid)
+        for name in dirs + files:
+            os.chown(os.path.join(root, name), pw.pw_uid, pw.pw_gid)
+
+
+@dataclass
+class PostgresInstance:
+    """A PostgreSQL server in ``<state>/pg``; ``pid`` and ``port`` once started."""
+
+    state_dir: Path
+    port: int
+    pid: int | None = None
+
+    @property
+    def datadir(self) -> Path:
+        return self.state_dir / "pg" / "data"
+
+    @property
+    def socket_dir(self) -> Path:
+        return self.state_dir / "pg" / "run"
+
+    @property
+    def logfile(self) -> Path:
+        return self.state_dir / "pg" / "postgres.log"
+
+    @property
+    def dsn(self) -> str:
+        return f"postgresql://{SUPERUSER}@127.0.0.1:{self.port}/postgres"
+
+    @property
+    def socket_dsn(self) -> str:
+        return f"postgresql://{SUPERUSER}@/postgres?host={self.socket_dir}&port={self.port}"
+
+    def running(self) -> bool:
+        return self.pid is not None and pid_alive(self.pid, str(self.datadir))
+
+    def init(self) -> None:
+        bindir = find_bindir()
+        user = _run_as()
+        if (self.datadir / "PG_VERSION").exists():
+            return
+        if self.datadir.exists() and any(self.datadir.iterdir()):
+            raise StackError(
+                f"state directory {self.datadir} exists but holds no PostgreSQL cluster (no PG_VERSION): "
+                f"it looks corrupt; remove {self.state_dir} (or run `walbus dev down --purge`) and retry"
+            )
+        if user is not None:
+            for parent in self.state_dir.resolve().parents:
+                if not parent.stat().st_mode & 0o001:
+                    raise StackError(
+                        f"PostgreSQL runs as the '{user}' user (walbus runs as root), which cannot enter "
+                        f"{parent} (mode {oct(parent.stat().st_mode & 0o777)}): choose a state directory "
+                        f"below a world-traversable path (e.g. under /tmp or the project)"
+                    )
+        self.datadir.mkdir(parents=True, exist_ok=True)
+        self.socket_dir.mkdir(parents=True, exist_ok=True)
+        # Parents of the state dir must be traversable by the server user.
+        for p in [self.state_dir, self.state_dir / "pg"]:
+            p.chmod(0o755)
+        _chown_tree(self.state_dir / "pg", user)
+        self.datadir.chmod(0o700)
+        cmd = [str(bindir / "initdb"), "-D", str(self.datadir), "-U", SUPERUSER, "--auth=trust", "-E", "UTF8", "--locale=C.UTF-8"]
+        res = subprocess.run(cmd, capture_output=True, text=True, user=user)
+        if res.returncode != 0:
+            raise StackError(f"initdb failed ({res.returncode}): {res.stderr.strip() or res.stdout.strip()}")
+        conf = self.datadir / "postgresql.conf"
+        with conf.open("a") as fh:
+            fh.write(
+                "\n# walbus local stack\n"
+                "wal_level = logical\n"
+                "max_replication_slots = 20\n"
+                "max_wal_senders = 20\n"
+                "listen_addresses = '127.0.0.1'\n"
+                "fsync = off\n"
+                "synchronous_commit = off\n"
+                "full_page_writes = off\n"
+                "max_connections = 200\n"
+                "shared_buffers = 256MB\n"
+                "wal_sender_timeout = 60s\n"
+                "logical_decoding_work_mem = 64MB\n"
+                "log_min_messages = warning\n"
+            )
+        hba = self.datadir / "pg_hba.conf"
+        hba.write_text(
+            "local all all trust\n"
+            "local replication all trust\n"
+            "host all all 127.0.0.1/32 trust\n"
+            "host replication all 127.0.0.1/32 trust\n"
+        )
+        _chown_tree(self.state_dir / "pg", user)
+
+    def start(self, timeout: float = 60.0) -> None:
+        if self.running():
+            return
+        if port_in_use(self.port):
+            raise StackError(f"port {self.port} on 127.0.0.1 is already in use; PostgreSQL cannot listen there")
+        bindir = find_bindir()
+        user = _run_as()
+        self.logfile.parent.mkdir(parents=True, exist_ok=True)
+        stale_pid = self.datadir / "postmaster.pid"
+        if stale_pid.exists():
+            # Left by a server that died with its stack (e.g. kill -9): safe to remove once no process runs it.
+            first = stale_pid.read_text().splitlines()[:1]
+            if not (first and first[0].isdigit() and pid_alive(int(first[0]), str(self.datadir))):
+                stale_pid.unlink()
+        self.logfile.touch()
+        if user:
+            _chown_tree(self.logfile.parent, user)
+        proc = spawn(
+            [str(bindir / "postgres"), "-D", str(self.datadir), "-p", str(self.port), "-k", str(self.socket_dir)],
+            logfile=self.logfile,
+            user=user,
+        )
+        self.pid = proc.pid
+        deadline = time.monotonic() + timeout
+        last: Exception | None = None
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise StackError(f"PostgreSQL exited at start ({proc.returncode}); log {self.logfile}:\n{tail(self.logfile)}")
+            try:
+                with psycopg.connect(self.dsn, connect_timeout=2) as conn:
+                    conn.execute("SELECT 1")
+                return
+            except psycopg.OperationalError as e:
+                last = e
+                time.sleep(0.2)
+        raise StackError(f"PostgreSQL did not accept connections within {timeout:.0f}s: {last}")
+
+    def stop(self) -> bool:
+        if self.pid is None:
+            return False
+        import signal
+
+        # SIGINT = PostgreSQL's "fast" shutdown: disconnect clients, checkpoint, exit.
+        return stop_pid(self.pid, str(self.datadir), sig=signal.SIGINT)
+
+
+def wal2json_installed() -> bool:
+    try:
+        bindir = find_bindir()
+    except StackError:
+        return False
+    pkglibdir = bindir.parent / "lib"
+    return (pkglibdir / "wal2json.so").exists()

@@ -1,0 +1,101 @@
+"""Small process helpers for the local stack: free ports, PID checks, stopping by PID."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+
+# Popen objects of the processes this interpreter started: kept so that they are not
+# garbage-collected while running (ResourceWarning) and can be reaped when stopped.
+_CHILDREN: dict[int, subprocess.Popen[bytes]] = {}
+
+
+def spawn(cmd: list[str], *, logfile: Path, user: str | None = None) -> subprocess.Popen[bytes]:
+    """Start a long-lived server process in its own session, output appended to ``logfile``."""
+    with logfile.open("ab") as log:
+        proc = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True, user=user
+        )
+    _CHILDREN[proc.pid] = proc
+    return proc
+
+
+class StackError(Exception):
+    """A problem with the local stack, told in words the user can act on."""
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def port_in_use(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.settimeout(0.2)
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def pid_cmdline(pid: int) -> str | None:
+    """The command line of a live process, or None if it is gone (or a zombie)."""
+    try:
+        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+        status = Path(f"/proc/{pid}/status").read_text()
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return None
+    if "\nState:\tZ" in status:
+        return None
+    return raw.replace(b"\0", b" ").decode(errors="replace")
+
+
+def pid_alive(pid: int, marker: str) -> bool:
+    """True when ``pid`` runs and its command line holds ``marker`` (guards against PID reuse)."""
+    cmd = pid_cmdline(pid)
+    return cmd is not None and marker in cmd
+
+
+def stop_pid(pid: int, marker: str, *, sig: int = signal.SIGTERM, timeout: float = 30.0) -> bool:
+    """Stop a process we started, by its recorded PID. Returns True if it was running."""
+    if not pid_alive(pid, marker):
+        return False
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, sig)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not pid_alive(pid, marker):
+            _reap(pid)
+            return True
+        _reap(pid)
+        time.sleep(0.1)
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+    for _ in range(50):
+        if not pid_alive(pid, marker):
+            break
+        time.sleep(0.1)
+    _reap(pid)
+    return True
+
+
+def _reap(pid: int) -> None:
+    # A child of this very process would otherwise linger as a zombie.
+    proc = _CHILDREN.get(pid)
+    if proc is not None:
+        if proc.poll() is not None:
+            del _CHILDREN[pid]
+        return
+    with contextlib.suppress(ChildProcessError, OSError):
+        os.waitpid(pid, os.WNOHANG)
+
+
+def tail(path: Path, lines: int = 20) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except FileNotFoundError:
+        return "(no log)"

@@ -1,0 +1,154 @@
+"""Kafka helpers shared by the services: connection options, topic creation and checks."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import ssl
+from dataclasses import dataclass
+from typing import Any
+
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
+from aiokafka.errors import KafkaConnectionError, KafkaError, TopicAlreadyExistsError, for_code
+
+from walbus.config import ConfigError, option
+
+log = logging.getLogger("walbus.kafka")
+
+
+@dataclass(kw_only=True)
+class KafkaOptions:
+    """Broker address and security options, shared by every service's config."""
+
+    kafka_bootstrap: str = option(help="Kafka bootstrap servers, host:port[,host:port]")
+    kafka_security_protocol: str = option(
+        "PLAINTEXT", help="PLAINTEXT, SSL, SASL_PLAINTEXT or SASL_SSL",
+        choices=["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"],
+    )
+    kafka_sasl_mechanism: str = option(
+        "PLAIN", help="SASL mechanism", choices=["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"]
+    )
+    kafka_sasl_username: str | None = option(None, help="SASL user name")
+    kafka_sasl_password: str | None = option(None, help="SASL password", secret=True)
+    kafka_ssl_cafile: str | None = option(None, help="CA bundle to verify the brokers")
+    kafka_ssl_certfile: str | None = option(None, help="client certificate (mutual TLS)")
+    kafka_ssl_keyfile: str | None = option(None, help="client key (mutual TLS)")
+
+    def kafka_client_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for any aiokafka client."""
+        kw: dict[str, Any] = {
+            "bootstrap_servers": self.kafka_bootstrap,
+            "security_protocol": self.kafka_security_protocol,
+        }
+        if self.kafka_security_protocol.startswith("SASL"):
+            if not (self.kafka_sasl_username and self.kafka_sasl_password):
+                raise ConfigError("SASL needs --kafka-sasl-username and --kafka-sasl-password")
+            kw.update(
+                sasl_mechanism=self.kafka_sasl_mechanism,
+                sasl_plain_username=self.kafka_sasl_username,
+                sasl_plain_password=self.kafka_sasl_password,
+            )
+        if self.kafka_security_protocol in ("SSL", "SASL_SSL"):
+            ctx = ssl.create_default_context(cafile=self.kafka_ssl_cafile)
+            if self.kafka_ssl_certfile:
+                ctx.load_cert_chain(self.kafka_ssl_certfile, self.kafka_ssl_keyfile)
+            kw["ssl_context"] = ctx
+        return kw
+
+
+@dataclass(frozen=True)
+class TopicSpec:
+    name: str
+    partitions: int = 1
+    replication_factor: int = 1
+    configs: tuple[tuple[str, str], ...] = ()
+
+
+class KafkaAdmin:
+    """A thin wrapper over aiokafka's admin client: create-if-missing and config checks."""
+
+    def __init__(self, *, client_kwargs: dict[str, Any], request_timeout_ms: int = 30000) -> None:
+        self._admin = AIOKafkaAdminClient(**client_kwargs, request_timeout_ms=request_timeout_ms)
+
+    async def start(self) -> None:
+        await self._admin.start()
+
+    async def close(self) -> None:
+        await self._admin.close()
+
+    async def __aenter__(self) -> KafkaAdmin:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def list_topics(self) -> set[str]:
+        return set(await self._admin.list_topics())
+
+    async def ensure_topic(self, spec: TopicSpec) -> bool:
+        """Create the topic if it is missing; True when this call created it."""
+        new = NewTopic(
+            name=spec.name,
+            num_partitions=spec.partitions,
+            replication_factor=spec.replication_factor,
+            topic_configs=dict(spec.configs),
+        )
+        try:
+            resp = await self._admin.create_topics([new])
+        except TopicAlreadyExistsError:
+            return False
+        for entry in resp.topic_errors:
+            code = entry[1]
+            if code == 0:
+                log.info("created topic", extra={"topic": spec.name, "partitions": spec.partitions})
+                return True
+            err = for_code(code)
+            if err is TopicAlreadyExistsError:
+                return False
+            message = entry[2] if len(entry) > 2 else ""
+            raise err(f"creating topic {spec.name}: {message}")
+        return False
+
+    async def topic_config(self, topic: str, keys: list[str] | None = None) -> dict[str, str]:
+        res = ConfigResource(ConfigResourceType.TOPIC, topic, {k: None for k in keys} if keys else None)
+        responses = await self._admin.describe_configs([res])
+        out: dict[str, str] = {}
+        for resp in responses:
+            for resource in resp.resources:
+                for entry in resource[4]:
+                    out[entry[0]] = entry[1]
+        return out
+
+    async def partitions(self, topic: str) -> int:
+        desc = await self._admin.describe_topics([topic])
+        for t in desc:
+            if t["topic"] == topic:
+                if t["error_code"]:
+                    raise for_code(t["error_code"])(f"topic {topic}")
+                return len(t["partitions"])
+        raise KafkaError(f"topic {topic} not found")
+
+
+async def wait_for_broker(client_kwargs: dict[str, Any], *, attempts: int = 0, max_delay: float = 60.0) -> None:
+    """Retry until the brokers answer (attempts=0: forever), with exponential backoff from 1 s."""
+    delay = 1.0
+    n = 0
+    while True:
+        n += 1
+        admin = KafkaAdmin(client_kwargs=client_kwargs, request_timeout_ms=10000)
+        try:
+            await admin.start()
+            await admin.list_topics()
+            return
+        except (KafkaConnectionError, KafkaError, OSError) as e:
+            if attempts and n >= attempts:
+                raise KafkaConnectionError(
+                    f"Kafka at {client_kwargs.get('bootstrap_servers')} did not answer after {n} attempts: {e}"
+                ) from e
+            log.warning("kafka not reachable, retrying", extra={"error": str(e), "retry_in_s": delay})
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, max_delay)
+        finally:
+            await admin.close()

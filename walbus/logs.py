@@ -1,0 +1,62 @@
+"""Structured (JSON lines) logging that never prints a password."""
+
+from __future__ import annotations
+
+import logging
+import re
+import sys
+from typing import Any
+
+import orjson
+
+_PASSWORD_KV = re.compile(r"(password\s*=\s*)('(?:[^'\\]|\\.)*'|\S+)", re.IGNORECASE)
+_PASSWORD_URI = re.compile(r"(\w+://[^:/@\s]+:)([^@\s]+)(@)")
+_SECRET_KEYS = ("password", "passwd", "secret", "sasl_plain_password", "token")
+
+
+def redact_dsn(text: str) -> str:
+    """Hide passwords in libpq key=value DSNs and in URIs (``user:pw@host``)."""
+    text = _PASSWORD_KV.sub(r"\1***", text)
+    return _PASSWORD_URI.sub(r"\1***\3", text)
+
+
+def _clean(key: str, value: Any) -> Any:
+    if any(s in key.lower() for s in _SECRET_KEYS):
+        return "***"
+    if isinstance(value, str):
+        return redact_dsn(value)
+    return value
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: ts, level, logger, msg, then the record's ``extra`` fields."""
+
+    _STANDARD = frozenset(vars(logging.LogRecord("", 0, "", 0, "", None, None)).keys()) | {"message", "asctime"}
+
+    def format(self, record: logging.LogRecord) -> str:
+        out: dict[str, Any] = {
+            "ts": self.formatTime(record, "%Y-%m-%dT%H:%M:%S") + f".{int(record.msecs):03d}Z",
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "msg": redact_dsn(record.getMessage()),
+        }
+        for key, value in vars(record).items():
+            if key not in self._STANDARD and not key.startswith("_"):
+                out[key] = _clean(key, value)
+        if record.exc_info:
+            out["exc"] = redact_dsn(self.formatException(record.exc_info))
+        return orjson.dumps(out, default=str).decode()
+
+
+JsonFormatter.converter = __import__("time").gmtime
+
+
+def setup_logging(level: str = "info", *, stream: Any = None) -> None:
+    """Route the root logger to stderr as JSON lines (idempotent)."""
+    handler = logging.StreamHandler(stream or sys.stderr)
+    handler.setFormatter(JsonFormatter())
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+    # aiokafka logs every reconnect attempt at ERROR; our own retry loop reports those.
+    logging.getLogger("aiokafka").setLevel(logging.CRITICAL if level.lower() != "debug" else logging.DEBUG)

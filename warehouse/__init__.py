@@ -1,0 +1,1 @@
+"""walbus warehouse: PySpark loader for per-table history and current-state tables."""
