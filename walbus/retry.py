@@ -1,0 +1,34 @@
+"""Exponential backoff for transient faults: 1 s doubling to a cap, attempts optional."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+
+
+@dataclass
+class Backoff:
+    initial: float = 1.0
+    maximum: float = 60.0
+    attempts: int = 0  # 0: retry forever
+    failures: int = 0
+
+    @property
+    def exhausted(self) -> bool:
+        return self.attempts > 0 and self.failures >= self.attempts
+
+    def next_delay(self) -> float:
+        return min(self.initial * (2 ** max(self.failures - 1, 0)), self.maximum)
+
+    async def wait(self, log: logging.Logger, what: str, error: BaseException) -> None:
+        """Count one failure and sleep; raises ``error`` again when attempts are used up."""
+        self.failures += 1
+        if self.exhausted:
+            raise error
+        delay = self.next_delay()
+        log.warning(f"{what} failed, retrying", extra={"error": str(error), "attempt": self.failures, "retry_in_s": delay})
+        await asyncio.sleep(delay)
+
+    def reset(self) -> None:
+        self.failures = 0
