@@ -1,0 +1,45 @@
+"""walbus' client library: subscribe to a database's changes instead of a message broker.
+
+* :class:`Feed` — the database topic (``walbus.<database>``) as an async iterator of
+  :class:`~walbus.contract.ChangeEvent`, for a consumer group: filtered by table and
+  operation, in commit order, duplicates skipped by ``(commit_lsn, seq)``, offsets committed
+  after your handler returns. ``feed.transactions()`` yields whole transactions.
+* :class:`Table` — a compacted per-table topic (``walbus.<database>.<schema>.<table>``) as a
+  live read-only mapping from primary key to row, with a change callback and
+  ``await table.wait_until(commit_lsn)`` for read-your-writes.
+
+::
+
+    import asyncio
+    from walbus.client import Feed, Table
+
+    async def main() -> None:
+        async with Feed("walbus.shop", group_id="notify", bootstrap_servers="localhost:9092",
+                        tables=["public.transactions"], operations=["insert"]) as feed:
+            async for event in feed:
+                print(event.table, event.operation, event.row())
+
+    asyncio.run(main())
+"""
+
+from walbus.client.feed import Feed, FeedStats, ResumeAfter, Transaction
+from walbus.client.filters import EventFilter
+from walbus.client.positions import Position
+from walbus.client.table import Row, Table, TableChange, table_key
+from walbus.contract import ChangeEvent, Lsn, RowImage
+
+__all__ = [
+    "ChangeEvent",
+    "EventFilter",
+    "Feed",
+    "FeedStats",
+    "Lsn",
+    "Position",
+    "ResumeAfter",
+    "Row",
+    "RowImage",
+    "Table",
+    "TableChange",
+    "Transaction",
+    "table_key",
+]

@@ -1,0 +1,547 @@
+"""Feed: a database topic as an async stream of typed change events for one consumer group.
+
+Delivery guarantees (see docs/client.md):
+
+* events come in commit order (``(commit_lsn, seq)``; total with the default single partition);
+* a record whose position is not above the highest position already read from its partition
+  is a duplicate (the producer re-sends after a crash) and is skipped; the group's highest
+  finished position is committed with its offset as metadata, so a restarted consumer skips
+  duplicates that were written after the committed offset too;
+* an offset is committed only after the caller has finished with the event (the loop body
+  returned), so delivery into the caller is at-least-once, without duplicates within a run;
+  for exactly-once effects store the position with your effects and pass ``resume_after``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any, Literal
+
+from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
+from aiokafka.admin import AIOKafkaAdminClient
+from aiokafka.errors import ConsumerStoppedError, KafkaError
+
+from walbus.client._connect import client_kwargs as _client_kwargs
+from walbus.client._connect import topic_partitions
+from walbus.client.filters import EventFilter
+from walbus.client.positions import (
+    Position,
+    decode_metadata,
+    encode_metadata,
+    newest,
+    position_of_key,
+)
+from walbus.contract import ChangeEvent, ContractError, decode_event
+
+log = logging.getLogger("walbus.client.feed")
+
+ResumeAfter = Callable[[str, int], Awaitable[Position | None]]
+"""``async (topic, partition) -> position | None``: the last position your handler durably applied."""
+
+
+@dataclass(frozen=True, slots=True)
+class Transaction:
+    """The events of one committed database transaction that passed the feed's filter."""
+
+    commit_lsn: int
+    xid: int
+    timestamp: str
+    events: tuple[ChangeEvent, ...]
+
+    @property
+    def tables(self) -> frozenset[str]:
+        return frozenset(e.table for e in self.events)
+
+
+@dataclass
+class FeedStats:
+    """Counters, for logs and tests."""
+
+    delivered: int = 0
+    duplicates_skipped: int = 0
+    filtered: int = 0
+    invalid_skipped: int = 0
+    commits: int = 0
+
+
+class _Stopped(Exception):
+    """Internal: the feed was stopped or reached the end it was asked to stop at."""
+
+
+@dataclass(slots=True)
+class _Record:
+    tp: TopicPartition
+    epoch: int
+    offset: int
+    position: Position
+    event: ChangeEvent
+    wanted: bool
+
+
+# Per partition: (assignment epoch, offset after the last record read, highest position read).
+_Marks = dict[TopicPartition, tuple[int, int, Position | None]]
+
+
+@dataclass(slots=True)
+class _PartitionState:
+    epoch: int
+    seen: Position | None  # highest position read: the duplicate high-water mark
+    read_offset: int | None = None  # offset after the last record read
+    done_offset: int | None = None  # offset after the last record the caller finished with
+    done_position: Position | None = None
+    committed: tuple[int, Position | None] | None = None
+    end_offset: int | None = None  # until_end: where this partition ended when assigned
+    buffer: deque[Any] = field(default_factory=deque)
+
+
+class _Rebalance(ConsumerRebalanceListener):  # type: ignore[misc]
+    def __init__(self, feed: Feed) -> None:
+        self._feed = feed
+
+    async def on_partitions_revoked(self, revoked: Iterable[TopicPartition]) -> None:
+        await self._feed._on_revoked(list(revoked))
+
+    async def on_partitions_assigned(self, assigned: Iterable[TopicPartition]) -> None:
+        self._feed._on_assigned(list(assigned))
+
+
+class Feed:
+    """Change events of one database topic (``walbus.<database>``), filtered, deduplicated.
+
+    ::
+
+        async with Feed("walbus.shop", group_id="notify", bootstrap_servers="localhost:9092",
+                        tables=["public.transactions"], operations=["insert"]) as feed:
+            async for event in feed:
+                await notify(event.row())      # offset committed after this returns
+
+    Args:
+        topic: the database topic.
+        group_id: the consumer group; None reads every partition without committing anything.
+        bootstrap_servers / client_kwargs: where the brokers are; ``client_kwargs`` takes any
+            aiokafka connection options (``KafkaOptions.kafka_client_kwargs()``).
+        tables: fnmatch patterns on ``schema.table`` (no dot: the table in any schema).
+        operations: ``insert``, ``update``, ``delete``, ``truncate``, ``read``; empty = all.
+        from_beginning: where a group without committed offsets (or a group-less feed) starts.
+        commit_interval: seconds between offset commits while events keep coming; the feed
+            also commits whenever it has to wait for new records, and on stop.
+        resume_after: for exactly-once effects: returns the last position your handler stored
+            (in the same transaction as its effects); events at or before it are skipped.
+        transaction_linger: ``transactions()`` yields the last transaction of the topic once
+            no record arrived for this many seconds (v1 events carry no end-of-transaction mark).
+        until_end: stop iterating once the partitions are read up to where they ended when
+            they were assigned (for tools and tests).
+        strict: raise :class:`~walbus.contract.ContractError` on a record that is not a v1
+            event, instead of logging and skipping it.
+        consumer_options: extra ``AIOKafkaConsumer`` options (e.g. ``session_timeout_ms``).
+    """
+
+    def __init__(
+        self,
+        topic: str,
+        *,
+        group_id: str | None = None,
+        bootstrap_servers: str | None = None,
+        client_kwargs: Mapping[str, Any] | None = None,
+        tables: Iterable[str] = (),
+        operations: Iterable[str] = (),
+        from_beginning: bool = True,
+        commit_interval: float = 1.0,
+        resume_after: ResumeAfter | None = None,
+        transaction_linger: float = 0.5,
+        until_end: bool = False,
+        strict: bool = False,
+        consumer_options: Mapping[str, Any] | None = None,
+    ) -> None:
+        self.topic = topic
+        self.group_id = group_id
+        self.filter = EventFilter(tables, operations)
+        self.stats = FeedStats()
+        self._kwargs = _client_kwargs(bootstrap_servers, client_kwargs)
+        self._from_beginning = from_beginning
+        self._commit_interval = commit_interval
+        self._resume_after = resume_after
+        self._linger = transaction_linger
+        self._until_end = until_end
+        self._strict = strict
+        self._consumer_options = dict(consumer_options or {})
+        self._consumer: AIOKafkaConsumer | None = None
+        self._admin: AIOKafkaAdminClient | None = None
+        self._parts: dict[TopicPartition, _PartitionState] = {}
+        self._epochs: dict[TopicPartition, int] = {}
+        # Highest position handed to the caller per partition in this run: survives a
+        # revoke/re-assign of the same partition, so a run never delivers a position twice.
+        self._delivered: dict[TopicPartition, Position] = {}
+        self._current: _Marks | None = None  # what the caller is handling now
+        self._lookahead: _Record | None = None  # transactions(): first record of the next one
+        self._holding = False  # transactions(): a transaction is being gathered
+        self._mode: Literal["events", "transactions"] | None = None
+        self._last_commit = 0.0
+        self._stopping = False
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Connect, and join the group (or assign every partition when there is no group)."""
+        if self._consumer is not None:
+            raise RuntimeError("Feed already started")
+        self._stopping = False
+        consumer = AIOKafkaConsumer(
+            **self._kwargs,
+            group_id=self.group_id,
+            enable_auto_commit=False,
+            auto_offset_reset="earliest" if self._from_beginning else "latest",
+            isolation_level="read_committed",
+            **self._consumer_options,
+        )
+        await consumer.start()
+        self._consumer = consumer
+        try:
+            if self.group_id is not None:
+                self._admin = AIOKafkaAdminClient(**self._kwargs)
+                await self._admin.start()
+                consumer.subscribe([self.topic], listener=_Rebalance(self))
+            else:
+                tps = await topic_partitions(self._kwargs, self.topic)
+                consumer.assign(tps)
+                if self._from_beginning:
+                    await consumer.seek_to_beginning(*tps)
+                else:
+                    await consumer.seek_to_end(*tps)
+        except BaseException:
+            await self._close_clients()
+            raise
+        self._last_commit = asyncio.get_running_loop().time()
+
+    async def stop(self) -> None:
+        """Commit what the caller has finished with, leave the group and disconnect."""
+        if self._consumer is None:
+            return
+        self._stopping = True
+        try:
+            await self._maybe_commit(force=True)
+        finally:
+            await self._close_clients()
+
+    async def _close_clients(self) -> None:
+        consumer, admin = self._consumer, self._admin
+        self._consumer = self._admin = None
+        self._parts.clear()
+        if consumer is not None:
+            await consumer.stop()
+        if admin is not None:
+            await admin.close()
+
+    async def __aenter__(self) -> Feed:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        # Leaving the loop with `break` finished the current event; an exception did not.
+        if exc_type is None:
+            self._finish_current()
+        await self.stop()
+
+    async def commit(self) -> None:
+        """Mark the event (or transaction) being handled as finished and commit now."""
+        self._finish_current()
+        await self._maybe_commit(force=True)
+
+    # -- iteration ---------------------------------------------------------------------------
+
+    def __aiter__(self) -> Feed:
+        return self
+
+    async def __anext__(self) -> ChangeEvent:
+        self._use_mode("events")
+        self._finish_current()
+        await self._maybe_commit()
+        while True:
+            try:
+                rec = await self._read(None)
+            except _Stopped:
+                raise StopAsyncIteration from None
+            if rec is None:
+                continue
+            if not rec.wanted:
+                self.stats.filtered += 1
+                continue
+            self._current = self._marks()
+            self._note_delivered([rec])
+            return rec.event
+
+    def transactions(self) -> AsyncIterator[Transaction]:
+        """Iterate over whole transactions instead of single events.
+
+        A transaction is complete when the first event of a later commit arrives, or when its
+        partition stays silent for ``transaction_linger`` seconds. All of a transaction is held
+        in memory. Offsets are committed after the caller has finished with the transaction.
+        """
+        return _TransactionStream(self)
+
+    async def _next_transaction(self) -> Transaction:
+        self._use_mode("transactions")
+        self._finish_current()
+        await self._maybe_commit()
+        group: list[_Record] = []
+        marks: _Marks = {}
+        while True:
+            rec: _Record | None
+            if self._lookahead is not None:
+                rec, self._lookahead = self._lookahead, None
+                if not self._valid(rec):
+                    continue
+            else:
+                self._holding = bool(group)
+                try:
+                    rec = await self._read(self._linger if group else None)
+                except _Stopped:
+                    raise StopAsyncIteration from None
+                finally:
+                    self._holding = False
+            if rec is not None and (not group or rec.position[0] == group[0].position[0]):
+                group.append(rec)
+                marks = self._marks()
+                continue
+            if rec is not None:
+                self._lookahead = rec
+            if not group:
+                continue
+            kept = [r for r in group if self._valid(r)]
+            wanted = [r for r in kept if r.wanted]
+            self.stats.filtered += len(kept) - len(wanted)
+            group = []
+            if not wanted:
+                self._apply_done(marks)  # nothing for the caller: finished at once
+                continue
+            self._current = marks
+            self._note_delivered(wanted)
+            first = wanted[0].event
+            return Transaction(first.commit_lsn, first.xid, first.timestamp, tuple(r.event for r in wanted))
+
+    def _use_mode(self, mode: Literal["events", "transactions"]) -> None:
+        if self._consumer is None:
+            raise RuntimeError("Feed not started: use `async with Feed(...)` or `await feed.start()`")
+        if self._mode is None:
+            self._mode = mode
+        elif self._mode != mode:
+            raise RuntimeError("iterate a Feed either by event or by transactions(), not both")
+
+    # -- reading -----------------------------------------------------------------------------
+
+    async def _read(self, wait_s: float | None) -> _Record | None:
+        """The next record that is neither a duplicate nor invalid; None after ``wait_s`` s."""
+        consumer = self._consumer
+        if consumer is None or self._stopping:
+            raise _Stopped
+        loop = asyncio.get_running_loop()
+        deadline = None if wait_s is None else loop.time() + wait_s
+        while True:
+            if self._stopping:
+                raise _Stopped
+            await self._load_new_partitions()
+            msg = self._pop_next()
+            if msg is not None:
+                rec = self._accept(msg)
+                if rec is not None:
+                    return rec
+                continue
+            if self._until_end and await self._at_end():
+                if self._holding:
+                    return None
+                self._mark_read_done()
+                raise _Stopped
+            await self._idle()
+            wait = 1.0 if deadline is None else deadline - loop.time()
+            if wait <= 0:
+                return None
+            try:
+                batches = await consumer.getmany(timeout_ms=max(1, int(min(wait, 1.0) * 1000)))
+            except ConsumerStoppedError:
+                raise _Stopped from None
+            if batches:
+                await self._load_new_partitions()
+            for tp, msgs in batches.items():
+                state = self._parts.get(tp)
+                if state is not None:
+                    state.buffer.extend(msgs)
+
+    def _pop_next(self) -> Any:
+        """The buffered record with the lowest key: merges partitions in commit order."""
+        best: _PartitionState | None = None
+        best_key = b""
+        for state in self._parts.values():
+            if state.buffer:
+                key = state.buffer[0].key or b""
+                if best is None or key < best_key:
+                    best, best_key = state, key
+        return best.buffer.popleft() if best is not None else None
+
+    def _accept(self, msg: Any) -> _Record | None:
+        tp = TopicPartition(msg.topic, msg.partition)
+        state = self._parts[tp]
+        state.read_offset = msg.offset + 1
+        position = position_of_key(msg.key)
+        if position is not None and state.seen is not None and position <= state.seen:
+            self.stats.duplicates_skipped += 1
+            return None
+        try:
+            event = decode_event(msg.value)
+        except ContractError as e:
+            self.stats.invalid_skipped += 1
+            if self._strict:
+                raise
+            log.warning(
+                "skipping a record that is not a walbus v1 event",
+                extra={"topic": msg.topic, "partition": msg.partition, "offset": msg.offset, "error": str(e)},
+            )
+            state.seen = newest(state.seen, position)
+            return None
+        if position is None:
+            position = event.position
+            if state.seen is not None and position <= state.seen:
+                self.stats.duplicates_skipped += 1
+                return None
+        state.seen = position
+        wanted = self.filter.wants(event.table, event.operation)
+        return _Record(tp, state.epoch, msg.offset, position, event, wanted)
+
+    async def _load_new_partitions(self) -> None:
+        """Set up the dedup state of newly assigned partitions from what the group stored."""
+        consumer = self._consumer
+        if consumer is None:
+            return
+        new = [tp for tp in consumer.assignment() if tp not in self._parts]
+        if not new:
+            return
+        epochs = {tp: self._epochs.get(tp, 0) for tp in new}
+        stored: dict[TopicPartition, Position | None] = {}
+        if self.group_id is not None and self._admin is not None:
+            offsets = await self._admin.list_consumer_group_offsets(self.group_id, partitions=new)
+            for tp, om in offsets.items():
+                if om.offset >= 0:
+                    stored[tp] = decode_metadata(om.metadata)
+        resumed: dict[TopicPartition, Position | None] = {}
+        if self._resume_after is not None:
+            for tp in new:
+                resumed[tp] = await self._resume_after(tp.topic, tp.partition)
+        ends: dict[TopicPartition, int] = await consumer.end_offsets(new) if self._until_end else {}
+        assigned = consumer.assignment()
+        for tp in new:
+            # A rebalance may have happened while we were asking: keep only what still holds.
+            if tp not in assigned or self._epochs.get(tp, 0) != epochs[tp] or tp in self._parts:
+                continue
+            seen = newest(stored.get(tp), resumed.get(tp), self._delivered.get(tp))
+            self._parts[tp] = _PartitionState(epoch=epochs[tp], seen=seen, end_offset=ends.get(tp))
+            log.debug("partition assigned", extra={"topic": tp.topic, "partition": tp.partition, "resume_after": seen})
+
+    async def _at_end(self) -> bool:
+        consumer = self._consumer
+        if consumer is None or not self._parts:
+            return False
+        for tp, state in self._parts.items():
+            if state.buffer or state.end_offset is None:
+                return False
+            if await consumer.position(tp) < state.end_offset:
+                return False
+        return True
+
+    # -- progress and commits ----------------------------------------------------------------
+
+    def _marks(self) -> _Marks:
+        return {
+            tp: (s.epoch, s.read_offset, s.seen) for tp, s in self._parts.items() if s.read_offset is not None
+        }
+
+    def _apply_done(self, marks: _Marks) -> None:
+        for tp, (epoch, offset, position) in marks.items():
+            state = self._parts.get(tp)
+            if state is None or state.epoch != epoch:
+                continue  # revoked meanwhile: the new owner takes it from the last commit
+            if state.done_offset is None or offset > state.done_offset:
+                state.done_offset, state.done_position = offset, position
+
+    def _finish_current(self) -> None:
+        if self._current is not None:
+            self._apply_done(self._current)
+            self._current = None
+
+    def _mark_read_done(self) -> None:
+        """Nothing is in the caller's hands: every record read so far is finished."""
+        if self._current is None and not self._holding and self._lookahead is None:
+            self._apply_done(self._marks())
+
+    def _note_delivered(self, records: list[_Record]) -> None:
+        for r in records:
+            self._delivered[r.tp] = newest(self._delivered.get(r.tp), r.position) or r.position
+        self.stats.delivered += len(records)
+
+    def _valid(self, rec: _Record) -> bool:
+        state = self._parts.get(rec.tp)
+        return state is not None and state.epoch == rec.epoch
+
+    async def _idle(self) -> None:
+        # About to wait for the broker: a good moment to commit, so that a quiet feed's
+        # committed offset is never behind what its caller has finished with.
+        self._mark_read_done()
+        await self._maybe_commit(force=True)
+
+    async def _maybe_commit(self, *, force: bool = False) -> None:
+        consumer = self._consumer
+        if consumer is None or self.group_id is None:
+            return
+        loop = asyncio.get_running_loop()
+        if not force and loop.time() - self._last_commit < self._commit_interval:
+            return
+        assigned = consumer.assignment()
+        pending: dict[TopicPartition, tuple[int, Position | None]] = {}
+        for tp, s in self._parts.items():
+            if s.done_offset is not None and tp in assigned and s.committed != (s.done_offset, s.done_position):
+                pending[tp] = (s.done_offset, s.done_position)
+        self._last_commit = loop.time()
+        if not pending:
+            return
+        try:
+            await consumer.commit({tp: (off, encode_metadata(pos)) for tp, (off, pos) in pending.items()})
+        except KafkaError as e:
+            # A rebalance took the partition away: its new owner starts from the previous
+            # commit and the stored position keeps it from repeating what it can recognise.
+            log.warning("offset commit failed", extra={"group": self.group_id, "error": str(e)})
+            return
+        self.stats.commits += 1
+        for tp, done in pending.items():
+            state = self._parts.get(tp)
+            if state is not None:
+                state.committed = done
+
+    async def _on_revoked(self, revoked: list[TopicPartition]) -> None:
+        # Commit what is finished while the partitions are still ours, then forget them.
+        try:
+            await self._maybe_commit(force=True)
+        except Exception as e:  # the listener must not fail the rebalance
+            log.warning("commit on revoke failed", extra={"error": str(e)})
+        for tp in revoked:
+            self._parts.pop(tp, None)
+
+    def _on_assigned(self, assigned: list[TopicPartition]) -> None:
+        for tp in assigned:
+            self._epochs[tp] = self._epochs.get(tp, 0) + 1
+            self._parts.pop(tp, None)
+
+
+class _TransactionStream:
+    def __init__(self, feed: Feed) -> None:
+        self._feed = feed
+
+    def __aiter__(self) -> _TransactionStream:
+        return self
+
+    async def __anext__(self) -> Transaction:
+        return await self._feed._next_transaction()

@@ -1,0 +1,292 @@
+"""Table: a compacted per-table topic as a live, read-only mapping (a KTable).
+
+The topic (``<prefix>.<database>.<schema>.<table>``, written by the demux) holds one record
+per row change keyed by the primary key (``{"transaction_id":54441}``); a null value
+(tombstone) deletes the key. A :class:`Table` reads it from the beginning into a dict (or a
+mapping you give, e.g. a disk-backed one), then keeps following it. Records are read with
+``isolation_level=read_committed``: the demux writes them in Kafka transactions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import logging
+from collections.abc import Awaitable, Callable, Iterator, Mapping, MutableMapping
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any
+
+import orjson
+from aiokafka import AIOKafkaConsumer, TopicPartition
+
+from walbus.client._connect import client_kwargs as _client_kwargs
+from walbus.client._connect import topic_partitions
+from walbus.client.progress import SourceProgress
+
+log = logging.getLogger("walbus.client.table")
+
+Row = dict[str, Any]
+METADATA_FIELDS = frozenset({"__op", "__lsn", "__commit_lsn", "__seq", "__xid", "__ts"})
+
+
+def freeze(value: Any) -> Any:
+    """JSON lists as tuples, so that any key value can be a dict key."""
+    if isinstance(value, list):
+        return tuple(freeze(v) for v in value)
+    return value
+
+
+def table_key(key: Any) -> Any:
+    """The mapping key for a primary key: the value for one column, a tuple for several.
+
+    Accepts the key as given by the topic (``{"transaction_id": 54441}`` or its JSON bytes)
+    or already in mapping form (``54441``, ``(1, "a")``).
+    """
+    if isinstance(key, bytes | bytearray):
+        key = orjson.loads(key)
+    if isinstance(key, dict):
+        values = [freeze(v) for v in key.values()]
+        return values[0] if len(values) == 1 else tuple(values)
+    return freeze(key)
+
+
+@dataclass(frozen=True, slots=True)
+class TableChange:
+    """One applied record: the row before and after (None = absent)."""
+
+    key: Any
+    old: Row | None
+    new: Row | None
+    op: str  # c, u, r, or d (a delete record or a tombstone)
+    commit_lsn: int | None  # None for a tombstone: it carries no value
+    lsn: int | None
+    seq: int | None
+    xid: int | None
+    ts: str | None
+    partition: int
+    offset: int
+
+
+OnChange = Callable[[TableChange], Awaitable[None] | None]
+
+
+class Table(Mapping[Any, Row]):
+    """Current rows of one table, keyed by primary key, kept up to date from its topic.
+
+    ::
+
+        async with Table("walbus.shop.public.transactions", bootstrap_servers=...) as table:
+            row = table.get(54441)            # or table.get({"transaction_id": 54441})
+            await table.wait_until(commit_lsn)  # read-your-writes
+
+    Args:
+        topic: the compacted per-table topic.
+        store: where rows live (default: a dict). Any ``MutableMapping``; it is not cleared,
+            so a persistent store must start empty or hold this topic's state.
+        on_change: called (sync or async) after each record is applied, during the initial
+            load too. An exception in it is logged; the table keeps going.
+        source_topic: the database topic the demux reads (default: the table topic without
+            its ``.<schema>.<table>`` suffix), for :meth:`wait_until`.
+        source_group: the demux's consumer group: makes :meth:`wait_until` exact (see there).
+        consumer_options: extra ``AIOKafkaConsumer`` options.
+    """
+
+    def __init__(
+        self,
+        topic: str,
+        *,
+        bootstrap_servers: str | None = None,
+        client_kwargs: Mapping[str, Any] | None = None,
+        store: MutableMapping[Any, Row] | None = None,
+        on_change: OnChange | None = None,
+        source_topic: str | None = None,
+        source_group: str | None = None,
+        consumer_options: Mapping[str, Any] | None = None,
+    ) -> None:
+        self.topic = topic
+        self.rows: MutableMapping[Any, Row] = {} if store is None else store
+        self.on_change = on_change
+        self.source_topic = source_topic or topic.rsplit(".", 2)[0]
+        self.source_group = source_group
+        self._kwargs = _client_kwargs(bootstrap_servers, client_kwargs)
+        self._consumer_options = dict(consumer_options or {})
+        self._consumer: AIOKafkaConsumer | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._progress: SourceProgress | None = None
+        self._tps: list[TopicPartition] = []
+        self._applied: dict[TopicPartition, int] = {}  # offset after the last applied record
+        self._max_commit: dict[TopicPartition, int] = {}  # highest __commit_lsn applied
+        self._changed = asyncio.Condition()
+        self._failure: BaseException | None = None
+        self._warned_null_key = False
+
+    # -- mapping -----------------------------------------------------------------------------
+
+    def __getitem__(self, key: Any) -> Row:
+        return self.rows[table_key(key)]
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self.rows)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __contains__(self, key: object) -> bool:
+        try:
+            return table_key(key) in self.rows
+        except (TypeError, orjson.JSONDecodeError):
+            return False
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Read the topic up to its current end (waiting for it to exist), then follow it."""
+        if self._consumer is not None:
+            raise RuntimeError("Table already started")
+        consumer = AIOKafkaConsumer(
+            **self._kwargs, enable_auto_commit=False, isolation_level="read_committed", **self._consumer_options
+        )
+        await consumer.start()
+        self._consumer = consumer
+        try:
+            self._tps = await topic_partitions(self._kwargs, self.topic)
+            consumer.assign(self._tps)
+            await consumer.seek_to_beginning(*self._tps)
+            self._applied = {tp: 0 for tp in self._tps}
+            ends = await consumer.end_offsets(self._tps)
+            self._task = asyncio.create_task(self._follow(consumer), name=f"walbus-table:{self.topic}")
+            await self._wait_offsets(ends)
+        except BaseException:
+            await self.stop()
+            raise
+
+    async def stop(self) -> None:
+        task, consumer, progress = self._task, self._consumer, self._progress
+        self._task = self._consumer = self._progress = None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if consumer is not None:
+            await consumer.stop()
+        if progress is not None:
+            await progress.stop()
+
+    async def __aenter__(self) -> Table:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.stop()
+
+    # -- following ---------------------------------------------------------------------------
+
+    async def _follow(self, consumer: AIOKafkaConsumer) -> None:
+        try:
+            while True:
+                batches = await consumer.getmany(timeout_ms=500)
+                # Positions also move over transaction markers, which return no record.
+                positions = {tp: await consumer.position(tp) for tp in self._tps}
+                for tp, msgs in batches.items():
+                    for m in msgs:
+                        await self._apply(tp, m)
+                        self._applied[tp] = m.offset + 1
+                for tp, pos in positions.items():
+                    self._applied[tp] = max(self._applied[tp], pos)
+                async with self._changed:
+                    self._changed.notify_all()
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:
+            self._failure = e
+            log.exception("table reader failed", extra={"topic": self.topic})
+            async with self._changed:
+                self._changed.notify_all()
+
+    async def _apply(self, tp: TopicPartition, m: Any) -> None:
+        if m.key is None:
+            if not self._warned_null_key:
+                log.warning("ignoring records without a key (table without a primary key?)", extra={"topic": self.topic})
+                self._warned_null_key = True
+            return
+        key = table_key(m.key)
+        old = self.rows.get(key)
+        value = orjson.loads(m.value) if m.value is not None else None
+        meta: dict[str, Any] = {}
+        if value is not None:
+            meta = {k: value.pop(k) for k in METADATA_FIELDS if k in value}
+        op = meta.get("__op", "d")
+        new = value if value is not None and op != "d" else None
+        if new is None:
+            self.rows.pop(key, None)
+        else:
+            self.rows[key] = new
+        commit_lsn = meta.get("__commit_lsn")
+        if isinstance(commit_lsn, int):
+            self._max_commit[tp] = max(self._max_commit.get(tp, -1), commit_lsn)
+        if self.on_change is not None and (old is not None or new is not None):
+            change = TableChange(
+                key, old, new, op, commit_lsn, meta.get("__lsn"), meta.get("__seq"), meta.get("__xid"),
+                meta.get("__ts"), tp.partition, m.offset,
+            )
+            try:
+                result = self.on_change(change)
+                if inspect.isawaitable(result):
+                    await result
+            except Exception:
+                log.exception("on_change failed", extra={"topic": self.topic, "key": repr(key)})
+
+    async def _wait_offsets(self, targets: Mapping[TopicPartition, int]) -> None:
+        def reached() -> bool:
+            return self._failure is not None or all(self._applied.get(tp, 0) >= off for tp, off in targets.items())
+
+        async with self._changed:
+            await self._changed.wait_for(reached)
+        if self._failure is not None:
+            raise RuntimeError(f"table reader for {self.topic} failed") from self._failure
+
+    # -- read-your-writes --------------------------------------------------------------------
+
+    def reflects(self, lsn: int) -> bool:
+        """True when every partition has applied a record committed after ``lsn``."""
+        return bool(self._tps) and all(self._max_commit.get(tp, -1) > lsn for tp in self._tps)
+
+    async def wait_until(self, lsn: int) -> None:
+        """Return once the table reflects every transaction with ``commit_lsn <= lsn``.
+
+        ``lsn`` is a commit LSN (``ChangeEvent.commit_lsn``, ``TableChange.commit_lsn``) or any
+        LSN at or before one that reaches the database topic. How it decides:
+
+        1. this table has already applied, in every partition, a record committed after
+           ``lsn`` (per-partition order is commit order): done;
+        2. otherwise it waits until the database topic (``source_topic``) holds an event with
+           ``commit_lsn >= lsn``: from then on every commit up to ``lsn`` is in it. (So an LSN
+           read *after* your commit, e.g. ``pg_current_wal_lsn()``, waits for a later commit.)
+        3. with ``source_group`` (the demux's group id), it waits until the demux has
+           committed its consumer offsets up to the database topic's end seen in step 2; the
+           demux commits them in the Kafka transaction of its output, so every record derived
+           from those commits is then visible. Without ``source_group`` this step is skipped
+           and a lagging demux can make the wait return early;
+        4. finally it reads this topic's end offsets (last stable offsets) and waits until the
+           table has applied everything before them.
+
+        Bound the wait with ``async with asyncio.timeout(seconds):``.
+        """
+        if self._consumer is None:
+            raise RuntimeError("Table not started")
+        if self.reflects(lsn):
+            return
+        if self._progress is None:
+            progress = SourceProgress(self._kwargs, self.source_topic, self.source_group)
+            await progress.start()
+            self._progress = progress
+        ends = await self._progress.commit_reached(lsn)
+        await self._progress.group_reached(ends)
+        consumer = self._consumer
+        if consumer is None:
+            raise RuntimeError("Table stopped")
+        await self._wait_offsets(await consumer.end_offsets(self._tps))

@@ -1,0 +1,95 @@
+"""`walbus tail`: print a database topic's events as JSON lines (contract v1), for debugging.
+
+Reads without a consumer group by default (nothing committed, every partition); with
+``--group-id`` it reads as that group and commits what it printed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TextIO
+
+from walbus.client import Feed
+from walbus.client.filters import EventFilter
+from walbus.config import ConfigError, load_config, option
+from walbus.kafka import KafkaOptions
+
+_LIST_FLAGS = ("--table", "--operation")
+
+
+@dataclass(kw_only=True)
+class TailConfig(KafkaOptions):
+    topic: str = option(help="database topic to read, e.g. walbus.<database>")
+    # option([]) builds a field(default_factory=list): no shared mutable default.
+    table: list[str] = option([], help="only these tables: fnmatch patterns on schema.table, comma-separated or repeated")  # noqa: RUF009
+    operation: list[str] = option([], help="only these operations: insert, update, delete, truncate, read")  # noqa: RUF009
+    from_beginning: bool = option(False, help="start at the oldest event instead of new events only")
+    max_events: int = option(0, help="exit after printing this many events (0: no limit)")
+    until_end: bool = option(False, help="exit once the events present at start are printed")
+    group_id: str | None = option(None, help="read as this consumer group and commit offsets")
+
+
+def _merge_repeated(argv: Sequence[str]) -> list[str]:
+    """`--table a --table b` -> `--table a,b` (the config loader keeps only the last flag)."""
+    out: list[str] = []
+    merged: dict[str, list[str]] = {}
+    it = iter(argv)
+    for arg in it:
+        name, eq, value = arg.partition("=")
+        if name in _LIST_FLAGS:
+            merged.setdefault(name, []).append(value if eq else next(it, ""))
+        else:
+            out.append(arg)
+    for name, values in merged.items():
+        out += [name, ",".join(v for v in values if v)]
+    return out
+
+
+async def tail(config: TailConfig, out: TextIO) -> int:
+    """Print events until stopped; returns how many were printed."""
+    printed = 0
+    feed = Feed(
+        config.topic,
+        group_id=config.group_id,
+        client_kwargs=config.kafka_client_kwargs(),
+        tables=config.table,
+        operations=config.operation,
+        from_beginning=config.from_beginning,
+        until_end=config.until_end,
+    )
+    async with feed:
+        async for event in feed:
+            out.write(event.to_json().decode() + "\n")
+            out.flush()
+            printed += 1
+            if config.max_events and printed >= config.max_events:
+                break
+    return printed
+
+
+async def _run(config: TailConfig) -> None:
+    task = asyncio.current_task()
+    loop = asyncio.get_running_loop()
+    if task is not None:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, task.cancel)
+    with contextlib.suppress(asyncio.CancelledError):
+        await tail(config, sys.stdout)
+
+
+def main(argv: Sequence[str]) -> int:
+    config = load_config(TailConfig, _merge_repeated(argv), prog="walbus tail", description=__doc__, section="tail")
+    try:
+        EventFilter(config.table, config.operation)
+    except ValueError as e:
+        raise ConfigError(f"--operation: {e}") from None
+    try:
+        asyncio.run(_run(config))
+    except BrokenPipeError:  # `walbus tail ... | head`
+        return 0
+    return 0
