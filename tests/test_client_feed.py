@@ -16,9 +16,9 @@ pytestmark = pytest.mark.integration
 TABLES = ["public.transactions", "public.users", "audit.log"]
 
 
-async def _collect(feed: Feed, n: int, timeout: float = 30) -> list[ChangeEvent]:
+async def _collect(feed: Feed, n: int) -> list[ChangeEvent]:
     out: list[ChangeEvent] = []
-    async with asyncio.timeout(timeout):
+    async with asyncio.timeout(30):
         async for event in feed:
             out.append(event)
             if len(out) >= n:

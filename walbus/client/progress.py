@@ -4,9 +4,9 @@ A commit that touched other tables never shows up in a per-table topic, so the t
 alone cannot say "commit X is reflected". The database topic can: its records are in commit
 order, so once it holds an event with ``commit_lsn >= X`` every commit up to X is in it. And
 the demux commits its consumer-group offsets on the database topic in the same Kafka
-transaction as its output records, so once the demux group's committed offsets reach the
-database topic's end offsets seen at that moment, every per-table record derived from those
-commits is committed (visible to ``read_committed`` readers).
+transaction as its output records, so once the demux group's committed offset has passed
+every event of those commits, every per-table record derived from them is committed
+(visible to ``read_committed`` readers).
 """
 
 from __future__ import annotations
@@ -37,7 +37,10 @@ class SourceProgress:
         self._admin: AIOKafkaAdminClient | None = None
         self._tps: list[TopicPartition] = []
         self._newest: dict[TopicPartition, Position] = {}
-        self._lock = asyncio.Lock()
+        self._probe: AIOKafkaConsumer | None = None  # random access to single records
+        self._at: dict[tuple[TopicPartition, int], Position] = {}
+        self._cursor_lock = asyncio.Lock()
+        self._probe_lock = asyncio.Lock()
 
     async def start(self) -> None:
         consumer = AIOKafkaConsumer(**self._kwargs, enable_auto_commit=False, isolation_level="read_committed")
@@ -48,10 +51,11 @@ class SourceProgress:
             await self._admin.start()
 
     async def stop(self) -> None:
-        consumer, admin = self._consumer, self._admin
-        self._consumer = self._admin = None
-        if consumer is not None:
-            await consumer.stop()
+        consumer, admin, probe = self._consumer, self._admin, self._probe
+        self._consumer = self._admin = self._probe = None
+        for c in (consumer, probe):
+            if c is not None:
+                await c.stop()
         if admin is not None:
             await admin.close()
 
@@ -61,23 +65,26 @@ class SourceProgress:
         Returns the topic's end offsets observed at that moment. Only the records written
         since the first call are read (from the last record then on), not the whole topic.
         """
-        async with self._lock:  # one reader of the cursor consumer at a time
-            consumer = self._consumer
-            if consumer is None:
-                raise RuntimeError("SourceProgress not started")
-            if not self._tps:
-                self._tps = await topic_partitions(self._kwargs, self.topic)
-                consumer.assign(self._tps)
-                ends = await consumer.end_offsets(self._tps)
-                for tp in self._tps:
-                    consumer.seek(tp, max(ends[tp] - 1, 0))
-            target = (lsn, 0)
-            while True:
+        target = (lsn, 0)
+        while True:
+            # One reader of the cursor at a time; the lock is not held while sleeping, so a
+            # waiter for a far LSN does not hold up the others.
+            async with self._cursor_lock:
+                consumer = self._consumer
+                if consumer is None:
+                    raise RuntimeError("SourceProgress not started")
+                if not self._tps:
+                    tps = await topic_partitions(self._kwargs, self.topic)
+                    consumer.assign(tps)
+                    ends = await consumer.end_offsets(tps)
+                    for tp in tps:
+                        consumer.seek(tp, max(ends[tp] - 1, 0))
+                    self._tps = tps
                 ends = await consumer.end_offsets(self._tps)
                 await self._read_to(consumer, ends)
                 if any(p >= target for p in self._newest.values()):
                     return {tp: int(end) for tp, end in ends.items()}
-                await asyncio.sleep(self._poll)
+            await asyncio.sleep(self._poll)
 
     async def _read_to(self, consumer: AIOKafkaConsumer, ends: dict[TopicPartition, int]) -> None:
         while True:
@@ -92,15 +99,53 @@ class SourceProgress:
                     if best is not None:
                         self._newest[tp] = best
 
-    async def group_reached(self, ends: Mapping[TopicPartition, int]) -> None:
-        """Wait until the demux group's committed offsets reach ``ends`` (no group: return)."""
+    async def group_reached(self, lsn: int, ends: Mapping[TopicPartition, int]) -> None:
+        """Wait until the demux group has consumed every commit up to ``lsn`` (no group: return).
+
+        Per partition that is when its committed offset reaches ``ends`` (what
+        :meth:`commit_reached` saw), or earlier when the record *at* the committed offset (the
+        next one it will read) belongs to a later commit: in the database topic a later commit
+        comes after every event of the earlier ones.
+        """
         if self.group is None or self._admin is None:
             return
         needed = {tp: end for tp, end in ends.items() if end > 0}
         while needed:
             committed = await self._admin.list_consumer_group_offsets(self.group, partitions=list(needed))
             for tp, om in committed.items():
-                if tp in needed and om.offset >= needed[tp]:
+                if tp not in needed or om.offset <= 0:
+                    continue
+                if om.offset >= needed[tp]:
+                    del needed[tp]
+                    continue
+                upcoming = await self._position_at(tp, om.offset)
+                if upcoming is not None and upcoming[0] > lsn:
                     del needed[tp]
             if needed:
                 await asyncio.sleep(self._poll)
+
+    async def _position_at(self, tp: TopicPartition, offset: int) -> Position | None:
+        """The position in the key of the record at ``offset`` (cached: records never change)."""
+        cached = self._at.get((tp, offset))
+        if cached is not None:
+            return cached
+        async with self._probe_lock:
+            return await self._probe_position(tp, offset)
+
+    async def _probe_position(self, tp: TopicPartition, offset: int) -> Position | None:
+        if self._probe is None:
+            self._probe = AIOKafkaConsumer(**self._kwargs, enable_auto_commit=False, isolation_level="read_committed")
+            await self._probe.start()
+        probe = self._probe
+        probe.assign([tp])
+        probe.seek(tp, offset)
+        batches = await probe.getmany(tp, timeout_ms=1000, max_records=1)
+        msgs = batches.get(tp, [])
+        if not msgs or msgs[0].offset != offset:
+            return None  # compacted away or not fetched in time: ask again later
+        pos = position_of_key(msgs[0].key)
+        if pos is not None:
+            if len(self._at) > 1024:
+                self._at.clear()
+            self._at[(tp, offset)] = pos
+        return pos

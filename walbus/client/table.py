@@ -119,6 +119,7 @@ class Table(Mapping[Any, Row]):
         self._applied: dict[TopicPartition, int] = {}  # offset after the last applied record
         self._max_commit: dict[TopicPartition, int] = {}  # highest __commit_lsn applied
         self._changed = asyncio.Condition()
+        self._progress_lock = asyncio.Lock()
         self._failure: BaseException | None = None
         self._warned_null_key = False
 
@@ -266,10 +267,11 @@ class Table(Mapping[Any, Row]):
         2. otherwise it waits until the database topic (``source_topic``) holds an event with
            ``commit_lsn >= lsn``: from then on every commit up to ``lsn`` is in it. (So an LSN
            read *after* your commit, e.g. ``pg_current_wal_lsn()``, waits for a later commit.)
-        3. with ``source_group`` (the demux's group id), it waits until the demux has
-           committed its consumer offsets up to the database topic's end seen in step 2; the
-           demux commits them in the Kafka transaction of its output, so every record derived
-           from those commits is then visible. Without ``source_group`` this step is skipped
+        3. with ``source_group`` (the demux's group id), it waits until the demux's committed
+           offset on the database topic has passed every event of those commits (it reached
+           the end seen in step 2, or the record before it belongs to a later commit); the
+           demux commits its offsets in the Kafka transaction of its output, so every record
+           derived from those commits is then visible. Without ``source_group`` this step is skipped
            and a lagging demux can make the wait return early;
         4. finally it reads this topic's end offsets (last stable offsets) and waits until the
            table has applied everything before them.
@@ -280,12 +282,13 @@ class Table(Mapping[Any, Row]):
             raise RuntimeError("Table not started")
         if self.reflects(lsn):
             return
-        if self._progress is None:
-            progress = SourceProgress(self._kwargs, self.source_topic, self.source_group)
-            await progress.start()
-            self._progress = progress
+        async with self._progress_lock:
+            if self._progress is None:
+                progress = SourceProgress(self._kwargs, self.source_topic, self.source_group)
+                await progress.start()
+                self._progress = progress
         ends = await self._progress.commit_reached(lsn)
-        await self._progress.group_reached(ends)
+        await self._progress.group_reached(lsn, ends)
         consumer = self._consumer
         if consumer is None:
             raise RuntimeError("Table stopped")
