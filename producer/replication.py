@@ -86,7 +86,13 @@ class ReplicationStream:
         self._loop = asyncio.get_running_loop()
         log.info("replication started", extra={"slot": slot, "from_lsn": str(Lsn(start_lsn))})
 
-    async def _wait(self, *, write: bool = False) -> None:
+    def _consume(self) -> None:
+        try:
+            self._pgconn.consume_input()
+        except psycopg.OperationalError as e:
+            raise ReplicationError(f"replication connection lost: {e}") from e
+
+    async def _wait(self, timeout: float = 1.0, *, write: bool = False) -> None:
         assert self._loop is not None
         fut: asyncio.Future[None] = self._loop.create_future()
         fd = self._pgconn.socket
@@ -100,7 +106,7 @@ class ReplicationStream:
         else:
             self._loop.add_reader(fd, ready)
         try:
-            await asyncio.wait_for(fut, timeout=1.0)
+            await asyncio.wait_for(fut, timeout=timeout)
         except TimeoutError:
             pass
         finally:
@@ -109,15 +115,16 @@ class ReplicationStream:
             else:
                 self._loop.remove_reader(fd)
 
-    async def read(self, max_messages: int = 20000) -> list[tuple[int, bytes]]:
-        """Every XLogData message available now (waiting up to ~1 s for the first).
+    async def read(self, max_messages: int = 20000, timeout: float = 1.0) -> list[tuple[int, bytes]]:
+        """Every XLogData message available now (waiting up to ``timeout`` for the first).
 
-        Returns ``[(data_start, payload), …]``; an empty list after an idle second
+        Returns ``[(data_start, payload), …]``; an empty list when idle
         (keepalives are absorbed into :attr:`position`).
         """
         pgconn = self._pgconn
         out: list[tuple[int, bytes]] = []
         waited = False
+        refilled = False
         while len(out) < max_messages:
             nbytes, data = pgconn.get_copy_data(1)
             if nbytes > 0:
@@ -134,14 +141,16 @@ class ReplicationStream:
                         self.position.reply_requested = True
                 continue
             if nbytes == 0:
+                if out and not refilled:
+                    # Whatever the kernel already holds costs no wait: take it too.
+                    refilled = True
+                    self._consume()
+                    continue
                 if out or waited:
                     break
-                await self._wait()
+                await self._wait(timeout)
                 waited = True
-                try:
-                    pgconn.consume_input()
-                except psycopg.OperationalError as e:
-                    raise ReplicationError(f"replication connection lost: {e}") from e
+                self._consume()
                 continue
             # -1: the COPY ended (server shut down the stream); -2: error.
             res = pgconn.get_result()

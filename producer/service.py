@@ -132,9 +132,13 @@ class Producer:
             await asyncio.wait_for(self._stopping.wait(), delay)
 
     def _decoder(self, catalog: Catalog) -> Decoder:
+        decoder: PgoutputDecoder | Wal2jsonDecoder
         if self.config.plugin == "wal2json":
-            return Wal2jsonDecoder(catalog, self.capture)
-        return PgoutputDecoder(catalog, self.capture)
+            decoder = Wal2jsonDecoder(catalog, self.capture)
+        else:
+            decoder = PgoutputDecoder(catalog, self.capture)
+        decoder.encoder.partitioned = self._partitions > 1
+        return decoder
 
     async def _stream_session(self, client_kwargs: dict[str, Any], backoff: Backoff) -> None:
         cfg = self.config
@@ -181,8 +185,10 @@ class Producer:
         last_feedback = 0.0
         in_txn = False
         while not self._stopping.is_set():
-            messages = await stream.read()
-            if messages:
+            messages = await stream.read(timeout=0.002 if sink.has_open() else 1.0)
+            if not messages:
+                await sink.flush()  # the stream is idle: nothing will fill the open batches soon
+            else:
                 decoder.decode(messages, items)
                 for it in items:
                     if type(it) is EncodedEvent:
@@ -199,7 +205,7 @@ class Producer:
                     elif type(it) is TxnBegin:
                         in_txn = True
                 items.clear()
-                await sink.flush()
+                await sink.flush_idle()
                 backoff.reset()
             sink.raise_if_failed()
             now = time.monotonic()

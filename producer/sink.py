@@ -88,6 +88,17 @@ class KafkaSink:
     async def send_full(self) -> None:
         await self._send(self._full_partition)
 
+    def has_open(self) -> bool:
+        return any(self._open_count)
+
+    async def flush_idle(self) -> None:
+        """Send the open batches of partitions with nothing in flight (Nagle-like: while a
+        batch is in flight the next one keeps filling, so a backlog makes full batches and
+        a trickle goes out at once)."""
+        for p in range(self.partitions):
+            if self._open_count[p] and not self._inflight[p]:
+                await self._send(p)
+
     async def flush(self) -> None:
         """Send every open batch (it is acknowledged later; see :meth:`wait_acked`)."""
         for p in range(self.partitions):

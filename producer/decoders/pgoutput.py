@@ -48,8 +48,6 @@ class PgoutputDecoder:
         self.capture = capture
         self.encoder = EventEncoder()
         self.relations: dict[int, Relation] = {}
-        self._converters: dict[int, list[Callable[[bytes], Any]]] = {}
-        self._counts: dict[tuple[str, str], int] = {}
         self._commit_unix_us = 0
         self._iso = ""
 
@@ -58,51 +56,51 @@ class PgoutputDecoder:
 
     def decode(self, messages: list[tuple[int, bytes]], out: list[Item]) -> None:
         relations = self.relations
+        insert = self.encoder.insert
+        tuple_ = self._tuple
         for lsn, buf in messages:
             kind = buf[0]
-            if kind in (0x49, 0x55, 0x44):  # I U D
+            if kind == 0x49:  # I: the hot path
+                rel = relations.get(_U32.unpack_from(buf, 1)[0])
+                if rel is None:
+                    raise DecodeError("insert before its Relation message")
+                if rel.captured:
+                    out.append(insert(rel, lsn, tuple_(buf, 6, rel.converters)[0]))
+                    rel.txn_counts[0] += 1
+            elif kind in (0x55, 0x44):  # U D
                 relid = _U32.unpack_from(buf, 1)[0]
                 rel = relations.get(relid)
                 if rel is None:
                     raise DecodeError(f"change for relation {relid} before its Relation message")
                 if not rel.captured:
                     continue
-                convs = self._converters[relid]
-                if kind == 0x49:
-                    new, unchanged, _ = self._tuple(buf, 6, convs)
-                    out.append(self.encoder.encode(rel, "insert", lsn, new))
-                    op = "insert"
-                elif kind == 0x55:
+                convs = rel.converters
+                if kind == 0x55:
                     old = None
                     old_full = False
                     pos = 5
                     sub = buf[pos]
                     if sub in (0x4B, 0x4F):  # K (old key) or O (old row)
-                        old, _, pos = self._tuple(buf, pos + 1, convs)
+                        old, _, pos = tuple_(buf, pos + 1, convs)
                         old_full = sub == 0x4F
-                        sub = buf[pos]
-                    new, unchanged, _ = self._tuple(buf, pos + 1, convs)
+                    new, unchanged, _ = tuple_(buf, pos + 1, convs)
                     out.append(self.encoder.encode(rel, "update", lsn, new, unchanged=unchanged, old=old, old_is_full=old_full))
-                    op = "update"
+                    rel.txn_counts[1] += 1
                 else:
                     sub = buf[5]
-                    old, _, _ = self._tuple(buf, 6, convs)
+                    old, _, _ = tuple_(buf, 6, convs)
                     out.append(self.encoder.encode(rel, "delete", lsn, None, old=old, old_is_full=sub == 0x4F))
-                    op = "delete"
-                key = (rel.qualified, op)
-                self._counts[key] = self._counts.get(key, 0) + 1
+                    rel.txn_counts[2] += 1
             elif kind == 0x42:  # B
                 final_lsn, ts, xid = _BEGIN.unpack_from(buf, 1)
                 iso = pg_timestamp_iso(ts)
                 self.encoder.begin(final_lsn, xid, iso)
-                self._counts = {}
                 self._commit_unix_us = ts + _PG_EPOCH_UNIX_US
                 self._iso = iso
                 out.append(TxnBegin(final_lsn, xid, iso))
             elif kind == 0x43:  # C
                 commit_lsn, end_lsn, _ts = _COMMIT.unpack_from(buf, 1)
-                out.append(TxnEnd(commit_lsn, end_lsn, self.encoder.xid, self._iso, self._commit_unix_us, self._counts))
-                self._counts = {}
+                out.append(TxnEnd(commit_lsn, end_lsn, self.encoder.xid, self._iso, self._commit_unix_us, self._take_counts()))
             elif kind == 0x52:  # R
                 self._relation(buf)
             elif kind == 0x54:  # T
@@ -167,8 +165,11 @@ class PgoutputDecoder:
             invalidate(schema, name)  # a Relation message means its schema may have changed
         info = self.catalog.table(schema, name)
         rel = Relation(relid, schema, name, columns, types, identity, list(info.pk), replident).prepare(self.capture)
+        rel.converters = [text_converter(t) for t in types]
+        old = self.relations.get(relid)
+        if old is not None:
+            rel.txn_counts = old.txn_counts
         self.relations[relid] = rel
-        self._converters[relid] = [text_converter(t) for t in types]
         log.debug("relation", extra={"table": rel.qualified, "columns": columns})
 
     def _truncate(self, buf: bytes, lsn: int, out: list[Item]) -> None:
@@ -179,5 +180,16 @@ class PgoutputDecoder:
             if rel is None or not rel.captured:
                 continue
             out.append(self.encoder.truncate(rel, lsn))
-            key = (rel.qualified, "truncate")
-            self._counts[key] = self._counts.get(key, 0) + 1
+            rel.txn_counts[3] += 1
+
+    def _take_counts(self) -> dict[tuple[str, str], int]:
+        # Per-relation counters are cheaper on the hot path than a dict keyed by (table, op).
+        counts: dict[tuple[str, str], int] = {}
+        for rel in self.relations.values():
+            c = rel.txn_counts
+            if any(c):
+                for op, n in zip(("insert", "update", "delete", "truncate"), c, strict=True):
+                    if n:
+                        counts[(rel.qualified, op)] = n
+                rel.txn_counts = [0, 0, 0, 0]
+        return counts
