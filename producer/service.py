@@ -16,6 +16,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+import orjson
 import psycopg
 from aiokafka.errors import KafkaError
 from prometheus_client import CollectorRegistry
@@ -85,6 +86,8 @@ class Producer:
             raise ConfigError(f"cannot reach Kafka at {cfg.kafka_bootstrap}: {e}") from None
         async with KafkaAdmin(client_kwargs=client_kwargs) as admin:
             await admin.ensure_topic(TopicSpec(cfg.topic_name, cfg.partitions, cfg.replication_factor))
+            if cfg.transaction_metadata:
+                await admin.ensure_topic(TopicSpec(f"{cfg.topic_name}.transaction", 1, cfg.replication_factor))
             self._partitions = await admin.partitions(cfg.topic_name)
 
     def _create_slot(self, stream: ReplicationStream) -> None:
@@ -151,7 +154,8 @@ class Producer:
                 state = setup.slot_state(conn, cfg.slot_name)
             if not state.exists:
                 raise ConfigError(f"replication slot {cfg.slot_name} disappeared (dropped by someone else?)")
-            progress = Progress(self._partitions, state.confirmed_flush_lsn)
+            # One extra counter slot for side records (transaction metadata), see KafkaSink.
+            progress = Progress(self._partitions + 1, state.confirmed_flush_lsn)
             self.progress = progress
             metrics = self.metrics
 
@@ -184,6 +188,7 @@ class Producer:
         sent_lsn = -1
         last_feedback = 0.0
         in_txn = False
+        txn_topic = f"{cfg.topic_name}.transaction" if cfg.transaction_metadata else None
         while not self._stopping.is_set():
             messages = await stream.read(timeout=0.002 if sink.has_open() else 1.0)
             if not messages:
@@ -197,6 +202,8 @@ class Producer:
                             sink.append(it)
                     elif type(it) is TxnEnd:
                         in_txn = False
+                        if txn_topic:
+                            await self._transaction_record(sink, txn_topic, "END", it.xid, it.commit_lsn, it.timestamp, it.counts)
                         progress.commit(it.end_lsn)
                         metrics.transactions.inc()
                         for (table, op), n in it.counts.items():
@@ -204,6 +211,8 @@ class Producer:
                         metrics.behind_source_ms.set(max(0.0, time.time() * 1000 - it.commit_unix_us / 1000))
                     elif type(it) is TxnBegin:
                         in_txn = True
+                        if txn_topic:
+                            await self._transaction_record(sink, txn_topic, "BEGIN", it.xid, it.commit_lsn, it.timestamp, None)
                 items.clear()
                 await sink.flush_idle()
                 backoff.reset()
@@ -224,6 +233,23 @@ class Producer:
         await sink.wait_acked(timeout=60)
         await stream.send_feedback(progress.confirmed_lsn)
         log.info("producer stopped", extra={"confirmed_lsn": str(Lsn(progress.confirmed_lsn))})
+
+
+    @staticmethod
+    async def _transaction_record(
+        sink: KafkaSink, topic: str, status: str, xid: int, commit_lsn: int, timestamp: str,
+        counts: dict[tuple[str, str], int] | None,
+    ) -> None:
+        """Debezium's transaction metadata: BEGIN and END (with event counts per table)."""
+        txn_id = f"{xid}:{commit_lsn}"
+        value: dict[str, Any] = {"status": status, "id": txn_id, "commit_lsn": commit_lsn, "ts": timestamp}
+        if counts is not None:
+            per_table: dict[str, int] = {}
+            for (table, _op), n in counts.items():
+                per_table[table] = per_table.get(table, 0) + n
+            value["event_count"] = sum(per_table.values())
+            value["data_collections"] = [{"data_collection": t, "event_count": n} for t, n in sorted(per_table.items())]
+        await sink.send_side_record(topic, b"%016X" % commit_lsn, orjson.dumps(value))
 
 
 def main(argv: Sequence[str]) -> int:

@@ -62,6 +62,7 @@ class KafkaSink:
         self._inflight_total = 0
         self._error: BaseException | None = None
         self._on_ack = on_ack  # callback(seconds_since_send, records)
+        self._side: list[asyncio.Future[Any]] = []
         self._drained = asyncio.Event()
         self._drained.set()
 
@@ -87,6 +88,26 @@ class KafkaSink:
 
     async def send_full(self) -> None:
         await self._send(self._full_partition)
+
+    async def send_side_record(self, topic: str, key: bytes, value: bytes) -> None:
+        """A record of another topic (transaction metadata) that the slot must wait for too:
+        it is counted on the extra last slot of :class:`Progress` (``partitions`` index)."""
+        idx = self.partitions
+        self.progress.appended[idx] += 1
+        upto = self.progress.appended[idx]
+        fut = await self._producer.send(topic, key=key, value=value)
+
+        def done(f: asyncio.Future[Any]) -> None:
+            if f.cancelled() or f.exception() is not None:
+                self._error = self._error or SinkError(f"Kafka did not acknowledge a record of {topic}")
+                self._drained.set()
+            else:
+                self.progress.ack(idx, max(self.progress.acked[idx], upto))
+
+        fut.add_done_callback(done)
+        self._side.append(fut)
+        if len(self._side) > 1000:
+            self._side = [f for f in self._side if not f.done()]
 
     def has_open(self) -> bool:
         return any(self._open_count)
@@ -147,7 +168,7 @@ class KafkaSink:
     async def wait_acked(self, timeout: float | None = None) -> None:
         """Flush and wait until Kafka acknowledged everything appended so far."""
         await self.flush()
-        futs = [f for q in self._inflight for f, _, _ in q]
+        futs = [f for q in self._inflight for f, _, _ in q] + [f for f in self._side if not f.done()]
         if futs:
             await asyncio.wait_for(asyncio.gather(*futs, return_exceptions=True), timeout)
         for p in range(self.partitions):

@@ -275,3 +275,16 @@ def test_event_keys_sort_in_event_order() -> None:
     assert keys == sorted(keys)
     assert parse_event_key(keys[-1]) == (0x1_0000_0000, 10)
     assert decode_event(b'{"v":1,"lsn":1,"commit_lsn":2,"seq":0,"xid":3,"operation":"truncate","table":"a.b","timestamp":"t","pk":[]}').table_name == "b"
+
+
+async def test_transaction_metadata_topic(pg_dsn: str, kafka_bootstrap: str, unique_name: str) -> None:
+    sql(pg_dsn, "CREATE TABLE a (id int PRIMARY KEY)", "CREATE TABLE b (id int PRIMARY KEY)")
+    async with running_producer(pg_dsn, kafka_bootstrap, topic=unique_name, transaction_metadata=True):
+        with psycopg.connect(pg_dsn) as conn:
+            conn.execute("INSERT INTO a SELECT generate_series(1, 3)")
+            conn.execute("INSERT INTO b VALUES (1)")
+        meta = await read_topic(kafka_bootstrap, unique_name + ".transaction", min_count=2)
+    begin, end = values(meta)
+    assert begin["status"] == "BEGIN" and end["status"] == "END" and begin["id"] == end["id"]
+    assert end["event_count"] == 4
+    assert end["data_collections"] == [{"data_collection": "public.a", "event_count": 3}, {"data_collection": "public.b", "event_count": 1}]
