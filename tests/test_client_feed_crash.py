@@ -48,9 +48,10 @@ async def test_kill_9_and_restart_with_duplicates_in_topic(kafka_bootstrap: str,
     for batch in batches[1:]:
         worker = _start_worker(unique_name, group, pg_dsn, kafka_bootstrap)
         # Kill it mid-stream, once it has handled something.
-        async with asyncio.timeout(60):
-            while _handled(pg_dsn) < len(written) // 4 and worker.poll() is None:
-                await asyncio.sleep(0.05)
+        for _ in range(1200):  # up to 60 s
+            if _handled(pg_dsn) >= len(written) // 4 or worker.poll() is not None:
+                break
+            await asyncio.sleep(0.05)
         await asyncio.sleep(rng.uniform(0.0, 0.5))
         at_kill = _handled(pg_dsn)
         worker.send_signal(signal.SIGKILL)

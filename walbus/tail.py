@@ -25,9 +25,8 @@ _LIST_FLAGS = ("--table", "--operation")
 @dataclass(kw_only=True)
 class TailConfig(KafkaOptions):
     topic: str = option(help="database topic to read, e.g. walbus.<database>")
-    # option([]) builds a field(default_factory=list): no shared mutable default.
-    table: list[str] = option([], help="only these tables: fnmatch patterns on schema.table, comma-separated or repeated")  # noqa: RUF009
-    operation: list[str] = option([], help="only these operations: insert, update, delete, truncate, read")  # noqa: RUF009
+    table: list[str] = option([], help="only these tables: fnmatch patterns on schema.table, comma-separated or repeated")
+    operation: list[str] = option([], help="only these operations: insert, update, delete, truncate, read")
     from_beginning: bool = option(False, help="start at the oldest event instead of new events only")
     max_events: int = option(0, help="exit after printing this many events (0: no limit)")
     until_end: bool = option(False, help="exit once the events present at start are printed")
