@@ -55,7 +55,7 @@ async def test_state_after_random_workload_with_tombstones(kafka_bootstrap: str,
 async def test_wait_until_waits_for_the_demux(kafka_bootstrap: str, unique_name: str) -> None:
     source = f"walbus.{unique_name}"
     topic = f"{source}.public.a"
-    group = f"{unique_name}-demux"
+    group = f"walbus-demux.{source}"  # the demux's default group id
     changes = workload(random.Random(12), 30, ["public.a", "public.b"])
     await create_topic(kafka_bootstrap, source)
     await create_topic(kafka_bootstrap, topic, compact=True)
@@ -75,7 +75,8 @@ async def test_wait_until_waits_for_the_demux(kafka_bootstrap: str, unique_name:
     demux_up_to.done = 0  # type: ignore[attr-defined]
     try:
         await demux_up_to(9)
-        async with Table(topic, bootstrap_servers=kafka_bootstrap, source_group=group) as table:
+        async with Table(topic, bootstrap_servers=kafka_bootstrap) as table:
+            assert table.source_group == group
             assert dict(table) == final_state([c for c in changes if c.commit_lsn <= commits[9]], "public.a")
             async with asyncio.timeout(10):
                 await table.wait_until(commits[9])  # already reflected

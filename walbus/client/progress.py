@@ -110,7 +110,16 @@ class SourceProgress:
         if self.group is None or self._admin is None:
             return
         needed = {tp: end for tp, end in ends.items() if end > 0}
+        loop = asyncio.get_running_loop()
+        warn_at = loop.time() + 10.0
         while needed:
+            if loop.time() > warn_at:
+                # A wrong group id waits forever: say so once instead of hanging silently.
+                log.warning(
+                    "waiting for the demux group to consume the database topic; is it the demux's --group-id?",
+                    extra={"group": self.group, "topic": self.topic},
+                )
+                warn_at = float("inf")
             committed = await self._admin.list_consumer_group_offsets(self.group, partitions=list(needed))
             for tp, om in committed.items():
                 if tp not in needed or om.offset <= 0:

@@ -89,7 +89,9 @@ class Table(Mapping[Any, Row]):
             load too. An exception in it is logged; the table keeps going.
         source_topic: the database topic the demux reads (default: the table topic without
             its ``.<schema>.<table>`` suffix), for :meth:`wait_until`.
-        source_group: the demux's consumer group: makes :meth:`wait_until` exact (see there).
+        source_group: the demux's consumer group (default ``walbus-demux.<source_topic>``, the
+            demux's own default), which makes :meth:`wait_until` exact (see there).
+        follow_demux: False: :meth:`wait_until` does not consult the demux group (step 3).
         consumer_options: extra ``AIOKafkaConsumer`` options.
     """
 
@@ -103,13 +105,15 @@ class Table(Mapping[Any, Row]):
         on_change: OnChange | None = None,
         source_topic: str | None = None,
         source_group: str | None = None,
+        follow_demux: bool = True,
         consumer_options: Mapping[str, Any] | None = None,
     ) -> None:
         self.topic = topic
         self.rows: MutableMapping[Any, Row] = {} if store is None else store
         self.on_change = on_change
         self.source_topic = source_topic or topic.rsplit(".", 2)[0]
-        self.source_group = source_group
+        # The demux's own default group id (`walbus demux --group-id`), so the default works.
+        self.source_group = (source_group or f"walbus-demux.{self.source_topic}") if follow_demux else None
         self._kwargs = _client_kwargs(bootstrap_servers, client_kwargs)
         self._consumer_options = dict(consumer_options or {})
         self._consumer: AIOKafkaConsumer | None = None
@@ -267,12 +271,12 @@ class Table(Mapping[Any, Row]):
         2. otherwise it waits until the database topic (``source_topic``) holds an event with
            ``commit_lsn >= lsn``: from then on every commit up to ``lsn`` is in it. (So an LSN
            read *after* your commit, e.g. ``pg_current_wal_lsn()``, waits for a later commit.)
-        3. with ``source_group`` (the demux's group id), it waits until the demux's committed
+        3. unless ``follow_demux=False``, it waits until the demux's committed
            offset on the database topic has passed every event of those commits (it reached
            the end seen in step 2, or the record before it belongs to a later commit); the
            demux commits its offsets in the Kafka transaction of its output, so every record
-           derived from those commits is then visible. Without ``source_group`` this step is skipped
-           and a lagging demux can make the wait return early;
+           derived from those commits is then visible. Without this step a lagging demux can
+           make the wait return early;
         4. finally it reads this topic's end offsets (last stable offsets) and waits until the
            table has applied everything before them.
 

@@ -1,0 +1,45 @@
+"""Pure parts of the client: filters, position metadata, table keys, `walbus tail` flags."""
+
+from __future__ import annotations
+
+import pytest
+
+from walbus.client import EventFilter, table_key
+from walbus.client.positions import decode_metadata, encode_metadata, newest, position_of_key
+from walbus.contract import event_key
+from walbus.tail import _merge_repeated
+
+
+def test_filter_patterns_and_operations() -> None:
+    f = EventFilter(["transactions", "audit.*"], ["insert", "delete"])
+    assert f.wants("public.transactions", "insert")
+    assert f.wants("billing.transactions", "delete")
+    assert not f.wants("public.transactions", "update")
+    assert f.wants("audit.log", "insert")
+    assert not f.wants("public.users", "insert")
+    assert EventFilter().wants("any.thing", "truncate")
+    with pytest.raises(ValueError, match="unknown operation"):
+        EventFilter(operations=["upsert"])
+
+
+def test_position_metadata_round_trip() -> None:
+    pos = (0x16B374D848, 3)
+    text = encode_metadata(pos)
+    assert text.endswith(event_key(*pos).decode())
+    assert decode_metadata(text) == pos
+    assert decode_metadata("") is None and decode_metadata("someone else's") is None
+    assert encode_metadata(None) == ""
+    assert position_of_key(b"not a key") is None and position_of_key(None) is None
+    assert newest(None, (1, 2), (1, 1), None) == (1, 2) and newest(None) is None
+
+
+def test_table_keys() -> None:
+    assert table_key(b'{"transaction_id":54441}') == 54441
+    assert table_key({"a": 1, "b": "x"}) == (1, "x")
+    assert table_key(b'{"a":[1,2]}') == (1, 2)
+    assert table_key((1, "x")) == (1, "x")
+
+
+def test_tail_merges_repeated_list_flags() -> None:
+    argv = ["--topic", "t", "--table", "a", "--table=b", "--operation", "insert", "--max-events", "2"]
+    assert _merge_repeated(argv) == ["--topic", "t", "--max-events", "2", "--table", "a,b", "--operation", "insert"]
