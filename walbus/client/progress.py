@@ -43,7 +43,9 @@ class SourceProgress:
         self._probe_lock = asyncio.Lock()
 
     async def start(self) -> None:
-        consumer = AIOKafkaConsumer(**self._kwargs, enable_auto_commit=False, isolation_level="read_committed")
+        consumer = AIOKafkaConsumer(
+            **self._kwargs, enable_auto_commit=False, isolation_level="read_committed", fetch_max_wait_ms=50
+        )
         await consumer.start()
         self._consumer = consumer
         if self.group is not None:
@@ -143,7 +145,9 @@ class SourceProgress:
 
     async def _probe_position(self, tp: TopicPartition, offset: int) -> Position | None:
         if self._probe is None:
-            self._probe = AIOKafkaConsumer(**self._kwargs, enable_auto_commit=False, isolation_level="read_committed")
+            self._probe = AIOKafkaConsumer(
+                **self._kwargs, enable_auto_commit=False, isolation_level="read_committed", fetch_max_wait_ms=50
+            )
             await self._probe.start()
         probe = self._probe
         probe.assign([tp])

@@ -150,9 +150,13 @@ class Table(Mapping[Any, Row]):
         """Read the topic up to its current end (waiting for it to exist), then follow it."""
         if self._consumer is not None:
             raise RuntimeError("Table already started")
-        consumer = AIOKafkaConsumer(
-            **self._kwargs, enable_auto_commit=False, isolation_level="read_committed", **self._consumer_options
-        )
+        options = {
+            # A fetch with nothing new waits this long on the broker, and wait_until with it:
+            # aiokafka's 500 ms default would dominate read-your-writes latency.
+            "fetch_max_wait_ms": 100,
+            **self._consumer_options,
+        }
+        consumer = AIOKafkaConsumer(**self._kwargs, enable_auto_commit=False, isolation_level="read_committed", **options)
         await consumer.start()
         self._consumer = consumer
         try:
