@@ -308,7 +308,13 @@ async def run_demux(config: DemuxConfig, *, registry: CollectorRegistry | None =
             loop.remove_signal_handler(sig)
 
 
+def _exit_now(signum: int, frame: object) -> None:
+    raise SystemExit(0)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    # Until the event loop takes over SIGTERM, nothing is open: stopping is exiting.
+    signal.signal(signal.SIGTERM, _exit_now)
     config = parse_config(argv)  # ConfigError -> `walbus` prints it and exits 2
     setup_logging(config.log_level)
     registry = new_registry()

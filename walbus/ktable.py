@@ -15,6 +15,16 @@ from typing import Any
 import orjson
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
+from walbus.kafka import KafkaAdmin
+
+
+async def topic_partitions(client_kwargs: dict[str, Any], topic: str) -> int:
+    """Partition count of a topic, 0 when it does not exist."""
+    async with KafkaAdmin(client_kwargs=client_kwargs) as admin:
+        if topic not in await admin.list_topics():
+            return 0
+        return await admin.partitions(topic)
+
 
 class KTableTimeout(TimeoutError):
     """The end offsets were not reached in time."""
@@ -39,10 +49,10 @@ async def read_ktable_raw(
     )
     await consumer.start()
     try:
-        if topic not in await consumer.topics():
+        partitions = await topic_partitions(client_kwargs, topic)
+        if not partitions:
             return {}
-        parts = consumer.partitions_for_topic(topic) or set()
-        tps = [TopicPartition(topic, p) for p in sorted(parts)]
+        tps = [TopicPartition(topic, p) for p in range(partitions)]
         consumer.assign(tps)
         await consumer.seek_to_beginning(*tps)
         end = await consumer.end_offsets(tps)
