@@ -210,6 +210,7 @@ class Demux:
                         continue
                     try:
                         await worker.process(messages)
+                        await worker.send_batches()
                         if worker.due(time.monotonic()):
                             await worker.commit()
                             self._failures.pop(tp, None)

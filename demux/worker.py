@@ -262,7 +262,18 @@ class PartitionWorker:
         assert self.producer is not None
         batch.close()
         fut = await self.producer.send_batch(batch, slot[0], partition=slot[1])
+        fut.add_done_callback(_retrieve)
         self._futures.append(fut)
+
+    async def send_batches(self) -> None:
+        """Ship the batches built so far; the transaction stays open.
+
+        Called after each fetched run of records: the broker gets the data while
+        the demux works on the next run, so a commit only waits for the tail.
+        """
+        for slot, batch in list(self._batches.items()):
+            await self._send(slot, batch)
+        self._batches.clear()
 
     async def _dead_letter(self, m: ConsumerRecord[bytes, bytes], error: str, reason: str) -> None:
         value = m.value
@@ -306,9 +317,7 @@ class PartitionWorker:
         assert producer is not None and store is not None
         if not self.in_txn:
             return
-        for slot, batch in list(self._batches.items()):
-            await self._send(slot, batch)
-        self._batches.clear()
+        await self.send_batches()
         futures, self._futures = self._futures, []
         started = time.monotonic()
         if futures:
@@ -374,7 +383,7 @@ class PartitionWorker:
         if producer is None:
             return
         try:
-            if not producer._txn_manager.is_fatal_error():  # fenced: nothing to abort on our side
+            if not _fatal(producer):  # fenced: nothing to abort on our side
                 await asyncio.wait_for(producer.abort_transaction(), timeout=30)
             self.metrics.transactions.labels("aborted").inc()
         except Exception as e:
@@ -383,14 +392,27 @@ class PartitionWorker:
 
     def _discard(self) -> None:
         self._batches.clear()
-        for fut in self._futures:
-            if fut.done() and not fut.cancelled():
-                fut.exception()  # consumed: no "exception never retrieved" noise
         self._futures.clear()
         self._stats.clear()
         self.txn_records = 0
         if self.store is not None:
             self.store.rollback()
+
+
+def _fatal(producer: AIOKafkaProducer) -> bool:
+    """True when the producer is fenced or broken (aiokafka keeps this state private)."""
+    txn = producer._txn_manager
+    if txn is None or not txn.is_fatal_error():
+        return False
+    # aiokafka parks the fatal error on the transaction waiter; nobody else awaits it.
+    _retrieve(txn.wait_for_transaction_end())
+    return True
+
+
+def _retrieve(fut: asyncio.Future[Any]) -> None:
+    """Mark a batch's failure as seen: it is handled through the transaction, not here."""
+    if not fut.cancelled():
+        fut.exception()
 
 
 def _size(rec: OutRecord) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import random
 import signal
@@ -71,11 +72,11 @@ async def committed_offsets(bootstrap: str, group: str) -> dict[int, int]:
         await admin.close()
 
 
-async def wait_caught_up(bootstrap: str, group: str, topic: str, *, timeout: float = 90,
+async def wait_caught_up(bootstrap: str, group: str, topic: str, *, within: float = 90,
                          procs: Iterable[DemuxProc] = ()) -> None:
     """Until the group's committed offsets reach the source topic's end."""
     target = await end_offsets(bootstrap, topic)
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + within
     got: dict[int, int] = {}
     while time.monotonic() < deadline:
         got = await committed_offsets(bootstrap, group)
@@ -153,10 +154,8 @@ class DemuxProc:
         out = []
         for line in self.log_path.read_text(errors="replace").splitlines():
             if line.startswith("{"):
-                try:
+                with contextlib.suppress(orjson.JSONDecodeError):
                     out.append(orjson.loads(line))
-                except orjson.JSONDecodeError:
-                    pass
         return out
 
     def kill9(self) -> None:
@@ -333,3 +332,79 @@ class Workload:
         acc = {orjson.dumps({"id": i}): row for i, row in self.accounts.items()}
         lines = {orjson.dumps({"order_id": k[0], "line": k[1]}): row for k, row in self.lines.items()}
         return {"public.accounts": acc, "public.lines": lines}
+
+
+class Feeder:
+    """Writes workload transactions to the source topic from a background task."""
+
+    def __init__(self, bootstrap: str, topic: str, workload: Workload,
+                 partition_of: dict[str, int] | None = None) -> None:
+        self.bootstrap = bootstrap
+        self.topic = topic
+        self.workload = workload
+        self.partition_of = partition_of or {}
+        self.values: list[bytes] = []
+        self.task: asyncio.Task[None] | None = None
+
+    async def run(self, transactions: int, *, max_size: int = 200, pause: float = 0.02,
+                  big: int = 0) -> None:
+        producer = AIOKafkaProducer(bootstrap_servers=self.bootstrap, acks="all", enable_idempotence=True,
+                                    linger_ms=5)
+        await producer.start()
+        try:
+            rnd = self.workload.rnd
+            for n in range(transactions):
+                size = big if big and n == transactions // 2 else rnd.randint(1, max_size)
+                futs = []
+                for k, v in self.workload.transaction(size):
+                    table = orjson.loads(v)["table"]
+                    part = self.partition_of.get(table, 0)
+                    futs.append(await producer.send(self.topic, value=v, key=k, partition=part))
+                    self.values.append(v)
+                await asyncio.gather(*futs)
+                await asyncio.sleep(pause)
+        finally:
+            await producer.stop()
+
+    def start(self, transactions: int, **kw: Any) -> None:
+        self.task = asyncio.create_task(self.run(transactions, **kw))
+
+    async def wait(self) -> None:
+        assert self.task is not None
+        await self.task
+
+
+async def wait_for_log(proc: DemuxProc, msg: str, count: int = 1, within: float = 60) -> None:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        proc.check_alive()
+        if sum(1 for line in proc.log_lines() if line.get("msg") == msg) >= count:
+            return
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"no {msg!r} x{count} in the demux log:\n{proc.log_tail()}")
+
+
+async def assert_exactly_once(bootstrap: str, source: str, values: list[bytes], *,
+                              prefix: str = "walbus") -> dict[str, int]:
+    """Every per-table topic holds exactly the reference output, per key, in order (read_committed).
+
+    Returns how many records each topic holds beyond that under read_uncommitted
+    (the output of aborted transactions, proof that kills hit open transactions).
+    """
+    database = source[len(prefix) + 1:]
+    expected = expected_output(values, prefix, database)
+    topics = {t for t, _ in expected}
+    aborted: dict[str, int] = {}
+    for topic in sorted(topics):
+        got: dict[bytes | None, list[bytes | None]] = {}
+        recs = await read_records(bootstrap, topic)
+        for r in recs:
+            got.setdefault(r.key, []).append(r.value)
+        want = {k: v for (t, k), v in expected.items() if t == topic}
+        if got != want:
+            bad = [k for k in set(got) | set(want) if got.get(k) != want.get(k)][:3]
+            detail = {repr(k): (len(got.get(k, [])), len(want.get(k, []))) for k in bad}
+            raise AssertionError(f"{topic}: output differs from the reference for keys (got, want) {detail}")
+        uncommitted = await read_records(bootstrap, topic, isolation_level="read_uncommitted")
+        aborted[topic] = len(uncommitted) - len(recs)
+    return aborted
