@@ -39,8 +39,12 @@ class DemuxMetrics:
         self.transactions = Counter(
             "walbus_demux_transactions", "Kafka transactions by outcome", ["outcome"], registry=registry
         )
-        self.state_rebuilds = Counter(
-            "walbus_demux_state_rebuilds", "Last-row store rebuilds from the per-table topics", registry=registry
+        self.state_resets = Counter(
+            "walbus_demux_state_resets", "Last-row stores found missing or stale and reset", registry=registry
+        )
+        self.state_table_loads = Counter(
+            "walbus_demux_state_table_loads", "Tables loaded into the last-row store from their topics", ["table"],
+            registry=registry,
         )
         self.assigned_partitions = Gauge(
             "walbus_demux_assigned_partitions", "Source partitions owned by this process", registry=registry

@@ -12,9 +12,17 @@ after a crash between the two commits it is behind, its checkpoint no longer
 equals the group's committed offset, and the service rebuilds it from its own
 compacted per-table topics (read_committed), which hold exactly the committed rows.
 
+Only *tracked* tables are stored: a table becomes tracked the first time one of
+its events has a TOAST-able column (a type outside FIXED_WIDTH_TYPES) or an
+unchanged value; the service then loads the table's current rows from its
+compacted topic, at a transaction boundary, and keeps them up to date from then
+on. Tables of fixed-width columns only (pgkafka's ``transactions``) never need
+it and cost no store writes. A missing or stale store is reset to empty (nothing
+tracked): tables are rebuilt from their topics lazily, when first needed.
+
 Values are the demux's output values (row + ``__`` metadata); :meth:`get` strips
 the metadata. Storing the bytes already built for Kafka costs no extra encoding
-on the hot path, and a rebuild is a plain copy of the topic.
+on the hot path, and loading a table is a plain copy of its topic.
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ from demux.rekey import strip_meta
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS rows (tbl TEXT NOT NULL, k BLOB NOT NULL, v BLOB NOT NULL, PRIMARY KEY (tbl, k)) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS tracked (tbl TEXT PRIMARY KEY);
 """
 
 
@@ -47,6 +56,7 @@ class StateStore:
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.executescript(_SCHEMA)
         self.pending: dict[tuple[str, bytes], bytes | None] = {}
+        self.tracked: set[str] = {str(r[0]) for r in self._db.execute("SELECT tbl FROM tracked")}
 
     def close(self) -> None:
         self._db.close()
@@ -98,9 +108,11 @@ class StateStore:
         self.pending[(table, key)] = value
 
     def apply(self, changes: Iterable[tuple[str, bytes, bytes | None]]) -> None:
-        pending = self.pending
+        """Record changes of the open transaction; those of untracked tables are not kept."""
+        pending, tracked = self.pending, self.tracked
         for table, key, value in changes:
-            pending[(table, key)] = value
+            if table in tracked:
+                pending[(table, key)] = value
 
     def rollback(self) -> None:
         """Forget the changes of an aborted transaction."""
@@ -124,18 +136,36 @@ class StateStore:
             raise
         self.pending.clear()
 
-    def replace_all(self, rows: Iterable[tuple[str, bytes, bytes]], checkpoint: str) -> int:
-        """Throw the content away and load ``rows`` (a rebuild); returns the row count."""
+    def track(self, table: str, rows: Iterable[tuple[bytes, bytes]]) -> int:
+        """Start keeping ``table``: load its current rows (at a transaction boundary)."""
+        if self.pending:
+            raise RuntimeError("track() inside an open transaction")
+        db = self._db
+        db.execute("BEGIN")
+        try:
+            db.execute("DELETE FROM rows WHERE tbl = ?", (table,))
+            cur = db.executemany("INSERT OR REPLACE INTO rows (tbl, k, v) VALUES (?, ?, ?)",
+                                 ((table, k, v) for k, v in rows))
+            count = cur.rowcount
+            db.execute("INSERT OR IGNORE INTO tracked (tbl) VALUES (?)", (table,))
+            db.execute("COMMIT")
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
+        self.tracked.add(table)
+        return max(count, 0)
+
+    def reset(self, checkpoint: str) -> None:
+        """Forget everything (a stale or missing store): tables are loaded again when needed."""
         db = self._db
         self.pending.clear()
         db.execute("BEGIN")
         try:
             db.execute("DELETE FROM rows")
-            cur = db.executemany("INSERT OR REPLACE INTO rows (tbl, k, v) VALUES (?, ?, ?)", rows)
-            count = cur.rowcount
+            db.execute("DELETE FROM tracked")
             db.execute("INSERT OR REPLACE INTO meta (name, value) VALUES ('checkpoint', ?)", (checkpoint,))
             db.execute("COMMIT")
         except BaseException:
             db.execute("ROLLBACK")
             raise
-        return max(count, 0)
+        self.tracked.clear()

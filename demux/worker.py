@@ -16,6 +16,7 @@ import contextlib
 import logging
 import time
 from collections import Counter
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -25,11 +26,10 @@ from aiokafka.structs import ConsumerRecord
 
 from demux.config import DemuxConfig
 from demux.metrics import DemuxMetrics
-from demux.rekey import OutRecord, Rekeyer, RekeyError
+from demux.rekey import OutRecord, Rekeyed, Rekeyer, RekeyError
 from demux.state import StateStore
 from demux.topics import TopicManager
-from walbus.contract import ContractError, decode_event
-from walbus.kafka import KafkaAdmin
+from walbus.contract import ContractError
 from walbus.ktable import read_ktable_raw
 
 log = logging.getLogger("walbus.demux")
@@ -69,7 +69,6 @@ class PartitionWorker:
         client_kwargs: dict[str, Any],
         rekeyer: Rekeyer,
         topics: TopicManager,
-        admin: KafkaAdmin,
         metrics: DemuxMetrics,
     ) -> None:
         self.tp = tp
@@ -78,7 +77,6 @@ class PartitionWorker:
         self.client_kwargs = client_kwargs
         self.rekeyer = rekeyer
         self.topics = topics
-        self.admin = admin
         self.metrics = metrics
         self.lock = asyncio.Lock()
         self.ready = False
@@ -89,7 +87,9 @@ class PartitionWorker:
         self.txn_started = 0.0
         self.txn_records = 0
         self._batches: dict[tuple[str, int], Any] = {}
-        self._futures: list[asyncio.Future[Any]] = []
+        self._futures: list[tuple[asyncio.Future[Any], int]] = []
+        # (topic, partition) -> offset after the last record we committed there.
+        self._written: dict[tuple[str, int], int] = {}
         self._stats: Counter[tuple[str, str]] = Counter()
         self._partition_label = str(tp.partition)
 
@@ -127,7 +127,15 @@ class PartitionWorker:
         expected = checkpoint_text(self.group, self.tp, committed)
         have = self.store.checkpoint()
         if have != expected:
-            await self._rebuild_store(expected, have)
+            # Crash between the Kafka commit and the store commit, a lost state
+            # directory, or offsets moved by hand: start empty, tables are loaded
+            # again from their compacted topics when first needed.
+            self.store.reset(expected)
+            self.metrics.state_resets.inc()
+            log.info(
+                "last-row store reset; tables will be reloaded from their topics when needed",
+                extra={"partition": self.tp.partition, "reason": "missing" if have is None else "stale"},
+            )
         if committed is None:
             await consumer.seek_to_beginning(self.tp)
         else:
@@ -139,31 +147,30 @@ class PartitionWorker:
             extra={"partition": self.tp.partition, "committed_offset": committed, "transactional_id": self.txn_id},
         )
 
-    async def _rebuild_store(self, expected: str, have: str | None) -> None:
-        """Load the store from the demux's own compacted topics (read_committed)."""
+    async def _commit_boundary(self) -> None:
+        """Commit the open transaction now, so that the topics show everything done so far."""
+        if self.in_txn:
+            await self.commit()
+
+    async def _read_table(self, table: str) -> dict[bytes, bytes]:
+        """The table's committed rows from its topic, including our own last commit."""
+        topic = self.rekeyer.topic_for(table)
+        # Our commit markers reach the partitions shortly after commit_transaction
+        # returns; wait until the last stable offset covers what we wrote.
+        min_end = {p: off for (t, p), off in self._written.items() if t == topic}
+        return await read_ktable_raw(client_kwargs=self.client_kwargs, topic=topic, min_end_offsets=min_end)
+
+    async def _track(self, table: str) -> None:
         assert self.store is not None
+        await self._commit_boundary()
         started = time.monotonic()
-        head = f"{self.rekeyer.prefix}.{self.rekeyer.database}."
-        rows: list[tuple[str, bytes, bytes]] = []
-        topics = sorted(await self.admin.list_topics())
-        for topic in topics:
-            table = topic[len(head):] if topic.startswith(head) else ""
-            # Per-table topics are <head><schema>.<table>; the DLQ and the producer's
-            # .transaction topic have no schema part.
-            if "." not in table or topic == self.config.dlq:
-                continue
-            data = await read_ktable_raw(client_kwargs=self.client_kwargs, topic=topic)
-            rows.extend((table, k, v) for k, v in data.items())
-        count = self.store.replace_all(rows, expected)
-        self.metrics.state_rebuilds.inc()
+        rows = await self._read_table(table)
+        count = self.store.track(table, rows.items())
+        self.metrics.state_table_loads.labels(table).inc()
         log.info(
-            "last-row store rebuilt from the per-table topics",
-            extra={
-                "partition": self.tp.partition,
-                "reason": "missing" if have is None else "stale",
-                "rows": count,
-                "seconds": round(time.monotonic() - started, 3),
-            },
+            "table loaded into the last-row store from its topic",
+            extra={"partition": self.tp.partition, "table": table, "rows": count,
+                   "seconds": round(time.monotonic() - started, 3)},
         )
 
     # -- processing --------------------------------------------------------------
@@ -172,51 +179,76 @@ class PartitionWorker:
         """Re-key a run of source records into the open transaction."""
         producer, store = self.producer, self.store
         assert producer is not None and store is not None and self.ready
-        if not self.in_txn:
-            await producer.begin_transaction()
-            self.in_txn = True
-            self.txn_started = time.monotonic()
+        await self._ensure_txn()
+        tracked = store.tracked
         stats = self._stats
-        rekey = self.rekeyer.rekey
+        rekey = self.rekeyer.rekey_value
+        apply = store.apply
+        append = self._append
         for m in messages:
-            if self.next_offset is not None and m.offset < self.next_offset:
+            offset = m.offset
+            if self.next_offset is not None and offset < self.next_offset:
                 continue  # fetched before a seek back: already processed
             try:
                 if m.value is None:
                     raise ContractError("record has no value")
-                event = decode_event(m.value)
-                out = rekey(event, store)
+                out = rekey(m.value, store)
+                if out.needs_state and out.table not in tracked:
+                    out = await self._rekey_with_state(m.value, out)
             except (ContractError, RekeyError) as e:
                 await self._dead_letter(m, str(e), "contract")
+                self._advance(offset)
+                continue
             except Exception as e:  # a bug must not stall the stream on one record
-                log.exception("re-keying failed", extra={"partition": m.partition, "offset": m.offset})
+                log.exception("re-keying failed", extra={"partition": m.partition, "offset": offset})
                 await self._dead_letter(m, f"internal error: {type(e).__name__}: {e}", "internal")
-            else:
-                if out.no_pk:
-                    info = await self.topics.ensure(out.records[0].topic, compact=False)
-                    if info.unusable is not None:
-                        await self._dead_letter(m, info.unusable, "topic")
-                        self._advance(m.offset)
-                        continue
-                    stats[("no_pk", event.table)] += 1
-                    self._warn_once("no_pk", event.table, m.offset)
-                too_big = next((r for r in out.records if _size(r) > MAX_RECORD_BYTES), None)
-                if too_big is not None:
-                    await self._dead_letter(m, f"output record of {_size(too_big)} bytes is over {MAX_RECORD_BYTES}", "size")
-                    self._advance(m.offset)
+                self._advance(offset)
+                continue
+            table = out.table
+            if out.no_pk:
+                info = await self.topics.ensure(out.records[0].topic, compact=False)
+                if info.unusable is not None:
+                    await self._dead_letter(m, info.unusable, "topic")
+                    self._advance(offset)
                     continue
-                for rec in out.records:
-                    await self._append(rec)
-                    if rec.value is None:
-                        stats[("tombstone", rec.table)] += 1
-                    else:
-                        stats[("produced", rec.table)] += 1
-                if out.changes:
-                    store.apply(out.changes)
-                if out.unfilled:
-                    stats[("unfilled", event.table)] += len(out.unfilled)
-                    self._warn_once("unfilled", event.table, m.offset, out.unfilled)
-            self._advance(m.offset)
+                stats[("no_pk", table)] += 1
+                self._warn_once("no_pk", table, offset)
+            size = max(_size(r) for r in out.records) if out.records else 0
+            if size > MAX_RECORD_BYTES:
+                await self._dead_letter(m, f"output record of {size} bytes is over {MAX_RECORD_BYTES}", "size")
+                self._advance(offset)
+                continue
+            for rec in out.records:
+                await append(rec)
+                stats[("tombstone" if rec.value is None else "produced", table)] += 1
+            if out.changes:
+                apply(out.changes)
+            if out.unfilled:
+                stats[("unfilled", table)] += len(out.unfilled)
+                self._warn_once("unfilled", table, offset, out.unfilled)
+            self.next_offset = offset + 1
+            self.txn_records += 1
+
+    async def _ensure_txn(self) -> None:
+        if not self.in_txn:
+            assert self.producer is not None
+            await self.producer.begin_transaction()
+            self.in_txn = True
+            self.txn_started = time.monotonic()
+
+    async def _rekey_with_state(self, value: bytes, out: Rekeyed) -> Rekeyed:
+        """Re-key again once the store can answer for the table (rare: once per table)."""
+        assert self.store is not None
+        if out.truncate:
+            # Keys of a table we do not keep: read them from its topic, once.
+            await self._commit_boundary()
+            keys = await self._read_table(out.table)
+            out = self.rekeyer.rekey_value(value, _KeysView(self.store, out.table, set(keys)))
+        else:
+            await self._track(out.table)
+            out = self.rekeyer.rekey_value(value, self.store)
+        await self._ensure_txn()
+        return out
 
     def _warn_once(self, what: str, table: str, offset: int, columns: list[str] | None = None) -> None:
         if (what, table) in _WARNED:
@@ -261,9 +293,10 @@ class PartitionWorker:
     async def _send(self, slot: tuple[str, int], batch: Any) -> None:
         assert self.producer is not None
         batch.close()
+        count = batch.record_count()
         fut = await self.producer.send_batch(batch, slot[0], partition=slot[1])
         fut.add_done_callback(_retrieve)
-        self._futures.append(fut)
+        self._futures.append((fut, count))
 
     async def send_batches(self) -> None:
         """Ship the batches built so far; the transaction stays open.
@@ -321,7 +354,7 @@ class PartitionWorker:
         futures, self._futures = self._futures, []
         started = time.monotonic()
         if futures:
-            await asyncio.gather(*futures)  # a failed batch must fail the commit
+            await asyncio.gather(*(f for f, _ in futures))  # a failed batch must fail the commit
         if self.next_offset is not None:
             await producer.send_offsets_to_transaction({self.tp: self.next_offset}, self.group)
         await producer.commit_transaction()
@@ -331,6 +364,11 @@ class PartitionWorker:
         # Kafka first, the store second: the store may lag behind (then it is rebuilt
         # on the next open) but never run ahead of what readers can see.
         store.commit(checkpoint_text(self.group, self.tp, self.next_offset))
+        written = self._written
+        for fut, count in futures:
+            md = fut.result()
+            slot = (md.topic, md.partition)
+            written[slot] = max(written.get(slot, 0), md.offset + count)
         self._flush_stats()
 
     def _flush_stats(self) -> None:
@@ -397,6 +435,19 @@ class PartitionWorker:
         self.txn_records = 0
         if self.store is not None:
             self.store.rollback()
+
+
+class _KeysView:
+    """The store, except that one untracked table's keys come from its topic (truncate)."""
+
+    def __init__(self, store: StateStore, table: str, keys: set[bytes]) -> None:
+        self._store, self._table, self._keys = store, table, keys
+
+    def get(self, table: str, key: bytes) -> dict[str, Any] | None:
+        return self._store.get(table, key)
+
+    def keys(self, table: str) -> Iterable[bytes]:
+        return self._keys if table == self._table else self._store.keys(table)
 
 
 def _fatal(producer: AIOKafkaProducer) -> bool:

@@ -210,3 +210,44 @@ def test_same_row_same_key_bytes(rk: Rekeyer) -> None:
 
 def test_image_helper_roundtrip() -> None:
     assert RowImage(("a",), ("int4",), (1,)).as_dict() == {"a": 1}
+
+
+@pytest.mark.parametrize("emit_delete_records", [False, True])
+def test_fast_path_equals_full_path(emit_delete_records: bool) -> None:
+    from tests.demux_support import Workload
+
+    fast_rk = Rekeyer(prefix="walbus", database="shop", emit_delete_records=emit_delete_records)
+    full_rk = Rekeyer(prefix="walbus", database="shop", emit_delete_records=emit_delete_records)
+    fast_state, full_state = DictState(), DictState()
+    workload = Workload(seed=3)
+    values = [v for _ in range(150) for _, v in workload.transaction(20)]
+    # Identity on insert/update (REPLICA IDENTITY FULL) and a column named like metadata.
+    values.append(encode_event(lsn=1, commit_lsn=2, seq=0, xid=3, operation="update", table="public.t", timestamp=TS,
+                               pk=["id"], new=image(id=1, __seq="x"), identity=image(id=1, __seq="y")))
+    values.append(encode_event(lsn=1, commit_lsn=2, seq=1, xid=3, operation="insert", table="public.t", timestamp=TS,
+                               pk=["id"], new=image(id=2, __lsn="mine", z=1), identity=None))
+    for v in values:
+        a = fast_rk.rekey_value(v, fast_state)
+        b = full_rk.rekey(decode_event(v), full_state)
+        assert (a.table, a.records, a.changes, a.unfilled, a.no_pk) == (b.table, b.records, b.changes, b.unfilled, b.no_pk)
+        fast_state.apply(a.changes)
+        full_state.apply(b.changes)
+
+
+@pytest.mark.parametrize("raw", [
+    b"not json", b"[]", b'{"v":2}', b'{"v":1,"operation":"insert"}',
+    encode_event(lsn=1, commit_lsn=2, seq=0, xid=3, operation="insert", table="nodot", timestamp=TS, pk=["id"],
+                 new=image(id=1), identity=None),
+    encode_event(lsn=1, commit_lsn=2, seq=0, xid=3, operation="insert", table="public.t", timestamp=TS, pk=["id"],
+                 new={"columns": ["id"], "types": [], "values": [1]}, identity=None),
+    encode_event(lsn=True, commit_lsn=2, seq=0, xid=3, operation="insert", table="public.t", timestamp=TS,
+                 pk=["id"], new=image(id=1), identity=None),
+    orjson.dumps({**orjson.loads(encode_event(lsn=1, commit_lsn=2, seq=0, xid=3, operation="insert", table="public.t",
+                                              timestamp=TS, pk=["id"], new=image(id=1), identity=None)),
+                  "unchanged": "doc"}),
+])
+def test_fast_path_refuses_what_the_contract_refuses(raw: bytes) -> None:
+    from walbus.contract import ContractError
+
+    with pytest.raises(ContractError):
+        Rekeyer(prefix="w", database="d").rekey_value(raw, DictState())

@@ -27,6 +27,7 @@ from walbus.ktable import read_ktable
 pytestmark = pytest.mark.integration
 
 TX = "public.transactions"
+INTS = {"id": "int4", "n": "int4"}
 
 
 def _kw(bootstrap: str) -> dict[str, str]:
@@ -81,6 +82,11 @@ async def test_key_change_toast_no_pk_delete_records_and_topic_settings(
         ev(0x300, 0, "insert", "public.log", [], new={"msg": "b"}),
         ev(0x300, 1, "insert", "public.wrong", ["id"], new={"id": 1}),
         ev(0x400, 0, "delete", "public.docs", ["id"], identity={"id": 2}),
+        # Fixed-width columns only: no store; a truncate reads the keys from the topic.
+        *[ev(0x500, i, "insert", "public.nums", ["id"], new={"id": i, "n": i}, types=INTS) for i in range(4)],
+        ev(0x600, 0, "delete", "public.nums", ["id"], identity={"id": 2}, types=INTS),
+        ev(0x600, 1, "truncate", "public.nums", ["id"]),
+        ev(0x700, 0, "insert", "public.nums", ["id"], new={"id": 9, "n": 9}, types=INTS),
     ]
     await produce(kafka_bootstrap, source, [(0, k, v) for k, v in events])
     args = demux_args(kafka_bootstrap, source, tmp_path / "state", "--emit-delete-records",
@@ -116,6 +122,10 @@ async def test_key_change_toast_no_pk_delete_records_and_topic_settings(
     assert any(w.get("topic") == wrong and w.get("setting") == "cleanup.policy" for w in warnings)
     assert sum(1 for w in warnings if w.get("table") == "public.log") == 1  # once per table
     assert metrics["walbus_demux_tombstones_total{table=public.docs}"] == 2
+    nums = await read_records(kafka_bootstrap, f"{source}.public.nums")
+    assert [(r.key, r.value is None) for r in nums[4:]] == [
+        (b'{"id":2}', False), (b'{"id":2}', True), (b'{"id":0}', True), (b'{"id":1}', True), (b'{"id":3}', True), (b'{"id":9}', False)]
+    assert "walbus_demux_state_table_loads_total{table=public.nums}" not in metrics
     assert metrics["walbus_demux_records_produced_total{table=public.docs}"] == 4
 
 
@@ -164,10 +174,12 @@ async def test_dead_letters_and_store_rebuild(kafka_bootstrap: str, unique_name:
         metrics = proc.metrics()
     finally:
         assert proc.stop() == 0, proc.log_tail()
-    assert metrics["walbus_demux_state_rebuilds_total"] == 1
+    assert metrics["walbus_demux_state_resets_total"] == 1
+    assert metrics["walbus_demux_state_table_loads_total{table=public.docs}"] == 1
     table = await read_ktable(client_kwargs=_kw(kafka_bootstrap), topic=topic)
     assert table[b'{"id":1}']["body"] == "long" and table[b'{"id":1}']["n"] == 2
-    assert any(line.get("msg", "").startswith("last-row store rebuilt") for line in proc.log_lines())
+    loads = [line for line in proc.log_lines() if line.get("msg", "").startswith("table loaded into the last-row store")]
+    assert [(line["table"], line["rows"]) for line in loads] == [("public.docs", 1)]
 
 
 def test_config_errors_exit_2(tmp_path: Path) -> None:

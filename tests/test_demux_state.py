@@ -37,13 +37,20 @@ def test_pending_changes_are_visible_then_committed(tmp_path: Path) -> None:
     again.close()
 
 
-def test_replace_all(tmp_path: Path) -> None:
-    store = StateStore(tmp_path / "s.sqlite")
-    store.put("public.t", b"old", ROW)
-    store.commit("a")
-    n = store.replace_all([("public.t", b"k", ROW), ("public.u", b"k", ROW)], "b")
-    assert n == 2 and store.checkpoint() == "b"
-    assert list(store.items()) == [("public.t", b"k", ROW), ("public.u", b"k", ROW)]
+def test_only_tracked_tables_are_kept(tmp_path: Path) -> None:
+    path = tmp_path / "s.sqlite"
+    store = StateStore(path)
+    store.apply([("public.t", b"k", ROW)])
+    assert store.pending == {}  # not tracked: nothing kept
+    assert store.track("public.t", [(b"a", ROW), (b"b", ROW)]) == 2
+    store.apply([("public.t", b"k", ROW), ("public.u", b"k", ROW), ("public.t", b"a", None)])
+    assert set(store.keys("public.t")) == {b"b", b"k"}
+    store.commit("c1")
+    store.close()
+    store = StateStore(path)
+    assert store.tracked == {"public.t"} and len(store) == 2
+    store.reset("c2")
+    assert store.tracked == set() and len(store) == 0 and store.checkpoint() == "c2"
     store.close()
 
 

@@ -36,8 +36,13 @@ async def read_ktable_raw(
     topic: str,
     isolation_level: str = "read_committed",
     timeout_s: float = 120.0,
+    min_end_offsets: dict[int, int] | None = None,
 ) -> dict[bytes, bytes]:
-    """``{key bytes: value bytes}`` of the latest non-tombstone record per key ({} if no topic)."""
+    """``{key bytes: value bytes}`` of the latest non-tombstone record per key ({} if no topic).
+
+    ``min_end_offsets`` (partition -> offset): first wait until the end offsets reach
+    these, e.g. until the markers of a transaction just committed are written.
+    """
     consumer = AIOKafkaConsumer(
         **client_kwargs,
         group_id=None,
@@ -55,10 +60,15 @@ async def read_ktable_raw(
         tps = [TopicPartition(topic, p) for p in range(partitions)]
         consumer.assign(tps)
         await consumer.seek_to_beginning(*tps)
+        deadline = time.monotonic() + timeout_s
         end = await consumer.end_offsets(tps)
+        while any(end[tp] < (min_end_offsets or {}).get(tp.partition, 0) for tp in tps):
+            if time.monotonic() > deadline:
+                raise KTableTimeout(f"reading {topic}: end offsets {end} did not reach {min_end_offsets}")
+            await asyncio.sleep(0.02)
+            end = await consumer.end_offsets(tps)
         todo = {tp for tp in tps if end[tp] > 0}
         table: dict[bytes, bytes] = {}
-        deadline = time.monotonic() + timeout_s
         while todo:
             if time.monotonic() > deadline:
                 raise KTableTimeout(f"reading {topic}: end offsets {end} not reached in {timeout_s}s")
