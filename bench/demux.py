@@ -31,11 +31,11 @@ from aiokafka import AIOKafkaProducer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from demux.config import DemuxConfig  # noqa: E402
-from demux.service import Demux  # noqa: E402
-from walbus.contract import encode_event, event_key  # noqa: E402
-from walbus.kafka import KafkaAdmin, TopicSpec  # noqa: E402
-from walbus.metrics import new_registry  # noqa: E402
+from demux.config import DemuxConfig
+from demux.service import Demux, tune_gc
+from walbus.contract import encode_event, event_key
+from walbus.kafka import KafkaAdmin, TopicSpec
+from walbus.metrics import new_registry
 
 TS = "2024-05-01T12:00:00.000001+00:00"
 COLS = ["transaction_id", "user_id", "amount"]
@@ -170,7 +170,10 @@ def main() -> None:
     p.add_argument("--profile-events", type=int, default=200_000, help="0: no profile run")
     p.add_argument("--txn-max-records", type=int, default=20000)
     p.add_argument("--top", type=int, default=25)
+    p.add_argument("--default-gc", action="store_true", help="keep Python's default GC thresholds")
     args = p.parse_args()
+    if not args.default_gc:
+        tune_gc()  # as `walbus demux` does
     asyncio.run(main_async(args))
 
 

@@ -164,34 +164,33 @@ class Rekeyer:
     def _fast(self, raw: bytes) -> Rekeyed | None:
         try:
             obj = orjson.loads(raw)
-        except orjson.JSONDecodeError:
+            if type(obj) is not dict or obj["v"] != CONTRACT_VERSION:
+                return None
+            op = obj["operation"]
+            table = obj["table"]
+            pk = obj["pk"]
+            ts = obj["timestamp"]
+            lsn, commit_lsn, seq, xid = obj["lsn"], obj["commit_lsn"], obj["seq"], obj["xid"]
+        except (orjson.JSONDecodeError, KeyError):
             return None
-        if type(obj) is not dict or obj.get("v") != CONTRACT_VERSION:
-            return None
-        get = obj.get
-        op = get("operation")
-        table = get("table")
-        pk = get("pk")
-        ts = get("timestamp")
-        lsn, commit_lsn, seq, xid = get("lsn"), get("commit_lsn"), get("seq"), get("xid")
         if (
             type(table) is not str or "." not in table or type(ts) is not str
             or type(pk) is not list or not pk
             or type(lsn) is not int or type(commit_lsn) is not int or type(seq) is not int or type(xid) is not int
-            or get("unchanged") not in (None, [])
+            or ("unchanged" in obj and obj["unchanged"] != [])
         ):
             return None
         if op == "delete":
             if "columns" in obj or self.emit_delete_records:
                 return None
-            image = get("identity")
+            image = obj.get("identity")
             if type(image) is not dict:
                 return None
             columns, types, values = image.get("columns"), image.get("types"), image.get("values")
         elif op in _FAST_UPSERT:
-            if get("identity") is not None:
+            if obj.get("identity") is not None:
                 return None  # key changes and REPLICA IDENTITY FULL: the full path
-            columns, types, values = get("columns"), get("types"), get("values")
+            columns, types, values = obj.get("columns"), obj.get("types"), obj.get("values")
         else:
             return None
         if (

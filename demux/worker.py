@@ -91,6 +91,9 @@ class PartitionWorker:
         # (topic, partition) -> offset after the last record we committed there.
         self._written: dict[tuple[str, int], int] = {}
         self._stats: Counter[tuple[str, str]] = Counter()
+        # Per-table counts of the open transaction (plain dicts: cheapest per record).
+        self._produced: dict[str, int] = {}
+        self._tombstones: dict[str, int] = {}
         self._partition_label = str(tp.partition)
 
     @property
@@ -182,6 +185,7 @@ class PartitionWorker:
         await self._ensure_txn()
         tracked = store.tracked
         stats = self._stats
+        produced, tombstones = self._produced, self._tombstones
         rekey = self.rekeyer.rekey_value
         apply = store.apply
         append = self._append
@@ -213,14 +217,19 @@ class PartitionWorker:
                     continue
                 stats[("no_pk", table)] += 1
                 self._warn_once("no_pk", table, offset)
-            size = max(_size(r) for r in out.records) if out.records else 0
-            if size > MAX_RECORD_BYTES:
+            records = out.records
+            too_big = [r for r in records if r.value is not None and len(r.value) > MAX_RECORD_BYTES]
+            if too_big:
+                size = _size(too_big[0])
                 await self._dead_letter(m, f"output record of {size} bytes is over {MAX_RECORD_BYTES}", "size")
                 self._advance(offset)
                 continue
-            for rec in out.records:
+            for rec in records:
                 await append(rec)
-                stats[("tombstone" if rec.value is None else "produced", table)] += 1
+                if rec.value is None:
+                    tombstones[table] = tombstones.get(table, 0) + 1
+                else:
+                    produced[table] = produced.get(table, 0) + 1
             if out.changes:
                 apply(out.changes)
             if out.unfilled:
@@ -374,12 +383,14 @@ class PartitionWorker:
     def _flush_stats(self) -> None:
         m = self.metrics
         m.consumed.labels(self._partition_label).inc(self.txn_records)
+        for table, n in self._produced.items():
+            m.produced.labels(table).inc(n)
+        for table, n in self._tombstones.items():
+            m.tombstones.labels(table).inc(n)
+        self._produced.clear()
+        self._tombstones.clear()
         for (kind, label), n in self._stats.items():
-            if kind == "produced":
-                m.produced.labels(label).inc(n)
-            elif kind == "tombstone":
-                m.tombstones.labels(label).inc(n)
-            elif kind == "dead_letter":
+            if kind == "dead_letter":
                 m.dead_letters.labels(label).inc(n)
             elif kind == "no_pk":
                 m.no_pk_events.labels(label).inc(n)
@@ -432,6 +443,8 @@ class PartitionWorker:
         self._batches.clear()
         self._futures.clear()
         self._stats.clear()
+        self._produced.clear()
+        self._tombstones.clear()
         self.txn_records = 0
         if self.store is not None:
             self.store.rollback()
