@@ -11,12 +11,13 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import orjson
+import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.errors import KafkaError
@@ -123,6 +124,20 @@ async def topic_config(bootstrap: str, topic: str) -> dict[str, str]:
         return await admin.topic_config(topic)
 
 
+_LIVE: list[DemuxProc] = []
+
+
+@pytest.fixture(autouse=True)
+def _reap_demux_processes() -> Iterator[None]:
+    """No demux subprocess outlives its test, whatever the test's outcome."""
+    yield
+    while _LIVE:
+        p = _LIVE.pop().proc
+        if p is not None and p.poll() is None:
+            p.kill()
+            p.wait(10)
+
+
 @dataclass
 class DemuxProc:
     """A `walbus demux` subprocess (the worktree's code), logging to a file."""
@@ -133,6 +148,7 @@ class DemuxProc:
     proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> DemuxProc:
+        _LIVE.append(self)
         env = dict(os.environ)
         env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
         self._log = self.log_path.open("ab")

@@ -9,10 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.demux_support import (
+from tests.demux_support import (  # _reap_demux_processes: autouse fixture
     DemuxProc,
     Feeder,
     Workload,
+    _reap_demux_processes,  # noqa: F401
     assert_exactly_once,
     create_topic,
     demux_args,

@@ -11,9 +11,10 @@ from pathlib import Path
 import orjson
 import pytest
 
-from tests.demux_support import (
+from tests.demux_support import (  # _reap_demux_processes: autouse fixture
     ROOT,
     DemuxProc,
+    _reap_demux_processes,  # noqa: F401
     create_topic,
     demux_args,
     ev,
