@@ -26,6 +26,11 @@ class DemuxConfig(KafkaOptions):
     emit_delete_records: bool = option(
         False, help="on delete, emit a record with __op=d (the last row) before the tombstone"
     )
+    skip_replayed: bool = option(
+        True,
+        help="skip source events whose (commit_lsn, seq) key is not after the last one processed: the producer's "
+        "at-least-once replays. Turn off after restoring the database to an earlier LSN (PITR)",
+    )
     state_dir: str = option(
         "walbus-demux-state", help="directory of the last-row stores (SQLite, one per source partition)"
     )

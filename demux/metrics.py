@@ -28,6 +28,10 @@ class DemuxMetrics:
             "walbus_demux_unfilled_columns",
             "Unchanged TOAST values that were unknown and left out of the row", ["table"], registry=registry,
         )
+        self.replayed = Counter(
+            "walbus_demux_replayed_skipped",
+            "Source events skipped as replays (position not after the last processed one)", registry=registry,
+        )
         self.consumer_lag = Gauge(
             "walbus_demux_consumer_lag", "High watermark minus next offset to process", ["partition"],
             registry=registry,

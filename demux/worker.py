@@ -39,6 +39,8 @@ MAX_BATCH_BYTES = 1_000_000
 # A single record above this cannot be produced with the default broker limits.
 MAX_RECORD_BYTES = 1_000_000
 DLQ_VALUE_LIMIT = 900_000
+# Source records read again before the committed offset on open, to learn the last position.
+LOOK_BACK = 1000
 
 # (what, table) already warned about: once per process, not once per partition or transaction.
 _WARNED: set[tuple[str, str]] = set()
@@ -83,6 +85,8 @@ class PartitionWorker:
         self.producer: AIOKafkaProducer | None = None
         self.store: StateStore | None = None
         self.next_offset: int | None = None
+        self.last_key: bytes | None = None  # highest source event key processed
+        self._replayed = 0
         self.in_txn = False
         self.txn_started = 0.0
         self.txn_records = 0
@@ -142,8 +146,11 @@ class PartitionWorker:
         if committed is None:
             await consumer.seek_to_beginning(self.tp)
         else:
-            consumer.seek(self.tp, committed)
+            # Start a little before the committed offset: those records are skipped
+            # but tell the highest event position already processed (replay detection).
+            consumer.seek(self.tp, max(0, committed - LOOK_BACK))
         self.next_offset = committed
+        self.last_key = None
         self.ready = True
         log.info(
             "partition opened",
@@ -189,10 +196,27 @@ class PartitionWorker:
         rekey = self.rekeyer.rekey_value
         apply = store.apply
         append = self._append
+        skip_replayed = self.config.skip_replayed
         for m in messages:
             offset = m.offset
+            key = m.key
+            # Event keys are fixed-width upper-case hex: byte order is position order.
+            valid_key = key is not None and len(key) == 25 and key[16] == 45  # b"-"
             if self.next_offset is not None and offset < self.next_offset:
-                continue  # fetched before a seek back: already processed
+                # Already processed (the look-back after open, or fetched before a seek):
+                # only learn the highest position seen.
+                if valid_key and (self.last_key is None or key > self.last_key):
+                    self.last_key = key
+                continue
+            if valid_key:
+                if skip_replayed and self.last_key is not None and key <= self.last_key:
+                    # The producer is at-least-once: after its restart it sends again the
+                    # transactions after its last confirmed commit. Same position, same event.
+                    self._replayed += 1
+                    self.next_offset = offset + 1
+                    self.txn_records += 1
+                    continue
+                self.last_key = key
             try:
                 if m.value is None:
                     raise ContractError("record has no value")
@@ -383,6 +407,11 @@ class PartitionWorker:
     def _flush_stats(self) -> None:
         m = self.metrics
         m.consumed.labels(self._partition_label).inc(self.txn_records)
+        if self._replayed:
+            m.replayed.inc(self._replayed)
+            log.warning("skipped replayed source events (position not after the last one processed)",
+                        extra={"partition": self.tp.partition, "count": self._replayed})
+            self._replayed = 0
         for table, n in self._produced.items():
             m.produced.labels(table).inc(n)
         for table, n in self._tombstones.items():
@@ -445,6 +474,7 @@ class PartitionWorker:
         self._stats.clear()
         self._produced.clear()
         self._tombstones.clear()
+        self._replayed = 0
         self.txn_records = 0
         if self.store is not None:
             self.store.rollback()

@@ -200,3 +200,29 @@ def test_config_errors_exit_2(tmp_path: Path) -> None:
                              capture_output=True, timeout=60)
         assert res.returncode == 2, res.stderr
         assert needle in res.stderr.decode()
+
+
+async def test_producer_replays_are_skipped(kafka_bootstrap: str, unique_name: str, tmp_path: Path) -> None:
+    """The producer is at-least-once: a restart sends the unconfirmed transactions again."""
+    source = f"walbus.{unique_name}"
+    await create_topic(kafka_bootstrap, source)
+    evs = [ev(0x100 * (i + 1), 0, "insert", "public.nums", ["id"], new={"id": i, "n": i}, types=INTS)
+           for i in range(4)]
+    await produce(kafka_bootstrap, source, [(0, k, v) for k, v in evs[:3] + evs[1:3]])
+    group = f"walbus-demux.{source}"
+    proc = DemuxProc(demux_args(kafka_bootstrap, source, tmp_path / "state"), tmp_path / "demux.log").start()
+    try:
+        await wait_caught_up(kafka_bootstrap, group, source, procs=[proc])
+    finally:
+        assert proc.stop() == 0, proc.log_tail()
+    # After a restart, the look-back before the committed offset still knows the last position.
+    await produce(kafka_bootstrap, source, [(0, k, v) for k, v in evs[2:4]])
+    proc = DemuxProc(demux_args(kafka_bootstrap, source, tmp_path / "state"), tmp_path / "demux2.log").start()
+    try:
+        await wait_caught_up(kafka_bootstrap, group, source, procs=[proc])
+        metrics = proc.metrics()
+    finally:
+        assert proc.stop() == 0, proc.log_tail()
+    recs = await read_records(kafka_bootstrap, f"{source}.public.nums")
+    assert [r.key for r in recs] == [b'{"id":%d}' % i for i in range(4)]
+    assert metrics["walbus_demux_replayed_skipped_total"] == 1
