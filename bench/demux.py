@@ -1,11 +1,12 @@
 """Demux throughput: re-key a pre-filled database topic; prints JSON lines.
 
-    python bench/demux.py --kafka-bootstrap 127.0.0.1:9092 [--events 1000000] [--profile-events 200000]
+    python bench/demux.py --kafka-bootstrap 127.0.0.1:9092 [--pg-dsn postgresql://…] [--events 1000000]
 
-1. pre-fills a fresh database topic with contract-v1 events of pgkafka's
-   ``transactions`` table (80% inserts, 15% updates, 5% deletes, 500-event
-   transactions), written with record batches (its rate is printed: the raw
-   Kafka write rate of the same events on this machine);
+1. fills a fresh database topic with N events of pgkafka's ``transactions`` table:
+   with ``--pg-dsn``, by the real producer (W1: N rows inserted in 100
+   transactions before it starts, a backlog in its slot; the producer's rate is
+   printed), otherwise synthetic contract-v1 events (80% inserts, 15% updates,
+   5% deletes, 500-event transactions) written with record batches;
 2. runs the demux in-process until the group's committed offset reaches the end
    of the topic: records/s re-keyed, exactly once, into the compacted topic;
 3. runs it again under cProfile on a smaller topic and prints where the time goes.
@@ -139,14 +140,81 @@ def profile_summary(prof: cProfile.Profile, top: int) -> list[dict[str, Any]]:
     return rows[:top]
 
 
+async def produce_w1(pg_dsn: str, bootstrap: str, topic: str, n: int) -> float:
+    """The real producer over a backlog of ``n`` rows in 100 transactions; seconds until all are in Kafka."""
+    import psycopg
+    from psycopg import sql
+    from psycopg.conninfo import make_conninfo
+
+    from producer.config import ProducerConfig
+    from producer.service import Producer
+    from walbus.ktable import topic_partitions
+
+    dbname = f"bench_demux_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(dbname)))
+    dsn = make_conninfo(pg_dsn, dbname=dbname)
+    slot = f"walbus_{dbname}"
+    try:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute("CREATE TABLE transactions (transaction_id INT PRIMARY KEY, user_id INT, amount INT)")
+
+        async def run_producer(until: int | None) -> float:
+            producer = Producer(ProducerConfig(pg_dsn=dsn, kafka_bootstrap=bootstrap, topic=topic))
+            started = time.monotonic()
+            task = asyncio.create_task(producer.run())
+            await producer.ready.wait()
+            if until is not None:
+                consumer_kw = {"bootstrap_servers": bootstrap}
+                from aiokafka import AIOKafkaConsumer, TopicPartition
+
+                consumer = AIOKafkaConsumer(**consumer_kw)
+                await consumer.start()
+                try:
+                    while True:
+                        if await topic_partitions(consumer_kw, topic):
+                            tp = TopicPartition(topic, 0)
+                            if (await consumer.end_offsets([tp]))[tp] >= until:
+                                break
+                        await asyncio.sleep(0.05)
+                finally:
+                    await consumer.stop()
+            elapsed = time.monotonic() - started
+            producer.stop()
+            await task
+            return elapsed
+
+        await run_producer(None)  # creates the slot and the publication
+        per_txn = n // 100
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            for t in range(100):
+                conn.execute(
+                    "INSERT INTO transactions SELECT g, g %% 50000, g %% 1000000 FROM generate_series(%s::int, %s::int) g",
+                    (t * per_txn + 1, (t + 1) * per_txn),
+                )
+        return await run_producer(per_txn * 100)
+    finally:
+        with psycopg.connect(pg_dsn, autocommit=True) as conn:
+            conn.execute("SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE slot_name = %s",
+                         (slot,))
+            conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(dbname)))
+
+
 async def main_async(args: argparse.Namespace) -> None:
     run = uuid.uuid4().hex[:8]
     topic = f"bench_demux_{run}"
-    evs = events(args.events)
-    seconds = await prefill(args.kafka_bootstrap, topic, evs)
-    emit({"phase": "prefill", "events": len(evs), "seconds": round(seconds, 3),
-          "records_per_s": round(len(evs) / seconds), "note": "raw Kafka write of the same events (record batches, acks=all)"})
-    del evs
+    if args.pg_dsn:
+        seconds = await produce_w1(args.pg_dsn, args.kafka_bootstrap, topic, args.events)
+        emit({"phase": "producer", "events": args.events, "seconds": round(seconds, 3),
+              "records_per_s": round(args.events / seconds),
+              "note": "walbus produce (pgoutput) draining a W1 backlog into the database topic"})
+    else:
+        evs = events(args.events)
+        seconds = await prefill(args.kafka_bootstrap, topic, evs)
+        emit({"phase": "prefill", "events": len(evs), "seconds": round(seconds, 3),
+              "records_per_s": round(len(evs) / seconds),
+              "note": "synthetic events, raw Kafka write with record batches (acks=all)"})
+        del evs
     result = await run_demux(args.kafka_bootstrap, topic, args.events, f"bench{run}", args.txn_max_records)
     emit({"phase": "demux", **result})
     if args.profile_events:
@@ -166,6 +234,7 @@ async def main_async(args: argparse.Namespace) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--kafka-bootstrap", required=True)
+    p.add_argument("--pg-dsn", help="fill the topic with the real producer (W1 backlog) and report its rate")
     p.add_argument("--events", type=int, default=1_000_000)
     p.add_argument("--profile-events", type=int, default=200_000, help="0: no profile run")
     p.add_argument("--txn-max-records", type=int, default=20000)
