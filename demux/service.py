@@ -269,7 +269,8 @@ class Demux:
             extra={"partition": tp.partition, "error": repr(error), "retry_in_s": delay},
         )
         await worker.close(commit=False)
-        if self._consumer is not None and tp in self.workers:
+        # Unless a rebalance replaced or removed it meanwhile, a fresh worker takes over.
+        if self._consumer is not None and self.workers.get(tp) is worker:
             self._consumer.pause(tp)
             self.workers[tp] = self._new_worker(tp)
             self.pending[tp] = time.monotonic() + delay
