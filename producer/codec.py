@@ -292,11 +292,9 @@ class EventEncoder:
 
     @staticmethod
     def _partition_key(rel: Relation, new: list[Any] | None, old: list[Any] | None) -> bytes:
-        # Same row -> same partition, so per-row order holds on a multi-partition topic.
-        src = old if old is not None else new
-        if src is None or not rel.pk_index:
-            return rel.table_part
-        return rel.table_part + orjson.dumps([src[i] for i in rel.pk_index])
+        # By table: a table's events share a partition, so per-table order (and with it key
+        # changes and truncates, which span keys) survives a multi-partition topic.
+        return rel.table_part
 
 
 def partition_for(partition_key: bytes, partitions: int) -> int:
