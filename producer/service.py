@@ -28,10 +28,12 @@ from producer.config import ProducerConfig, load
 from producer.decoders import Decoder, TxnBegin, TxnEnd
 from producer.decoders.pgoutput import PgoutputDecoder
 from producer.decoders.wal2json import Wal2jsonDecoder
-from producer.metrics import ProducerMetrics
+from producer.metrics import ProducerMetrics, SnapshotMetrics
+from producer.offsets import OffsetStore
 from producer.progress import Progress
 from producer.replication import ReplicationError, ReplicationStream
 from producer.sink import KafkaSink, SinkError
+from producer.snapshot import InitialSnapshot, SnapshotAborted
 from walbus.config import ConfigError, describe
 from walbus.contract import Lsn
 from walbus.kafka import KafkaAdmin, TopicSpec, wait_for_broker
@@ -51,6 +53,8 @@ class Producer:
         self.config = config
         self.registry = registry or new_registry()
         self.metrics = ProducerMetrics(self.registry)
+        self.snapshot_metrics = SnapshotMetrics(self.registry)
+        self.offsets: OffsetStore | None = None
         self.capture = CaptureFilter(
             tables=tuple(config.tables),
             exclude_tables=tuple(config.exclude_tables),
@@ -90,11 +94,6 @@ class Producer:
                 await admin.ensure_topic(TopicSpec(f"{cfg.topic_name}.transaction", 1, cfg.replication_factor))
             self._partitions = await admin.partitions(cfg.topic_name)
 
-    def _create_slot(self, stream: ReplicationStream) -> None:
-        cfg = self.config
-        stream.execute(f'CREATE_REPLICATION_SLOT "{cfg.slot_name}" LOGICAL {cfg.plugin} NOEXPORT_SNAPSHOT')
-        log.info("created replication slot", extra={"slot": cfg.slot_name, "plugin": cfg.plugin})
-
     # -- running ------------------------------------------------------------------------------
 
     async def run(self) -> None:
@@ -103,14 +102,22 @@ class Producer:
         client_kwargs = cfg.kafka_client_kwargs()
         await self._prepare_kafka(client_kwargs)
         _tables, slot = await asyncio.to_thread(self._prepare_database)
-        if not slot.exists:
-            stream = await asyncio.to_thread(ReplicationStream.connect, cfg.pg_dsn)
-            try:
-                self._create_slot(stream)
-            finally:
-                stream.close()
+        offsets = self.offsets = OffsetStore(client_kwargs, cfg.topic_name, cfg.slot_name, replication_factor=cfg.replication_factor)
+        await offsets.start()
         backoff = Backoff(maximum=cfg.retry_max_delay, attempts=cfg.retry_attempts)
         try:
+            # Snapshot hook: creates the slot (with an exported snapshot when one is due) and reads it.
+            initial = InitialSnapshot(
+                cfg, self.capture, offsets=offsets, metrics=self.snapshot_metrics, client_kwargs=client_kwargs,
+                partitions=self._partitions, stopping=self._stopping,
+            )
+            try:
+                if not await initial.prepare(slot):
+                    log.info("initial snapshot done, exiting (--snapshot-mode initial_only)")
+                    return
+            except SnapshotAborted:
+                log.warning("stopped during the initial snapshot: the next start redoes it")
+                return
             while not self._stopping.is_set():
                 try:
                     await self._stream_session(client_kwargs, backoff)
@@ -122,6 +129,7 @@ class Producer:
                     await self._sleep_or_stop(backoff, e)
         finally:
             self.metrics.connected.set(0)
+            await offsets.stop()
             if cfg.drop_slot_on_exit:
                 await asyncio.to_thread(setup.drop_slot, cfg.pg_dsn, cfg.slot_name)
 
