@@ -153,10 +153,11 @@ def select_chunk(table: ScanTable, after: Sequence[str] | None, upto: Sequence[s
 
 def max_key(conn: Conn, table: ScanTable) -> list[str] | None:
     """The largest primary key now (text output), None for an empty table."""
-    q = sql.SQL("SELECT {} FROM {} ORDER BY {} LIMIT 1").format(
-        sql.SQL(", ").join(sql.SQL("{}::text").format(sql.Identifier(c)) for c in table.relation.pk),
+    # Qualified in ORDER BY: a bare name would mean the ::text output column, sorted as text.
+    q = sql.SQL("SELECT {} FROM {} AS t ORDER BY {} LIMIT 1").format(
+        sql.SQL(", ").join(sql.SQL("t.{}::text").format(sql.Identifier(c)) for c in table.relation.pk),
         table.ident,
-        sql.SQL(", ").join(sql.SQL("{} DESC").format(sql.Identifier(c)) for c in table.relation.pk),
+        sql.SQL(", ").join(sql.SQL("t.{} DESC").format(sql.Identifier(c)) for c in table.relation.pk),
     )
     row = conn.execute(q).fetchone()
     return None if row is None else [str(v) for v in row]

@@ -108,11 +108,15 @@ async def wait_caught_up(dsn: str, slot: str, timeout: float = 120) -> None:
         await asyncio.sleep(0.3)
 
 
+def _read(path: Path) -> bytes:
+    return path.read_bytes() if path.exists() else b""
+
+
 async def wait_log(path: Path, text: str, timeout: float = 120, *, after: int = 0) -> int:
     """Until ``text`` appears in the log (from byte ``after``); returns the offset after it."""
     deadline = time.monotonic() + timeout
     while True:
-        data = path.read_bytes() if path.exists() else b""
+        data = _read(path)
         at = data.find(text.encode(), after)
         if at >= 0:
             return at + len(text)
