@@ -10,7 +10,8 @@ How it stays consistent (no row missing, none doubled):
   connection (the export lives only until its next command), and read the tables with
   ``COPY … TO STDOUT`` in text format (bounded memory: one row per CopyData message;
   values converted like pgoutput's, see :mod:`producer.tablescan`). Tables are handed out
-  largest first, so two workers read two tables at once.
+  largest first, so two workers read two tables at once; a large table is also cut into
+  heap-page ranges (TID range scans) that the workers share.
 * Rows become ``operation: "read"`` events with ``lsn = commit_lsn = consistent_point`` and
   ``seq`` 0..N-1 in emission order (one encoder, on the event loop), so their keys
   ``%016X-%08X`` are unique, ordered, and sort before every streamed change (those commit
@@ -65,7 +66,13 @@ from producer.offsets import OffsetStore
 from producer.progress import Progress
 from producer.replication import ReplicationStream
 from producer.sink import KafkaSink
-from producer.tablescan import ScanTable, convert_row, copy_table_lines, describe_table
+from producer.tablescan import (
+    ScanTable,
+    convert_line,
+    copy_table_lines,
+    describe_table,
+    str_converters,
+)
 from walbus.contract import Lsn
 
 log = logging.getLogger("walbus.producer.snapshot")
@@ -77,11 +84,41 @@ class SnapshotAborted(Exception):
     """The producer was asked to stop mid-snapshot; the next start redoes it."""
 
 
+# A table of at least this many heap pages (8 MB) is read by several connections at once,
+# in ranges of pages (TID range scans), when there are several workers.
+SPLIT_MIN_PAGES = 1024
+
+
+@dataclass
+class Part:
+    """One unit of work: a whole table, or a range of its heap pages."""
+
+    table: ScanTable
+    pages: tuple[int, int | None] | None = None
+
+
 @dataclass
 class Batch:
     table: ScanTable
     rows: list[list[Any]]
-    done: bool = False
+    done: bool = False  # the last batch of its part
+
+
+def plan_parts(tables: list[ScanTable], workers: int) -> list[Part]:
+    """Largest tables first; a large table split into ``2 * workers`` page ranges so that the
+    workers share it. The last range is open-ended: rows the snapshot sees never move to
+    pages added since the size was read (new pages hold only newer row versions), but
+    open-ended costs nothing and needs no such argument."""
+    parts: list[Part] = []
+    for t in sorted(tables, key=lambda t: -max(t.pages, t.estimated_rows)):
+        if workers > 1 and t.pages >= SPLIT_MIN_PAGES:
+            n = 2 * workers
+            step = -(-t.pages // n)
+            bounds = [i * step for i in range(n)]
+            parts += [Part(t, (lo, bounds[i + 1] if i + 1 < n else None)) for i, lo in enumerate(bounds)]
+        else:
+            parts.append(Part(t))
+    return parts
 
 
 @dataclass
@@ -217,9 +254,13 @@ class InitialSnapshot:
             request_timeout_ms=cfg.kafka_request_timeout_ms,
         )
         await sink.start()
-        todo: queue.SimpleQueue[ScanTable] = queue.SimpleQueue()
-        for t in sorted(tables, key=lambda t: -t.estimated_rows):
-            todo.put(t)
+        todo: queue.SimpleQueue[Part] = queue.SimpleQueue()
+        parts = plan_parts(tables, workers)
+        for part in parts:
+            todo.put(part)
+        parts_left: dict[str, int] = {}
+        for part in parts:
+            parts_left[part.table.qualified] = parts_left.get(part.table.qualified, 0) + 1
         batches: asyncio.Queue[Batch | None] = asyncio.Queue(maxsize=4 * workers)
         errors: list[BaseException] = []
         cancel = threading.Event()
@@ -240,7 +281,7 @@ class InitialSnapshot:
         for th in threads:
             th.start()
         try:
-            await self._emit(sink, batches, len(threads), result, earlier, len(tables))
+            await self._emit(sink, batches, len(threads), result, earlier, parts_left)
             if errors:
                 raise errors[0]
             await sink.wait_acked(timeout=120)
@@ -260,13 +301,13 @@ class InitialSnapshot:
 
     async def _emit(
         self, sink: KafkaSink, batches: asyncio.Queue[Batch | None], workers: int, result: SnapshotResult,
-        earlier: dict[str, set[bytes]], table_count: int,
+        earlier: dict[str, set[bytes]], parts_left: dict[str, int],
     ) -> None:
         cp = result.consistent_point
         encoder = EventEncoder(partitioned=self.partitions > 1)
         encoder.begin(cp, 0, datetime.now(UTC).isoformat(timespec="microseconds"))
         scanned = self.metrics.rows_scanned
-        remaining = table_count
+        remaining = len(parts_left)
         seen_tables: dict[str, ScanTable] = {}
         while workers:
             if self.stopping.is_set():
@@ -293,6 +334,8 @@ class InitialSnapshot:
             result.per_table[rel.qualified] = result.per_table.get(rel.qualified, 0) + n
             scanned.labels(KIND, rel.qualified).inc(n)
             if batch.done:
+                parts_left[rel.qualified] -= 1
+            if batch.done and not parts_left[rel.qualified]:
                 remaining -= 1
                 self.metrics.tables_remaining.labels(KIND).set(remaining)
                 log.info("snapshot of table done", extra={"table": rel.qualified, "rows": result.per_table.get(rel.qualified, 0)})
@@ -363,20 +406,22 @@ def _deletes(encoder: EventEncoder, table: ScanTable, keys: set[bytes], cp: int)
 
 
 def _worker(
-    conn: psycopg.Connection[tuple[object, ...]], todo: queue.SimpleQueue[ScanTable], fetch_rows: int,
+    conn: psycopg.Connection[tuple[object, ...]], todo: queue.SimpleQueue[Part], fetch_rows: int,
     put: Callable[[Batch | None], None], errors: list[BaseException], cancel: threading.Event,
 ) -> None:
     """One snapshot connection: reads whole tables, hands converted rows to the event loop."""
     try:
         while not cancel.is_set():
             try:
-                table = todo.get_nowait()
+                part = todo.get_nowait()
             except queue.Empty:
                 break
+            table = part.table
             convs = table.relation.converters
+            str_convs = str_converters(table.relation.types)
             rows: list[list[Any]] = []
-            for line in copy_table_lines(conn, table):
-                rows.append(convert_row(line, convs)[0])
+            for line in copy_table_lines(conn, table, part.pages):
+                rows.append(convert_line(line, convs, str_convs))
                 if len(rows) >= fetch_rows:
                     put(Batch(table, rows))
                     rows = []

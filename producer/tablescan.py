@@ -14,14 +14,21 @@ generated columns (pgoutput does not send those), so read events carry the same
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import psycopg
 from psycopg import sql
 
-from producer.codec import CaptureFilter, Relation, text_converter
+from producer.codec import (
+    FLOAT_SPECIALS,
+    FLOAT_TYPES,
+    INT_TYPES,
+    CaptureFilter,
+    Relation,
+    text_converter,
+)
 
 Conn = psycopg.Connection[tuple[object, ...]]
 
@@ -51,6 +58,7 @@ class ScanTable:
     kind: str  # pg_class.relkind
     sql_types: list[str]  # atttypid::regtype, for key literals in chunk queries
     estimated_rows: int = 0
+    pages: int = 0  # heap pages when described
 
     @property
     def qualified(self) -> str:
@@ -78,13 +86,14 @@ def describe_table(conn: Conn, schema: str, name: str, capture: CaptureFilter, r
     """The table's read layout, on ``conn`` (inside the snapshot transaction when there is one,
     so that it matches the rows read). None when the table does not exist."""
     row = conn.execute(
-        "SELECT c.oid::int8, c.relkind::text, c.relreplident::text, greatest(c.reltuples, 0)::int8 "
+        "SELECT c.oid::int8, c.relkind::text, c.relreplident::text, greatest(c.reltuples, 0)::int8, "
+        "(pg_relation_size(c.oid) / current_setting('block_size')::int8)::int8 "
         "FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace WHERE n.nspname = %s AND c.relname = %s",
         (schema, name),
     ).fetchone()
     if row is None:
         return None
-    oid, kind, replident, estimate = int(str(row[0])), str(row[1]), str(row[2]), int(str(row[3]))
+    oid, kind, replident, estimate, pages = int(str(row[0])), str(row[1]), str(row[2]), int(str(row[3])), int(str(row[4]))
     cols = conn.execute(
         "SELECT a.attname, t.typname, a.atttypid::regtype::text FROM pg_attribute a JOIN pg_type t ON t.oid = a.atttypid "
         "WHERE a.attrelid = %s AND a.attnum > 0 AND NOT a.attisdropped AND a.attgenerated = '' ORDER BY a.attnum",
@@ -105,7 +114,38 @@ def describe_table(conn: Conn, schema: str, name: str, capture: CaptureFilter, r
     identity = [c in pk for c in columns]
     rel = Relation(relid, schema, name, columns, types, identity, pk, replident).prepare(capture)
     rel.converters = [text_converter(t) for t in types]
-    return ScanTable(rel, kind, [str(c[2]) for c in cols], estimate)
+    return ScanTable(rel, kind, [str(c[2]) for c in cols], estimate, pages)
+
+
+def _str_float(text: str) -> float | str:
+    return text if text in FLOAT_SPECIALS else float(text)
+
+
+def _str_bool(text: str) -> bool:
+    return text == "t"
+
+
+def str_converters(types: Sequence[str]) -> list[Callable[[str], Any] | None]:
+    """Per column, what turns a decoded text field into its JSON value (None: the text itself)."""
+    out: list[Callable[[str], Any] | None] = []
+    for t in types:
+        if t in INT_TYPES:
+            out.append(int)
+        elif t in FLOAT_TYPES:
+            out.append(_str_float)
+        elif t == "bool":
+            out.append(_str_bool)
+        else:
+            out.append(None)
+    return out
+
+
+def convert_line(line: bytes, converters: Sequence[Any], str_convs: Sequence[Callable[[str], Any] | None]) -> list[Any]:
+    """A COPY text line as JSON-ready values — the initial snapshot's hot path: a row without
+    a backslash (no NULL, no escape) is decoded once and split, and text columns cost nothing."""
+    if b"\\" in line:
+        return convert_row(line, converters)[0]
+    return [f if c is None else c(f) for c, f in zip(str_convs, line.decode()[:-1].split("\t"), strict=True)]
 
 
 def convert_row(line: bytes, converters: Sequence[Any]) -> tuple[list[Any], Sequence[bytes | None]]:
@@ -125,9 +165,17 @@ def copy_lines(conn: Conn, query: sql.Composable) -> Iterator[bytes]:
             yield bytes(data)
 
 
-def copy_table_lines(conn: Conn, table: ScanTable) -> Iterator[bytes]:
-    """Every row of a table, in storage order (COPY of a plain table skips the executor)."""
-    if table.kind == "r":
+def copy_table_lines(conn: Conn, table: ScanTable, pages: tuple[int, int | None] | None = None) -> Iterator[bytes]:
+    """Every row of a table, in storage order (COPY of a plain table skips the executor), or
+    of the heap pages ``[first, end)`` only (a TID range scan: one table read by several
+    connections; ``end`` None: to the last page)."""
+    if pages is not None:
+        lo, hi = pages
+        cond = sql.SQL("ctid >= {}::tid").format(sql.Literal(f"({lo},0)"))
+        if hi is not None:
+            cond = sql.SQL("{} AND ctid < {}::tid").format(cond, sql.Literal(f"({hi},0)"))
+        statement = sql.SQL("COPY (SELECT {} FROM {} WHERE {}) TO STDOUT").format(table.column_list(), table.ident, cond)
+    elif table.kind == "r":
         statement = sql.SQL("COPY {} ({}) TO STDOUT").format(table.ident, table.column_list())
     else:
         statement = sql.SQL("COPY (SELECT {} FROM {}) TO STDOUT").format(table.column_list(), table.ident)

@@ -3,6 +3,7 @@ parsing, event keys, and the read encoding against the reference codec."""
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import orjson
@@ -10,7 +11,7 @@ import pytest
 
 from producer.codec import CaptureFilter, EventEncoder, Relation, text_converter
 from producer.incremental import ChunkWindow, Position, _event_keys
-from producer.tablescan import convert_row, copy_field
+from producer.tablescan import convert_line, convert_row, copy_field, str_converters
 from walbus.contract import decode_event, encode_event, event_key
 
 
@@ -76,6 +77,9 @@ def test_copy_text_fields() -> None:
     assert values == [1, "plain", True, "NaN", "1.10"] and raw[0] == b"1"
     values, raw = convert_row(b"2\ttab\\there\\\\back\\nline\t\\N\t-Infinity\t\\N\n", convs)
     assert values == [2, "tab\there\\back\nline", None, "-Infinity", None]
+    strs = str_converters(["int4", "text", "bool", "float8", "numeric"])
+    assert convert_line(b"1\tplain\tt\tNaN\t1.10\n", convs, strs) == [1, "plain", True, "NaN", "1.10"]
+    assert convert_line(b"2\t\\N\tf\t2.5\t\\N\n", convs, strs) == [2, None, False, 2.5, None]
     assert copy_field(b"\\N") is None and copy_field(b"a\\rb\\x") == b"a\rbx"
 
 
@@ -103,3 +107,20 @@ def test_position_round_trip() -> None:
 
     assert Position.load(orjson.loads(orjson.dumps(asdict(pos)))) == pos
     assert Position.load(None) is None
+
+
+def test_plan_parts_splits_large_tables() -> None:
+    from producer.snapshot import SPLIT_MIN_PAGES, plan_parts
+    from producer.tablescan import ScanTable
+
+    def table(name: str, pages: int) -> ScanTable:
+        rel = Relation(1, "public", name, ["id"], ["int4"], [True], ["id"]).prepare(CaptureFilter())
+        return ScanTable(rel, "r", ["integer"], 0, pages)
+
+    big, small = table("big", SPLIT_MIN_PAGES * 4 + 3), table("small", 10)
+    assert [(p.table.relation.name, p.pages) for p in plan_parts([small, big], 1)] == [("big", None), ("small", None)]
+    parts = plan_parts([small, big], 2)
+    ranges = [p.pages for p in parts if p.table is big]
+    assert len(ranges) == 4 and ranges[0] is not None and ranges[0][0] == 0 and ranges[-1] is not None and ranges[-1][1] is None
+    assert all(a is not None and b is not None and a[1] == b[0] for a, b in itertools.pairwise(ranges))
+    assert parts[-1].table is small and parts[-1].pages is None
