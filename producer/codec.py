@@ -193,15 +193,23 @@ class EventEncoder:
 
     def insert(self, rel: Relation, lsn: int, new: list[Any]) -> EncodedEvent:
         """The hot path: an insert of a relation with no excluded or masked column."""
+        return self._whole_row(rel, "insert", lsn, new)
+
+    def read(self, rel: Relation, lsn: int, new: list[Any]) -> EncodedEvent:
+        """A snapshot row (``operation: "read"``): same layout and fast path as an insert."""
+        return self._whole_row(rel, "read", lsn, new)
+
+    def _whole_row(self, rel: Relation, operation: str, lsn: int, new: list[Any]) -> EncodedEvent:
         if not rel.plain:
-            return self.encode(rel, "insert", lsn, new)
+            return self.encode(rel, operation, lsn, new)
         seq = self.seq
         self.seq = seq + 1
-        rest = self._insert_rest.get(rel.relid)
+        cache_key = rel.relid if operation == "insert" else -1 - rel.relid
+        rest = self._insert_rest.get(cache_key)
         if rest is None:
             # Everything after "seq" but the values is the same for a relation within a transaction.
-            rest = self._insert_rest[rel.relid] = (
-                b',"xid":%d' % self.xid + _OPS["insert"] + rel.table_part + self._ts_part + rel.pk_part + rel.full_part
+            rest = self._insert_rest[cache_key] = (
+                b',"xid":%d' % self.xid + _OPS[operation] + rel.table_part + self._ts_part + rel.pk_part + rel.full_part
             )
         value = _INSERT % (lsn, self._commit_part, seq, rest, orjson.dumps(new))
         pkey = self._partition_key(rel, new, None) if self.partitioned else b""
@@ -292,11 +300,9 @@ class EventEncoder:
 
     @staticmethod
     def _partition_key(rel: Relation, new: list[Any] | None, old: list[Any] | None) -> bytes:
-        # Same row -> same partition, so per-row order holds on a multi-partition topic.
-        src = old if old is not None else new
-        if src is None or not rel.pk_index:
-            return rel.table_part
-        return rel.table_part + orjson.dumps([src[i] for i in rel.pk_index])
+        # By table: a table's events share a partition, so per-table order (and with it key
+        # changes and truncates, which span keys) survives a multi-partition topic.
+        return rel.table_part
 
 
 def partition_for(partition_key: bytes, partitions: int) -> int:

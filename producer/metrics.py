@@ -19,3 +19,30 @@ class ProducerMetrics:
         self.connected = Gauge("walbus_producer_connected", "1 while streaming from PostgreSQL", registry=registry)
         self.confirmed_lsn = Gauge("walbus_producer_confirmed_lsn", "Last LSN confirmed to the slot (Kafka acknowledged)", registry=registry)
         self.reconnects = Counter("walbus_producer_reconnects", "Restarts of the stream after a transient fault", registry=registry)
+
+
+class SnapshotMetrics:
+    """Debezium's snapshot metrics, for both kinds (label ``kind``: initial | incremental)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.tables_total = Gauge("walbus_snapshot_tables_total", "Tables the snapshot covers", ["kind"], registry=registry)
+        self.tables_remaining = Gauge("walbus_snapshot_tables_remaining", "Tables not yet completely read", ["kind"], registry=registry)
+        self.rows_scanned = Counter("walbus_snapshot_rows_scanned", "Rows read by snapshots, by table", ["kind", "table"], registry=registry)
+        self.running = Gauge("walbus_snapshot_running", "1 while a snapshot runs", ["kind"], registry=registry)
+        self.completed = Gauge("walbus_snapshot_completed", "1 once the last snapshot completed", ["kind"], registry=registry)
+        self.aborted = Gauge("walbus_snapshot_aborted", "1 when the last snapshot was stopped before completion", ["kind"], registry=registry)
+        self.duration = Gauge("walbus_snapshot_duration_seconds", "Duration of the running or last snapshot", ["kind"], registry=registry)
+        self.chunks = Counter("walbus_snapshot_chunks", "Incremental snapshot chunks emitted", ["table"], registry=registry)
+
+    def begin(self, kind: str, tables: int) -> None:
+        self.tables_total.labels(kind).set(tables)
+        self.tables_remaining.labels(kind).set(tables)
+        self.running.labels(kind).set(1)
+        self.completed.labels(kind).set(0)
+        self.aborted.labels(kind).set(0)
+        self.duration.labels(kind).set(0)
+
+    def end(self, kind: str, seconds: float, *, aborted: bool = False) -> None:
+        self.running.labels(kind).set(0)
+        self.duration.labels(kind).set(seconds)
+        (self.aborted if aborted else self.completed).labels(kind).set(1)

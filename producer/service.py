@@ -25,13 +25,16 @@ from producer import setup
 from producer.catalog import Catalog
 from producer.codec import CaptureFilter, EncodedEvent
 from producer.config import ProducerConfig, load
-from producer.decoders import Decoder, TxnBegin, TxnEnd
+from producer.decoders import Decoder, LogicalMessage, TxnBegin, TxnEnd
 from producer.decoders.pgoutput import PgoutputDecoder
 from producer.decoders.wal2json import Wal2jsonDecoder
-from producer.metrics import ProducerMetrics
+from producer.incremental import IncrementalSnapshot
+from producer.metrics import ProducerMetrics, SnapshotMetrics
+from producer.offsets import OffsetStore
 from producer.progress import Progress
 from producer.replication import ReplicationError, ReplicationStream
 from producer.sink import KafkaSink, SinkError
+from producer.snapshot import InitialSnapshot, SnapshotAborted
 from walbus.config import ConfigError, describe
 from walbus.contract import Lsn
 from walbus.kafka import KafkaAdmin, TopicSpec, wait_for_broker
@@ -51,6 +54,9 @@ class Producer:
         self.config = config
         self.registry = registry or new_registry()
         self.metrics = ProducerMetrics(self.registry)
+        self.snapshot_metrics = SnapshotMetrics(self.registry)
+        self.offsets: OffsetStore | None = None
+        self.incremental: IncrementalSnapshot | None = None
         self.capture = CaptureFilter(
             tables=tuple(config.tables),
             exclude_tables=tuple(config.exclude_tables),
@@ -90,11 +96,6 @@ class Producer:
                 await admin.ensure_topic(TopicSpec(f"{cfg.topic_name}.transaction", 1, cfg.replication_factor))
             self._partitions = await admin.partitions(cfg.topic_name)
 
-    def _create_slot(self, stream: ReplicationStream) -> None:
-        cfg = self.config
-        stream.execute(f'CREATE_REPLICATION_SLOT "{cfg.slot_name}" LOGICAL {cfg.plugin} NOEXPORT_SNAPSHOT')
-        log.info("created replication slot", extra={"slot": cfg.slot_name, "plugin": cfg.plugin})
-
     # -- running ------------------------------------------------------------------------------
 
     async def run(self) -> None:
@@ -102,15 +103,30 @@ class Producer:
         log.info("producer starting", extra={"config": describe(cfg)})
         client_kwargs = cfg.kafka_client_kwargs()
         await self._prepare_kafka(client_kwargs)
-        _tables, slot = await asyncio.to_thread(self._prepare_database)
-        if not slot.exists:
-            stream = await asyncio.to_thread(ReplicationStream.connect, cfg.pg_dsn)
-            try:
-                self._create_slot(stream)
-            finally:
-                stream.close()
+        tables, slot = await asyncio.to_thread(self._prepare_database)
+        if cfg.signal_table and cfg.signal_table not in tables:
+            raise ConfigError(
+                f"signal table {cfg.signal_table} does not exist: CREATE TABLE {cfg.signal_table} "
+                "(id varchar(64) PRIMARY KEY, type varchar(32) NOT NULL, data text)"
+            )
+        offsets = self.offsets = OffsetStore(client_kwargs, cfg.topic_name, cfg.slot_name, replication_factor=cfg.replication_factor)
+        await offsets.start()
         backoff = Backoff(maximum=cfg.retry_max_delay, attempts=cfg.retry_attempts)
         try:
+            # Snapshot hook: creates the slot (with an exported snapshot when one is due) and reads it.
+            initial = InitialSnapshot(
+                cfg, self.capture, offsets=offsets, metrics=self.snapshot_metrics, client_kwargs=client_kwargs,
+                partitions=self._partitions, stopping=self._stopping,
+            )
+            if cfg.signal_table:
+                self.incremental = IncrementalSnapshot(cfg, self.capture, offsets=offsets, metrics=self.snapshot_metrics)
+            try:
+                if not await initial.prepare(slot):
+                    log.info("initial snapshot done, exiting (--snapshot-mode initial_only)")
+                    return
+            except SnapshotAborted:
+                log.warning("stopped during the initial snapshot: the next start redoes it")
+                return
             while not self._stopping.is_set():
                 try:
                     await self._stream_session(client_kwargs, backoff)
@@ -122,6 +138,9 @@ class Producer:
                     await self._sleep_or_stop(backoff, e)
         finally:
             self.metrics.connected.set(0)
+            await offsets.stop()
+            if self.incremental is not None:
+                self.incremental.close()
             if cfg.drop_slot_on_exit:
                 await asyncio.to_thread(setup.drop_slot, cfg.pg_dsn, cfg.slot_name)
 
@@ -165,11 +184,14 @@ class Producer:
             sink = KafkaSink(
                 client_kwargs=client_kwargs, topic=cfg.topic_name, partitions=self._partitions, progress=progress,
                 max_batch_bytes=cfg.max_batch_bytes, max_in_flight=cfg.max_in_flight, on_ack=on_ack,
+                request_timeout_ms=cfg.kafka_request_timeout_ms,
             )
             await sink.start()
             decoder = self._decoder(catalog)
             stream = await asyncio.to_thread(ReplicationStream.connect, cfg.pg_dsn)
             stream.start(cfg.slot_name, 0, decoder.start_options(cfg.publication_name))
+            if self.incremental is not None:
+                self.incremental.reset()  # the stream replays from the confirmed position
             metrics.connected.set(1)
             self.ready.set()
             await self._pump(stream, decoder, sink, progress, backoff)
@@ -189,6 +211,7 @@ class Producer:
         last_feedback = 0.0
         in_txn = False
         txn_topic = f"{cfg.topic_name}.transaction" if cfg.transaction_metadata else None
+        inc = self.incremental  # incremental snapshot hooks: signals, watermarks, positions
         while not self._stopping.is_set():
             messages = await stream.read(timeout=0.002 if sink.has_open() else 1.0)
             if not messages:
@@ -197,6 +220,8 @@ class Producer:
                 decoder.decode(messages, items)
                 for it in items:
                     if type(it) is EncodedEvent:
+                        if inc is not None:
+                            inc.observe(it)
                         if not sink.append(it):
                             await sink.send_full()
                             sink.append(it)
@@ -204,6 +229,9 @@ class Producer:
                         in_txn = False
                         if txn_topic:
                             await self._transaction_record(sink, txn_topic, "END", it.xid, it.commit_lsn, it.timestamp, it.counts)
+                        if inc is not None and inc.on_commit(it.end_lsn):
+                            await sink.wait_acked(timeout=60)
+                            await inc.save_now()
                         progress.commit(it.end_lsn)
                         metrics.transactions.inc()
                         for (table, op), n in it.counts.items():
@@ -213,10 +241,17 @@ class Producer:
                         in_txn = True
                         if txn_topic:
                             await self._transaction_record(sink, txn_topic, "BEGIN", it.xid, it.commit_lsn, it.timestamp, None)
+                    elif type(it) is LogicalMessage and inc is not None:
+                        for ev in inc.on_message(it, self._partitions > 1):
+                            if not sink.append(ev):
+                                await sink.send_full()
+                                sink.append(ev)
                 items.clear()
                 await sink.flush_idle()
                 backoff.reset()
             sink.raise_if_failed()
+            if inc is not None:
+                await inc.tick(progress.confirmed_lsn)
             now = time.monotonic()
             if not in_txn and (stream.position.reply_requested or now - last_feedback >= cfg.heartbeat_interval):
                 progress.advance_idle(stream.position.wal_end)

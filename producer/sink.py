@@ -41,6 +41,7 @@ class KafkaSink:
         max_batch_bytes: int = 1 << 20,
         max_in_flight: int = 8,
         on_ack: Any = None,
+        request_timeout_ms: int = 30000,
     ) -> None:
         self.topic = topic
         self.partitions = partitions
@@ -52,7 +53,7 @@ class KafkaSink:
             max_batch_size=max_batch_bytes,
             max_request_size=max(max_batch_bytes * 2, 1 << 20),
             linger_ms=0,
-            request_timeout_ms=30000,
+            request_timeout_ms=request_timeout_ms,
             retry_backoff_ms=200,
         )
         self._max_in_flight = max_in_flight

@@ -36,6 +36,12 @@ class LogicalMessage:
     prefix: str
     content: bytes
     transactional: bool
+    # Its transaction, as the decoder stood when it met the message (a batch is decoded
+    # before its items are handled, so the encoder's state then is no guide):
+    commit_lsn: int = 0
+    xid: int = 0
+    seq: int = 0  # events of the transaction before the message
+    timestamp: str = ""
 
 
 Item = EncodedEvent | TxnBegin | TxnEnd | LogicalMessage

@@ -114,7 +114,8 @@ class PgoutputDecoder:
                 flags, msg_lsn = _MSG.unpack_from(buf, 1)
                 prefix, pos = _cstring(buf, 10)
                 size = _U32.unpack_from(buf, pos)[0]
-                out.append(LogicalMessage(msg_lsn, prefix, buf[pos + 4 : pos + 4 + size], bool(flags & 1)))
+                enc = self.encoder
+                out.append(LogicalMessage(msg_lsn, prefix, buf[pos + 4 : pos + 4 + size], bool(flags & 1), enc.commit_lsn, enc.xid, enc.seq, self._iso))
             elif kind == 0x4F:  # O: origin — nothing to emit
                 continue
             else:

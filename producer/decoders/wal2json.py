@@ -168,6 +168,10 @@ class Wal2jsonDecoder:
                 from producer.decoders import LogicalMessage
 
                 content = msg.get("content", "")
-                out.append(LogicalMessage(int(Lsn.parse(msg["lsn"])), msg.get("prefix", ""), str(content).encode(), bool(msg.get("transactional"))))
+                enc = self.encoder
+                out.append(LogicalMessage(
+                    int(Lsn.parse(msg["lsn"])), msg.get("prefix", ""), str(content).encode(), bool(msg.get("transactional")),
+                    enc.commit_lsn, enc.xid, enc.seq, self._begin.timestamp if self._begin is not None else "",
+                ))
             else:
                 raise DecodeError(f"unknown wal2json action {action!r}")

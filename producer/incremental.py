@@ -1,0 +1,488 @@
+"""Incremental snapshots (DBLog watermarks, Debezium 1.6+): tables read in chunks while streaming goes on.
+
+Start and stop: a row inserted into the signal table (``--signal-table``; columns ``id``,
+``type``, ``data`` as Debezium's) and captured like any change:
+``('sig-1', 'execute-snapshot', '{"data-collections": ["public.orders"]}')`` queues tables
+(added to a running snapshot's queue); ``stop-snapshot`` (with or without
+``data-collections``) drops them (all when none is listed).
+
+One chunk, in primary-key order, ``--incremental-chunk-size`` rows, keys in
+``(last key emitted, maximum key read when the table started]``:
+
+1. a **low watermark** goes into the WAL: ``pg_logical_emit_message(true, 'walbus-watermark',
+   '{"id": <chunk>, "kind": "low"}')``, in its own transaction, on a normal connection;
+2. the chunk is SELECTed (READ COMMITTED, COPY text output, into memory: bounded by the
+   chunk size) — the rows are kept by key;
+3. a **high watermark** is written the same way.
+
+The stream decodes these messages in commit order among the row changes. :class:`ChunkWindow`
+is the rule: between the chunk's low and high watermarks, every streamed change of the
+chunk's table removes its keys (old and new key of an update) from the chunk; a TRUNCATE
+empties it. At the high watermark what is left is emitted as ``read`` events. Why that is
+exact: a change committed before the low watermark is in the SELECT's result; one committed
+after the high watermark follows the reads in the topic; one in the window may or may not be
+in the result, so the stream's own event — which comes before the high watermark, hence
+before the reads — is the one kept, and the possibly stale ``read`` is dropped.
+
+Read events of a chunk: ``commit_lsn`` = the high watermark transaction's commit LSN,
+``lsn`` = the high watermark message's LSN, ``xid`` = that transaction's, ``seq`` following
+that transaction's own events (it has none but the message, so 0..n-1). They are appended
+while the pump is inside that transaction, before its commit is counted, so they sit
+between everything before and after it in the topic, their keys are unique and increasing,
+and the slot is confirmed past the high watermark only once Kafka acknowledged them.
+
+Position (tables left, last key emitted, maximum key — key values as PostgreSQL's text
+output) is saved in the progress store (:mod:`producer.offsets`) once the slot's confirmed
+position passed the chunk's high watermark, i.e. once its reads are acknowledged. A restart
+(or a reconnect) resumes after the last such chunk; a chunk finished but not yet saved is
+read again, which is harmless (its reads carry the rows' values at the new high watermark).
+Watermarks of chunks this process did not start (replayed after a restart) are ignored. A
+signal is saved as soon as its transaction is decoded, before that transaction can be
+confirmed, so an accepted signal is never lost.
+
+Limits: tables need a primary key (others are skipped with a warning); a primary-key column
+that is masked or excluded from events cannot be matched and is refused the same way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import time
+import uuid
+from collections.abc import Hashable, Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+import orjson
+import psycopg
+
+from producer.codec import CaptureFilter, EncodedEvent, EventEncoder
+from producer.config import ProducerConfig
+from producer.decoders import LogicalMessage
+from producer.metrics import SnapshotMetrics
+from producer.offsets import OffsetStore
+from producer.tablescan import (
+    ScanTable,
+    convert_row,
+    copy_lines,
+    describe_table,
+    key_text,
+    max_key,
+    select_chunk,
+)
+
+log = logging.getLogger("walbus.producer.incremental")
+
+WATERMARK_PREFIX = "walbus-watermark"
+KIND = "incremental"
+Key = tuple[Hashable, ...]
+
+
+class ChunkWindow:
+    """The watermark rule for one chunk. Pure: no I/O, driven by what the stream decodes.
+
+    ``low()`` opens the window, ``observe(key)`` records a streamed change of the chunk's
+    table, ``truncate()`` a TRUNCATE of it, ``high(rows)`` closes the window and returns the
+    rows to emit: those whose key no change in the window mentioned.
+    """
+
+    def __init__(self) -> None:
+        self.is_open = False
+        self.closed = False
+        self._seen: set[Key] = set()
+        self._truncated = False
+
+    def low(self) -> None:
+        if not self.closed:
+            self.is_open = True
+
+    def observe(self, key: Key) -> None:
+        if self.is_open:
+            self._seen.add(key)
+
+    def truncate(self) -> None:
+        if self.is_open:
+            self._truncated = True
+
+    def high(self, rows: Iterable[tuple[Key, Any]]) -> list[Any]:
+        if not self.is_open:
+            raise RuntimeError("high watermark before the low one")
+        self.is_open = False
+        self.closed = True
+        if self._truncated:
+            return []
+        return [row for key, row in rows if key not in self._seen]
+
+    @property
+    def keys_seen(self) -> int:
+        return len(self._seen)
+
+
+@dataclass
+class Position:
+    """Where an incremental snapshot stands; saved in the progress store."""
+
+    signal_id: str
+    tables: list[str]  # left to read, the first one is being read
+    last_key: list[str] | None = None  # of tables[0]: the last key emitted (text output)
+    max_key: list[str] | None = None  # of tables[0]: the largest key when its reading began
+    total_tables: int = 0
+    started_at: str = ""
+    rows: int = 0
+
+    @classmethod
+    def load(cls, doc: dict[str, Any] | None) -> Position | None:
+        return None if not doc else cls(**doc)
+
+
+@dataclass
+class Chunk:
+    id: str
+    table: str
+    after: list[str] | None
+    window: ChunkWindow = field(default_factory=ChunkWindow)
+    scan: ScanTable | None = None
+    rows: list[tuple[Key, list[Any]]] = field(default_factory=list)
+    last_key: list[str] | None = None
+    max_key: list[str] | None = None
+    exhausted: bool = False
+    skip_reason: str | None = None
+
+
+class IncrementalSnapshot:
+    """Signals, chunks and positions; hooked into the producer's pump."""
+
+    def __init__(
+        self, config: ProducerConfig, capture: CaptureFilter, *, offsets: OffsetStore, metrics: SnapshotMetrics,
+    ) -> None:
+        assert capture.signal_table is not None
+        self.config = config
+        self.capture = capture
+        self.offsets = offsets
+        self.metrics = metrics
+        self.chunk_size = max(1, config.incremental_chunk_size)
+        self._signal_part = b',"table":' + orjson.dumps(capture.signal_table)
+        self._saved = offsets.doc.get("incremental")
+        self.position = Position.load(self._saved)
+        self._done_signals: list[str] = list(offsets.doc.get("incremental_done") or [])
+        self._chunk: Chunk | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._retry_at = 0.0
+        self._pending: list[list[Any]] = []  # [end_lsn | None, position doc | None], in order
+        self._eager = False  # a signal changed the position in the transaction being decoded
+        self._save_task: asyncio.Task[None] | None = None
+        self._conn: psycopg.Connection[tuple[object, ...]] | None = None
+        self._relids = 1 << 30  # relids of our own relations, out of pgoutput's way
+        self._started = time.monotonic()
+        if self.position is not None:
+            self.metrics.begin(KIND, self.position.total_tables or len(self.position.tables))
+            self.metrics.tables_remaining.labels(KIND).set(len(self.position.tables))
+            log.info(
+                "incremental snapshot resumed",
+                extra={"signal": self.position.signal_id, "table": self.position.tables[0] if self.position.tables else None,
+                       "after_key": self.position.last_key, "tables_left": self.position.tables},
+            )
+
+    # -- session -----------------------------------------------------------------------------
+
+    def reset(self) -> None:
+        """A new stream session replays from the slot's confirmed position: forget the chunk in
+        flight and anything not confirmed, go back to the last confirmed position."""
+        self._chunk = None
+        self._pending = []
+        self.position = Position.load(self._saved)
+
+    def close(self) -> None:
+        if self._conn is not None:
+            with contextlib.suppress(Exception):
+                self._conn.close()
+
+    # -- hooks from the pump -----------------------------------------------------------------
+
+    def observe(self, ev: EncodedEvent) -> None:
+        """Every streamed event: signals, and the open window's keys."""
+        value = ev.value
+        if self._signal_part in value:
+            self._signal(orjson.loads(value))
+        chunk = self._chunk
+        if chunk is not None and chunk.window.is_open and chunk.scan is not None and chunk.scan.relation.table_part in value:
+            msg = orjson.loads(value)
+            if msg["table"] != chunk.table:
+                return
+            if msg["operation"] == "truncate":
+                chunk.window.truncate()
+                return
+            for key in _event_keys(msg):
+                chunk.window.observe(key)
+
+    def on_message(self, msg: LogicalMessage, partitioned: bool) -> list[EncodedEvent]:
+        """A logical decoding message; at our chunk's high watermark, its reads."""
+        if msg.prefix != WATERMARK_PREFIX or not msg.transactional:
+            return []
+        mark = orjson.loads(msg.content)
+        chunk = self._chunk
+        if chunk is None or mark.get("id") != chunk.id:
+            return []  # a watermark of an earlier process or of a chunk abandoned since
+        if mark.get("kind") == "low":
+            chunk.window.low()
+            return []
+        return self._complete(chunk, msg, partitioned)
+
+    def on_commit(self, end_lsn: int) -> bool:
+        """A transaction ended. True: a signal changed the position in it, call :meth:`save_now`
+        before the commit may be confirmed."""
+        for p in self._pending:
+            if p[0] is None:
+                p[0] = end_lsn
+        eager, self._eager = self._eager, False
+        return eager
+
+    async def save_now(self) -> None:
+        """Save the latest position at once (signals: they must outlive the slot's confirmation).
+        The caller first waits until Kafka acknowledged everything appended: the latest position
+        may include chunks whose reads were still in flight."""
+        if self._pending:
+            _, doc = self._pending[-1]
+            self._pending.clear()
+            await self._save(doc)
+
+    async def tick(self, confirmed_lsn: int) -> None:
+        """Between batches: save what Kafka acknowledged, start the next chunk."""
+        ready = [p for p in self._pending if p[0] is not None and p[0] <= confirmed_lsn]
+        if ready and (self._save_task is None or self._save_task.done()):
+            self._pending = self._pending[len(ready):]
+            self._save_task = asyncio.create_task(self._save(ready[-1][1]))
+        if self.position is not None and self._chunk is None and time.monotonic() >= self._retry_at:
+            self._start_chunk()
+
+    # -- signals -----------------------------------------------------------------------------
+
+    def _signal(self, ev: dict[str, Any]) -> None:
+        if ev.get("operation") != "insert":
+            return
+        row = dict(zip(ev["columns"], ev["values"], strict=True))
+        sig_id, sig_type, data = str(row.get("id")), row.get("type"), row.get("data")
+        try:
+            payload = orjson.loads(data) if isinstance(data, str) and data else {}
+        except orjson.JSONDecodeError:
+            log.error("signal ignored: its data is not JSON", extra={"signal": sig_id, "data": data})
+            return
+        tables = [str(t) for t in payload.get("data-collections") or []]
+        if sig_type == "execute-snapshot":
+            if payload.get("type", "incremental").lower() != "incremental":
+                log.error("signal ignored: only incremental snapshots can be asked for", extra={"signal": sig_id})
+                return
+            if sig_id in self._done_signals or (self.position is not None and self.position.signal_id == sig_id):
+                return  # replayed after a restart: already done, or being resumed
+            self._execute(sig_id, tables)
+        elif sig_type == "stop-snapshot":
+            self._stop(sig_id, tables)
+        else:
+            log.warning("unknown signal ignored", extra={"signal": sig_id, "type": sig_type})
+
+    def _execute(self, sig_id: str, tables: list[str]) -> None:
+        if not tables:
+            log.error("execute-snapshot without data-collections ignored", extra={"signal": sig_id})
+            return
+        pos = self.position
+        if pos is None:
+            pos = self.position = Position(sig_id, [], started_at=datetime.now(UTC).isoformat(timespec="seconds"))
+            self._started = time.monotonic()
+            self.metrics.begin(KIND, 0)
+        added = [t for t in dict.fromkeys(tables) if t not in pos.tables]
+        pos.tables += added
+        pos.total_tables += len(added)
+        self.metrics.tables_total.labels(KIND).set(pos.total_tables)
+        self.metrics.tables_remaining.labels(KIND).set(len(pos.tables))
+        log.info("incremental snapshot started", extra={"signal": sig_id, "tables": added, "queue": pos.tables})
+        self._mark(eager=True)
+
+    def _stop(self, sig_id: str, tables: list[str]) -> None:
+        pos = self.position
+        if pos is None:
+            return
+        if tables:
+            if pos.tables and pos.tables[0] in tables:
+                self._chunk = None  # abandon the chunk in flight; its watermarks are ignored
+                pos.last_key = pos.max_key = None
+            pos.tables = [t for t in pos.tables if t not in tables]
+        else:
+            pos.tables = []
+        log.info("incremental snapshot stopped", extra={"signal": sig_id, "tables": tables or "all", "left": pos.tables})
+        self.metrics.tables_remaining.labels(KIND).set(len(pos.tables))
+        if not pos.tables:
+            self._finish(aborted=True)
+        self._mark(eager=True)
+
+    # -- chunks ------------------------------------------------------------------------------
+
+    def _start_chunk(self) -> None:
+        pos = self.position
+        assert pos is not None
+        if not pos.tables:
+            self._finish(aborted=False)
+            self._mark(eager=False)
+            return
+        chunk = Chunk(uuid.uuid4().hex, pos.tables[0], pos.last_key, max_key=pos.max_key)
+        self._chunk = chunk
+        self._task = asyncio.create_task(asyncio.to_thread(self._read_chunk, chunk))
+        self._task.add_done_callback(functools.partial(self._chunk_read, chunk=chunk))
+
+    def _chunk_read(self, task: asyncio.Task[None], *, chunk: Chunk) -> None:
+        if task.cancelled() or task.exception() is None:
+            if chunk.skip_reason is not None and self._chunk is chunk:
+                log.warning("table left out of the incremental snapshot", extra={"table": chunk.table, "reason": chunk.skip_reason})
+                self._next_table()
+                self._chunk = None
+            return
+        log.warning("incremental snapshot chunk failed, retrying", extra={"table": chunk.table, "error": str(task.exception())})
+        self.close()
+        self._conn = None
+        if self._chunk is chunk:
+            self._chunk = None
+            self._retry_at = time.monotonic() + 2.0
+
+    def _connection(self) -> psycopg.Connection[tuple[object, ...]]:
+        if self._conn is None or self._conn.closed:
+            self._conn = psycopg.connect(self.config.pg_dsn, autocommit=True, application_name="walbus-incremental")
+        return self._conn
+
+    def _read_chunk(self, chunk: Chunk) -> None:
+        """In a thread: low watermark, the chunk's rows, high watermark."""
+        conn = self._connection()
+        schema, _, name = chunk.table.partition(".")
+        self._relids += 1
+        scan = describe_table(conn, schema, name, self.capture, self._relids)
+        chunk.skip_reason = self._unusable(conn, chunk.table, scan)
+        if chunk.skip_reason is not None:
+            return
+        assert scan is not None
+        chunk.scan = scan
+        if chunk.max_key is None:
+            chunk.max_key = max_key(conn, scan)
+        self._watermark(conn, chunk, "low")
+        if chunk.max_key is not None:
+            convs = scan.relation.converters
+            idx = scan.relation.pk_index
+            fields: Sequence[bytes | None] = ()
+            for line in copy_lines(conn, select_chunk(scan, chunk.after, chunk.max_key, self.chunk_size)):
+                values, fields = convert_row(line, convs)
+                chunk.rows.append((tuple(values[i] for i in idx), values))
+            if chunk.rows:
+                chunk.last_key = key_text(fields, scan)
+        chunk.exhausted = len(chunk.rows) < self.chunk_size or chunk.last_key == chunk.max_key
+        # The rows are in place before the high watermark exists: the pump cannot see it earlier.
+        self._watermark(conn, chunk, "high")
+
+    def _unusable(self, conn: psycopg.Connection[tuple[object, ...]], table: str, scan: ScanTable | None) -> str | None:
+        if scan is None:
+            return "no such table"
+        if not self.capture.captures(table) or table == self.capture.signal_table:
+            return "not captured (--tables/--exclude-tables)"
+        if not scan.relation.pk:
+            return "no primary key"
+        if len(scan.relation.pk_index) != len(scan.relation.pk) or any(
+            i in scan.relation.masked or i not in scan.relation.keep for i in scan.relation.pk_index
+        ):
+            return "a primary-key column is masked or excluded"
+        if self.config.plugin == "pgoutput":
+            row = conn.execute(
+                "SELECT 1 FROM pg_publication_tables WHERE pubname = %s AND schemaname = %s AND tablename = %s",
+                (self.config.publication_name, scan.relation.schema, scan.relation.name),
+            ).fetchone()
+            if row is None:
+                return f"not in publication {self.config.publication_name}: its changes would not be streamed"
+        return None
+
+    @staticmethod
+    def _watermark(conn: psycopg.Connection[tuple[object, ...]], chunk: Chunk, kind: str) -> None:
+        content = orjson.dumps({"id": chunk.id, "kind": kind, "table": chunk.table, "ts": datetime.now(UTC).isoformat(timespec="microseconds")})
+        conn.execute("SELECT pg_logical_emit_message(true, %s, %s::text)", (WATERMARK_PREFIX, content.decode()))
+
+    def _complete(self, chunk: Chunk, msg: LogicalMessage, partitioned: bool) -> list[EncodedEvent]:
+        """The high watermark: emit the chunk's rows the window did not drop, move on."""
+        self._chunk = None
+        pos = self.position
+        scan = chunk.scan
+        if pos is None or scan is None or not pos.tables or pos.tables[0] != chunk.table:
+            return []  # stopped meanwhile
+        rows = chunk.window.high(chunk.rows)
+        # The watermark's transaction holds nothing but the message (we wrote it), so these
+        # keys follow its events (none) and precede everything committed after it.
+        reads = EventEncoder(partitioned=partitioned)
+        reads.begin(msg.commit_lsn, msg.xid, msg.timestamp or datetime.now(UTC).isoformat(timespec="microseconds"))
+        reads.seq = msg.seq
+        out = [reads.read(scan.relation, msg.lsn, values) for values in rows]
+        scanned = len(chunk.rows)
+        self.metrics.rows_scanned.labels(KIND, chunk.table).inc(scanned)
+        self.metrics.chunks.labels(chunk.table).inc()
+        pos.rows += scanned
+        log.info(
+            "incremental snapshot chunk",
+            extra={"table": chunk.table, "from_key": chunk.after, "last_key": chunk.last_key, "rows": scanned,
+                   "emitted": len(out), "dropped_in_window": scanned - len(out), "commit_lsn": msg.commit_lsn},
+        )
+        if chunk.exhausted:
+            log.info("incremental snapshot of table done", extra={"table": chunk.table})
+            self._next_table()
+        else:
+            pos.last_key, pos.max_key = chunk.last_key, chunk.max_key
+        if pos.tables:
+            self._mark(eager=False)
+        else:
+            self._finish(aborted=False)
+            self._mark(eager=False)
+        return out
+
+    def _next_table(self) -> None:
+        pos = self.position
+        assert pos is not None
+        pos.tables = pos.tables[1:]
+        pos.last_key = pos.max_key = None
+        self.metrics.tables_remaining.labels(KIND).set(len(pos.tables))
+
+    def _finish(self, *, aborted: bool) -> None:
+        pos = self.position
+        if pos is None:
+            return
+        seconds = time.monotonic() - self._started
+        self.metrics.end(KIND, seconds, aborted=aborted)
+        if not aborted:
+            log.info("incremental snapshot completed", extra={"signal": pos.signal_id, "rows": pos.rows, "seconds": round(seconds, 3)})
+        self._done_signals = [*self._done_signals[-19:], pos.signal_id]
+        self.position = None
+
+    # -- persistence -------------------------------------------------------------------------
+
+    def _mark(self, *, eager: bool) -> None:
+        """The position changed inside the transaction being decoded: save it once that
+        transaction is confirmed (chunks) or before it can be (signals)."""
+        doc = None if self.position is None else asdict(self.position)
+        self._pending.append([None, {"incremental": doc, "incremental_done": list(self._done_signals)}])
+        self._eager = self._eager or eager
+
+    async def _save(self, doc: dict[str, Any]) -> None:
+        self.offsets.doc.update(doc)
+        self._saved = doc["incremental"]
+        await self.offsets.save()
+
+
+def _event_keys(msg: dict[str, Any]) -> list[Key]:
+    """The primary keys a streamed change touches: the new row's and the old key's."""
+    pk = msg.get("pk") or []
+    keys: list[Key] = []
+    cols = msg.get("columns")
+    if cols is not None:
+        row = dict(zip(cols, msg["values"], strict=True))
+        if all(c in row for c in pk):
+            keys.append(tuple(row[c] for c in pk))
+    ident = msg.get("identity")
+    if ident is not None:
+        old = dict(zip(ident["columns"], ident["values"], strict=True))
+        if all(c in old for c in pk):
+            keys.append(tuple(old[c] for c in pk))
+    return keys

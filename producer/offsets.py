@@ -1,0 +1,93 @@
+"""The producer's own small state, kept in Kafka: ``<topic>.progress``, compacted, keyed by slot.
+
+Kafka is the producer's offset store (as Debezium's offsets topic): what the replication
+slot cannot say — whether the initial snapshot completed, where an incremental snapshot
+stands — lives next to the data it describes, so it survives the host and needs no disk.
+One JSON document per slot; the last record of a key wins (compaction keeps just it):
+
+    {"v": 1, "slot": "walbus_db",
+     "initial": {"status": "running" | "completed", "attempt": 2, "consistent_point": 123,
+                 "from_offsets": [0]},            # the topic's end before the first attempt
+     "incremental": {...} | null}                 # see producer.incremental.Position
+
+Writes are acknowledged (acks=all) before the caller goes on.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import orjson
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+
+from walbus.kafka import KafkaAdmin, TopicSpec
+
+log = logging.getLogger("walbus.producer.offsets")
+
+COMPACTED = (("cleanup.policy", "compact"),)
+
+
+def progress_topic(topic: str) -> str:
+    return f"{topic}.progress"
+
+
+class OffsetStore:
+    """The progress document of one slot: :meth:`load` once at start, :meth:`save` as it changes."""
+
+    def __init__(self, client_kwargs: dict[str, Any], topic: str, slot: str, *, replication_factor: int = 1) -> None:
+        self._kwargs = client_kwargs
+        self.topic = progress_topic(topic)
+        self.slot = slot
+        self._rf = replication_factor
+        self._producer: AIOKafkaProducer | None = None
+        self.doc: dict[str, Any] = {}
+
+    async def start(self) -> None:
+        async with KafkaAdmin(client_kwargs=self._kwargs) as admin:
+            await admin.ensure_topic(TopicSpec(self.topic, 1, self._rf, COMPACTED))
+        self._producer = AIOKafkaProducer(**self._kwargs, acks="all", enable_idempotence=True)
+        await self._producer.start()
+        self.doc = await self._load()
+
+    async def stop(self) -> None:
+        if self._producer is not None:
+            await self._producer.stop()
+            self._producer = None
+
+    async def _load(self) -> dict[str, Any]:
+        consumer = AIOKafkaConsumer(**self._kwargs, enable_auto_commit=False, auto_offset_reset="earliest")
+        await consumer.start()
+        try:
+            tp = TopicPartition(self.topic, 0)
+            consumer.assign([tp])
+            await consumer.seek_to_beginning(tp)
+            end = (await consumer.end_offsets([tp]))[tp]
+            key = self.slot.encode()
+            doc: dict[str, Any] = {}
+            while await consumer.position(tp) < end:
+                batch = await consumer.getmany(tp, timeout_ms=1000)
+                for m in batch.get(tp, []):
+                    if m.key == key:
+                        doc = orjson.loads(m.value) if m.value else {}
+            return doc
+        finally:
+            await consumer.stop()
+
+    async def save(self) -> None:
+        """Write the whole document (acknowledged by every in-sync replica before returning)."""
+        assert self._producer is not None, "OffsetStore.start() first"
+        self.doc["v"] = 1
+        self.doc["slot"] = self.slot
+        await self._producer.send_and_wait(self.topic, key=self.slot.encode(), value=orjson.dumps(self.doc))
+
+    async def topic_end_offsets(self, topic: str, partitions: int) -> list[int]:
+        """Where ``topic``'s partitions end now (a snapshot attempt's first record comes after)."""
+        consumer = AIOKafkaConsumer(**self._kwargs, enable_auto_commit=False)
+        await consumer.start()
+        try:
+            tps = [TopicPartition(topic, p) for p in range(partitions)]
+            ends = await consumer.end_offsets(tps)
+            return [int(ends[tp]) for tp in tps]
+        finally:
+            await consumer.stop()

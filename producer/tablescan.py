@@ -1,0 +1,211 @@
+"""Reading table rows the way the stream sees them: COPY text output, converted like pgoutput's.
+
+Both snapshot kinds read rows here. ``COPY … TO STDOUT`` in text format hands over each
+value's type output function text — exactly what pgoutput sends in its tuples — so the
+same :func:`producer.codec.text_converter` gives identical JSON values, and COPY is the
+fastest way PostgreSQL has to hand rows out (no per-row protocol overhead, bounded
+memory: libpq returns one row per CopyData message).
+
+The column list mirrors pgoutput's Relation message: attnum order, no dropped and no
+generated columns (pgoutput does not send those), so read events carry the same
+``columns``/``types`` as the stream's inserts of the same table.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import psycopg
+from psycopg import sql
+
+from producer.codec import (
+    FLOAT_SPECIALS,
+    FLOAT_TYPES,
+    INT_TYPES,
+    CaptureFilter,
+    Relation,
+    text_converter,
+)
+
+Conn = psycopg.Connection[tuple[object, ...]]
+
+# COPY's text format escapes backslash, the delimiter and a few control characters; the
+# output side produces nothing else (no octal or hex escapes), see CopyAttributeOutText.
+_ESCAPES = {b"b": b"\b", b"f": b"\f", b"n": b"\n", b"r": b"\r", b"t": b"\t", b"v": b"\v"}
+_ESCAPE_RE = re.compile(rb"\\(.)", re.DOTALL)
+
+
+def _unescape_match(m: re.Match[bytes]) -> bytes:
+    c = m.group(1)
+    return _ESCAPES.get(c, c)
+
+
+def copy_field(raw: bytes) -> bytes | None:
+    """One COPY text field: ``\\N`` is NULL, backslash escapes undone."""
+    if raw == b"\\N":
+        return None
+    return _ESCAPE_RE.sub(_unescape_match, raw) if b"\\" in raw else raw
+
+
+@dataclass
+class ScanTable:
+    """A captured table as the snapshot reads it."""
+
+    relation: Relation
+    kind: str  # pg_class.relkind
+    sql_types: list[str]  # atttypid::regtype, for key literals in chunk queries
+    estimated_rows: int = 0
+    pages: int = 0  # heap pages when described
+
+    @property
+    def qualified(self) -> str:
+        return self.relation.qualified
+
+    @property
+    def ident(self) -> sql.Identifier:
+        return sql.Identifier(self.relation.schema, self.relation.name)
+
+    def column_list(self) -> sql.Composed:
+        return sql.SQL(", ").join(sql.Identifier(c) for c in self.relation.columns)
+
+    def pk_list(self) -> sql.Composed:
+        return sql.SQL(", ").join(sql.Identifier(c) for c in self.relation.pk)
+
+    def key_literal(self, key_text: Sequence[str]) -> sql.Composed:
+        """``(v1::type1, v2::type2)`` from the key's text output (typed: text order is not key order)."""
+        types = [self.sql_types[i] for i in self.relation.pk_index]
+        return sql.SQL("({})").format(
+            sql.SQL(", ").join(sql.SQL("{}::{}").format(sql.Literal(v), sql.SQL(t)) for v, t in zip(key_text, types, strict=True))
+        )
+
+
+def describe_table(conn: Conn, schema: str, name: str, capture: CaptureFilter, relid: int) -> ScanTable | None:
+    """The table's read layout, on ``conn`` (inside the snapshot transaction when there is one,
+    so that it matches the rows read). None when the table does not exist."""
+    row = conn.execute(
+        "SELECT c.oid::int8, c.relkind::text, c.relreplident::text, greatest(c.reltuples, 0)::int8, "
+        "(pg_relation_size(c.oid) / current_setting('block_size')::int8)::int8 "
+        "FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace WHERE n.nspname = %s AND c.relname = %s",
+        (schema, name),
+    ).fetchone()
+    if row is None:
+        return None
+    oid, kind, replident, estimate, pages = int(str(row[0])), str(row[1]), str(row[2]), int(str(row[3])), int(str(row[4]))
+    cols = conn.execute(
+        "SELECT a.attname, t.typname, a.atttypid::regtype::text FROM pg_attribute a JOIN pg_type t ON t.oid = a.atttypid "
+        "WHERE a.attrelid = %s AND a.attnum > 0 AND NOT a.attisdropped AND a.attgenerated = '' ORDER BY a.attnum",
+        (oid,),
+    ).fetchall()
+    pk = [
+        str(r[0])
+        for r in conn.execute(
+            "SELECT a.attname FROM pg_index i JOIN LATERAL unnest(i.indkey::int2[]) WITH ORDINALITY AS k(attnum, ord) ON true "
+            "JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = k.attnum "
+            "WHERE i.indrelid = %s AND i.indisprimary ORDER BY k.ord",
+            (oid,),
+        ).fetchall()
+    ]
+    columns = [str(c[0]) for c in cols]
+    types = [str(c[1]) for c in cols]
+    # Read events carry no identity; flags only matter for deletes, which name the key.
+    identity = [c in pk for c in columns]
+    rel = Relation(relid, schema, name, columns, types, identity, pk, replident).prepare(capture)
+    rel.converters = [text_converter(t) for t in types]
+    return ScanTable(rel, kind, [str(c[2]) for c in cols], estimate, pages)
+
+
+def _str_float(text: str) -> float | str:
+    return text if text in FLOAT_SPECIALS else float(text)
+
+
+def _str_bool(text: str) -> bool:
+    return text == "t"
+
+
+def str_converters(types: Sequence[str]) -> list[Callable[[str], Any] | None]:
+    """Per column, what turns a decoded text field into its JSON value (None: the text itself)."""
+    out: list[Callable[[str], Any] | None] = []
+    for t in types:
+        if t in INT_TYPES:
+            out.append(int)
+        elif t in FLOAT_TYPES:
+            out.append(_str_float)
+        elif t == "bool":
+            out.append(_str_bool)
+        else:
+            out.append(None)
+    return out
+
+
+def convert_line(line: bytes, converters: Sequence[Any], str_convs: Sequence[Callable[[str], Any] | None]) -> list[Any]:
+    """A COPY text line as JSON-ready values — the initial snapshot's hot path: a row without
+    a backslash (no NULL, no escape) is decoded once and split, and text columns cost nothing."""
+    if b"\\" in line:
+        return convert_row(line, converters)[0]
+    return [f if c is None else c(f) for c, f in zip(str_convs, line.decode()[:-1].split("\t"), strict=True)]
+
+
+def convert_row(line: bytes, converters: Sequence[Any]) -> tuple[list[Any], Sequence[bytes | None]]:
+    """A COPY text line (with its newline) as JSON-ready values, and the raw fields."""
+    raw = line[:-1].split(b"\t")
+    if b"\\" not in line:
+        # No backslash: no NULL and no escape anywhere in the row (the common case).
+        return [conv(f) for conv, f in zip(converters, raw, strict=True)], raw
+    fields = [copy_field(f) for f in raw]
+    return [None if f is None else conv(f) for conv, f in zip(converters, fields, strict=True)], fields
+
+
+def copy_lines(conn: Conn, query: sql.Composable) -> Iterator[bytes]:
+    """Each row of ``COPY (query) TO STDOUT`` (text format) as bytes, one at a time."""
+    with conn.cursor() as cur, cur.copy(sql.SQL("COPY ({}) TO STDOUT").format(query)) as copy:
+        for data in copy:
+            yield bytes(data)
+
+
+def copy_table_lines(conn: Conn, table: ScanTable, pages: tuple[int, int | None] | None = None) -> Iterator[bytes]:
+    """Every row of a table, in storage order (COPY of a plain table skips the executor), or
+    of the heap pages ``[first, end)`` only (a TID range scan: one table read by several
+    connections; ``end`` None: to the last page)."""
+    if pages is not None:
+        lo, hi = pages
+        cond = sql.SQL("ctid >= {}::tid").format(sql.Literal(f"({lo},0)"))
+        if hi is not None:
+            cond = sql.SQL("{} AND ctid < {}::tid").format(cond, sql.Literal(f"({hi},0)"))
+        statement = sql.SQL("COPY (SELECT {} FROM {} WHERE {}) TO STDOUT").format(table.column_list(), table.ident, cond)
+    elif table.kind == "r":
+        statement = sql.SQL("COPY {} ({}) TO STDOUT").format(table.ident, table.column_list())
+    else:
+        statement = sql.SQL("COPY (SELECT {} FROM {}) TO STDOUT").format(table.column_list(), table.ident)
+    with conn.cursor() as cur, cur.copy(statement) as copy:
+        for data in copy:
+            yield bytes(data)
+
+
+def key_text(fields: Sequence[bytes | None], table: ScanTable) -> list[str]:
+    """The primary key's text output from a row's raw fields (None never: keys are NOT NULL)."""
+    return [(fields[i] or b"").decode() for i in table.relation.pk_index]
+
+
+def select_chunk(table: ScanTable, after: Sequence[str] | None, upto: Sequence[str], limit: int) -> sql.Composed:
+    """The next chunk of an incremental snapshot: keys in (after, upto], key order, ``limit`` rows."""
+    cond = [sql.SQL("({}) <= {}").format(table.pk_list(), table.key_literal(upto))]
+    if after is not None:
+        cond.append(sql.SQL("({}) > {}").format(table.pk_list(), table.key_literal(after)))
+    return sql.SQL("SELECT {} FROM {} WHERE {} ORDER BY {} LIMIT {}").format(
+        table.column_list(), table.ident, sql.SQL(" AND ").join(cond), table.pk_list(), sql.Literal(limit)
+    )
+
+
+def max_key(conn: Conn, table: ScanTable) -> list[str] | None:
+    """The largest primary key now (text output), None for an empty table."""
+    # Qualified in ORDER BY: a bare name would mean the ::text output column, sorted as text.
+    q = sql.SQL("SELECT {} FROM {} AS t ORDER BY {} LIMIT 1").format(
+        sql.SQL(", ").join(sql.SQL("t.{}::text").format(sql.Identifier(c)) for c in table.relation.pk),
+        table.ident,
+        sql.SQL(", ").join(sql.SQL("t.{} DESC").format(sql.Identifier(c)) for c in table.relation.pk),
+    )
+    row = conn.execute(q).fetchone()
+    return None if row is None else [str(v) for v in row]
