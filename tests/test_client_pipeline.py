@@ -1,4 +1,4 @@
-"""Table against the real pipeline: PostgreSQL -> producer -> demux -> Table == SELECT *.
+"""The real pipeline: PostgreSQL -> producer -> demux -> Table == SELECT *, and the balances example.
 
 Runs once the demux service is in the tree (it is built on its own branch); skipped before.
 """
@@ -7,14 +7,17 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import json
+import os
 import random
 import signal
+import sys
 from pathlib import Path
 
 import psycopg
 import pytest
 
-from tests.fix_pipeline import running_producer, walbus_process
+from tests.fix_pipeline import ROOT, running_producer, walbus_process
 from walbus.client import Feed, Table
 
 pytestmark = [
@@ -76,6 +79,17 @@ async def test_table_equals_select_and_wait_until(pg_dsn: str, kafka_bootstrap: 
                     async with asyncio.timeout(30):
                         await table.wait_until(event.commit_lsn)
                     assert dict(table) == await asyncio.to_thread(_select_all, pg_dsn), f"after transaction {n}"
+            # The balances example on the same pipeline: one sum per user, as SQL computes it.
+            env = {**os.environ, "PYTHONPATH": str(ROOT), "WALBUS_KAFKA_BOOTSTRAP": kafka_bootstrap, "WALBUS_TOPIC": source}
+            example = await asyncio.create_subprocess_exec(
+                sys.executable, str(ROOT / "examples" / "balances_ktable.py"), "--once",
+                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env,
+            )
+            out, err = await asyncio.wait_for(example.communicate(), 60)
+            assert example.returncode == 0, err.decode()[-2000:]
+            with psycopg.connect(pg_dsn) as conn:
+                sums = conn.execute("SELECT user_id, sum(amount) FROM transactions GROUP BY user_id ORDER BY user_id").fetchall()
+            assert json.loads(out) == {"balances": {str(u): int(total) for u, total in sums}}
         except BaseException:
             print(log.read_text()[-5000:])  # shown by pytest on failure
             raise
