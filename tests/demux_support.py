@@ -233,6 +233,8 @@ def ev(commit_lsn: int, seq: int, op: str, table: str, pk: list[str], new: dict[
 
 
 class DictState:
+    """The store's read interface over a dict, plus the changes applied."""
+
     def __init__(self) -> None:
         self.rows: dict[tuple[str, bytes], bytes] = {}
 
@@ -242,6 +244,13 @@ class DictState:
 
     def keys(self, table: str) -> Iterable[bytes]:
         return [k for (t, k) in self.rows if t == table]
+
+    def apply(self, changes: list[tuple[str, bytes, bytes | None]]) -> None:
+        for t, k, v in changes:
+            if v is None:
+                self.rows.pop((t, k), None)
+            else:
+                self.rows[(t, k)] = v
 
 
 def expected_output(values: Iterable[bytes], prefix: str, database: str,

@@ -2,38 +2,17 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import Any
 
 import orjson
 import pytest
 
-from demux.rekey import META_FIELDS, OutRecord, Rekeyer, RekeyError, strip_meta
+from demux.rekey import META_FIELDS, OutRecord, Rekeyer, RekeyError
+from tests.demux_support import DictState
 from walbus.contract import ChangeEvent, RowImage, decode_event, encode_event
 
 TS = "2024-05-01T12:00:00.000001+00:00"
 TOPIC = "walbus.shop.public.transactions"
-
-
-class DictState:
-    """The store's read interface over a dict, plus the changes applied."""
-
-    def __init__(self) -> None:
-        self.rows: dict[tuple[str, bytes], bytes] = {}
-
-    def get(self, table: str, key: bytes) -> dict[str, Any] | None:
-        raw = self.rows.get((table, key))
-        return None if raw is None else strip_meta(orjson.loads(raw))
-
-    def keys(self, table: str) -> Iterable[bytes]:
-        return [k for (t, k) in self.rows if t == table]
-
-    def apply(self, changes: list[tuple[str, bytes, bytes | None]]) -> None:
-        for t, k, v in changes:
-            if v is None:
-                self.rows.pop((t, k), None)
-            else:
-                self.rows[(t, k)] = v
 
 
 def image(**row: Any) -> dict[str, list[Any]]:

@@ -111,6 +111,10 @@ class KafkaAdmin:
             raise err(f"creating topic {spec.name}: {message}")
         return False
 
+    async def delete_topics(self, topics: list[str]) -> None:
+        if topics:
+            await self._admin.delete_topics(topics)
+
     async def topic_config(self, topic: str, keys: list[str] | None = None) -> dict[str, str]:
         res = ConfigResource(ConfigResourceType.TOPIC, topic, {k: None for k in keys} if keys else None)
         responses = await self._admin.describe_configs([res])
