@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import importlib
+import logging
 import sys
 from collections.abc import Callable, Sequence
 
 from walbus.config import ConfigError
 from walbus.dev.processes import StackError
+from walbus.logs import redact_dsn
 
 USAGE = """usage: walbus <command> [options]
 
@@ -53,13 +55,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ConfigError, StackError) as e:
         print(f"walbus {args[0]}: error: {e}", file=sys.stderr)
         return 2
-    except ModuleNotFoundError as e:
-        if e.name and e.name.split(".")[0] in ("producer", "demux", "warehouse", "walbus"):
-            print(f"walbus {args[0]}: not implemented yet", file=sys.stderr)
-            return 2
-        raise
     except KeyboardInterrupt:
         return 130
+    except Exception as e:
+        # A fault we could not recover from: one clear line, the traceback in the log. Nothing
+        # is lost: the producer confirms the slot only for what Kafka acknowledged, the demux
+        # commits offsets only with its output.
+        logging.getLogger("walbus").critical("fatal error", exc_info=True)
+        print(f"walbus {args[0]}: fatal: {type(e).__name__}: {redact_dsn(str(e))}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":
