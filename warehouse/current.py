@@ -28,7 +28,7 @@ from pyspark.sql.types import BooleanType, StructField
 
 from warehouse.frame import DELETED, META_FIELDS, POSITION, prev_name
 from warehouse.schema import SourceColumn, quote, sql_string, table_properties
-from warehouse.txn import Txn, committed_metrics
+from warehouse.txn import Txn, last_commit_metrics
 
 TRUNCATED_PROPERTY: Final = "walbus.truncatedAt"
 CURRENT_EXTRA_FIELDS: Final = (StructField(DELETED, BooleanType(), False),)
@@ -40,9 +40,9 @@ _ORDERABLE_KEY_TYPES: Final = ("int", "bigint", "smallint", "string", "date", "t
 
 @dataclass(frozen=True)
 class CurrentResult:
-    inserted: int
-    updated: int
-    deleted: int  # rows turned into tombstones (including by TRUNCATE)
+    inserted: int  # rows of keys new to the table (tombstones of unseen keys included)
+    updated: int  # rows replaced by a newer version (tombstoning included)
+    deleted: int  # deletes among those, plus rows tombstoned by TRUNCATE
     skipped: bool
 
 
@@ -93,13 +93,17 @@ def latest_actions(rows: DataFrame, pk: Sequence[str], columns: Sequence[SourceC
     return latest.select(*pk, *[F.col("a")[c].alias(c) for c in others])
 
 
-def _key_range(source: DataFrame, first_key: str, key_type: str) -> tuple[Any, Any] | None:
-    if key_type not in _ORDERABLE_KEY_TYPES and not key_type.startswith("decimal"):
-        return None
-    row = source.agg(F.min(first_key).alias("lo"), F.max(first_key).alias("hi")).first()
-    if row is None or row["lo"] is None:
-        return None
-    return row["lo"], row["hi"]
+def _source_stats(source: DataFrame, first_key: str) -> tuple[tuple[Any, Any] | None, int]:
+    """(key range of the first key column if orderable, number of tombstones) in one job."""
+    row = source.agg(
+        F.min(first_key).alias("lo"), F.max(first_key).alias("hi"), F.count_if(F.col(DELETED)).alias("d")
+    ).first()
+    if row is None:
+        return None, 0
+    key_type = source.schema[first_key].dataType.simpleString()
+    orderable = key_type in _ORDERABLE_KEY_TYPES or key_type.startswith("decimal")
+    bounds = (row["lo"], row["hi"]) if orderable and row["lo"] is not None else None
+    return bounds, int(row["d"] or 0)
 
 
 def merge_current(
@@ -125,7 +129,7 @@ def merge_current(
         cond: Column = F.lit(True)
         for k in pk:
             cond = cond & (F.col(f"t.{quote(k)}") == F.col(f"s.{quote(k)}"))
-        bounds = _key_range(source, pk[0], source.schema[pk[0]].dataType.simpleString())
+        bounds, deleted = _source_stats(source, pk[0])
         if bounds is not None:
             # a target-only predicate: Delta prunes the files outside the load's key range
             cond = cond & F.col(f"t.{quote(pk[0])}").between(F.lit(bounds[0]), F.lit(bounds[1]))
@@ -133,7 +137,6 @@ def merge_current(
         all_cols = [*meta_names, *[c.name for c in columns], DELETED]
         tombstone_set: dict[str, str | Column] = {quote(c): f"s.{quote(c)}" for c in [*meta_names, DELETED]}
         full_set: dict[str, str | Column] = {quote(c): f"s.{quote(c)}" for c in all_cols}
-        before = txn.version(spark, path)
         with txn.for_sql(spark):
             (
                 DeltaTable.forPath(spark, path)
@@ -145,10 +148,9 @@ def merge_current(
                 .whenNotMatchedInsert(values=full_set)
                 .execute()
             )
-        metrics = committed_metrics(spark, path, before)
+        metrics = last_commit_metrics(spark, path)
         inserted = int(metrics.get("numTargetRowsInserted", 0))
         updated = int(metrics.get("numTargetRowsUpdated", 0))
-        deleted = 0
     if truncate is not None:
         deleted += _apply_truncate(spark, path, truncate)
     return CurrentResult(inserted, updated, deleted, skipped)
@@ -163,9 +165,7 @@ def _apply_truncate(spark: SparkSession, path: str, position: tuple[int, int]) -
         return 0
     lsn, seq = POSITION
     older = (F.col(lsn) < F.lit(position[0])) | ((F.col(lsn) == F.lit(position[0])) & (F.col(seq) < F.lit(position[1])))
-    table = DeltaTable.forPath(spark, path)
-    version = table.history(1).select("version").first()
-    table.update(
+    DeltaTable.forPath(spark, path).update(
         condition=(~F.col(DELETED)) & older,
         set={
             DELETED: F.lit(True),
@@ -174,7 +174,7 @@ def _apply_truncate(spark: SparkSession, path: str, position: tuple[int, int]) -
             "pg_operation": F.lit("truncate"),
         },
     )
-    metrics = committed_metrics(spark, path, int(version["version"]) if version else -1)
+    metrics = last_commit_metrics(spark, path)
     value = f"{position[0]}:{position[1]}"
     spark.sql(f"ALTER TABLE delta.`{path}` SET TBLPROPERTIES ('{TRUNCATED_PROPERTY}' = {sql_string(value)})")
     return int(metrics.get("numUpdatedRows", 0))

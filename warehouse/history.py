@@ -15,7 +15,7 @@ from pyspark.sql import functions as F
 
 from warehouse.frame import POSITION, table_columns
 from warehouse.schema import SourceColumn
-from warehouse.txn import Txn, committed_metrics
+from warehouse.txn import Txn, last_commit_metrics
 
 
 @dataclass(frozen=True)
@@ -40,7 +40,6 @@ def write_history(
         .select(*POSITION)
     )
     fresh = rows.join(existing, list(POSITION), "left_anti").orderBy(*POSITION)
-    before = txn.version(spark, path)
     (
         fresh.write.format("delta")
         .mode("append")
@@ -48,5 +47,5 @@ def write_history(
         .option("txnVersion", txn.batch_id)
         .save(path)
     )
-    metrics = committed_metrics(spark, path, before)
+    metrics = last_commit_metrics(spark, path)
     return HistoryResult(int(metrics.get("numOutputRows", 0)), False)

@@ -88,7 +88,7 @@ class TableSummary:
         if self.history_only:
             text += ", no primary key: history only"
         else:
-            text += f", current +{self.inserted} inserted, {self.updated} updated, {self.deleted} deleted"
+            text += f", current {self.inserted} inserted / {self.updated} updated rows ({self.deleted} deletes)"
         if self.already_loaded:
             text += " (this load was already committed before a restart)"
         return text
@@ -182,7 +182,7 @@ def _run_batch(
                 f"record at {spec.topic} {describe_invalid(bad)} is not a walbus contract-v1 event; "
                 "nothing of this load was written"
             )
-        txn = Txn(f"walbus:{spec.topic}", load.batch_id)
+        txn = Txn(f"walbus:{spec.topic}", load.batch_id, replay)
         failures: list[str] = []
         batch_events = 0
         for meta in sorted(_table_meta(events), key=lambda r: r["table"]):

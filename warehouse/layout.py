@@ -2,7 +2,7 @@
 
 ::
 
-    <warehouse>/<topic>/_walbus_loads               Delta: the load log (offsets per load)
+    <warehouse>/<topic>/_walbus_loads/              the load log: offsets of each load (JSON)
     <warehouse>/<topic>/<schema>.<table>/history    Delta: every change, deduplicated, LSN order
     <warehouse>/<topic>/<schema>.<table>/current    Delta: one row per primary key (+ tombstones)
 

@@ -1,40 +1,36 @@
 """The load log: which slice of the topic each load covers, and whether it completed.
 
-A Delta table at ``<warehouse>/<topic>/_walbus_loads``, appended to only. Each load N writes
-two rows: ``planned`` (its fixed offset range, before any data is written) and ``committed``
-(after every table has committed load N). Together with the per-table markers of
-:mod:`warehouse.txn` this is a two-phase protocol like Spark Structured Streaming's offset
-and commit logs:
+Small JSON files in ``<warehouse>/<topic>/_walbus_loads/``, like the offset and commit logs
+of Spark Structured Streaming's checkpoints (read and written on the driver through the
+Hadoop FileSystem API, so any warehouse URI works and no Spark job is spent on them):
 
-* last row ``committed`` -> the next load starts at its end offsets;
-* last row ``planned`` (the job died) -> the next run replays load N with exactly the same
-  offsets; the tables that had committed load N skip it, the others write it. Then it
-  continues with a new load.
+* ``<N>.planned.json``   written before load N touches any table: its fixed offset range;
+* ``<N>.committed.json`` written after every table has committed load N (with a summary).
+
+Each file is written to a temporary name and renamed, so it is either complete or absent.
+Together with the per-table markers of :mod:`warehouse.txn` this is a two-phase protocol:
+
+* last load committed -> the next load starts at its end offsets;
+* last load only planned (the job died) -> the next run replays load N with exactly the same
+  offsets; tables that had committed load N skip it, the others write it. Then it continues
+  with a new load.
 """
 
 from __future__ import annotations
 
 import datetime as dt
+import re
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
 import orjson
 from pyspark.sql import SparkSession
-from pyspark.sql import functions as F
-from pyspark.sql.types import LongType, StringType, StructField, StructType, TimestampType
 
 from warehouse.read import Offsets
+from warehouse.txn import jvm
 
-LOADS_SCHEMA = StructType(
-    [
-        StructField("batch_id", LongType(), False),
-        StructField("status", StringType(), False),
-        StructField("start_offsets", StringType(), False),
-        StructField("end_offsets", StringType(), False),
-        StructField("at", TimestampType(), False),
-        StructField("summary", StringType(), True),
-    ]
-)
+_NAME = re.compile(r"^(\d{20})\.(planned|committed)\.json$")
 
 
 @dataclass(frozen=True)
@@ -45,37 +41,68 @@ class Load:
     end: Offsets
 
 
-def _offsets(text: str) -> Offsets:
-    return {int(p): int(o) for p, o in orjson.loads(text).items()}
+def _fs(spark: SparkSession, path: str) -> tuple[Any, Any]:
+    hpath = jvm(spark).org.apache.hadoop.fs.Path(path)
+    return hpath.getFileSystem(spark._jsparkSession.sessionState().newHadoopConf()), hpath
 
 
-def _text(offsets: Offsets) -> str:
-    return orjson.dumps({str(p): o for p, o in sorted(offsets.items())}).decode()
+def _offsets(obj: dict[str, int]) -> Offsets:
+    return {int(p): int(o) for p, o in obj.items()}
 
 
 def last_load(spark: SparkSession, path: str) -> Load | None:
-    from delta.tables import DeltaTable
+    fs, dir_path = _fs(spark, path)
+    if not fs.exists(dir_path):
+        return None
+    latest: tuple[int, bool] | None = None  # (load id, committed): committed sorts last
+    for status in fs.listStatus(dir_path):
+        m = _NAME.match(status.getPath().getName())
+        if m is None:
+            continue
+        key = (int(m.group(1)), m.group(2) == "committed")
+        if latest is None or key > latest:
+            latest = key
+    if latest is None:
+        return None
+    state = "committed" if latest[1] else "planned"
+    obj = orjson.loads(_read(spark, f"{path}/{latest[0]:020d}.{state}.json"))
+    return Load(latest[0], state, _offsets(obj["start"]), _offsets(obj["end"]))
 
-    if not DeltaTable.isDeltaTable(spark, path):
-        return None
-    row = (
-        spark.read.format("delta")
-        .load(path)
-        .orderBy(F.col("batch_id").desc(), F.when(F.col("status") == "committed", 1).otherwise(0).desc())
-        .first()
-    )
-    if row is None:
-        return None
-    return Load(int(row["batch_id"]), row["status"], _offsets(row["start_offsets"]), _offsets(row["end_offsets"]))
+
+def _read(spark: SparkSession, path: str) -> bytes:
+    fs, hpath = _fs(spark, path)
+    stream = fs.open(hpath)
+    try:
+        gw = jvm(spark)
+        data = gw.org.apache.commons.io.IOUtils.toByteArray(stream)
+        return bytes(data)
+    finally:
+        stream.close()
 
 
 def record(spark: SparkSession, path: str, load: Load, summary: dict[str, Any] | None = None) -> None:
-    row = (
-        load.batch_id,
-        load.status,
-        _text(load.start),
-        _text(load.end),
-        dt.datetime.now(dt.UTC),
-        orjson.dumps(summary).decode() if summary is not None else None,
+    body = orjson.dumps(
+        {
+            "batch_id": load.batch_id,
+            "status": load.status,
+            "start": {str(p): o for p, o in sorted(load.start.items())},
+            "end": {str(p): o for p, o in sorted(load.end.items())},
+            "at": dt.datetime.now(dt.UTC).isoformat(),
+            "summary": summary,
+        },
+        option=orjson.OPT_INDENT_2,
     )
-    spark.createDataFrame([row], LOADS_SCHEMA).write.format("delta").mode("append").save(path)
+    fs, dir_path = _fs(spark, path)
+    fs.mkdirs(dir_path)
+    gw = jvm(spark)
+    final = gw.org.apache.hadoop.fs.Path(f"{path}/{load.batch_id:020d}.{load.status}.json")
+    tmp = gw.org.apache.hadoop.fs.Path(f"{path}/.{uuid.uuid4().hex}.tmp")
+    out = fs.create(tmp, False)
+    try:
+        out.write(bytearray(body))
+        out.hsync()
+    finally:
+        out.close()
+    if not fs.rename(tmp, final):
+        fs.delete(tmp, False)
+        raise OSError(f"could not record load {load.batch_id} ({load.status}) at {final}")

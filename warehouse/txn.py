@@ -20,13 +20,11 @@ from pyspark.sql import SparkSession
 class Txn:
     app_id: str
     batch_id: int
+    replay: bool = False  # only a replayed load can find its marker in a table already
 
     def applied(self, spark: SparkSession, path: str) -> bool:
         """Whether the table at ``path`` already committed this load (or a later one)."""
-        return applied_version(spark, path, self.app_id) >= self.batch_id
-
-    def version(self, spark: SparkSession, path: str) -> int:
-        return table_version(spark, path)
+        return self.replay and applied_version(spark, path, self.app_id) >= self.batch_id
 
     @contextlib.contextmanager
     def for_sql(self, spark: SparkSession) -> Iterator[None]:
@@ -77,11 +75,9 @@ def table_version(spark: SparkSession, path: str) -> int:
     return int(row["version"]) if row else -1
 
 
-def committed_metrics(spark: SparkSession, path: str, before: int) -> dict[str, str]:
-    """Operation metrics of the commit made after version ``before`` (empty if none was)."""
+def last_commit_metrics(spark: SparkSession, path: str) -> dict[str, str]:
+    """Operation metrics of the table's latest commit (the write just made: one writer)."""
     from delta.tables import DeltaTable
 
-    row = DeltaTable.forPath(spark, path).history(1).select("version", "operationMetrics").first()
-    if row is None or int(row["version"]) <= before:
-        return {}
-    return dict(row["operationMetrics"] or {})
+    row = DeltaTable.forPath(spark, path).history(1).select("operationMetrics").first()
+    return dict(row["operationMetrics"] or {}) if row is not None else {}

@@ -47,8 +47,4 @@ def register_views(spark: SparkSession, warehouse: str, topic: str | None = None
             current.createOrReplaceTempView(paths.view_base + "_all")
             current.where(~F.col(DELETED)).drop(DELETED).createOrReplaceTempView(paths.view_base)
             names += [paths.view_base + "_all", paths.view_base]
-    loads_path = layout.loads_path(warehouse, topic)
-    if DeltaTable.isDeltaTable(spark, loads_path):
-        spark.read.format("delta").load(loads_path).createOrReplaceTempView("walbus_loads")
-        names.append("walbus_loads")
     return names
