@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import sys
 from collections.abc import Callable, Sequence
 
@@ -22,39 +23,21 @@ commands:
 """
 
 
-def _commands() -> dict[str, Callable[[Sequence[str]], int]]:
-    # Imported lazily: `walbus dev` must not pay for Spark or the producer's imports.
-    def dev(argv: Sequence[str]) -> int:
-        from walbus.dev.cli import main
+# Each command's module, imported only when it runs: `walbus dev` must not pay for Spark.
+COMMANDS = {
+    "dev": "walbus.dev.cli",
+    "produce": "producer.service",
+    "demux": "demux.service",
+    "warehouse": "warehouse.cli",
+    "tail": "walbus.tail",
+    "demo": "walbus.demo",
+}
 
-        return main(argv)
 
-    def produce(argv: Sequence[str]) -> int:
-        from producer.service import main
-
-        return main(argv)
-
-    def demux(argv: Sequence[str]) -> int:
-        from demux.service import main
-
-        return main(argv)
-
-    def warehouse(argv: Sequence[str]) -> int:
-        from warehouse.cli import main
-
-        return main(argv)
-
-    def tail(argv: Sequence[str]) -> int:
-        from walbus.tail import main
-
-        return main(argv)
-
-    def demo(argv: Sequence[str]) -> int:
-        from walbus.demo import main
-
-        return main(argv)
-
-    return {"dev": dev, "produce": produce, "demux": demux, "warehouse": warehouse, "tail": tail, "demo": demo}
+def _load(command: str) -> Callable[[Sequence[str]], int]:
+    module = importlib.import_module(COMMANDS[command])
+    entry: Callable[[Sequence[str]], int] = module.main
+    return entry
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -62,13 +45,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args or args[0] in ("-h", "--help", "help"):
         print(USAGE)
         return 0 if args else 2
-    commands = _commands()
-    cmd = commands.get(args[0])
-    if cmd is None:
+    if args[0] not in COMMANDS:
         print(f"walbus: unknown command {args[0]!r}\n\n{USAGE}", file=sys.stderr)
         return 2
     try:
-        return cmd(args[1:])
+        return _load(args[0])(args[1:])
     except (ConfigError, StackError) as e:
         print(f"walbus {args[0]}: error: {e}", file=sys.stderr)
         return 2

@@ -19,7 +19,7 @@ class Backoff:
         return self.attempts > 0 and self.failures >= self.attempts
 
     def next_delay(self) -> float:
-        return min(self.initial * (2 ** max(self.failures - 1, 0)), self.maximum)
+        return float(min(self.initial * 2.0 ** max(self.failures - 1, 0), self.maximum))
 
     async def wait(self, log: logging.Logger, what: str, error: BaseException) -> None:
         """Count one failure and sleep; raises ``error`` again when attempts are used up."""

@@ -10,7 +10,6 @@ import subprocess
 import time
 from pathlib import Path
 
-
 # Popen objects of the processes this interpreter started: kept so that they are not
 # garbage-collected while running (ResourceWarning) and can be reaped when stopped.
 _CHILDREN: dict[int, subprocess.Popen[bytes]] = {}

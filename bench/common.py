@@ -1,0 +1,83 @@
+"""Shared benchmark plumbing: services, JSON-lines output, timing helpers."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import orjson
+import psycopg
+from psycopg import sql
+from psycopg.conninfo import make_conninfo
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+def emit(**fields: Any) -> None:
+    """One machine-readable result line on stdout."""
+    print(orjson.dumps(fields).decode(), flush=True)
+
+
+@contextlib.contextmanager
+def services() -> Iterator[tuple[str, str]]:
+    """(maintenance DSN, bootstrap): from WALBUS_PG_DSN/WALBUS_KAFKA_BOOTSTRAP, else a local stack."""
+    dsn, bootstrap = os.environ.get("WALBUS_PG_DSN"), os.environ.get("WALBUS_KAFKA_BOOTSTRAP")
+    if dsn and bootstrap:
+        yield dsn, bootstrap
+        return
+    from walbus.dev import LocalStack
+
+    state = Path(tempfile.mkdtemp(prefix="walbus-bench-"))
+    stack = LocalStack.load(state)
+    try:
+        stack.up()
+        yield stack.postgres.dsn, stack.kafka.bootstrap
+    finally:
+        stack.down()
+        shutil.rmtree(state, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def scratch_database(dsn: str, name: str) -> Iterator[str]:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
+        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+    try:
+        yield make_conninfo(dsn, dbname=name)
+    finally:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            for (slot,) in conn.execute("SELECT slot_name FROM pg_replication_slots WHERE database = %s", (name,)).fetchall():
+                with contextlib.suppress(psycopg.Error):
+                    conn.execute("SELECT pg_drop_replication_slot(%s)", (slot,))
+            conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
+
+
+def current_lsn(dsn: str) -> int:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        row = conn.execute("SELECT (pg_current_wal_lsn() - '0/0')::int8").fetchone()
+    assert row is not None
+    return int(str(row[0]))
+
+
+def peak_rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+class Stopwatch:
+    def __enter__(self) -> Stopwatch:
+        self.start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.seconds = time.perf_counter() - self.start

@@ -1,0 +1,250 @@
+"""Demux throughput: re-key a pre-filled database topic; prints JSON lines.
+
+    python bench/demux.py --kafka-bootstrap 127.0.0.1:9092 [--pg-dsn postgresql://…] [--events 1000000]
+
+1. fills a fresh database topic with N events of pgkafka's ``transactions`` table:
+   with ``--pg-dsn``, by the real producer (W1: N rows inserted in 100
+   transactions before it starts, a backlog in its slot; the producer's rate is
+   printed), otherwise synthetic contract-v1 events (80% inserts, 15% updates,
+   5% deletes, 500-event transactions) written with record batches;
+2. runs the demux in-process until the group's committed offset reaches the end
+   of the topic: records/s re-keyed, exactly once, into the compacted topic;
+3. runs it again under cProfile on a smaller topic and prints where the time goes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import cProfile
+import io
+import pstats
+import random
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import orjson
+from aiokafka import AIOKafkaProducer
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from demux.config import DemuxConfig
+from demux.service import Demux, tune_gc
+from walbus.contract import encode_event, event_key
+from walbus.kafka import KafkaAdmin, TopicSpec
+from walbus.metrics import new_registry
+
+TS = "2024-05-01T12:00:00.000001+00:00"
+COLS = ["transaction_id", "user_id", "amount"]
+TYPES = ["int4", "int4", "int4"]
+
+
+def emit(obj: dict[str, Any]) -> None:
+    print(orjson.dumps(obj).decode(), flush=True)
+
+
+def events(n: int, seed: int = 1) -> list[tuple[bytes, bytes]]:
+    rnd = random.Random(seed)
+    out: list[tuple[bytes, bytes]] = []
+    live: list[int] = []
+    next_id = 1
+    commit = 0x1_0000_0000
+    for i in range(n):
+        if i % 500 == 0:
+            commit += 0x10000
+        seq = i % 500
+        r = rnd.random()
+        common: dict[str, Any] = {"lsn": commit - 0x8000 + seq, "commit_lsn": commit, "seq": seq, "xid": 1000 + i // 500,
+                                  "table": "public.transactions", "timestamp": TS, "pk": ["transaction_id"]}
+        if r < 0.8 or len(live) < 10:
+            tid = next_id
+            next_id += 1
+            live.append(tid)
+            v = encode_event(operation="insert", new={"columns": COLS, "types": TYPES,
+                                                      "values": [tid, rnd.randint(1, 50000), rnd.randint(1, 10**6)]},
+                             identity=None, **common)
+        elif r < 0.95:
+            tid = live[rnd.randrange(len(live))]
+            v = encode_event(operation="update", new={"columns": COLS, "types": TYPES,
+                                                      "values": [tid, rnd.randint(1, 50000), rnd.randint(1, 10**6)]},
+                             identity=None, **common)
+        else:
+            tid = live.pop(rnd.randrange(len(live)))
+            v = encode_event(operation="delete", new=None,
+                             identity={"columns": ["transaction_id"], "types": ["int4"], "values": [tid]}, **common)
+        out.append((event_key(commit, seq), v))
+    return out
+
+
+async def prefill(bootstrap: str, topic: str, evs: list[tuple[bytes, bytes]]) -> float:
+    async with KafkaAdmin(client_kwargs={"bootstrap_servers": bootstrap}) as admin:
+        await admin.ensure_topic(TopicSpec(topic))
+    producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all", enable_idempotence=True,
+                                max_batch_size=1_000_000)
+    await producer.start()
+    started = time.monotonic()
+    try:
+        futs = []
+        batch = producer.create_batch()
+        for k, v in evs:
+            if batch.append(key=k, value=v, timestamp=None) is None:
+                futs.append(await producer.send_batch(batch, topic, partition=0))
+                batch = producer.create_batch()
+                batch.append(key=k, value=v, timestamp=None)
+        futs.append(await producer.send_batch(batch, topic, partition=0))
+        await asyncio.gather(*futs)
+    finally:
+        await producer.stop()
+    return time.monotonic() - started
+
+
+async def run_demux(bootstrap: str, topic: str, n: int, prefix: str, txn_max_records: int) -> dict[str, Any]:
+    state = tempfile.mkdtemp(prefix="walbus-bench-demux-")
+    cfg = DemuxConfig(kafka_bootstrap=bootstrap, source_topic=topic, topic_prefix=prefix,
+                      database="bench", group_id=f"bench-{uuid.uuid4().hex[:8]}", state_dir=state,
+                      txn_max_records=txn_max_records)
+    registry = new_registry()
+    demux = Demux(cfg, registry=registry)
+    task = asyncio.create_task(demux.run())
+    started = None
+    while True:
+        await asyncio.sleep(0.05)
+        if task.done():
+            task.result()
+        consumed = registry.get_sample_value("walbus_demux_records_consumed_total", {"partition": "0"}) or 0
+        if started is None and demux.workers and all(w.ready for w in demux.workers.values()):
+            started = time.monotonic()
+        if consumed >= n:
+            break
+    assert started is not None
+    elapsed = time.monotonic() - started
+    demux.stop()
+    await task
+    commits = registry.get_sample_value("walbus_demux_txn_commit_seconds_count") or 0
+    commit_sum = registry.get_sample_value("walbus_demux_txn_commit_seconds_sum") or 0
+    return {"events": n, "seconds": round(elapsed, 3), "records_per_s": round(n / elapsed),
+            "transactions": int(commits), "commit_ms_avg": round(1000 * commit_sum / max(commits, 1), 2)}
+
+
+def profile_summary(prof: cProfile.Profile, top: int) -> list[dict[str, Any]]:
+    stats = pstats.Stats(prof, stream=io.StringIO())
+    rows = []
+    for (filename, line, func), (_cc, nc, tt, ct, _callers) in stats.stats.items():  # type: ignore[attr-defined]
+        short = "/".join(Path(filename).parts[-2:])
+        rows.append({"function": f"{short}:{line}:{func}", "calls": nc, "self_s": round(tt, 3), "cum_s": round(ct, 3)})
+    rows.sort(key=lambda r: r["self_s"], reverse=True)
+    return rows[:top]
+
+
+async def produce_w1(pg_dsn: str, bootstrap: str, topic: str, n: int) -> float:
+    """The real producer over a backlog of ``n`` rows in 100 transactions; seconds until all are in Kafka."""
+    import psycopg
+    from psycopg import sql
+    from psycopg.conninfo import make_conninfo
+
+    from producer.config import ProducerConfig
+    from producer.service import Producer
+    from walbus.ktable import topic_partitions
+
+    dbname = f"bench_demux_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(dbname)))
+    dsn = make_conninfo(pg_dsn, dbname=dbname)
+    slot = f"walbus_{dbname}"
+    try:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute("CREATE TABLE transactions (transaction_id INT PRIMARY KEY, user_id INT, amount INT)")
+
+        async def run_producer(until: int | None) -> float:
+            producer = Producer(ProducerConfig(pg_dsn=dsn, kafka_bootstrap=bootstrap, topic=topic))
+            started = time.monotonic()
+            task = asyncio.create_task(producer.run())
+            await producer.ready.wait()
+            if until is not None:
+                consumer_kw = {"bootstrap_servers": bootstrap}
+                from aiokafka import AIOKafkaConsumer, TopicPartition
+
+                consumer = AIOKafkaConsumer(**consumer_kw)
+                await consumer.start()
+                try:
+                    while True:
+                        if await topic_partitions(consumer_kw, topic):
+                            tp = TopicPartition(topic, 0)
+                            if (await consumer.end_offsets([tp]))[tp] >= until:
+                                break
+                        await asyncio.sleep(0.05)
+                finally:
+                    await consumer.stop()
+            elapsed = time.monotonic() - started
+            producer.stop()
+            await task
+            return elapsed
+
+        await run_producer(None)  # creates the slot and the publication
+        per_txn = n // 100
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            for t in range(100):
+                conn.execute(
+                    "INSERT INTO transactions SELECT g, g %% 50000, g %% 1000000 FROM generate_series(%s::int, %s::int) g",
+                    (t * per_txn + 1, (t + 1) * per_txn),
+                )
+        return await run_producer(per_txn * 100)
+    finally:
+        with psycopg.connect(pg_dsn, autocommit=True) as conn:
+            conn.execute("SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE slot_name = %s",
+                         (slot,))
+            conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(dbname)))
+
+
+async def main_async(args: argparse.Namespace) -> None:
+    run = uuid.uuid4().hex[:8]
+    topic = f"bench_demux_{run}"
+    if args.pg_dsn:
+        seconds = await produce_w1(args.pg_dsn, args.kafka_bootstrap, topic, args.events)
+        emit({"phase": "producer", "events": args.events, "seconds": round(seconds, 3),
+              "records_per_s": round(args.events / seconds),
+              "note": "walbus produce (pgoutput) draining a W1 backlog into the database topic"})
+    else:
+        evs = events(args.events)
+        seconds = await prefill(args.kafka_bootstrap, topic, evs)
+        emit({"phase": "prefill", "events": len(evs), "seconds": round(seconds, 3),
+              "records_per_s": round(len(evs) / seconds),
+              "note": "synthetic events, raw Kafka write with record batches (acks=all)"})
+        del evs
+    result = await run_demux(args.kafka_bootstrap, topic, args.events, f"bench{run}", args.txn_max_records)
+    emit({"phase": "demux", **result})
+    if args.profile_events:
+        ptopic = f"{topic}_profile"
+        pev = events(args.profile_events, seed=2)
+        await prefill(args.kafka_bootstrap, ptopic, pev)
+        del pev
+        prof = cProfile.Profile()
+        prof.enable()
+        presult = await run_demux(args.kafka_bootstrap, ptopic, args.profile_events, f"benchp{run}",
+                                  args.txn_max_records)
+        prof.disable()
+        emit({"phase": "profile", "note": "rates under cProfile are lower", **presult,
+              "top_self_time": profile_summary(prof, args.top)})
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--kafka-bootstrap", required=True)
+    p.add_argument("--pg-dsn", help="fill the topic with the real producer (W1 backlog) and report its rate")
+    p.add_argument("--events", type=int, default=1_000_000)
+    p.add_argument("--profile-events", type=int, default=200_000, help="0: no profile run")
+    p.add_argument("--txn-max-records", type=int, default=20000)
+    p.add_argument("--top", type=int, default=25)
+    p.add_argument("--default-gc", action="store_true", help="keep Python's default GC thresholds")
+    args = p.parse_args()
+    if not args.default_gc:
+        tune_gc()  # as `walbus demux` does
+    asyncio.run(main_async(args))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,101 @@
+"""`walbus demux` options: flags, ``WALBUS_*`` env vars and TOML keys (section ``[demux]``)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from walbus.config import ConfigError, load_config, option
+from walbus.kafka import KafkaOptions
+
+# Logging levels accepted by --log-level.
+LOG_LEVELS = ["debug", "info", "warning", "error"]
+
+
+@dataclass(kw_only=True)
+class DemuxConfig(KafkaOptions):
+    source_topic: str = option(help="the database topic to consume, e.g. walbus.shop")
+    group_id: str | None = option(
+        None, help="consumer group (default walbus-demux.<source-topic>); also names the transactional ids"
+    )
+    topic_prefix: str = option("walbus", help="per-table topics are <prefix>.<database>.<schema>.<table>")
+    database: str | None = option(
+        None, help="database name in the per-table topic names (default: the source topic without '<prefix>.')"
+    )
+    dlq_topic: str | None = option(None, help="dead-letter topic (default <source-topic>.dlq)")
+    emit_delete_records: bool = option(
+        False, help="on delete, emit a record with __op=d (the last row) before the tombstone"
+    )
+    skip_replayed: bool = option(
+        True,
+        help="skip source events whose (commit_lsn, seq) key is not after the last one processed: the producer's "
+        "at-least-once replays. Turn off after restoring the database to an earlier LSN (PITR)",
+    )
+    state_dir: str = option(
+        "walbus-demux-state", help="directory of the last-row stores (SQLite, one per source partition)"
+    )
+    txn_max_records: int = option(20000, help="commit the Kafka transaction after this many source records")
+    txn_max_ms: int = option(200, help="... or after this many milliseconds, whichever comes first")
+    topic_partitions: int = option(1, help="partitions of the per-table topics created by the demux")
+    topic_replication_factor: int = option(1, help="replication factor of the topics created by the demux")
+    min_compaction_lag_ms: int | None = option(None, help="min.compaction.lag.ms of created per-table topics")
+    delete_retention_ms: int | None = option(None, help="delete.retention.ms of created per-table topics (tombstone lifetime)")
+    segment_ms: int | None = option(None, help="segment.ms of created per-table topics")
+    session_timeout_ms: int = option(10000, help="consumer group session timeout")
+    transaction_timeout_ms: int = option(60000, help="Kafka transaction timeout (an orphaned transaction is aborted after it)")
+    metrics_port: int | None = option(None, help="serve Prometheus /metrics on this port")
+    log_level: str = option("info", help="log level", choices=LOG_LEVELS)
+
+    def __post_init__(self) -> None:
+        if not self.source_topic.strip():
+            raise ConfigError("--source-topic must not be empty")
+        for name in ("txn_max_records", "txn_max_ms", "topic_partitions", "topic_replication_factor",
+                     "session_timeout_ms", "transaction_timeout_ms"):
+            if getattr(self, name) <= 0:
+                flag = "--" + name.replace("_", "-")
+                raise ConfigError(f"{flag} must be a positive integer, got {getattr(self, name)}")
+        for name in ("min_compaction_lag_ms", "delete_retention_ms", "segment_ms"):
+            v = getattr(self, name)
+            if v is not None and v < 0:
+                raise ConfigError(f"--{name.replace('_', '-')} must be >= 0, got {v}")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ConfigError(f"--metrics-port must be a TCP port, got {self.metrics_port}")
+
+    @property
+    def group(self) -> str:
+        return self.group_id or f"walbus-demux.{self.source_topic}"
+
+    @property
+    def dlq(self) -> str:
+        return self.dlq_topic or f"{self.source_topic}.dlq"
+
+    @property
+    def database_name(self) -> str:
+        """The database part of the output topic names."""
+        if self.database:
+            return self.database
+        head = self.topic_prefix + "."
+        if self.source_topic.startswith(head) and len(self.source_topic) > len(head):
+            return self.source_topic[len(head):]
+        return self.source_topic
+
+    def topic_configs(self, *, compact: bool) -> tuple[tuple[str, str], ...]:
+        """Configs of a per-table topic created by the demux."""
+        out: list[tuple[str, str]] = [("cleanup.policy", "compact" if compact else "delete")]
+        if compact and self.min_compaction_lag_ms is not None:
+            out.append(("min.compaction.lag.ms", str(self.min_compaction_lag_ms)))
+        if compact and self.delete_retention_ms is not None:
+            out.append(("delete.retention.ms", str(self.delete_retention_ms)))
+        if self.segment_ms is not None:
+            out.append(("segment.ms", str(self.segment_ms)))
+        return tuple(out)
+
+
+def parse_config(argv: Sequence[str] | None) -> DemuxConfig:
+    return load_config(
+        DemuxConfig,
+        argv,
+        prog="walbus demux",
+        description="Re-key a walbus database topic into compacted per-table topics, exactly once.",
+        section="demux",
+    )

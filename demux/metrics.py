@@ -1,0 +1,55 @@
+"""Prometheus metrics of the demux (built on a registry passed in, so tests can read them)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+
+class DemuxMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.consumed = Counter(
+            "walbus_demux_records_consumed", "Source records consumed (committed)", ["partition"], registry=registry
+        )
+        self.produced = Counter(
+            "walbus_demux_records_produced", "Records produced to per-table topics (committed)", ["table"],
+            registry=registry,
+        )
+        self.tombstones = Counter(
+            "walbus_demux_tombstones", "Tombstones produced (committed)", ["table"], registry=registry
+        )
+        self.dead_letters = Counter(
+            "walbus_demux_dead_letters", "Source records sent to the dead-letter topic", ["reason"],
+            registry=registry,
+        )
+        self.no_pk_events = Counter(
+            "walbus_demux_no_pk_events", "Events of tables without a primary key", ["table"], registry=registry
+        )
+        self.unfilled_columns = Counter(
+            "walbus_demux_unfilled_columns",
+            "Unchanged TOAST values that were unknown and left out of the row", ["table"], registry=registry,
+        )
+        self.replayed = Counter(
+            "walbus_demux_replayed_skipped",
+            "Source events skipped as replays (position not after the last processed one)", registry=registry,
+        )
+        self.consumer_lag = Gauge(
+            "walbus_demux_consumer_lag", "High watermark minus next offset to process", ["partition"],
+            registry=registry,
+        )
+        self.txn_commit_seconds = Histogram(
+            "walbus_demux_txn_commit_seconds", "Kafka transaction commit latency (offsets + EndTxn)",
+            buckets=(0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5), registry=registry,
+        )
+        self.transactions = Counter(
+            "walbus_demux_transactions", "Kafka transactions by outcome", ["outcome"], registry=registry
+        )
+        self.state_resets = Counter(
+            "walbus_demux_state_resets", "Last-row stores found missing or stale and reset", registry=registry
+        )
+        self.state_table_loads = Counter(
+            "walbus_demux_state_table_loads", "Tables loaded into the last-row store from their topics", ["table"],
+            registry=registry,
+        )
+        self.assigned_partitions = Gauge(
+            "walbus_demux_assigned_partitions", "Source partitions owned by this process", registry=registry
+        )

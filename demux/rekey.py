@@ -1,0 +1,314 @@
+"""Pure re-keying: one database-topic event -> the records of the per-table topics.
+
+No I/O here. The caller passes a read-only view of the last-row store (for
+unchanged TOAST values and truncate) and applies the returned state changes.
+
+Output shape, per table with a primary key (topic ``<prefix>.<database>.<schema>.<table>``):
+
+* key:   ``{"pk1":v1,"pk2":v2}`` (orjson, primary-key columns in key order). The
+  key is built only from the PostgreSQL text/JSON values, so the same row always
+  gets the same bytes.
+* value: the complete row as a flat object plus ``__op`` (c, u, d, r), ``__lsn``,
+  ``__commit_lsn``, ``__seq``, ``__xid``, ``__ts`` (commit time). Metadata wins
+  over a column of the same name (documented in docs/demux.md).
+
+Cases:
+
+* insert/read -> the row; update -> the row (key unchanged), or a tombstone for
+  the old key then the row under the new key (primary-key change);
+* delete -> a tombstone; with ``emit_delete_records`` first a ``__op: "d"``
+  record carrying the last known row (or the identity columns);
+* truncate -> a tombstone for every key of the table in the store. The store is
+  kept equal to the committed output (see demux.state), so this empties the
+  compacted topic's table exactly; a marker record would leave every old key
+  alive for KTable readers, which is why tombstones were chosen;
+* tables without a primary key -> a null key (the topic uses cleanup.policy=delete);
+  truncate there is a marker record ``{"__op": "t", ...}`` because there is no key
+  to tombstone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any, Final, Protocol
+
+import orjson
+
+from walbus.contract import CONTRACT_VERSION, ChangeEvent, RowImage, decode_event, table_topic
+
+META_FIELDS: Final = ("__op", "__lsn", "__commit_lsn", "__seq", "__xid", "__ts")
+OP_CODES: Final = {"insert": "c", "update": "u", "delete": "d", "read": "r", "truncate": "t"}
+_FAST_UPSERT: Final = {"insert": "c", "update": "u", "read": "r"}
+
+# Fixed-width types: PostgreSQL never TOASTs them, so a table made only of these can
+# never have an unchanged (unsent) value and needs no last-row store.
+FIXED_WIDTH_TYPES: Final = frozenset({
+    "int2", "int4", "int8", "oid", "float4", "float8", "bool", "date", "time", "timetz", "timestamp",
+    "timestamptz", "interval", "uuid", "money", "macaddr", "macaddr8", "pg_lsn", "xid", "xid8", "cid", "tid",
+    "point", "char",
+})
+
+
+class RekeyError(ValueError):
+    """The event is valid JSON of contract v1 but cannot be re-keyed (goes to the DLQ)."""
+
+
+class StateView(Protocol):
+    """Read access to the last row per key (rows without metadata fields)."""
+
+    def get(self, table: str, key: bytes) -> dict[str, Any] | None: ...
+
+    def keys(self, table: str) -> Iterable[bytes]: ...
+
+
+@dataclass(slots=True)  # not frozen: a frozen dataclass' __init__ costs ~1 µs more per record
+class OutRecord:
+    topic: str
+    key: bytes | None
+    value: bytes | None  # None: tombstone
+    table: str
+    compact: bool = True  # False: the topic of a table without primary key
+
+
+@dataclass(slots=True)
+class Rekeyed:
+    table: str = ""
+    records: list[OutRecord] = field(default_factory=list)
+    # (table, key, value bytes or None for "forget"): the store's new content.
+    changes: list[tuple[str, bytes, bytes | None]] = field(default_factory=list)
+    # Unchanged TOAST columns whose value was not known: left out of the row.
+    unfilled: list[str] = field(default_factory=list)
+    no_pk: bool = False
+    # The result depends on the table's last rows (TOAST-able columns, truncate):
+    # the caller must make sure the store holds the table before trusting it.
+    needs_state: bool = False
+    truncate: bool = False
+
+
+def strip_meta(value: dict[str, Any]) -> dict[str, Any]:
+    """A stored output value back to the bare row."""
+    for name in META_FIELDS:
+        value.pop(name, None)
+    return value
+
+
+def encode_key(values: dict[str, Any]) -> bytes:
+    return orjson.dumps(values)
+
+
+def _key_of(image: RowImage | None, pk: tuple[str, ...], skip: tuple[str, ...] = ()) -> bytes | None:
+    """Key bytes from one image, or None when a key column is missing from it."""
+    if image is None:
+        return None
+    row = dict(zip(image.columns, image.values, strict=True))
+    out: dict[str, Any] = {}
+    for col in pk:
+        if col not in row or col in skip:
+            return None
+        out[col] = row[col]
+    return encode_key(out)
+
+
+class Rekeyer:
+    """Turns events into per-table records for one source database."""
+
+    def __init__(self, *, prefix: str, database: str, emit_delete_records: bool = False) -> None:
+        self.prefix = prefix
+        self.database = database
+        self.emit_delete_records = emit_delete_records
+        self._topics: dict[str, str] = {}
+
+    def topic_for(self, table: str) -> str:
+        t = self._topics.get(table)
+        if t is None:
+            t = self._topics[table] = table_topic(self.prefix, self.database, table)
+        return t
+
+    @staticmethod
+    def meta(event: ChangeEvent, op: str) -> dict[str, Any]:
+        return {
+            "__op": op,
+            "__lsn": event.lsn,
+            "__commit_lsn": event.commit_lsn,
+            "__seq": event.seq,
+            "__xid": event.xid,
+            "__ts": event.timestamp,
+        }
+
+    def rekey(self, event: ChangeEvent, state: StateView) -> Rekeyed:
+        if event.operation == "truncate":
+            out = self._truncate(event, state)
+        elif event.operation == "delete":
+            out = self._delete(event, state)
+        else:
+            out = self._upsert(event, state)
+        out.table = event.table
+        return out
+
+    def rekey_value(self, raw: bytes, state: StateView) -> Rekeyed:
+        """Re-key one database-topic value; raises ContractError or RekeyError for bad input.
+
+        The common events (insert/update/read of a table with a primary key and a
+        complete row, delete by key) take a fast path over the parsed JSON, which
+        does the same checks as :func:`walbus.contract.decode_event` for them and
+        builds the same bytes as :meth:`rekey` (tests compare both on random
+        workloads). Everything else, valid or not, goes through decode_event and
+        :meth:`rekey`, so errors and rare cases have one implementation.
+        """
+        out = self._fast(raw)
+        if out is None:
+            return self.rekey(decode_event(raw), state)
+        return out
+
+    def _fast(self, raw: bytes) -> Rekeyed | None:
+        try:
+            obj = orjson.loads(raw)
+            if type(obj) is not dict or obj["v"] != CONTRACT_VERSION:
+                return None
+            op = obj["operation"]
+            table = obj["table"]
+            pk = obj["pk"]
+            ts = obj["timestamp"]
+            lsn, commit_lsn, seq, xid = obj["lsn"], obj["commit_lsn"], obj["seq"], obj["xid"]
+        except (orjson.JSONDecodeError, KeyError):
+            return None
+        if (
+            type(table) is not str or "." not in table or type(ts) is not str
+            or type(pk) is not list or not pk
+            or type(lsn) is not int or type(commit_lsn) is not int or type(seq) is not int or type(xid) is not int
+            or ("unchanged" in obj and obj["unchanged"] != [])
+        ):
+            return None
+        if op == "delete":
+            if "columns" in obj or self.emit_delete_records:
+                return None
+            image = obj.get("identity")
+            if type(image) is not dict:
+                return None
+            columns, types, values = image.get("columns"), image.get("types"), image.get("values")
+        elif op in _FAST_UPSERT:
+            if obj.get("identity") is not None:
+                return None  # key changes and REPLICA IDENTITY FULL: the full path
+            columns, types, values = obj.get("columns"), obj.get("types"), obj.get("values")
+        else:
+            return None
+        if (
+            type(columns) is not list or type(types) is not list or type(values) is not list
+            or not len(columns) == len(types) == len(values)
+        ):
+            return None
+        row = dict(zip(columns, values, strict=True))
+        try:
+            key = orjson.dumps({col: row[col] for col in pk})
+        except (KeyError, TypeError):
+            return None
+        topic = self._topics.get(table) or self.topic_for(table)
+        if op == "delete":
+            return Rekeyed(table, [OutRecord(topic, key, None, table)], [(table, key, None)])
+        row["__op"] = _FAST_UPSERT[op]
+        row["__lsn"] = lsn
+        row["__commit_lsn"] = commit_lsn
+        row["__seq"] = seq
+        row["__xid"] = xid
+        row["__ts"] = ts
+        value = orjson.dumps(row)
+        return Rekeyed(table, [OutRecord(topic, key, value, table)], [(table, key, value)],
+                       needs_state=not FIXED_WIDTH_TYPES.issuperset(types))
+
+    def _upsert(self, event: ChangeEvent, state: StateView) -> Rekeyed:
+        new = event.new
+        if new is None:  # decode_event already refuses this; kept for direct callers
+            raise RekeyError(f"{event.operation} event without a row")
+        out = Rekeyed()
+        topic = self.topic_for(event.table)
+        unchanged = event.unchanged
+        row = dict(zip(new.columns, new.values, strict=True))
+        if not event.pk:
+            out.no_pk = True
+            if unchanged:
+                self._fill(row, unchanged, event.identity, None, out)
+            row.update(self.meta(event, OP_CODES[event.operation]))
+            out.records.append(OutRecord(topic, None, orjson.dumps(row), event.table, compact=False))
+            return out
+        out.needs_state = bool(unchanged) or not FIXED_WIDTH_TYPES.issuperset(new.types)
+        new_key = _key_of(new, event.pk, unchanged) or _key_of(event.identity, event.pk)
+        if new_key is None:
+            raise RekeyError(f"primary-key column(s) {list(event.pk)} missing from the row of {event.table}")
+        old_key = _key_of(event.identity, event.pk)
+        key_changed = old_key is not None and old_key != new_key
+        if unchanged:
+            prior = state.get(event.table, old_key if key_changed and old_key is not None else new_key)
+            self._fill(row, unchanged, event.identity, prior, out)
+        if key_changed:
+            assert old_key is not None
+            out.records.append(OutRecord(topic, old_key, None, event.table))
+            out.changes.append((event.table, old_key, None))
+        row.update(self.meta(event, OP_CODES[event.operation]))
+        value = orjson.dumps(row)
+        out.records.append(OutRecord(topic, new_key, value, event.table))
+        out.changes.append((event.table, new_key, value))
+        return out
+
+    @staticmethod
+    def _fill(
+        row: dict[str, Any],
+        unchanged: tuple[str, ...],
+        identity: RowImage | None,
+        prior: dict[str, Any] | None,
+        out: Rekeyed,
+    ) -> None:
+        """Put back unchanged TOAST values: the old row (identity) first, then the store.
+
+        A value that cannot be found is left out rather than emitted as null: null
+        would be a lie about a value that exists.
+        """
+        old = identity.as_dict() if identity is not None else {}
+        for col in unchanged:
+            if col in old:
+                row[col] = old[col]
+            elif prior is not None and col in prior:
+                row[col] = prior[col]
+            else:
+                row.pop(col, None)
+                out.unfilled.append(col)
+
+    def _delete(self, event: ChangeEvent, state: StateView) -> Rekeyed:
+        out = Rekeyed()
+        topic = self.topic_for(event.table)
+        old = event.identity or event.new
+        if not event.pk:
+            out.no_pk = True
+            row = old.as_dict() if old is not None else {}
+            row.update(self.meta(event, "d"))
+            out.records.append(OutRecord(topic, None, orjson.dumps(row), event.table, compact=False))
+            return out
+        key = _key_of(old, event.pk)
+        if key is None:
+            raise RekeyError(f"delete on {event.table} without the primary-key column(s) {list(event.pk)}")
+        if self.emit_delete_records:
+            last = state.get(event.table, key)
+            row = dict(last) if last is not None else {}
+            if old is not None:
+                # The identity is the newest truth for the columns it carries.
+                row.update(zip(old.columns, old.values, strict=True))
+            row.update(self.meta(event, "d"))
+            out.records.append(OutRecord(topic, key, orjson.dumps(row), event.table))
+        out.records.append(OutRecord(topic, key, None, event.table))
+        out.changes.append((event.table, key, None))
+        return out
+
+    def _truncate(self, event: ChangeEvent, state: StateView) -> Rekeyed:
+        out = Rekeyed()
+        topic = self.topic_for(event.table)
+        if not event.pk:
+            out.no_pk = True
+            marker = orjson.dumps(self.meta(event, "t"))
+            out.records.append(OutRecord(topic, None, marker, event.table, compact=False))
+            return out
+        out.needs_state = out.truncate = True
+        # Sorted: deterministic output, whatever order the store returns.
+        for key in sorted(state.keys(event.table)):
+            out.records.append(OutRecord(topic, key, None, event.table))
+            out.changes.append((event.table, key, None))
+        return out

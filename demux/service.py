@@ -1,0 +1,341 @@
+"""`walbus demux`: database topic -> compacted per-table topics, exactly once.
+
+Exactly-once design
+-------------------
+Consume-transform-produce with Kafka transactions: the output records of a run of
+source records and the source offset after them are committed in one Kafka
+transaction (``send_offsets_to_transaction``), so a ``read_committed`` reader
+sees each source event's output exactly once, whatever crashes.
+
+The trap (aiokafka issue #844): aiokafka has no KIP-447 support, so the offsets
+sent in a transaction are fenced by group id only, not by group generation. With
+one transactional producer per process, a process that lost a partition in a
+rebalance while its transaction was open could still commit output and offsets
+for it, on top of what the partition's new owner does: duplicates.
+
+The design here is the pre-KIP-447 one (Kafka Streams' "exactly_once" v1):
+
+* **one transactional producer per source partition**, with the transactional id
+  ``<group>.<source-topic>.<partition>``, stable across processes and restarts;
+* when a process is assigned a partition, it pauses it, starts that partition's
+  producer (``InitProducerId``), which *fences* every earlier producer with the
+  same id: the broker aborts the previous owner's open transaction (or completes
+  it if it was already committing) and rejects that owner's later requests;
+* only then does it read the group's committed offset for the partition and seek
+  there, so the offset it starts from already accounts for everything the
+  previous owner committed, and nothing the previous owner left open can be
+  committed any more;
+* on revocation (rebalance, SIGTERM) the worker commits its open transaction
+  before the partition can be handed over (the rebalance waits for the
+  callback); if that fails it aborts. A process that missed the rebalance (a
+  zombie) is fenced by the new owner's InitProducerId, so its late commit fails;
+* the offsets a producer sends belong only to its own partition, so a
+  transaction can never carry offsets of a partition the process does not own.
+
+Any error in a worker (transient Kafka fault, fenced, ambiguous commit) closes it
+(abort) and re-opens it after a backoff: a new InitProducerId and a fresh read
+of the committed offset. The last-row store follows the committed Kafka state;
+see demux.state.
+
+Throughput: records are appended to ``BatchBuilder`` s per output partition (the
+per-message ``send()`` path costs ~15 µs per record); a transaction is committed
+every ``--txn-max-records`` source records or ``--txn-max-ms`` milliseconds.
+
+Order: per key, the output order is the source order as long as every event of a
+table is in one source partition (see docs/demux.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import logging
+import signal
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
+from aiokafka.errors import KafkaError, ProducerFenced
+from prometheus_client import CollectorRegistry
+
+from demux.config import DemuxConfig, parse_config
+from demux.metrics import DemuxMetrics
+from demux.rekey import Rekeyer
+from demux.topics import TopicManager
+from demux.worker import PartitionWorker
+from walbus.config import describe
+from walbus.kafka import KafkaAdmin, wait_for_broker
+from walbus.logs import setup_logging
+from walbus.metrics import new_registry, serve_metrics
+from walbus.retry import Backoff
+
+log = logging.getLogger("walbus.demux")
+
+POLL_MAX_MS = 200
+
+
+class _Listener(ConsumerRebalanceListener):  # type: ignore[misc]
+    def __init__(self, demux: Demux) -> None:
+        self._demux = demux
+
+    async def on_partitions_revoked(self, revoked: set[TopicPartition]) -> None:
+        await self._demux.on_revoked(revoked)
+
+    async def on_partitions_assigned(self, assigned: set[TopicPartition]) -> None:
+        await self._demux.on_assigned(assigned)
+
+
+class Demux:
+    def __init__(self, config: DemuxConfig, *, registry: CollectorRegistry | None = None) -> None:
+        self.config = config
+        self.client_kwargs = config.kafka_client_kwargs()
+        self.registry = registry or new_registry()
+        self.metrics = DemuxMetrics(self.registry)
+        self.rekeyer = Rekeyer(
+            prefix=config.topic_prefix,
+            database=config.database_name,
+            emit_delete_records=config.emit_delete_records,
+        )
+        self.workers: dict[TopicPartition, PartitionWorker] = {}
+        # Partitions assigned but not (yet, or again) opened: tp -> not before (monotonic).
+        self.pending: dict[TopicPartition, float] = {}
+        self._failures: dict[TopicPartition, Backoff] = {}
+        self._stop = asyncio.Event()
+        self._consumer: AIOKafkaConsumer | None = None
+        self._admin: KafkaAdmin | None = None
+        self._topics: TopicManager | None = None
+
+    def stop(self) -> None:
+        if not self._stop.is_set():
+            log.info("stopping: finishing the open transactions")
+        self._stop.set()
+
+    # -- rebalance callbacks (run inside the consumer's coordinator task) ----------
+
+    async def on_revoked(self, revoked: set[TopicPartition]) -> None:
+        for tp in revoked:
+            self.pending.pop(tp, None)
+            worker = self.workers.pop(tp, None)
+            if worker is not None:
+                async with worker.lock:
+                    # Graceful hand-over: commit what is done. The partition is not
+                    # assigned to anyone else before this callback returns.
+                    await worker.close(commit=worker.ready)
+                log.info("partition revoked", extra={"partition": tp.partition})
+        self.metrics.assigned_partitions.set(len(self.workers))
+
+    async def on_assigned(self, assigned: set[TopicPartition]) -> None:
+        consumer = self._consumer
+        assert consumer is not None
+        for tp in assigned:
+            if tp in self.workers:
+                continue
+            # Paused until opened: nothing is processed before the fencing and the seek.
+            consumer.pause(tp)
+            self.workers[tp] = self._new_worker(tp)
+            self.pending[tp] = 0.0
+        self.metrics.assigned_partitions.set(len(self.workers))
+
+    def _new_worker(self, tp: TopicPartition) -> PartitionWorker:
+        assert self._topics is not None
+        return PartitionWorker(
+            tp=tp,
+            config=self.config,
+            client_kwargs=self.client_kwargs,
+            rekeyer=self.rekeyer,
+            topics=self._topics,
+            metrics=self.metrics,
+        )
+
+    # -- main loop -------------------------------------------------------------------
+
+    async def run(self) -> None:
+        cfg = self.config
+        log.info("demux starting", extra={"config": describe(cfg)})
+        await wait_for_broker(self.client_kwargs)
+        self._admin = KafkaAdmin(client_kwargs=self.client_kwargs)
+        await self._start_with_retry(self._admin.start, "admin client")
+        self._topics = TopicManager(self._admin, cfg)
+        consumer = AIOKafkaConsumer(
+            **self.client_kwargs,
+            group_id=cfg.group,
+            enable_auto_commit=False,
+            auto_offset_reset="earliest",
+            isolation_level="read_committed",
+            session_timeout_ms=cfg.session_timeout_ms,
+            heartbeat_interval_ms=max(1000, cfg.session_timeout_ms // 3),
+            max_partition_fetch_bytes=8 * 1024 * 1024,
+            fetch_max_bytes=64 * 1024 * 1024,
+        )
+        self._consumer = consumer
+        try:
+            await self._start_with_retry(consumer.start, "consumer")
+            if cfg.source_topic not in await consumer.topics():
+                log.warning("source topic does not exist yet; waiting for it", extra={"topic": cfg.source_topic})
+            consumer.subscribe([cfg.source_topic], listener=_Listener(self))
+            await self._loop(consumer)
+        finally:
+            await self._shutdown(consumer)
+
+    async def _start_with_retry(self, start: Any, what: str) -> None:
+        backoff = Backoff()
+        while True:
+            try:
+                await start()
+                return
+            except (KafkaError, OSError) as e:
+                if self._stop.is_set():
+                    raise
+                await backoff.wait(log, f"starting the {what}", e)
+
+    async def _loop(self, consumer: AIOKafkaConsumer) -> None:
+        getmany_backoff = Backoff(initial=0.5, maximum=30.0)
+        while not self._stop.is_set():
+            await self._open_pending(consumer)
+            now = time.monotonic()
+            wait_s = min([w.time_left(now) for w in self.workers.values()] + [POLL_MAX_MS / 1000])
+            try:
+                data = await consumer.getmany(timeout_ms=int(wait_s * 1000), max_records=self.config.txn_max_records)
+                getmany_backoff.reset()
+            except KafkaError as e:
+                await getmany_backoff.wait(log, "fetching from the source topic", e)
+                continue
+            for tp, messages in data.items():
+                worker = self.workers.get(tp)
+                if worker is None or not worker.ready or not messages:
+                    continue  # re-read from the committed offset once it is opened
+                async with worker.lock:
+                    if not worker.ready:
+                        continue
+                    try:
+                        await worker.process(messages)
+                        await worker.send_batches()
+                        if worker.due(time.monotonic()):
+                            await worker.commit()
+                            self._failures.pop(tp, None)
+                    except Exception as e:
+                        await self._fail(worker, e)
+            await self._commit_due()
+            self._update_lag(consumer)
+
+    async def _commit_due(self) -> None:
+        now = time.monotonic()
+        for tp, worker in list(self.workers.items()):
+            if not worker.ready or not worker.due(now):
+                continue
+            async with worker.lock:
+                if not worker.ready:
+                    continue
+                try:
+                    await worker.commit()
+                    self._failures.pop(tp, None)
+                except Exception as e:
+                    await self._fail(worker, e)
+
+    async def _open_pending(self, consumer: AIOKafkaConsumer) -> None:
+        now = time.monotonic()
+        for tp, not_before in list(self.pending.items()):
+            if not_before > now or self._stop.is_set():
+                continue
+            worker = self.workers.get(tp)
+            if worker is None:
+                self.pending.pop(tp, None)
+                continue
+            async with worker.lock:
+                if self.workers.get(tp) is not worker:
+                    continue  # revoked while waiting for the lock
+                try:
+                    await worker.open(consumer)
+                except Exception as e:
+                    await self._fail(worker, e)
+                    continue
+            if self.workers.get(tp) is worker and worker.ready:
+                self.pending.pop(tp, None)
+                consumer.resume(tp)
+
+    async def _fail(self, worker: PartitionWorker, error: BaseException) -> None:
+        """Close a broken worker (abort) and schedule a fresh one: start again from the committed offset."""
+        tp = worker.tp
+        backoff = self._failures.setdefault(tp, Backoff(initial=1.0, maximum=60.0))
+        backoff.failures += 1
+        delay = backoff.next_delay()
+        if isinstance(error, ProducerFenced):
+            # Another process owns the partition now; our consumer learns it at the
+            # next heartbeat and the revoke callback drops the partition. Wait that long.
+            delay = max(delay, self.config.session_timeout_ms / 1000)
+        log.warning(
+            "partition worker failed; aborting and reopening from the committed offset",
+            extra={"partition": tp.partition, "error": repr(error), "retry_in_s": delay},
+        )
+        await worker.close(commit=False)
+        # Unless a rebalance replaced or removed it meanwhile, a fresh worker takes over.
+        if self._consumer is not None and self.workers.get(tp) is worker:
+            self._consumer.pause(tp)
+            self.workers[tp] = self._new_worker(tp)
+            self.pending[tp] = time.monotonic() + delay
+
+    def _update_lag(self, consumer: AIOKafkaConsumer) -> None:
+        for tp, worker in self.workers.items():
+            if worker.next_offset is None:
+                continue
+            high = consumer.highwater(tp)
+            if high is not None:
+                self.metrics.consumer_lag.labels(str(tp.partition)).set(max(0, high - worker.next_offset))
+
+    async def _shutdown(self, consumer: AIOKafkaConsumer) -> None:
+        for tp, worker in list(self.workers.items()):
+            async with worker.lock:
+                await worker.close(commit=worker.ready)
+            self.workers.pop(tp, None)
+        self.pending.clear()
+        try:
+            # Workers are gone, so the revoke callback of the final leave has nothing to do.
+            await consumer.stop()
+        finally:
+            if self._admin is not None:
+                await self._admin.close()
+        log.info("demux stopped")
+
+
+async def run_demux(config: DemuxConfig, *, registry: CollectorRegistry | None = None) -> None:
+    demux = Demux(config, registry=registry)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, demux.stop)
+    try:
+        await demux.run()
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+
+
+def tune_gc() -> None:
+    """Fewer cyclic-GC passes: the hot path allocates many short-lived dicts while
+    aiokafka holds thousands of fetched records alive, so the default thresholds
+    (700) run a young collection every few records and promote the fetched
+    records into older generations that are then traversed again and again."""
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(100_000, 50, 50)
+
+
+def _exit_now(signum: int, frame: object) -> None:
+    raise SystemExit(0)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    # Until the event loop takes over SIGTERM, nothing is open: stopping is exiting.
+    signal.signal(signal.SIGTERM, _exit_now)
+    config = parse_config(argv)  # ConfigError -> `walbus` prints it and exits 2
+    setup_logging(config.log_level)
+    tune_gc()
+    registry = new_registry()
+    config.kafka_client_kwargs()  # raises ConfigError on incomplete security options, before any I/O
+    server = serve_metrics(config.metrics_port, registry)
+    try:
+        asyncio.run(run_demux(config, registry=registry))
+    finally:
+        if server is not None:
+            server.shutdown()
+    return 0

@@ -1,0 +1,171 @@
+"""The last-row store: per source partition, the latest output value of every key.
+
+Why it exists: an update that leaves a TOAST column unchanged does not carry the
+column's value, and a truncate does not list the keys it removes. The demux needs
+the previous row for the first and the set of live keys for the second.
+
+Consistency with Kafka: the store is one SQLite file per source partition. Changes
+of the open Kafka transaction live in memory (``pending``) and are written to
+SQLite, together with the source offset they bring the store to, only *after* the
+Kafka transaction committed. So the store is never ahead of the committed output;
+after a crash between the two commits it is behind, its checkpoint no longer
+equals the group's committed offset, and the service rebuilds it from its own
+compacted per-table topics (read_committed), which hold exactly the committed rows.
+
+Only *tracked* tables are stored: a table becomes tracked the first time one of
+its events has a TOAST-able column (a type outside FIXED_WIDTH_TYPES) or an
+unchanged value; the service then loads the table's current rows from its
+compacted topic, at a transaction boundary, and keeps them up to date from then
+on. Tables of fixed-width columns only (pgkafka's ``transactions``) never need
+it and cost no store writes. A missing or stale store is reset to empty (nothing
+tracked): tables are rebuilt from their topics lazily, when first needed.
+
+Values are the demux's output values (row + ``__`` metadata); :meth:`get` strips
+the metadata. Storing the bytes already built for Kafka costs no extra encoding
+on the hot path, and loading a table is a plain copy of its topic.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from demux.rekey import strip_meta
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS rows (tbl TEXT NOT NULL, k BLOB NOT NULL, v BLOB NOT NULL, PRIMARY KEY (tbl, k)) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS tracked (tbl TEXT PRIMARY KEY);
+"""
+
+
+class StateStore:
+    """SQLite-backed ``(table, key) -> value`` map with an in-memory pending layer."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+        # WAL + NORMAL: a power loss may drop the last commit (then the checkpoint is
+        # behind and the store is rebuilt) but never corrupts the file.
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=NORMAL")
+        self._db.executescript(_SCHEMA)
+        self.pending: dict[tuple[str, bytes], bytes | None] = {}
+        self.tracked: set[str] = {str(r[0]) for r in self._db.execute("SELECT tbl FROM tracked")}
+
+    def close(self) -> None:
+        self._db.close()
+
+    # -- checkpoint ------------------------------------------------------------
+
+    def checkpoint(self) -> str | None:
+        """What the committed content corresponds to (set by :meth:`commit`)."""
+        row = self._db.execute("SELECT value FROM meta WHERE name = 'checkpoint'").fetchone()
+        return None if row is None else str(row[0])
+
+    # -- reads -----------------------------------------------------------------
+
+    def get(self, table: str, key: bytes) -> dict[str, Any] | None:
+        k = (table, key)
+        if k in self.pending:
+            raw = self.pending[k]
+        else:
+            row = self._db.execute("SELECT v FROM rows WHERE tbl = ? AND k = ?", k).fetchone()
+            raw = None if row is None else bytes(row[0])
+        if raw is None:
+            return None
+        value = orjson.loads(raw)
+        return strip_meta(value) if isinstance(value, dict) else None
+
+    def keys(self, table: str) -> Iterable[bytes]:
+        live = {bytes(r[0]) for r in self._db.execute("SELECT k FROM rows WHERE tbl = ?", (table,))}
+        for (tbl, key), value in self.pending.items():
+            if tbl != table:
+                continue
+            if value is None:
+                live.discard(key)
+            else:
+                live.add(key)
+        return live
+
+    def items(self) -> Iterator[tuple[str, bytes, bytes]]:
+        for tbl, k, v in self._db.execute("SELECT tbl, k, v FROM rows ORDER BY tbl, k"):
+            yield str(tbl), bytes(k), bytes(v)
+
+    def __len__(self) -> int:
+        row = self._db.execute("SELECT count(*) FROM rows").fetchone()
+        return int(row[0])
+
+    # -- writes ----------------------------------------------------------------
+
+    def put(self, table: str, key: bytes, value: bytes | None) -> None:
+        """Record a change of the open transaction (None: the key is gone)."""
+        self.pending[(table, key)] = value
+
+    def apply(self, changes: Iterable[tuple[str, bytes, bytes | None]]) -> None:
+        """Record changes of the open transaction; those of untracked tables are not kept."""
+        pending, tracked = self.pending, self.tracked
+        for table, key, value in changes:
+            if table in tracked:
+                pending[(table, key)] = value
+
+    def rollback(self) -> None:
+        """Forget the changes of an aborted transaction."""
+        self.pending.clear()
+
+    def commit(self, checkpoint: str) -> None:
+        """Write the pending changes and the new checkpoint atomically."""
+        upserts = [(t, k, v) for (t, k), v in self.pending.items() if v is not None]
+        deletes = [(t, k) for (t, k), v in self.pending.items() if v is None]
+        db = self._db
+        db.execute("BEGIN")
+        try:
+            if upserts:
+                db.executemany("INSERT OR REPLACE INTO rows (tbl, k, v) VALUES (?, ?, ?)", upserts)
+            if deletes:
+                db.executemany("DELETE FROM rows WHERE tbl = ? AND k = ?", deletes)
+            db.execute("INSERT OR REPLACE INTO meta (name, value) VALUES ('checkpoint', ?)", (checkpoint,))
+            db.execute("COMMIT")
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
+        self.pending.clear()
+
+    def track(self, table: str, rows: Iterable[tuple[bytes, bytes]]) -> int:
+        """Start keeping ``table``: load its current rows (at a transaction boundary)."""
+        if self.pending:
+            raise RuntimeError("track() inside an open transaction")
+        db = self._db
+        db.execute("BEGIN")
+        try:
+            db.execute("DELETE FROM rows WHERE tbl = ?", (table,))
+            cur = db.executemany("INSERT OR REPLACE INTO rows (tbl, k, v) VALUES (?, ?, ?)",
+                                 ((table, k, v) for k, v in rows))
+            count = cur.rowcount
+            db.execute("INSERT OR IGNORE INTO tracked (tbl) VALUES (?)", (table,))
+            db.execute("COMMIT")
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
+        self.tracked.add(table)
+        return max(count, 0)
+
+    def reset(self, checkpoint: str) -> None:
+        """Forget everything (a stale or missing store): tables are loaded again when needed."""
+        db = self._db
+        self.pending.clear()
+        db.execute("BEGIN")
+        try:
+            db.execute("DELETE FROM rows")
+            db.execute("DELETE FROM tracked")
+            db.execute("INSERT OR REPLACE INTO meta (name, value) VALUES ('checkpoint', ?)", (checkpoint,))
+            db.execute("COMMIT")
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
+        self.tracked.clear()

@@ -1,0 +1,89 @@
+"""Output topics: created on first sight, checked once, partition counts cached."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+
+from aiokafka.errors import KafkaError
+
+from demux.config import DemuxConfig
+from walbus.kafka import KafkaAdmin, TopicSpec
+from walbus.retry import Backoff
+
+log = logging.getLogger("walbus.demux.topics")
+
+
+@dataclass(frozen=True, slots=True)
+class TopicInfo:
+    partitions: int
+    # None: writable. Otherwise why records cannot go there (they go to the DLQ instead).
+    unusable: str | None = None
+
+
+class TopicManager:
+    def __init__(self, admin: KafkaAdmin, config: DemuxConfig) -> None:
+        self._admin = admin
+        self._config = config
+        self._known: dict[str, TopicInfo] = {}
+        self._lock = asyncio.Lock()
+
+    def cached(self, topic: str) -> TopicInfo | None:
+        return self._known.get(topic)
+
+    async def ensure(self, topic: str, *, compact: bool) -> TopicInfo:
+        info = self._known.get(topic)
+        if info is not None:
+            return info
+        async with self._lock:  # several partition workers may meet a new table at once
+            info = self._known.get(topic)
+            if info is None:
+                info = await self._ensure(topic, compact)
+                self._known[topic] = info
+            return info
+
+    async def _ensure(self, topic: str, compact: bool) -> TopicInfo:
+        cfg = self._config
+        spec = TopicSpec(
+            topic,
+            partitions=cfg.topic_partitions,
+            replication_factor=cfg.topic_replication_factor,
+            configs=cfg.topic_configs(compact=compact),
+        )
+        backoff = Backoff(initial=0.5, maximum=10.0, attempts=8)
+        while True:
+            try:
+                created = await self._admin.ensure_topic(spec)
+                unusable = None if created else await self._check_policy(topic, compact)
+                partitions = await self._partitions(topic)
+                return TopicInfo(partitions, unusable)
+            except KafkaError as e:
+                await backoff.wait(log, f"creating/describing topic {topic}", e)
+
+    async def _partitions(self, topic: str) -> int:
+        # Right after creation the metadata may not list the topic yet.
+        for _ in range(50):
+            try:
+                return await self._admin.partitions(topic)
+            except KafkaError:
+                await asyncio.sleep(0.1)
+        return await self._admin.partitions(topic)
+
+    async def _check_policy(self, topic: str, compact: bool) -> str | None:
+        conf = await self._admin.topic_config(topic, ["cleanup.policy"])
+        policy = conf.get("cleanup.policy", "delete")
+        policies = {p.strip() for p in policy.split(",")}
+        if compact and "compact" not in policies:
+            log.warning(
+                "existing per-table topic is not compacted; it will keep every version instead of the latest row per key",
+                extra={"topic": topic, "setting": "cleanup.policy", "value": policy, "expected": "compact"},
+            )
+        elif not compact and "compact" in policies:
+            log.warning(
+                "existing topic of a table without primary key is compacted; keyless rows cannot be written there, "
+                "they go to the dead-letter topic",
+                extra={"topic": topic, "setting": "cleanup.policy", "value": policy, "expected": "delete"},
+            )
+            return f"topic {topic} has cleanup.policy={policy}: a compacted topic refuses records without key"
+        return None

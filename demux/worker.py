@@ -1,0 +1,513 @@
+"""One source partition: its transactional producer, its last-row store, its open transaction.
+
+See demux.service for why there is one transactional producer per source partition.
+
+Life of a worker: :meth:`open` (fence the previous owner, read the committed
+offset, check or rebuild the store, seek), then :meth:`process` /
+:meth:`commit` in turns, then :meth:`close`. Any failure leaves the worker
+unusable: the service closes it and opens a new one, which starts again from
+the committed offset, so a failure can never produce a gap or a duplicate.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import Counter
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from aiokafka.partitioner import murmur2
+from aiokafka.structs import ConsumerRecord
+
+from demux.config import DemuxConfig
+from demux.metrics import DemuxMetrics
+from demux.rekey import OutRecord, Rekeyed, Rekeyer, RekeyError
+from demux.state import StateStore
+from demux.topics import TopicManager
+from walbus.contract import ContractError
+from walbus.ktable import read_ktable_raw
+
+log = logging.getLogger("walbus.demux")
+
+# aiokafka's default request limit is 1 MiB; a batch holds at most this much.
+MAX_BATCH_BYTES = 1_000_000
+# A single record above this cannot be produced with the default broker limits.
+MAX_RECORD_BYTES = 1_000_000
+DLQ_VALUE_LIMIT = 900_000
+# Source records read again before the committed offset on open, to learn the last position.
+LOOK_BACK = 1000
+
+# (what, table) already warned about: once per process, not once per partition or transaction.
+_WARNED: set[tuple[str, str]] = set()
+
+
+def transactional_id(group: str, topic: str, partition: int) -> str:
+    """Stable per source partition: whoever processes the partition next fences the last owner."""
+    return f"{group}.{topic}.{partition}"
+
+
+def checkpoint_text(group: str, tp: TopicPartition, offset: int | None) -> str:
+    return f"{group}|{tp.topic}|{tp.partition}|{-1 if offset is None else offset}"
+
+
+def partition_for(key: bytes, partitions: int) -> int:
+    """Kafka's default partitioner (murmur2, as the Java client): other clients agree."""
+    if partitions == 1:
+        return 0
+    return (int(murmur2(key)) & 0x7FFFFFFF) % partitions
+
+
+class PartitionWorker:
+    def __init__(
+        self,
+        *,
+        tp: TopicPartition,
+        config: DemuxConfig,
+        client_kwargs: dict[str, Any],
+        rekeyer: Rekeyer,
+        topics: TopicManager,
+        metrics: DemuxMetrics,
+    ) -> None:
+        self.tp = tp
+        self.config = config
+        self.group = config.group
+        self.client_kwargs = client_kwargs
+        self.rekeyer = rekeyer
+        self.topics = topics
+        self.metrics = metrics
+        self.lock = asyncio.Lock()
+        self.ready = False
+        self.producer: AIOKafkaProducer | None = None
+        self.store: StateStore | None = None
+        self.next_offset: int | None = None
+        self.last_key: bytes | None = None  # highest source event key processed
+        self._replayed = 0
+        self.in_txn = False
+        self.txn_started = 0.0
+        self.txn_records = 0
+        self._batches: dict[tuple[str, int], Any] = {}
+        self._futures: list[tuple[asyncio.Future[Any], int]] = []
+        # (topic, partition) -> offset after the last record we committed there.
+        self._written: dict[tuple[str, int], int] = {}
+        self._stats: Counter[tuple[str, str]] = Counter()
+        # Per-table counts of the open transaction (plain dicts: cheapest per record).
+        self._produced: dict[str, int] = {}
+        self._tombstones: dict[str, int] = {}
+        self._partition_label = str(tp.partition)
+
+    @property
+    def txn_id(self) -> str:
+        return transactional_id(self.group, self.tp.topic, self.tp.partition)
+
+    @property
+    def store_path(self) -> Path:
+        safe = "".join(c if c.isalnum() or c in "._-" else "_" for c in f"{self.group}__{self.tp.topic}")
+        return Path(self.config.state_dir) / f"{safe}-{self.tp.partition}.sqlite"
+
+    # -- opening ---------------------------------------------------------------
+
+    async def open(self, consumer: AIOKafkaConsumer) -> None:
+        """Fence the previous owner, then position the consumer and the store on the committed offset."""
+        producer = AIOKafkaProducer(
+            **self.client_kwargs,
+            transactional_id=self.txn_id,
+            transaction_timeout_ms=self.config.transaction_timeout_ms,
+            max_batch_size=MAX_BATCH_BYTES,
+            linger_ms=0,
+            request_timeout_ms=30000,
+        )
+        self.producer = producer
+        # start() runs InitProducerId: the broker bumps the epoch for this transactional
+        # id, aborts any transaction a previous owner left open and, if that one was
+        # already committing, finishes it before answering. After this line no
+        # zombie can commit output or offsets for this partition any more.
+        await producer.start()
+        # Only now is the committed offset final (the previous owner's last commit,
+        # if any, is complete; its open transaction, if any, is aborted).
+        committed = await consumer.committed(self.tp)
+        self.store = StateStore(self.store_path)
+        expected = checkpoint_text(self.group, self.tp, committed)
+        have = self.store.checkpoint()
+        if have != expected:
+            # Crash between the Kafka commit and the store commit, a lost state
+            # directory, or offsets moved by hand: start empty, tables are loaded
+            # again from their compacted topics when first needed.
+            self.store.reset(expected)
+            self.metrics.state_resets.inc()
+            log.info(
+                "last-row store reset; tables will be reloaded from their topics when needed",
+                extra={"partition": self.tp.partition, "reason": "missing" if have is None else "stale"},
+            )
+        if committed is None:
+            await consumer.seek_to_beginning(self.tp)
+        else:
+            # Start a little before the committed offset: those records are skipped
+            # but tell the highest event position already processed (replay detection).
+            consumer.seek(self.tp, max(0, committed - LOOK_BACK))
+        self.next_offset = committed
+        self.last_key = None
+        self.ready = True
+        log.info(
+            "partition opened",
+            extra={"partition": self.tp.partition, "committed_offset": committed, "transactional_id": self.txn_id},
+        )
+
+    async def _commit_boundary(self) -> None:
+        """Commit the open transaction now, so that the topics show everything done so far."""
+        if self.in_txn:
+            await self.commit()
+
+    async def _read_table(self, table: str) -> dict[bytes, bytes]:
+        """The table's committed rows from its topic, including our own last commit."""
+        topic = self.rekeyer.topic_for(table)
+        # Our commit markers reach the partitions shortly after commit_transaction
+        # returns; wait until the last stable offset covers what we wrote.
+        min_end = {p: off for (t, p), off in self._written.items() if t == topic}
+        return await read_ktable_raw(client_kwargs=self.client_kwargs, topic=topic, min_end_offsets=min_end)
+
+    async def _track(self, table: str) -> None:
+        assert self.store is not None
+        await self._commit_boundary()
+        started = time.monotonic()
+        rows = await self._read_table(table)
+        count = self.store.track(table, rows.items())
+        self.metrics.state_table_loads.labels(table).inc()
+        log.info(
+            "table loaded into the last-row store from its topic",
+            extra={"partition": self.tp.partition, "table": table, "rows": count,
+                   "seconds": round(time.monotonic() - started, 3)},
+        )
+
+    # -- processing --------------------------------------------------------------
+
+    async def process(self, messages: list[ConsumerRecord[bytes, bytes]]) -> None:
+        """Re-key a run of source records into the open transaction."""
+        producer, store = self.producer, self.store
+        assert producer is not None and store is not None and self.ready
+        await self._ensure_txn()
+        tracked = store.tracked
+        stats = self._stats
+        produced, tombstones = self._produced, self._tombstones
+        rekey = self.rekeyer.rekey_value
+        apply = store.apply
+        append = self._append
+        skip_replayed = self.config.skip_replayed
+        for m in messages:
+            offset = m.offset
+            key = m.key
+            # Event keys are fixed-width upper-case hex: byte order is position order.
+            valid_key = key is not None and len(key) == 25 and key[16] == 45  # b"-"
+            if self.next_offset is not None and offset < self.next_offset:
+                # Already processed (the look-back after open, or fetched before a seek):
+                # only learn the highest position seen.
+                if valid_key and (self.last_key is None or key > self.last_key):
+                    self.last_key = key
+                continue
+            if valid_key:
+                if skip_replayed and self.last_key is not None and key <= self.last_key:
+                    # The producer is at-least-once: after its restart it sends again the
+                    # transactions after its last confirmed commit. Same position, same event.
+                    self._replayed += 1
+                    self.next_offset = offset + 1
+                    self.txn_records += 1
+                    continue
+                self.last_key = key
+            try:
+                if m.value is None:
+                    raise ContractError("record has no value")
+                out = rekey(m.value, store)
+                if out.needs_state and out.table not in tracked:
+                    out = await self._rekey_with_state(m.value, out)
+            except (ContractError, RekeyError) as e:
+                await self._dead_letter(m, str(e), "contract")
+                self._advance(offset)
+                continue
+            except Exception as e:  # a bug must not stall the stream on one record
+                log.exception("re-keying failed", extra={"partition": m.partition, "offset": offset})
+                await self._dead_letter(m, f"internal error: {type(e).__name__}: {e}", "internal")
+                self._advance(offset)
+                continue
+            table = out.table
+            if out.no_pk:
+                info = await self.topics.ensure(out.records[0].topic, compact=False)
+                if info.unusable is not None:
+                    await self._dead_letter(m, info.unusable, "topic")
+                    self._advance(offset)
+                    continue
+                stats[("no_pk", table)] += 1
+                self._warn_once("no_pk", table, offset)
+            records = out.records
+            too_big = [r for r in records if r.value is not None and len(r.value) > MAX_RECORD_BYTES]
+            if too_big:
+                size = _size(too_big[0])
+                await self._dead_letter(m, f"output record of {size} bytes is over {MAX_RECORD_BYTES}", "size")
+                self._advance(offset)
+                continue
+            for rec in records:
+                await append(rec)
+                if rec.value is None:
+                    tombstones[table] = tombstones.get(table, 0) + 1
+                else:
+                    produced[table] = produced.get(table, 0) + 1
+            if out.changes:
+                apply(out.changes)
+            if out.unfilled:
+                stats[("unfilled", table)] += len(out.unfilled)
+                self._warn_once("unfilled", table, offset, out.unfilled)
+            self.next_offset = offset + 1
+            self.txn_records += 1
+
+    async def _ensure_txn(self) -> None:
+        if not self.in_txn:
+            assert self.producer is not None
+            await self.producer.begin_transaction()
+            self.in_txn = True
+            self.txn_started = time.monotonic()
+
+    async def _rekey_with_state(self, value: bytes, out: Rekeyed) -> Rekeyed:
+        """Re-key again once the store can answer for the table (rare: once per table)."""
+        assert self.store is not None
+        if out.truncate:
+            # Keys of a table we do not keep: read them from its topic, once.
+            await self._commit_boundary()
+            keys = await self._read_table(out.table)
+            out = self.rekeyer.rekey_value(value, _KeysView(self.store, out.table, set(keys)))
+        else:
+            await self._track(out.table)
+            out = self.rekeyer.rekey_value(value, self.store)
+        await self._ensure_txn()
+        return out
+
+    def _warn_once(self, what: str, table: str, offset: int, columns: list[str] | None = None) -> None:
+        if (what, table) in _WARNED:
+            return
+        _WARNED.add((what, table))
+        if what == "no_pk":
+            log.warning(
+                "table has no primary key: its rows go to a cleanup.policy=delete topic with null keys",
+                extra={"table": table, "topic": self.rekeyer.topic_for(table)},
+            )
+        else:
+            log.warning(
+                "unchanged TOAST value unknown (row never seen by the demux); column left out of the row",
+                extra={"table": table, "columns": columns, "offset": offset},
+            )
+
+    def _advance(self, offset: int) -> None:
+        self.next_offset = offset + 1
+        self.txn_records += 1
+
+    async def _append(self, rec: OutRecord, headers: list[tuple[str, bytes]] | None = None) -> None:
+        info = self.topics.cached(rec.topic) or await self.topics.ensure(rec.topic, compact=rec.compact)
+        if rec.key is None:
+            # Keyless rows of one table stay in one partition, in source order.
+            part = self.tp.partition % info.partitions
+        else:
+            part = partition_for(rec.key, info.partitions)
+        slot = (rec.topic, part)
+        batch = self._batches.get(slot)
+        if batch is None:
+            batch = self._batches[slot] = self._new_batch()
+        if batch.append(timestamp=None, key=rec.key, value=rec.value, headers=headers or []) is None:
+            await self._send(slot, batch)
+            batch = self._batches[slot] = self._new_batch()
+            # The first record always fits an empty batch (sizes are checked before).
+            batch.append(timestamp=None, key=rec.key, value=rec.value, headers=headers or [])
+
+    def _new_batch(self) -> Any:
+        assert self.producer is not None
+        return self.producer.create_batch()
+
+    async def _send(self, slot: tuple[str, int], batch: Any) -> None:
+        assert self.producer is not None
+        batch.close()
+        count = batch.record_count()
+        fut = await self.producer.send_batch(batch, slot[0], partition=slot[1])
+        fut.add_done_callback(_retrieve)
+        self._futures.append((fut, count))
+
+    async def send_batches(self) -> None:
+        """Ship the batches built so far; the transaction stays open.
+
+        Called after each fetched run of records: the broker gets the data while
+        the demux works on the next run, so a commit only waits for the tail.
+        """
+        for slot, batch in list(self._batches.items()):
+            await self._send(slot, batch)
+        self._batches.clear()
+
+    async def _dead_letter(self, m: ConsumerRecord[bytes, bytes], error: str, reason: str) -> None:
+        value = m.value
+        headers = [
+            ("walbus.error", error.encode()[:4000]),
+            ("walbus.source.topic", m.topic.encode()),
+            ("walbus.source.partition", str(m.partition).encode()),
+            ("walbus.source.offset", str(m.offset).encode()),
+        ]
+        if value is not None and len(value) > DLQ_VALUE_LIMIT:
+            headers.append(("walbus.value.truncated", str(len(value)).encode()))
+            value = value[:DLQ_VALUE_LIMIT]
+        key = m.key[:DLQ_VALUE_LIMIT // 10] if m.key is not None else None
+        if key is None and value is None:
+            value = b""
+        rec = OutRecord(self.config.dlq, key, value, "", compact=False)
+        await self._append(rec, headers)
+        self._stats[("dead_letter", reason)] += 1
+        log.warning(
+            "record sent to the dead-letter topic",
+            extra={"partition": m.partition, "offset": m.offset, "error": error[:500], "dlq": self.config.dlq},
+        )
+
+    # -- committing --------------------------------------------------------------
+
+    def due(self, now: float) -> bool:
+        if not self.in_txn:
+            return False
+        return self.txn_records >= self.config.txn_max_records or (
+            now - self.txn_started) * 1000 >= self.config.txn_max_ms
+
+    def time_left(self, now: float) -> float:
+        """Seconds until the open transaction is due (inf without one)."""
+        if not self.in_txn:
+            return float("inf")
+        return max(0.0, self.txn_started + self.config.txn_max_ms / 1000 - now)
+
+    async def commit(self) -> None:
+        """Send the last batches, the consumed offset, commit; then the store follows."""
+        producer, store = self.producer, self.store
+        assert producer is not None and store is not None
+        if not self.in_txn:
+            return
+        await self.send_batches()
+        futures, self._futures = self._futures, []
+        started = time.monotonic()
+        if futures:
+            await asyncio.gather(*(f for f, _ in futures))  # a failed batch must fail the commit
+        if self.next_offset is not None:
+            await producer.send_offsets_to_transaction({self.tp: self.next_offset}, self.group)
+        await producer.commit_transaction()
+        self.in_txn = False
+        self.metrics.txn_commit_seconds.observe(time.monotonic() - started)
+        self.metrics.transactions.labels("committed").inc()
+        # Kafka first, the store second: the store may lag behind (then it is rebuilt
+        # on the next open) but never run ahead of what readers can see.
+        store.commit(checkpoint_text(self.group, self.tp, self.next_offset))
+        written = self._written
+        for fut, count in futures:
+            md = fut.result()
+            slot = (md.topic, md.partition)
+            written[slot] = max(written.get(slot, 0), md.offset + count)
+        self._flush_stats()
+
+    def _flush_stats(self) -> None:
+        m = self.metrics
+        m.consumed.labels(self._partition_label).inc(self.txn_records)
+        if self._replayed:
+            m.replayed.inc(self._replayed)
+            log.warning("skipped replayed source events (position not after the last one processed)",
+                        extra={"partition": self.tp.partition, "count": self._replayed})
+            self._replayed = 0
+        for table, n in self._produced.items():
+            m.produced.labels(table).inc(n)
+        for table, n in self._tombstones.items():
+            m.tombstones.labels(table).inc(n)
+        self._produced.clear()
+        self._tombstones.clear()
+        for (kind, label), n in self._stats.items():
+            if kind == "dead_letter":
+                m.dead_letters.labels(label).inc(n)
+            elif kind == "no_pk":
+                m.no_pk_events.labels(label).inc(n)
+            elif kind == "unfilled":
+                m.unfilled_columns.labels(label).inc(n)
+        self._stats.clear()
+        self.txn_records = 0
+
+    # -- closing -----------------------------------------------------------------
+
+    async def close(self, *, commit: bool) -> None:
+        """Commit (graceful) or abort the open transaction, then release everything."""
+        self.ready = False
+        producer, store = self.producer, self.store
+        try:
+            if producer is not None and self.in_txn:
+                if commit:
+                    try:
+                        await self.commit()
+                    except Exception as e:
+                        log.warning("commit on close failed; the transaction is aborted",
+                                    extra={"partition": self.tp.partition, "error": repr(e)})
+                        await self._abort()
+                else:
+                    await self._abort()
+        finally:
+            self._discard()
+            if producer is not None:
+                with contextlib.suppress(Exception):
+                    await producer.stop()
+            if store is not None:
+                store.close()
+            self.producer = None
+            self.store = None
+
+    async def _abort(self) -> None:
+        producer = self.producer
+        self.in_txn = False
+        if producer is None:
+            return
+        try:
+            if not _fatal(producer):  # fenced: nothing to abort on our side
+                await asyncio.wait_for(producer.abort_transaction(), timeout=30)
+            self.metrics.transactions.labels("aborted").inc()
+        except Exception as e:
+            # The broker aborts it anyway: on the next InitProducerId or at the timeout.
+            log.warning("abort failed", extra={"partition": self.tp.partition, "error": repr(e)})
+
+    def _discard(self) -> None:
+        self._batches.clear()
+        self._futures.clear()
+        self._stats.clear()
+        self._produced.clear()
+        self._tombstones.clear()
+        self._replayed = 0
+        self.txn_records = 0
+        if self.store is not None:
+            self.store.rollback()
+
+
+class _KeysView:
+    """The store, except that one untracked table's keys come from its topic (truncate)."""
+
+    def __init__(self, store: StateStore, table: str, keys: set[bytes]) -> None:
+        self._store, self._table, self._keys = store, table, keys
+
+    def get(self, table: str, key: bytes) -> dict[str, Any] | None:
+        return self._store.get(table, key)
+
+    def keys(self, table: str) -> Iterable[bytes]:
+        return self._keys if table == self._table else self._store.keys(table)
+
+
+def _fatal(producer: AIOKafkaProducer) -> bool:
+    """True when the producer is fenced or broken (aiokafka keeps this state private)."""
+    txn = producer._txn_manager
+    if txn is None or not txn.is_fatal_error():
+        return False
+    # aiokafka parks the fatal error on the transaction waiter; nobody else awaits it.
+    _retrieve(txn.wait_for_transaction_end())
+    return True
+
+
+def _retrieve(fut: asyncio.Future[Any]) -> None:
+    """Mark a batch's failure as seen: it is handled through the transaction, not here."""
+    if not fut.cancelled():
+        fut.exception()
+
+
+def _size(rec: OutRecord) -> int:
+    return (len(rec.key) if rec.key else 0) + (len(rec.value) if rec.value else 0)

@@ -1,0 +1,125 @@
+"""Type names and keys from the system catalogs, through a normal (second) connection.
+
+The replication connection cannot run SQL while it streams, so the decoders ask
+this cache; it queries PostgreSQL only on a miss (a new relation, a changed
+schema, a type created after start).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Protocol
+
+import psycopg
+
+log = logging.getLogger("walbus.producer.catalog")
+
+
+@dataclass(frozen=True)
+class TableInfo:
+    schema: str
+    name: str
+    columns: tuple[str, ...]
+    type_oids: tuple[int, ...]
+    pk: tuple[str, ...]
+    replident: str  # d f n i
+    identity: tuple[str, ...]  # the replica identity's columns (pk, index, all or none)
+
+
+class CatalogLookup(Protocol):
+    """What the decoders need to know of the catalog."""
+
+    def typname(self, oid: int) -> str: ...
+
+    def table(self, schema: str, name: str) -> TableInfo: ...
+
+    def remember_type(self, oid: int, name: str) -> None: ...
+
+
+class UnknownTypeError(LookupError):
+    pass
+
+
+class Catalog:
+    """A :class:`CatalogLookup` over a psycopg connection, cached."""
+
+    def __init__(self, dsn: str) -> None:
+        self._dsn = dsn
+        self._conn: psycopg.Connection[tuple[object, ...]] | None = None
+        self._types: dict[int, str] = {}
+        self._tables: dict[tuple[str, str], TableInfo] = {}
+
+    def _connection(self) -> psycopg.Connection[tuple[object, ...]]:
+        if self._conn is None or self._conn.closed:
+            self._conn = psycopg.connect(self._dsn, autocommit=True, application_name="walbus-catalog")
+        return self._conn
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+
+    def load_types(self) -> None:
+        rows = self._connection().execute("SELECT oid::int8, typname FROM pg_type").fetchall()
+        self._types = {int(str(oid)): str(name) for oid, name in rows}
+
+    def typname(self, oid: int) -> str:
+        name = self._types.get(oid)
+        if name is None:
+            self.load_types()
+            name = self._types.get(oid)
+            if name is None:
+                raise UnknownTypeError(f"type oid {oid} is not in pg_type")
+        return name
+
+    def remember_type(self, oid: int, name: str) -> None:
+        self._types[oid] = name
+
+    def invalidate(self, schema: str, name: str) -> None:
+        self._tables.pop((schema, name), None)
+
+    def table(self, schema: str, name: str) -> TableInfo:
+        info = self._tables.get((schema, name))
+        if info is None:
+            info = self._query_table(schema, name)
+            self._tables[(schema, name)] = info
+        return info
+
+    def _query_table(self, schema: str, name: str) -> TableInfo:
+        conn = self._connection()
+        row = conn.execute(
+            "SELECT c.oid::int8, c.relreplident::text FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
+            "WHERE n.nspname = %s AND c.relname = %s",
+            (schema, name),
+        ).fetchone()
+        if row is None:
+            raise LookupError(f"table {schema}.{name} not found in the catalog")
+        relid, replident = int(str(row[0])), str(row[1])
+        cols = conn.execute(
+            "SELECT attname, atttypid::int8 FROM pg_attribute WHERE attrelid = %s AND attnum > 0 "
+            "AND NOT attisdropped ORDER BY attnum",
+            (relid,),
+        ).fetchall()
+        pk = self._index_columns(conn, relid, "indisprimary")
+        if replident == "d":
+            identity = pk
+        elif replident == "i":
+            identity = self._index_columns(conn, relid, "indisreplident")
+        elif replident == "f":
+            identity = tuple(str(c[0]) for c in cols)
+        else:
+            identity = ()
+        return TableInfo(
+            schema, name, tuple(str(c[0]) for c in cols), tuple(int(str(c[1])) for c in cols), pk, replident, identity
+        )
+
+    @staticmethod
+    def _index_columns(conn: psycopg.Connection[tuple[object, ...]], relid: int, which: str) -> tuple[str, ...]:
+        rows = conn.execute(
+            "SELECT a.attname FROM pg_index i "
+            "JOIN LATERAL unnest(i.indkey::int2[]) WITH ORDINALITY AS k(attnum, ord) ON true "
+            "JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = k.attnum "
+            f"WHERE i.indrelid = %s AND i.{which} ORDER BY k.ord",
+            (relid,),
+        ).fetchall()
+        return tuple(str(r[0]) for r in rows)

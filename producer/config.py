@@ -1,0 +1,76 @@
+"""The producer's one config object (flags = WALBUS_* env vars = TOML keys)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from psycopg.conninfo import conninfo_to_dict
+
+from walbus.config import ConfigError, load_config, option
+from walbus.kafka import KafkaOptions
+
+
+@dataclass(kw_only=True)
+class ProducerConfig(KafkaOptions):
+    pg_dsn: str = option(help="PostgreSQL connection string (URI or key=value); needs the REPLICATION privilege")
+    slot: str | None = option(None, help="logical replication slot (default walbus_<database>)")
+    plugin: str = option("pgoutput", help="output plugin", choices=["pgoutput", "wal2json"])
+    publication: str | None = option(None, help="pgoutput publication (default walbus_<database>), created if missing")
+    topic: str | None = option(None, help="database topic (default <topic-prefix>.<database>)")
+    topic_prefix: str = option("walbus", help="prefix of the default topic name")
+    partitions: int = option(1, help="partitions of the database topic when it is created (1: one total order)")
+    replication_factor: int = option(1, help="replication factor of the topics when created")
+    tables: list[str] = option([], help="include list: schema.table patterns (fnmatch), comma-separated")
+    exclude_tables: list[str] = option([], help="exclude list: schema.table patterns")
+    exclude_columns: list[str] = option([], help="schema.table.column patterns left out of events")
+    mask_columns: list[str] = option([], help="schema.table.column patterns whose values are replaced by ****")
+    heartbeat_interval: float = option(10.0, help="seconds between status updates that confirm the server's position while captured tables are idle")
+    metrics_port: int = option(0, help="serve Prometheus metrics on this port (0: off)")
+    drop_slot_on_exit: bool = option(False, help="drop the replication slot when the producer exits")
+    transaction_metadata: bool = option(False, help="emit BEGIN/END records on <topic>.transaction")
+    max_batch_bytes: int = option(1 << 20, help="Kafka record batch size in bytes")
+    max_in_flight: int = option(8, help="unacknowledged Kafka batches before reading pauses (backpressure)")
+    kafka_request_timeout_ms: int = option(30000, help="how long a Kafka batch may wait for its acknowledgement before the stream restarts")
+    retry_attempts: int = option(0, help="reconnect attempts after a transient fault (0: forever)")
+    retry_max_delay: float = option(60.0, help="longest backoff between reconnects, seconds")
+    snapshot_mode: str = option("initial", help="initial | always | never | initial_only", choices=["initial", "always", "never", "initial_only"])
+    snapshot_workers: int = option(1, help="parallel connections reading the initial snapshot")
+    snapshot_fetch_rows: int = option(10000, help="rows fetched per round trip while snapshotting")
+    signal_table: str | None = option(None, help="schema.table of the signal table (incremental snapshots)")
+    incremental_chunk_size: int = option(1024, help="rows per incremental-snapshot chunk")
+    log_level: str = option("info", help="debug, info, warning or error")
+
+    @property
+    def database(self) -> str:
+        try:
+            params = conninfo_to_dict(self.pg_dsn)
+        except Exception as e:
+            raise ConfigError(f"--pg-dsn is not a valid connection string: {e}") from None
+        db = params.get("dbname") or params.get("user")
+        if not db:
+            raise ConfigError("--pg-dsn must name a database (dbname=… or /dbname in the URI)")
+        return str(db)
+
+    @property
+    def slot_name(self) -> str:
+        return self.slot or f"walbus_{self.database}".replace("-", "_").lower()
+
+    @property
+    def publication_name(self) -> str:
+        return self.publication or f"walbus_{self.database}".replace("-", "_").lower()
+
+    @property
+    def topic_name(self) -> str:
+        return self.topic or f"{self.topic_prefix}.{self.database}"
+
+
+def load(argv: Sequence[str] | None) -> ProducerConfig:
+    cfg = load_config(
+        ProducerConfig, argv, prog="walbus produce",
+        description="Stream a PostgreSQL database's changes into its Kafka topic.", section="produce",
+    )
+    _ = cfg.database  # validates the DSN now
+    if cfg.partitions < 1 or cfg.replication_factor < 1:
+        raise ConfigError("--partitions and --replication-factor must be at least 1")
+    return cfg

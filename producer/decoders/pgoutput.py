@@ -1,0 +1,195 @@
+"""Decoder for PostgreSQL's built-in ``pgoutput`` plugin (protocol version 1, text values).
+
+Message layouts: PostgreSQL docs, "Logical Replication Message Formats".
+"""
+
+from __future__ import annotations
+
+import logging
+import struct
+from collections.abc import Callable
+from typing import Any
+
+from producer.catalog import CatalogLookup
+from producer.codec import (
+    PG_EPOCH,
+    CaptureFilter,
+    EventEncoder,
+    Relation,
+    pg_timestamp_iso,
+    text_converter,
+)
+from producer.decoders import Item, LogicalMessage, TxnBegin, TxnEnd
+
+log = logging.getLogger("walbus.producer.pgoutput")
+
+_BEGIN = struct.Struct(">QqI")  # final_lsn, commit_ts, xid
+_COMMIT = struct.Struct(">xQQq")  # flags, commit_lsn, end_lsn, commit_ts
+_U32 = struct.Struct(">I")
+_U16 = struct.Struct(">H")
+_MSG = struct.Struct(">BQ")  # flags, lsn
+_PG_EPOCH_UNIX_US = int(PG_EPOCH.timestamp()) * 1_000_000
+
+
+class DecodeError(ValueError):
+    pass
+
+
+def _cstring(buf: bytes, pos: int) -> tuple[str, int]:
+    end = buf.index(0, pos)
+    return buf[pos:end].decode(), end + 1
+
+
+class PgoutputDecoder:
+    plugin = "pgoutput"
+
+    def __init__(self, catalog: CatalogLookup, capture: CaptureFilter) -> None:
+        self.catalog = catalog
+        self.capture = capture
+        self.encoder = EventEncoder()
+        self.relations: dict[int, Relation] = {}
+        self._commit_unix_us = 0
+        self._iso = ""
+
+    def start_options(self, publication: str) -> dict[str, str]:
+        return {"proto_version": "1", "publication_names": publication, "messages": "true"}
+
+    def decode(self, messages: list[tuple[int, bytes]], out: list[Item]) -> None:
+        relations = self.relations
+        insert = self.encoder.insert
+        tuple_ = self._tuple
+        for lsn, buf in messages:
+            kind = buf[0]
+            if kind == 0x49:  # I: the hot path
+                rel = relations.get(_U32.unpack_from(buf, 1)[0])
+                if rel is None:
+                    raise DecodeError("insert before its Relation message")
+                if rel.captured:
+                    out.append(insert(rel, lsn, tuple_(buf, 6, rel.converters)[0]))
+                    rel.txn_counts[0] += 1
+            elif kind in (0x55, 0x44):  # U D
+                relid = _U32.unpack_from(buf, 1)[0]
+                rel = relations.get(relid)
+                if rel is None:
+                    raise DecodeError(f"change for relation {relid} before its Relation message")
+                if not rel.captured:
+                    continue
+                convs = rel.converters
+                if kind == 0x55:
+                    old = None
+                    old_full = False
+                    pos = 5
+                    sub = buf[pos]
+                    if sub in (0x4B, 0x4F):  # K (old key) or O (old row)
+                        old, _, pos = tuple_(buf, pos + 1, convs)
+                        old_full = sub == 0x4F
+                    new, unchanged, _ = tuple_(buf, pos + 1, convs)
+                    out.append(self.encoder.encode(rel, "update", lsn, new, unchanged=unchanged, old=old, old_is_full=old_full))
+                    rel.txn_counts[1] += 1
+                else:
+                    sub = buf[5]
+                    old, _, _ = tuple_(buf, 6, convs)
+                    out.append(self.encoder.encode(rel, "delete", lsn, None, old=old, old_is_full=sub == 0x4F))
+                    rel.txn_counts[2] += 1
+            elif kind == 0x42:  # B
+                final_lsn, ts, xid = _BEGIN.unpack_from(buf, 1)
+                iso = pg_timestamp_iso(ts)
+                self.encoder.begin(final_lsn, xid, iso)
+                self._commit_unix_us = ts + _PG_EPOCH_UNIX_US
+                self._iso = iso
+                out.append(TxnBegin(final_lsn, xid, iso))
+            elif kind == 0x43:  # C
+                commit_lsn, end_lsn, _ts = _COMMIT.unpack_from(buf, 1)
+                out.append(TxnEnd(commit_lsn, end_lsn, self.encoder.xid, self._iso, self._commit_unix_us, self._take_counts()))
+            elif kind == 0x52:  # R
+                self._relation(buf)
+            elif kind == 0x54:  # T
+                self._truncate(buf, lsn, out)
+            elif kind == 0x59:  # Y: a non-built-in type's name
+                oid = _U32.unpack_from(buf, 1)[0]
+                _ns, pos = _cstring(buf, 5)
+                name, _ = _cstring(buf, pos)
+                self.catalog.remember_type(oid, name)
+            elif kind == 0x4D:  # M: logical decoding message
+                flags, msg_lsn = _MSG.unpack_from(buf, 1)
+                prefix, pos = _cstring(buf, 10)
+                size = _U32.unpack_from(buf, pos)[0]
+                out.append(LogicalMessage(msg_lsn, prefix, buf[pos + 4 : pos + 4 + size], bool(flags & 1)))
+            elif kind == 0x4F:  # O: origin — nothing to emit
+                continue
+            else:
+                raise DecodeError(f"unknown pgoutput message type {chr(kind)!r}")
+
+    @staticmethod
+    def _tuple(buf: bytes, pos: int, convs: list[Callable[[bytes], Any]]) -> tuple[list[Any], list[int], int]:
+        # `pos` points at the column count that follows the 'N'/'K'/'O' byte.
+        n = _U16.unpack_from(buf, pos)[0]
+        pos += 2
+        values: list[Any] = [None] * n
+        unchanged: list[int] = []
+        unpack = _U32.unpack_from
+        for i in range(n):
+            kind = buf[pos]
+            pos += 1
+            if kind == 0x74:  # t: text
+                size = unpack(buf, pos)[0]
+                pos += 4
+                values[i] = convs[i](buf[pos : pos + size])
+                pos += size
+            elif kind == 0x75:  # u: unchanged TOAST
+                unchanged.append(i)
+            elif kind != 0x6E:  # not n(ull)
+                raise DecodeError(f"unexpected tuple column kind {chr(kind)!r}")
+        return values, unchanged, pos
+
+    def _relation(self, buf: bytes) -> None:
+        relid = _U32.unpack_from(buf, 1)[0]
+        schema, pos = _cstring(buf, 5)
+        name, pos = _cstring(buf, pos)
+        replident = chr(buf[pos])
+        ncols = _U16.unpack_from(buf, pos + 1)[0]
+        pos += 3
+        columns: list[str] = []
+        types: list[str] = []
+        identity: list[bool] = []
+        for _ in range(ncols):
+            flags = buf[pos]
+            col, pos = _cstring(buf, pos + 1)
+            type_oid = _U32.unpack_from(buf, pos)[0]
+            pos += 8  # type oid + typmod
+            columns.append(col)
+            types.append(self.catalog.typname(type_oid))
+            identity.append(bool(flags & 1))
+        invalidate = getattr(self.catalog, "invalidate", None)
+        if invalidate is not None:
+            invalidate(schema, name)  # a Relation message means its schema may have changed
+        info = self.catalog.table(schema, name)
+        rel = Relation(relid, schema, name, columns, types, identity, list(info.pk), replident).prepare(self.capture)
+        rel.converters = [text_converter(t) for t in types]
+        old = self.relations.get(relid)
+        if old is not None:
+            rel.txn_counts = old.txn_counts
+        self.relations[relid] = rel
+        log.debug("relation", extra={"table": rel.qualified, "columns": columns})
+
+    def _truncate(self, buf: bytes, lsn: int, out: list[Item]) -> None:
+        nrels = _U32.unpack_from(buf, 1)[0]
+        for i in range(nrels):
+            relid = _U32.unpack_from(buf, 6 + 4 * i)[0]
+            rel = self.relations.get(relid)
+            if rel is None or not rel.captured:
+                continue
+            out.append(self.encoder.truncate(rel, lsn))
+            rel.txn_counts[3] += 1
+
+    def _take_counts(self) -> dict[tuple[str, str], int]:
+        # Per-relation counters are cheaper on the hot path than a dict keyed by (table, op).
+        counts: dict[tuple[str, str], int] = {}
+        for rel in self.relations.values():
+            c = rel.txn_counts
+            if any(c):
+                for op, n in zip(("insert", "update", "delete", "truncate"), c, strict=True):
+                    if n:
+                        counts[(rel.qualified, op)] = n
+                rel.txn_counts = [0, 0, 0, 0]
+        return counts

@@ -1,0 +1,273 @@
+"""The producer service: wiring, the streaming loop, signals, retries with backoff.
+
+Data walks one way: ReplicationStream (bytes) -> decoder (encoded events and
+commits) -> KafkaSink (batches) -> Progress (acks) -> standby status update.
+The slot is confirmed only up to the end of the last transaction whose every
+event Kafka acknowledged: at-least-once, nothing lost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import orjson
+import psycopg
+from aiokafka.errors import KafkaError
+from prometheus_client import CollectorRegistry
+
+from producer import setup
+from producer.catalog import Catalog
+from producer.codec import CaptureFilter, EncodedEvent
+from producer.config import ProducerConfig, load
+from producer.decoders import Decoder, TxnBegin, TxnEnd
+from producer.decoders.pgoutput import PgoutputDecoder
+from producer.decoders.wal2json import Wal2jsonDecoder
+from producer.metrics import ProducerMetrics
+from producer.progress import Progress
+from producer.replication import ReplicationError, ReplicationStream
+from producer.sink import KafkaSink, SinkError
+from walbus.config import ConfigError, describe
+from walbus.contract import Lsn
+from walbus.kafka import KafkaAdmin, TopicSpec, wait_for_broker
+from walbus.logs import setup_logging
+from walbus.metrics import new_registry, serve_metrics
+from walbus.retry import Backoff
+
+log = logging.getLogger("walbus.producer")
+
+TRANSIENT = (ReplicationError, SinkError, KafkaError, psycopg.OperationalError, OSError, TimeoutError)
+
+
+class Producer:
+    """Streams one database's slot into its Kafka topic until :meth:`stop`."""
+
+    def __init__(self, config: ProducerConfig, *, registry: CollectorRegistry | None = None) -> None:
+        self.config = config
+        self.registry = registry or new_registry()
+        self.metrics = ProducerMetrics(self.registry)
+        self.capture = CaptureFilter(
+            tables=tuple(config.tables),
+            exclude_tables=tuple(config.exclude_tables),
+            exclude_columns=tuple(config.exclude_columns),
+            mask_columns=tuple(config.mask_columns),
+            signal_table=config.signal_table,
+        )
+        self._stopping = asyncio.Event()
+        self._partitions = 1
+        self.progress: Progress | None = None
+        self.ready = asyncio.Event()  # set once streaming started (tests, demo)
+
+    def stop(self) -> None:
+        self._stopping.set()
+
+    # -- set-up -----------------------------------------------------------------------------
+
+    def _prepare_database(self) -> tuple[list[str], setup.SlotState]:
+        cfg = self.config
+        with setup.connect(cfg.pg_dsn) as conn:
+            setup.check_server(conn)
+            tables = setup.resolve_tables(conn, self.capture)
+            if cfg.plugin == "pgoutput":
+                setup.ensure_publication(conn, cfg.publication_name, self.capture, tables)
+            state = setup.check_slot(conn, cfg.slot_name, cfg.plugin, cfg.database)
+        return tables, state
+
+    async def _prepare_kafka(self, client_kwargs: dict[str, Any]) -> None:
+        cfg = self.config
+        try:
+            await wait_for_broker(client_kwargs, attempts=3, max_delay=4)
+        except KafkaError as e:
+            raise ConfigError(f"cannot reach Kafka at {cfg.kafka_bootstrap}: {e}") from None
+        async with KafkaAdmin(client_kwargs=client_kwargs) as admin:
+            await admin.ensure_topic(TopicSpec(cfg.topic_name, cfg.partitions, cfg.replication_factor))
+            if cfg.transaction_metadata:
+                await admin.ensure_topic(TopicSpec(f"{cfg.topic_name}.transaction", 1, cfg.replication_factor))
+            self._partitions = await admin.partitions(cfg.topic_name)
+
+    def _create_slot(self, stream: ReplicationStream) -> None:
+        cfg = self.config
+        stream.execute(f'CREATE_REPLICATION_SLOT "{cfg.slot_name}" LOGICAL {cfg.plugin} NOEXPORT_SNAPSHOT')
+        log.info("created replication slot", extra={"slot": cfg.slot_name, "plugin": cfg.plugin})
+
+    # -- running ------------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        cfg = self.config
+        log.info("producer starting", extra={"config": describe(cfg)})
+        client_kwargs = cfg.kafka_client_kwargs()
+        await self._prepare_kafka(client_kwargs)
+        _tables, slot = await asyncio.to_thread(self._prepare_database)
+        if not slot.exists:
+            stream = await asyncio.to_thread(ReplicationStream.connect, cfg.pg_dsn)
+            try:
+                self._create_slot(stream)
+            finally:
+                stream.close()
+        backoff = Backoff(maximum=cfg.retry_max_delay, attempts=cfg.retry_attempts)
+        try:
+            while not self._stopping.is_set():
+                try:
+                    await self._stream_session(client_kwargs, backoff)
+                except TRANSIENT as e:
+                    self.metrics.connected.set(0)
+                    if self._stopping.is_set():
+                        break
+                    self.metrics.reconnects.inc()
+                    await self._sleep_or_stop(backoff, e)
+        finally:
+            self.metrics.connected.set(0)
+            if cfg.drop_slot_on_exit:
+                await asyncio.to_thread(setup.drop_slot, cfg.pg_dsn, cfg.slot_name)
+
+    async def _sleep_or_stop(self, backoff: Backoff, error: BaseException) -> None:
+        backoff.failures += 1
+        if backoff.exhausted:
+            raise error
+        delay = backoff.next_delay()
+        log.warning("stream interrupted, reconnecting", extra={"error": str(error), "attempt": backoff.failures, "retry_in_s": delay})
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._stopping.wait(), delay)
+
+    def _decoder(self, catalog: Catalog) -> Decoder:
+        decoder: PgoutputDecoder | Wal2jsonDecoder
+        if self.config.plugin == "wal2json":
+            decoder = Wal2jsonDecoder(catalog, self.capture)
+        else:
+            decoder = PgoutputDecoder(catalog, self.capture)
+        decoder.encoder.partitioned = self._partitions > 1
+        return decoder
+
+    async def _stream_session(self, client_kwargs: dict[str, Any], backoff: Backoff) -> None:
+        cfg = self.config
+        catalog = Catalog(cfg.pg_dsn)
+        stream: ReplicationStream | None = None
+        sink: KafkaSink | None = None
+        try:
+            await asyncio.to_thread(catalog.load_types)
+            with setup.connect(cfg.pg_dsn) as conn:
+                state = setup.slot_state(conn, cfg.slot_name)
+            if not state.exists:
+                raise ConfigError(f"replication slot {cfg.slot_name} disappeared (dropped by someone else?)")
+            # One extra counter slot for side records (transaction metadata), see KafkaSink.
+            progress = Progress(self._partitions + 1, state.confirmed_flush_lsn)
+            self.progress = progress
+            metrics = self.metrics
+
+            def on_ack(seconds: float, records: int) -> None:
+                metrics.send_latency.observe(seconds)
+
+            sink = KafkaSink(
+                client_kwargs=client_kwargs, topic=cfg.topic_name, partitions=self._partitions, progress=progress,
+                max_batch_bytes=cfg.max_batch_bytes, max_in_flight=cfg.max_in_flight, on_ack=on_ack,
+                request_timeout_ms=cfg.kafka_request_timeout_ms,
+            )
+            await sink.start()
+            decoder = self._decoder(catalog)
+            stream = await asyncio.to_thread(ReplicationStream.connect, cfg.pg_dsn)
+            stream.start(cfg.slot_name, 0, decoder.start_options(cfg.publication_name))
+            metrics.connected.set(1)
+            self.ready.set()
+            await self._pump(stream, decoder, sink, progress, backoff)
+        finally:
+            if sink is not None:
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(sink.stop(), 30)
+            if stream is not None:
+                stream.close()
+            catalog.close()
+
+    async def _pump(self, stream: ReplicationStream, decoder: Decoder, sink: KafkaSink, progress: Progress, backoff: Backoff) -> None:
+        cfg = self.config
+        metrics = self.metrics
+        items: list[Any] = []
+        sent_lsn = -1
+        last_feedback = 0.0
+        in_txn = False
+        txn_topic = f"{cfg.topic_name}.transaction" if cfg.transaction_metadata else None
+        while not self._stopping.is_set():
+            messages = await stream.read(timeout=0.002 if sink.has_open() else 1.0)
+            if not messages:
+                await sink.flush()  # the stream is idle: nothing will fill the open batches soon
+            else:
+                decoder.decode(messages, items)
+                for it in items:
+                    if type(it) is EncodedEvent:
+                        if not sink.append(it):
+                            await sink.send_full()
+                            sink.append(it)
+                    elif type(it) is TxnEnd:
+                        in_txn = False
+                        if txn_topic:
+                            await self._transaction_record(sink, txn_topic, "END", it.xid, it.commit_lsn, it.timestamp, it.counts)
+                        progress.commit(it.end_lsn)
+                        metrics.transactions.inc()
+                        for (table, op), n in it.counts.items():
+                            metrics.events.labels(table, op).inc(n)
+                        metrics.behind_source_ms.set(max(0.0, time.time() * 1000 - it.commit_unix_us / 1000))
+                    elif type(it) is TxnBegin:
+                        in_txn = True
+                        if txn_topic:
+                            await self._transaction_record(sink, txn_topic, "BEGIN", it.xid, it.commit_lsn, it.timestamp, None)
+                items.clear()
+                await sink.flush_idle()
+                backoff.reset()
+            sink.raise_if_failed()
+            now = time.monotonic()
+            if not in_txn and (stream.position.reply_requested or now - last_feedback >= cfg.heartbeat_interval):
+                progress.advance_idle(stream.position.wal_end)
+            confirmed = progress.confirmed_lsn
+            if confirmed != sent_lsn or stream.position.reply_requested or now - last_feedback >= min(cfg.heartbeat_interval, 10.0):
+                await stream.send_feedback(confirmed)
+                sent_lsn = confirmed
+                last_feedback = now
+                metrics.confirmed_lsn.set(confirmed)
+                metrics.in_flight.set(progress.in_flight)
+                if stream.position.wal_end:
+                    metrics.slot_lag_bytes.set(max(0, stream.position.wal_end - confirmed))
+        # Graceful stop: everything read is flushed and acknowledged, then confirmed.
+        await sink.wait_acked(timeout=60)
+        await stream.send_feedback(progress.confirmed_lsn)
+        log.info("producer stopped", extra={"confirmed_lsn": str(Lsn(progress.confirmed_lsn))})
+
+
+    @staticmethod
+    async def _transaction_record(
+        sink: KafkaSink, topic: str, status: str, xid: int, commit_lsn: int, timestamp: str,
+        counts: dict[tuple[str, str], int] | None,
+    ) -> None:
+        """Debezium's transaction metadata: BEGIN and END (with event counts per table)."""
+        txn_id = f"{xid}:{commit_lsn}"
+        value: dict[str, Any] = {"status": status, "id": txn_id, "commit_lsn": commit_lsn, "ts": timestamp}
+        if counts is not None:
+            per_table: dict[str, int] = {}
+            for (table, _op), n in counts.items():
+                per_table[table] = per_table.get(table, 0) + n
+            value["event_count"] = sum(per_table.values())
+            value["data_collections"] = [{"data_collection": t, "event_count": n} for t, n in sorted(per_table.items())]
+        await sink.send_side_record(topic, b"%016X" % commit_lsn, orjson.dumps(value))
+
+
+def main(argv: Sequence[str]) -> int:
+    cfg = load(argv)
+    setup_logging(cfg.log_level)
+    producer = Producer(cfg)
+    server = serve_metrics(cfg.metrics_port, producer.registry)
+
+    async def _run() -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, producer.stop)
+        await producer.run()
+
+    try:
+        asyncio.run(_run())
+    finally:
+        if server is not None:
+            server.shutdown()
+    return 0

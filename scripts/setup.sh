@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Installs what walbus needs on a fresh Debian/Ubuntu machine: PostgreSQL's server and the
+# wal2json plugin, a JDK and Maven (for the local Kafka broker and Spark), and the Python
+# package with its test extras. Safe to run again: it installs only what is missing.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+export DEBIAN_FRONTEND=noninteractive
+need=()
+command -v java >/dev/null || need+=(openjdk-17-jdk-headless)
+command -v mvn >/dev/null || need+=(maven)
+ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || need+=(postgresql-15)
+ls /usr/lib/postgresql/*/lib/wal2json.so >/dev/null 2>&1 || need+=(postgresql-15-wal2json)
+command -v pg_recvlogical >/dev/null || need+=(postgresql-client-15)
+if [ ${#need[@]} -gt 0 ]; then
+  sudo=""
+  [ "$(id -u)" -eq 0 ] || sudo="sudo"
+  echo "setup: apt-get install ${need[*]}"
+  $sudo apt-get update -qq
+  $sudo apt-get install -y -qq "${need[@]}" >/dev/null
+fi
+
+python3 -m pip install -q --disable-pip-version-check -e '.[test]'
+# Fetch the Kafka broker's jars from Maven Central once (cached in ~/.cache/walbus).
+python3 -c 'from walbus.dev.kafka import ensure_jars; print("setup: kafka jars in", ensure_jars())'
+echo "setup: done"

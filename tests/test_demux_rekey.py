@@ -1,0 +1,253 @@
+"""Pure re-keying logic: no services."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import orjson
+import pytest
+
+from demux.rekey import META_FIELDS, OutRecord, Rekeyer, RekeyError, strip_meta
+from walbus.contract import ChangeEvent, RowImage, decode_event, encode_event
+
+TS = "2024-05-01T12:00:00.000001+00:00"
+TOPIC = "walbus.shop.public.transactions"
+
+
+class DictState:
+    """The store's read interface over a dict, plus the changes applied."""
+
+    def __init__(self) -> None:
+        self.rows: dict[tuple[str, bytes], bytes] = {}
+
+    def get(self, table: str, key: bytes) -> dict[str, Any] | None:
+        raw = self.rows.get((table, key))
+        return None if raw is None else strip_meta(orjson.loads(raw))
+
+    def keys(self, table: str) -> Iterable[bytes]:
+        return [k for (t, k) in self.rows if t == table]
+
+    def apply(self, changes: list[tuple[str, bytes, bytes | None]]) -> None:
+        for t, k, v in changes:
+            if v is None:
+                self.rows.pop((t, k), None)
+            else:
+                self.rows[(t, k)] = v
+
+
+def image(**row: Any) -> dict[str, list[Any]]:
+    types = ["int4" if isinstance(v, int) else "text" for v in row.values()]
+    return {"columns": list(row), "types": types, "values": list(row.values())}
+
+
+def event(op: str, *, seq: int = 0, table: str = "public.transactions", pk: list[str] | None = None,
+          new: dict[str, list[Any]] | None = None, identity: dict[str, list[Any]] | None = None,
+          unchanged: list[str] | None = None, commit_lsn: int = 0x16B374D848) -> ChangeEvent:
+    raw = encode_event(
+        lsn=commit_lsn - 10 + seq, commit_lsn=commit_lsn, seq=seq, xid=777, operation=op, table=table,
+        timestamp=TS, pk=["transaction_id"] if pk is None else pk, new=new, identity=identity, unchanged=unchanged,
+    )
+    return decode_event(raw)
+
+
+def run(rk: Rekeyer, state: DictState, ev: ChangeEvent) -> list[OutRecord]:
+    out = rk.rekey(ev, state)
+    state.apply(out.changes)
+    return out.records
+
+
+def val(rec: OutRecord) -> dict[str, Any]:
+    assert rec.value is not None
+    obj = orjson.loads(rec.value)
+    assert isinstance(obj, dict)
+    return obj
+
+
+@pytest.fixture()
+def rk() -> Rekeyer:
+    return Rekeyer(prefix="walbus", database="shop")
+
+
+def test_pgkafka_transactions_example(rk: Rekeyer) -> None:
+    state = DictState()
+    key = b'{"transaction_id":54441}'
+    ins = run(rk, state, event("insert", new=image(transaction_id=54441, user_id=36036, amount=2000)))
+    upd = run(rk, state, event("update", seq=1, new=image(transaction_id=54441, user_id=36036, amount=2500)))
+    dele = run(rk, state, event("delete", seq=2, new=None, identity=image(transaction_id=54441)))
+    assert [(r.topic, r.key) for r in ins + upd + dele] == [(TOPIC, key)] * 3
+    assert val(ins[0]) == {
+        "transaction_id": 54441, "user_id": 36036, "amount": 2000, "__op": "c", "__lsn": 0x16B374D848 - 10,
+        "__commit_lsn": 0x16B374D848, "__seq": 0, "__xid": 777, "__ts": TS,
+    }
+    assert val(upd[0])["amount"] == 2500 and val(upd[0])["__op"] == "u" and val(upd[0])["__seq"] == 1
+    assert dele[0].value is None
+    assert state.rows == {}
+
+
+def test_key_is_compact_json_in_key_order(rk: Rekeyer) -> None:
+    ev = event("insert", table="public.lines", pk=["order_id", "line"],
+               new={"columns": ["line", "note", "order_id"], "types": ["int4", "text", "text"],
+                    "values": [2, "x", "A-1"]})
+    (rec,) = rk.rekey(ev, DictState()).records
+    assert rec.key == b'{"order_id":"A-1","line":2}'
+    assert rec.topic == "walbus.shop.public.lines"
+
+
+def test_read_is_r(rk: Rekeyer) -> None:
+    (rec,) = rk.rekey(event("read", new=image(transaction_id=1)), DictState()).records
+    assert val(rec)["__op"] == "r"
+
+
+def test_metadata_wins_over_a_column_of_the_same_name(rk: Rekeyer) -> None:
+    ev = event("insert", new={"columns": ["transaction_id", "__op"], "types": ["int4", "text"], "values": [1, "mine"]})
+    (rec,) = rk.rekey(ev, DictState()).records
+    assert val(rec)["__op"] == "c"
+    assert set(META_FIELDS) <= set(val(rec))
+
+
+def test_delete_records_option(rk: Rekeyer) -> None:
+    rk.emit_delete_records = True
+    state = DictState()
+    run(rk, state, event("insert", new=image(transaction_id=5, amount=10)))
+    recs = run(rk, state, event("delete", seq=1, identity=image(transaction_id=5)))
+    assert [r.key for r in recs] == [b'{"transaction_id":5}'] * 2
+    assert val(recs[0]) | {} == {"transaction_id": 5, "amount": 10, **{k: val(recs[0])[k] for k in META_FIELDS}}
+    assert val(recs[0])["__op"] == "d"
+    assert recs[1].value is None
+
+
+def test_delete_record_of_unknown_row_has_the_identity(rk: Rekeyer) -> None:
+    rk.emit_delete_records = True
+    recs = run(rk, DictState(), event("delete", identity=image(transaction_id=9)))
+    assert {k: v for k, v in val(recs[0]).items() if not k.startswith("__")} == {"transaction_id": 9}
+
+
+def test_primary_key_change(rk: Rekeyer) -> None:
+    state = DictState()
+    run(rk, state, event("insert", new=image(transaction_id=1, amount=3)))
+    recs = run(rk, state, event("update", seq=1, new=image(transaction_id=2, amount=3), identity=image(transaction_id=1)))
+    assert [(r.key, r.value is None) for r in recs] == [(b'{"transaction_id":1}', True), (b'{"transaction_id":2}', False)]
+    assert list(state.keys("public.transactions")) == [b'{"transaction_id":2}']
+
+
+def test_full_identity_same_key_is_not_a_key_change(rk: Rekeyer) -> None:
+    state = DictState()
+    recs = run(rk, state, event("update", new=image(transaction_id=1, amount=4), identity=image(transaction_id=1, amount=3)))
+    assert len(recs) == 1 and val(recs[0])["amount"] == 4
+
+
+def test_unchanged_toast_filled_from_store(rk: Rekeyer) -> None:
+    state = DictState()
+    big = "x" * 5000
+    run(rk, state, event("insert", new=image(transaction_id=1, amount=1, doc=big)))
+    out = rk.rekey(event("update", seq=1, new=image(transaction_id=1, amount=2), unchanged=["doc"]), state)
+    state.apply(out.changes)
+    assert val(out.records[0])["doc"] == big and val(out.records[0])["amount"] == 2
+    assert out.unfilled == []
+    # Filled again on the next update, from the row just stored.
+    (rec,) = run(rk, state, event("update", seq=2, new=image(transaction_id=1, amount=3), unchanged=["doc"]))
+    assert val(rec)["doc"] == big
+
+
+def test_unchanged_toast_with_key_change_uses_the_old_key_row(rk: Rekeyer) -> None:
+    state = DictState()
+    run(rk, state, event("insert", new=image(transaction_id=1, doc="long")))
+    recs = run(rk, state, event("update", seq=1, new=image(transaction_id=7), identity=image(transaction_id=1),
+                                unchanged=["doc"]))
+    assert val(recs[1])["doc"] == "long" and recs[1].key == b'{"transaction_id":7}'
+
+
+def test_unchanged_toast_prefers_the_identity(rk: Rekeyer) -> None:
+    state = DictState()
+    run(rk, state, event("insert", new=image(transaction_id=1, doc="stale")))
+    (rec,) = run(rk, state, event("update", seq=1, new=image(transaction_id=1, n=1),
+                                  identity=image(transaction_id=1, doc="fresh"), unchanged=["doc"]))
+    assert val(rec)["doc"] == "fresh"
+
+
+def test_unknown_unchanged_value_is_left_out_never_null(rk: Rekeyer) -> None:
+    out = rk.rekey(event("update", new=image(transaction_id=1, amount=2), unchanged=["doc"]), DictState())
+    assert "doc" not in val(out.records[0])
+    assert out.unfilled == ["doc"]
+
+
+def test_table_without_primary_key(rk: Rekeyer) -> None:
+    out = rk.rekey(event("insert", pk=[], table="public.log", new=image(msg="hi")), DictState())
+    (rec,) = out.records
+    assert out.no_pk and rec.key is None and not rec.compact and out.changes == []
+    assert rec.topic == "walbus.shop.public.log" and val(rec)["msg"] == "hi"
+    out = rk.rekey(event("delete", pk=[], table="public.log", identity=image(msg="hi")), DictState())
+    assert val(out.records[0])["__op"] == "d" and out.records[0].key is None
+    out = rk.rekey(event("truncate", pk=[], table="public.log"), DictState())
+    assert val(out.records[0])["__op"] == "t" and out.records[0].key is None
+
+
+def test_truncate_tombstones_every_known_key_of_the_table(rk: Rekeyer) -> None:
+    state = DictState()
+    for i in (3, 1, 2):
+        run(rk, state, event("insert", seq=i, new=image(transaction_id=i)))
+    run(rk, state, event("insert", seq=9, table="public.other", new=image(transaction_id=1)))
+    recs = run(rk, state, event("truncate", seq=10))
+    assert [(r.key, r.value) for r in recs] == [(b'{"transaction_id":%d}' % i, None) for i in (1, 2, 3)]
+    assert list(state.keys("public.transactions")) == []
+    assert list(state.keys("public.other")) == [b'{"transaction_id":1}']
+
+
+def test_missing_key_columns_is_a_rekey_error(rk: Rekeyer) -> None:
+    with pytest.raises(RekeyError):
+        rk.rekey(event("insert", new=image(amount=1)), DictState())
+    with pytest.raises(RekeyError):
+        rk.rekey(event("delete", identity=image(amount=1)), DictState())
+
+
+def test_same_row_same_key_bytes(rk: Rekeyer) -> None:
+    a = rk.rekey(event("insert", new=image(transaction_id=1, amount=1)), DictState()).records[0].key
+    b = rk.rekey(event("update", new=image(amount=9, transaction_id=1)), DictState()).records[0].key
+    c = rk.rekey(event("delete", identity=image(transaction_id=1)), DictState()).records[0].key
+    assert a == b == c
+
+
+def test_image_helper_roundtrip() -> None:
+    assert RowImage(("a",), ("int4",), (1,)).as_dict() == {"a": 1}
+
+
+@pytest.mark.parametrize("emit_delete_records", [False, True])
+def test_fast_path_equals_full_path(emit_delete_records: bool) -> None:
+    from tests.demux_support import Workload
+
+    fast_rk = Rekeyer(prefix="walbus", database="shop", emit_delete_records=emit_delete_records)
+    full_rk = Rekeyer(prefix="walbus", database="shop", emit_delete_records=emit_delete_records)
+    fast_state, full_state = DictState(), DictState()
+    workload = Workload(seed=3)
+    values = [v for _ in range(150) for _, v in workload.transaction(20)]
+    # Identity on insert/update (REPLICA IDENTITY FULL) and a column named like metadata.
+    values.append(encode_event(lsn=1, commit_lsn=2, seq=0, xid=3, operation="update", table="public.t", timestamp=TS,
+                               pk=["id"], new=image(id=1, __seq="x"), identity=image(id=1, __seq="y")))
+    values.append(encode_event(lsn=1, commit_lsn=2, seq=1, xid=3, operation="insert", table="public.t", timestamp=TS,
+                               pk=["id"], new=image(id=2, __lsn="mine", z=1), identity=None))
+    for v in values:
+        a = fast_rk.rekey_value(v, fast_state)
+        b = full_rk.rekey(decode_event(v), full_state)
+        assert (a.table, a.records, a.changes, a.unfilled, a.no_pk) == (b.table, b.records, b.changes, b.unfilled, b.no_pk)
+        fast_state.apply(a.changes)
+        full_state.apply(b.changes)
+
+
+@pytest.mark.parametrize("raw", [
+    b"not json", b"[]", b'{"v":2}', b'{"v":1,"operation":"insert"}',
+    encode_event(lsn=1, commit_lsn=2, seq=0, xid=3, operation="insert", table="nodot", timestamp=TS, pk=["id"],
+                 new=image(id=1), identity=None),
+    encode_event(lsn=1, commit_lsn=2, seq=0, xid=3, operation="insert", table="public.t", timestamp=TS, pk=["id"],
+                 new={"columns": ["id"], "types": [], "values": [1]}, identity=None),
+    encode_event(lsn=True, commit_lsn=2, seq=0, xid=3, operation="insert", table="public.t", timestamp=TS,
+                 pk=["id"], new=image(id=1), identity=None),
+    orjson.dumps({**orjson.loads(encode_event(lsn=1, commit_lsn=2, seq=0, xid=3, operation="insert", table="public.t",
+                                              timestamp=TS, pk=["id"], new=image(id=1), identity=None)),
+                  "unchanged": "doc"}),
+])
+def test_fast_path_refuses_what_the_contract_refuses(raw: bytes) -> None:
+    from walbus.contract import ContractError
+
+    with pytest.raises(ContractError):
+        Rekeyer(prefix="w", database="d").rekey_value(raw, DictState())
