@@ -60,3 +60,59 @@ def test_pgkafka_transactions_example(spark: Any, kafka_bootstrap: str, unique_n
     tomb = current(spark, tmp_path, unique_name, live=False)
     assert len(tomb) == 1 and tomb[0]["_walbus_deleted"] and tomb[0]["pg_operation"] == "delete"
     print(result.lines())
+
+
+def _versions(spark: Any, warehouse: Path, topic: str, table: str = TX) -> tuple[int, int]:
+    from delta.tables import DeltaTable
+
+    paths = layout.table_paths(str(warehouse), topic, table)
+    return tuple(  # type: ignore[return-value]
+        int(DeltaTable.forPath(spark, p).history(1).first()["version"]) for p in (paths.history, paths.current)
+    )
+
+
+def test_duplicates_and_repeated_loads_change_nothing(
+    spark: Any, kafka_bootstrap: str, unique_name: str, tmp_path: Path
+) -> None:
+    events = []
+    for i in range(5):
+        events += Txn(0x1000 + i * 0x100, xid=600 + i).insert(TX, TX_PK, tx_row(i, 7, 100 + i)).events
+    events += Txn(0x2000).update(TX, TX_PK, tx_row(1, 7, 999)).delete(TX, TX_PK, {"transaction_id": ("int4", 2)}).events
+    produce(kafka_bootstrap, unique_name, events + events)  # every message twice in one load
+    first = load(spark, kafka_bootstrap, unique_name, tmp_path)
+    assert first.events == 14 and first.tables[TX].history_rows == 7
+    versions = _versions(spark, tmp_path, unique_name)
+    again = load(spark, kafka_bootstrap, unique_name, tmp_path)  # nothing new: nothing written
+    assert again.lines() == ["no new events"]
+    assert _versions(spark, tmp_path, unique_name) == versions
+    produce(kafka_bootstrap, unique_name, events)  # the same messages a third time, later
+    third = load(spark, kafka_bootstrap, unique_name, tmp_path)
+    assert third.tables[TX].history_rows == 0
+    assert third.tables[TX].inserted == third.tables[TX].updated == 0
+    rows = history(spark, tmp_path, unique_name)
+    assert len(rows) == 7
+    assert sorted((r["transaction_id"], r["amount"]) for r in current(spark, tmp_path, unique_name)) == [
+        (0, 100), (1, 999), (3, 103), (4, 104)
+    ]
+
+
+def test_older_update_after_delete_stays_deleted(
+    spark: Any, kafka_bootstrap: str, unique_name: str, tmp_path: Path
+) -> None:
+    insert = Txn(0x1000).insert(TX, TX_PK, tx_row(1, 1, 10)).events
+    older_update = Txn(0x2000).update(TX, TX_PK, tx_row(1, 1, 20)).events
+    delete = Txn(0x3000).delete(TX, TX_PK, {"transaction_id": ("int4", 1)}).events
+    # a key seen for the first time as a delete, then an older insert of it
+    late_key_delete = Txn(0x3100).delete(TX, TX_PK, {"transaction_id": ("int4", 2)}).events
+    late_key_insert = Txn(0x1100).insert(TX, TX_PK, tx_row(2, 2, 22)).events
+    produce(kafka_bootstrap, unique_name, insert + delete + late_key_delete)
+    load(spark, kafka_bootstrap, unique_name, tmp_path)
+    produce(kafka_bootstrap, unique_name, older_update + late_key_insert)
+    second = load(spark, kafka_bootstrap, unique_name, tmp_path)
+    assert second.tables[TX].history_rows == 2
+    assert current(spark, tmp_path, unique_name) == []
+    tombs = {r["transaction_id"]: int(r["pg_commit_lsn"]) for r in current(spark, tmp_path, unique_name, live=False)}
+    assert tombs == {1: 0x3000, 2: 0x3100}
+    assert [int(r["pg_commit_lsn"]) for r in history(spark, tmp_path, unique_name)] == [
+        0x1000, 0x1100, 0x2000, 0x3000, 0x3100
+    ]

@@ -35,7 +35,7 @@ class SparkOptions:
     )
     driver_memory: str = option("1g", help="spark.driver.memory when this command starts the driver")
     shuffle_partitions: int = option(4, help="spark.sql.shuffle.partitions")
-    spark_conf: list[str] = option([], help="extra Spark settings, key=value, comma-separated")  # noqa: RUF009 (option() copies the list)
+    spark_conf: list[str] = option([], help="extra Spark settings, key=value, comma-separated")
     log_level: str = option("warning", help="log level", choices=["debug", "info", "warning", "error"])
 
     def spark_settings(self) -> dict[str, str]:
@@ -52,7 +52,7 @@ class SparkOptions:
 class LoadConfig(SparkOptions, KafkaOptions):
     topic: str = option(help="the database topic, walbus.<database>")
     warehouse: str = option(help="warehouse root: a directory or a Hadoop filesystem URI (s3a://, hdfs://, …)")
-    tables: list[str] = option([], help="only these tables: schema.table patterns (* wildcards), comma-separated")  # noqa: RUF009 (option() copies the list)
+    tables: list[str] = option([], help="only these tables: schema.table patterns (* wildcards), comma-separated")
     numeric_scale: int = option(NUMERIC_SCALE, help="scale of decimal(38, s) for new numeric columns")
 
 
