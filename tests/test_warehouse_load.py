@@ -116,3 +116,155 @@ def test_older_update_after_delete_stays_deleted(
     assert [int(r["pg_commit_lsn"]) for r in history(spark, tmp_path, unique_name)] == [
         0x1000, 0x1100, 0x2000, 0x3000, 0x3100
     ]
+
+
+def test_schema_evolution_no_pk_table_and_incompatible_change(
+    spark: Any, kafka_bootstrap: str, unique_name: str, tmp_path: Path
+) -> None:
+    from warehouse.job import LoadError
+
+    t, pk = "app.items", ["id"]
+    log_table = "app.log"  # no primary key: history only
+
+    def item(i: int, **cols: tuple[str, Any]) -> dict[str, tuple[str, Any]]:
+        return {"id": ("int4", i), **cols}
+
+    first = (
+        Txn(0x1000).insert(t, pk, item(1, a=("text", "x"), b=("int4", 1)))
+        .insert(log_table, [], {"msg": ("text", "hello")}).events
+    )
+    produce(kafka_bootstrap, unique_name, first)
+    r1 = load(spark, kafka_bootstrap, unique_name, tmp_path)
+    assert "no primary key: history only" in r1.tables[log_table].line()
+    assert not layout.table_paths(str(tmp_path), unique_name, log_table).current or True
+    from delta.tables import DeltaTable
+
+    assert not DeltaTable.isDeltaTable(spark, layout.table_paths(str(tmp_path), unique_name, log_table).current)
+    # column c added, then b dropped
+    second = (
+        Txn(0x2000).insert(t, pk, item(2, a=("text", "y"), b=("int4", 2), c=("numeric", "1.50"))).events
+        + Txn(0x3000).update(t, pk, item(1, a=("text", "x2"), c=("numeric", "7"))).events
+        + Txn(0x3100).insert(log_table, [], {"msg": ("text", "again")}).events
+    )
+    produce(kafka_bootstrap, unique_name, second)
+    load(spark, kafka_bootstrap, unique_name, tmp_path)
+    hist = history(spark, tmp_path, unique_name, t)
+    assert hist[0].asDict().keys() >= {"id", "a", "b", "c"}
+    assert [(r["id"], r["a"], r["b"], None if r["c"] is None else str(r["c"].normalize())) for r in hist] == [
+        (1, "x", 1, None), (2, "y", 2, "1.5"), (1, "x2", None, "7")
+    ]
+    cur = {r["id"]: (r["a"], r["b"], r["c"]) for r in current(spark, tmp_path, unique_name, t)}
+    assert cur[1][:2] == ("x2", None) and cur[2][1] == 2
+    assert len(history(spark, tmp_path, unique_name, log_table)) == 2
+    # an incompatible change: a becomes an int8
+    versions = _versions(spark, tmp_path, unique_name, t)
+    produce(kafka_bootstrap, unique_name, Txn(0x4000).update(t, pk, item(2, a=("int8", 5), c=("numeric", "1"))).events)
+    with pytest.raises(LoadError, match=r"'a' changed type from text \(string\) to int8 \(bigint\)"):
+        load(spark, kafka_bootstrap, unique_name, tmp_path)
+    assert _versions(spark, tmp_path, unique_name, t) == versions
+    # leaving the table out lets the load (and later ones) through
+    r4 = load(spark, kafka_bootstrap, unique_name, tmp_path, tables=("app.log",))
+    assert t not in r4.tables
+
+
+def test_types(spark: Any, kafka_bootstrap: str, unique_name: str, tmp_path: Path) -> None:
+    import datetime as dt
+    import math
+    from decimal import Decimal
+
+    t, pk = "public.all_types", ["id"]
+    row = {
+        "id": ("int8", 9007199254740993),
+        "small": ("int2", -32768),
+        "num": ("numeric", "12345678901234567890.0123456789"),
+        "huge": ("numeric", "123456789012345678901234567890123456789"),
+        "nan_num": ("numeric", "NaN"),
+        "f4": ("float4", 1.5),
+        "f8_nan": ("float8", "NaN"),
+        "f8_inf": ("float8", "-Infinity"),
+        "flag": ("bool", True),
+        "d": ("date", "2024-02-29"),
+        "d_bc": ("date", "0044-03-15 BC"),
+        "ts": ("timestamp", "2024-01-02 03:04:05.123456"),
+        "tstz": ("timestamptz", "2024-01-02 03:04:05.5+02"),
+        "ts_inf": ("timestamptz", "infinity"),
+        "blob": ("bytea", "\\x00ff10"),
+        "txt": ("text", "één ☃ \"q\""),
+        "u": ("uuid", "a0eebc99-9c0b-4ef8-bb6d-6bb9bd380a11"),
+        "j": ("jsonb", '{"a": [1, 2]}'),
+        "mood": ("mood", "happy"),
+        "ints": ("_int4", "{1,NULL,3}"),
+        "texts": ("_text", '{"a,b","c\\"d",NULL,"NULL",plain}'),
+        "bools": ("_bool", "{t,f}"),
+        "grid": ("_int4", "{{1,2},{3,4}}"),
+        "odd name": ("text", "spaces ok"),
+        "nothing": ("text", None),
+    }
+    produce(kafka_bootstrap, unique_name, Txn(0x1000).insert(t, pk, row).events)
+    load(spark, kafka_bootstrap, unique_name, tmp_path)
+    (h,) = history(spark, tmp_path, unique_name, t)
+    assert h["id"] == 9007199254740993 and h["small"] == -32768
+    assert h["num"] == Decimal("12345678901234567890.0123456789")
+    assert h["huge"] is None and h["nan_num"] is None
+    assert h["f4"] == 1.5 and math.isnan(h["f8_nan"]) and h["f8_inf"] == -math.inf
+    assert h["flag"] is True and h["d"] == dt.date(2024, 2, 29) and h["d_bc"] is None
+    assert h["ts"] == dt.datetime(2024, 1, 2, 3, 4, 5, 123456)
+    assert h["tstz"] == dt.datetime(2024, 1, 2, 1, 4, 5, 500000)  # UTC
+    assert h["ts_inf"] is None
+    assert bytes(h["blob"]) == b"\x00\xff\x10"
+    assert h["txt"] == "één ☃ \"q\"" and h["mood"] == "happy" and h["j"] == '{"a": [1, 2]}'
+    assert h["ints"] == [1, None, 3]
+    assert h["texts"] == ["a,b", 'c"d', None, "NULL", "plain"]
+    assert h["bools"] == [True, False]
+    assert h["grid"] is None
+    assert h["odd name"] == "spaces ok" and h["nothing"] is None
+    assert h["pg_raw_values"] == {
+        "huge": "123456789012345678901234567890123456789",
+        "nan_num": "NaN",
+        "d_bc": "0044-03-15 BC",
+        "ts_inf": "infinity",
+        "grid": "{{1,2},{3,4}}",
+    }
+    (c,) = current(spark, tmp_path, unique_name, t)
+    assert c["pg_raw_values"] == h["pg_raw_values"] and c["texts"] == h["texts"]
+
+
+def test_unchanged_toast_values_are_carried_and_truncate(
+    spark: Any, kafka_bootstrap: str, unique_name: str, tmp_path: Path
+) -> None:
+    t, pk = "public.docs", ["id"]
+    big = "x" * 5000
+
+    def doc(i: int, title: str, body: str | None = None) -> dict[str, tuple[str, Any]]:
+        r = {"id": ("int4", i), "title": ("text", title)}
+        if body is not None:
+            r["body"] = ("text", body)
+        return r
+
+    first = (
+        Txn(0x1000).insert(t, pk, doc(1, "a", big + "1")).insert(t, pk, doc(2, "b", big + "2"))
+        .insert(t, pk, doc(3, "c", big + "3")).events
+        # same load: unchanged carried from the insert above, twice in a row
+        + Txn(0x2000).update(t, pk, doc(1, "a2"), unchanged=["body"]).update(t, pk, doc(1, "a3"), unchanged=["body"]).events
+        # key change with the body unchanged: carried from the old key
+        + Txn(0x2100).update(t, pk, doc(20, "b2"), identity={"id": ("int4", 2)}, unchanged=["body"]).events
+    )
+    produce(kafka_bootstrap, unique_name, first)
+    load(spark, kafka_bootstrap, unique_name, tmp_path)
+    # next load: the previous version is in the current table
+    produce(kafka_bootstrap, unique_name, Txn(0x3000).update(t, pk, doc(3, "c2"), unchanged=["body"]).events)
+    load(spark, kafka_bootstrap, unique_name, tmp_path)
+    cur = {r["id"]: (r["title"], r["body"]) for r in current(spark, tmp_path, unique_name, t)}
+    assert cur == {1: ("a3", big + "1"), 20: ("b2", big + "2"), 3: ("c2", big + "3")}
+    hist = history(spark, tmp_path, unique_name, t)
+    assert [r["body"] for r in hist if r["pg_operation"] == "update"] == [big + "1", big + "1", big + "2", big + "3"]
+    assert hist[-1]["pg_unchanged"] == ["body"]
+    # TRUNCATE, then an insert after it in the same load; then a late event older than it
+    produce(
+        kafka_bootstrap, unique_name,
+        Txn(0x4000).truncate(t, pk).insert(t, pk, doc(5, "e", "new")).events,
+    )
+    load(spark, kafka_bootstrap, unique_name, tmp_path)
+    produce(kafka_bootstrap, unique_name, Txn(0x3500).insert(t, pk, doc(9, "late", "x")).events)
+    load(spark, kafka_bootstrap, unique_name, tmp_path)
+    assert {r["id"]: r["title"] for r in current(spark, tmp_path, unique_name, t)} == {5: "e"}
