@@ -23,7 +23,12 @@ def spark() -> Iterator[Any]:
         master="local[2]",
         app_name="walbus-tests",
         shuffle_partitions=2,
-        conf={"spark.driver.memory": "1g", "spark.ui.enabled": "false"},
+        conf={
+            "spark.driver.memory": "1g",
+            "spark.ui.enabled": "false",
+            # tiny loads: adaptive execution only adds jobs (one per shuffle stage) here
+            "spark.sql.adaptive.enabled": "false",
+        },
     )
     yield session
     session.stop()

@@ -102,6 +102,16 @@ def load_main(argv: Sequence[str]) -> int:
     return 0
 
 
+def run_sql(spark: Any, warehouse: str, topic: str | None, query: str, limit: int) -> tuple[list[str], list[Any]]:
+    """Register the warehouse's views and run ``query``: (column names, rows)."""
+    from warehouse.views import register_views
+
+    names = register_views(spark, warehouse, topic)
+    log.info("views", extra={"views": names})
+    df = spark.sql(query)
+    return list(df.columns), df.limit(limit).collect()
+
+
 def sql_main(argv: Sequence[str]) -> int:
     args = list(argv)
     positional = None
@@ -112,14 +122,9 @@ def sql_main(argv: Sequence[str]) -> int:
     if not query:
         raise ConfigError('a query is needed: walbus warehouse sql "SELECT …" --warehouse …')
     setup_logging(config.log_level)
-    from warehouse.views import register_views
-
     spark = _session(config)
     try:
-        names = register_views(spark, config.warehouse, config.topic)
-        log.info("views", extra={"views": names})
-        df = spark.sql(query)
-        rows = df.limit(config.limit).collect()
+        columns, rows = run_sql(spark, config.warehouse, config.topic, query, config.limit)
     except Exception as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         print(f"walbus warehouse sql: error: {first}", file=sys.stderr)
@@ -130,7 +135,7 @@ def sql_main(argv: Sequence[str]) -> int:
         for row in rows:
             print(orjson.dumps(row.asDict(recursive=True), default=str).decode())
     else:
-        _print_table(df.columns, [[row[i] for i in range(len(df.columns))] for row in rows])
+        _print_table(columns, [[row[i] for i in range(len(columns))] for row in rows])
     return 0
 
 
