@@ -8,6 +8,7 @@ are explicit per-partition offsets, so a replayed load reads exactly the same re
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,7 +63,13 @@ async def _bounds(options: KafkaOptions, topic: str) -> TopicBounds:
 
 
 def topic_bounds(options: KafkaOptions, topic: str) -> TopicBounds:
-    return asyncio.run(_bounds(options, topic))
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(_bounds(options, topic))
+    # called from async code (a loop is running in this thread): use a thread of its own
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, _bounds(options, topic)).result()
 
 
 def check_no_gap(topic: str, start: Offsets, earliest: Offsets) -> None:
