@@ -8,6 +8,20 @@ from typing import Any
 
 import pytest
 
+# PySpark's collect() (pyspark.util._load_from_socket) leaves its loopback socket to the
+# garbage collector, which CPython reports as an unraisable ResourceWarning. Third-party
+# noise, ignored on the Spark tests only and only for sockets of this host.
+_PYSPARK_SOCKET_LEAK = (
+    r"ignore:Exception ignored in. <socket.socket .*raddr=\('127.0.0.1'"
+    ":pytest.PytestUnraisableExceptionWarning"
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.get_closest_marker("spark") is not None:
+            item.add_marker(pytest.mark.filterwarnings(_PYSPARK_SOCKET_LEAK))
+
 
 @pytest.fixture(scope="session")
 def spark() -> Iterator[Any]:

@@ -84,7 +84,7 @@ def test_load_killed_mid_way_then_rerun_is_exact(
 
     for table in TABLES:
         base = table.replace(".", "_")
-        cols, rows = run_sql(
+        _, rows = run_sql(
             spark, str(tmp_path), None,
             f"SELECT count(*) AS n, count(DISTINCT pg_commit_lsn, pg_seq) AS d FROM {base}_history", 10,
         )

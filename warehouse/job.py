@@ -80,6 +80,10 @@ class TableSummary:
     history_only: bool = False
     already_loaded: bool = False
     error: str | None = None
+    seconds: dict[str, float] = field(default_factory=dict)  # per phase: schema, history, current
+
+    def timed(self, phase: str, started: float) -> None:
+        self.seconds[phase] = round(self.seconds.get(phase, 0.0) + time.monotonic() - started, 3)
 
     def line(self) -> str:
         if self.error:
@@ -94,7 +98,7 @@ class TableSummary:
         return text
 
     def as_dict(self) -> dict[str, Any]:
-        return {k: v for k, v in vars(self).items() if v not in (None, False)}
+        return {k: v for k, v in vars(self).items() if v not in (None, False, {})}
 
 
 @dataclass
@@ -103,6 +107,7 @@ class LoadResult:
     events: int = 0
     tables: dict[str, TableSummary] = field(default_factory=dict)
     seconds: float = 0.0
+    phases: dict[str, float] = field(default_factory=dict)  # read+parse+meta of each load
 
     def lines(self) -> list[str]:
         if not self.batches:
@@ -175,6 +180,7 @@ def _run_batch(
     log.info("load", extra={"batch": load.batch_id, "start": load.start, "end": load.end, "replay": replay})
     raw = read_slice(spark, spec.kafka, spec.topic, load.start, load.end)
     events = parse_events(raw).persist(StorageLevel.MEMORY_AND_DISK)
+    started = time.monotonic()
     try:
         bad = events.where(invalid_events(events)).select("kafka_partition", "kafka_offset").first()
         if bad is not None:
@@ -185,7 +191,9 @@ def _run_batch(
         txn = Txn(f"walbus:{spec.topic}", load.batch_id, replay)
         failures: list[str] = []
         batch_events = 0
-        for meta in sorted(_table_meta(events), key=lambda r: r["table"]):
+        metas = sorted(_table_meta(events), key=lambda r: r["table"])  # reads the slice
+        result.phases["read"] = round(result.phases.get("read", 0.0) + time.monotonic() - started, 3)
+        for meta in metas:
             table = meta["table"]
             if not _selected(table, spec.tables):
                 continue
@@ -229,6 +237,7 @@ def _load_table(
     txn: Txn,
     summary: TableSummary,
 ) -> None:
+    started = time.monotonic()
     table = meta["table"]
     paths = layout.table_paths(spec.warehouse, spec.topic, table)
     pk: list[str] = list(meta["pk"] or [])
@@ -256,6 +265,7 @@ def _load_table(
             schema_plan,
             {**HISTORY_PROPERTIES, **CURRENT_PROPERTIES, PRIMARY_KEY_PROPERTY: ",".join(pk)},
         )
+    summary.timed("schema", started)
     columns = list(schema_plan.columns)
     rows = typed_rows(events, columns, pk)
     known = {c.name for c in columns}
@@ -264,13 +274,17 @@ def _load_table(
         rows = resolve_unchanged(spark, rows, pk, unchanged, paths.current)
     rows = rows.persist(StorageLevel.MEMORY_AND_DISK)
     try:
+        started = time.monotonic()
         history = write_history(spark, paths.history, rows, columns, txn)
+        summary.timed("history", started)
         summary.history_rows += history.written
         summary.already_loaded = history.skipped
         if pk:
             truncate = meta["truncate"]
             position = (int(truncate["commit_lsn"]), int(truncate["seq"])) if truncate is not None else None
+            started = time.monotonic()
             current = merge_current(spark, paths.current, rows, pk, columns, txn, position)
+            summary.timed("current", started)
             summary.inserted += current.inserted
             summary.updated += current.updated
             summary.deleted += current.deleted

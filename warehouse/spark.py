@@ -9,6 +9,7 @@ resolved by the driver and shipped to the executors by Spark itself.
 from __future__ import annotations
 
 import importlib.metadata
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -69,6 +70,12 @@ def build_session(
     if master:
         builder = builder.master(master)
     settings = base_conf(shuffle_partitions=shuffle_partitions)
+    if master and master.startswith("local"):
+        # local mode talks to itself only: bind the driver to loopback, not to whatever
+        # address the host name resolves to
+        settings["spark.driver.host"] = "127.0.0.1"
+        settings["spark.driver.bindAddress"] = "127.0.0.1"
+        os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
     settings.update(conf or {})
     for key, value in settings.items():
         builder = builder.config(key, value)
