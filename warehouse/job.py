@@ -145,25 +145,39 @@ def run_load(spark: SparkSession, spec: LoadSpec) -> LoadResult:
     return result
 
 
-def _table_meta(events: DataFrame) -> list[Any]:
-    """Per table: count, pk, column order, (column, type) pairs, unchanged, last truncate."""
+def _table_meta(events: DataFrame) -> list[dict[str, Any]]:
+    """Per table: count, pk, column order, (column, type) pairs, unchanged, last truncate.
+
+    The distinct (column, type) pairs and unchanged names come from distributed DISTINCTs:
+    collecting them per event into one aggregation buffer would hold every event's column
+    list in one task's memory.
+    """
     position = F.struct(*[F.col(c) for c in ("commit_lsn", "seq")])
     cols = F.coalesce(F.col("columns"), F.col("identity.columns"))
     types = F.coalesce(F.col("types"), F.col("identity.types"))
-    return (
-        events.groupBy("table")
+    per_table = {
+        r["table"]: r.asDict()
+        for r in events.groupBy("table")
         .agg(
             F.count(F.lit(1)).alias("events"),
             F.max_by(F.col("pk"), position).alias("pk"),
             F.max_by(cols, F.when(cols.isNotNull(), position)).alias("latest_columns"),
-            F.array_distinct(
-                F.flatten(F.collect_list(F.zip_with(cols, types, lambda c, t: F.struct(c.alias("c"), t.alias("t")))))
-            ).alias("pairs"),
-            F.array_distinct(F.flatten(F.collect_list(F.col("unchanged")))).alias("unchanged"),
             F.max(F.when(F.col("operation") == "truncate", position)).alias("truncate"),
         )
         .collect()
+    }
+    for meta in per_table.values():
+        meta["pairs"], meta["unchanged"] = [], []
+    pairs = (
+        events.select("table", F.explode(F.zip_with(cols, types, lambda c, t: F.struct(c.alias("c"), t.alias("t")))).alias("p"))
+        .distinct()
+        .collect()
     )
+    for r in pairs:
+        per_table[r["table"]]["pairs"].append(r["p"])
+    for r in events.select("table", F.explode("unchanged").alias("u")).distinct().collect():
+        per_table[r["table"]]["unchanged"].append(r["u"])
+    return list(per_table.values())
 
 
 def _run_batch(

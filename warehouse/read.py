@@ -132,6 +132,9 @@ def read_slice(
         .option("endingOffsets", offsets_json(topic, {p: end[p] for p in parts}))
         # a gap is checked before reading (check_no_gap) with a clearer message
         .option("failOnDataLoss", "true")
+        # split each partition's offset range over the cores: one Kafka partition would
+        # otherwise be read and parsed by a single task
+        .option("minPartitions", str(max(spark.sparkContext.defaultParallelism, 1)))
         .load()
     )
 
