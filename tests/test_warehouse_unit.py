@@ -1,0 +1,139 @@
+"""Pure warehouse logic: type mapping, schema evolution rules, path naming."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from pyspark.sql.types import (
+    ArrayType,
+    BinaryType,
+    BooleanType,
+    DateType,
+    DecimalType,
+    DoubleType,
+    FloatType,
+    IntegerType,
+    LongType,
+    StringType,
+    TimestampType,
+)
+
+from warehouse import layout
+from warehouse.schema import SchemaChangeError, SourceColumn, plan
+from warehouse.spark import packages
+from warehouse.types import _numeric_re, compatible, spark_type
+
+
+@pytest.mark.parametrize(
+    ("pg", "spark"),
+    [
+        ("int2", IntegerType()),
+        ("int4", IntegerType()),
+        ("int8", LongType()),
+        ("oid", LongType()),
+        ("numeric", DecimalType(38, 10)),
+        ("float4", FloatType()),
+        ("float8", DoubleType()),
+        ("bool", BooleanType()),
+        ("date", DateType()),
+        ("timestamp", TimestampType()),
+        ("timestamptz", TimestampType()),
+        ("bytea", BinaryType()),
+        ("text", StringType()),
+        ("varchar", StringType()),
+        ("uuid", StringType()),
+        ("jsonb", StringType()),
+        ("interval", StringType()),
+        ("my_enum", StringType()),
+        ("_int4", ArrayType(IntegerType(), True)),
+        ("_text", ArrayType(StringType(), True)),
+        ("_numeric", ArrayType(DecimalType(38, 10), True)),
+    ],
+)
+def test_type_mapping(pg: str, spark: object) -> None:
+    assert spark_type(pg) == spark
+
+
+def test_numeric_scale_option_and_decimal_compatibility() -> None:
+    assert spark_type("numeric", numeric_scale=2) == DecimalType(38, 2)
+    assert compatible(DecimalType(38, 2), DecimalType(38, 10))
+    assert not compatible(IntegerType(), LongType())
+    assert compatible(ArrayType(DecimalType(38, 2)), ArrayType(DecimalType(38, 4)))
+
+
+@pytest.mark.parametrize(
+    ("text", "fits"),
+    [
+        ("0", True),
+        ("-12.5", True),
+        ("1234567890123456789012345678", True),  # 28 integer digits
+        ("12345678901234567890123456789", False),  # 29: beyond decimal(38,10)
+        ("0.1234567890", True),
+        ("0.12345678901", False),  # 11 fractional digits would be rounded
+        ("0.12345678900000", True),  # trailing zeros lose nothing
+        ("NaN", False),
+    ],
+)
+def test_numeric_exactness_rule(text: str, fits: bool) -> None:
+    assert bool(re.match(_numeric_re(10), text)) is fits
+
+
+def _cols(*pairs: tuple[str, str]) -> list[SourceColumn]:
+    return [SourceColumn(n, t, spark_type(t)) for n, t in pairs]
+
+
+def test_plan_new_table_keeps_event_order() -> None:
+    p = plan("s.t", None, [("id", "int4"), ("b", "text")], numeric_scale=10)
+    assert [c.name for c in p.columns] == ["id", "b"] and p.added == p.columns
+
+
+def test_plan_added_and_dropped_columns() -> None:
+    existing = _cols(("id", "int4"), ("b", "text"))
+    p = plan("s.t", existing, [("id", "int4"), ("c", "int8")], numeric_scale=10)
+    assert [c.name for c in p.columns] == ["id", "b", "c"]  # b stays
+    assert [c.name for c in p.added] == ["c"]
+
+
+def test_plan_compatible_type_change_is_fine() -> None:
+    existing = _cols(("id", "int4"), ("b", "varchar"))
+    p = plan("s.t", existing, [("id", "int4"), ("b", "text")], numeric_scale=10)
+    assert p.added == () and p.columns[1].pg_type == "text"
+
+
+def test_plan_incompatible_type_change_says_what_changed() -> None:
+    existing = _cols(("id", "int4"), ("amount", "int4"))
+    with pytest.raises(SchemaChangeError, match=r"'amount' changed type from int4 \(int\) to text \(string\)"):
+        plan("s.t", existing, [("id", "int4"), ("amount", "text")], numeric_scale=10)
+
+
+def test_plan_two_types_in_one_load() -> None:
+    with pytest.raises(SchemaChangeError, match="within this load"):
+        plan("s.t", None, [("a", "int4"), ("a", "text")], numeric_scale=10)
+
+
+def test_plan_refuses_metadata_name_clash() -> None:
+    with pytest.raises(SchemaChangeError, match="clash"):
+        plan("s.t", None, [("pg_lsn", "int4")], reserved={"pg_lsn"}, numeric_scale=10)
+
+
+@pytest.mark.parametrize("name", ["public.transactions", "Weird Schema.tab/le.x", "ünï.cödé"])
+def test_table_dir_names_round_trip(name: str) -> None:
+    segment = layout.table_dir_name(name)
+    assert re.fullmatch(r"[A-Za-z0-9_~.-]+", segment)
+    assert layout.table_from_dir_name(segment) == name
+
+
+def test_paths_and_view_names() -> None:
+    paths = layout.table_paths("s3a://bucket/wh/", "walbus.shop", "public.transactions")
+    assert paths.history == "s3a://bucket/wh/walbus~2Eshop/public.transactions/history"
+    assert paths.current.endswith("/public.transactions/current")
+    assert paths.view_base == "public_transactions"
+
+
+def test_packages_match_installed_pyspark() -> None:
+    import pyspark
+
+    delta, kafka = packages()
+    assert kafka.endswith(":" + pyspark.__version__)
+    assert delta.startswith("io.delta:delta-spark_")

@@ -1,0 +1,162 @@
+"""``walbus warehouse load`` and ``walbus warehouse sql``."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from walbus.config import ConfigError, load_config, option
+from walbus.kafka import KafkaOptions
+from walbus.logs import setup_logging
+from warehouse.types import NUMERIC_SCALE
+
+USAGE = """usage: walbus warehouse <command> [options]
+
+commands:
+  load    load the database topic into history and current tables (Delta)
+  sql     run a Spark SQL query over a warehouse's tables
+
+`walbus warehouse <command> --help` for the options.
+"""
+
+log = logging.getLogger("walbus.warehouse")
+
+
+@dataclass(kw_only=True)
+class SparkOptions:
+    master: str | None = option(
+        None, help="Spark master (local[2], yarn, spark://…, k8s://…); default: spark-submit's or local[*]"
+    )
+    driver_memory: str = option("1g", help="spark.driver.memory when this command starts the driver")
+    shuffle_partitions: int = option(4, help="spark.sql.shuffle.partitions")
+    spark_conf: list[str] = option([], help="extra Spark settings, key=value, comma-separated")
+    log_level: str = option("warning", help="log level", choices=["debug", "info", "warning", "error"])
+
+    def spark_settings(self) -> dict[str, str]:
+        conf = {"spark.driver.memory": self.driver_memory}
+        for item in self.spark_conf:
+            key, sep, value = item.partition("=")
+            if not sep:
+                raise ConfigError(f"--spark-conf: {item!r} is not key=value")
+            conf[key.strip()] = value.strip()
+        return conf
+
+
+@dataclass(kw_only=True)
+class LoadConfig(SparkOptions, KafkaOptions):
+    topic: str = option(help="the database topic, walbus.<database>")
+    warehouse: str = option(help="warehouse root: a directory or a Hadoop filesystem URI (s3a://, hdfs://, …)")
+    tables: list[str] = option([], help="only these tables: schema.table patterns (* wildcards), comma-separated")
+    numeric_scale: int = option(NUMERIC_SCALE, help="scale of decimal(38, s) for new numeric columns")
+
+
+@dataclass(kw_only=True)
+class SqlConfig(SparkOptions):
+    warehouse: str = option(help="warehouse root: a directory or a Hadoop filesystem URI")
+    topic: str | None = option(None, help="the topic whose tables to expose (needed if the warehouse has several)")
+    query: str | None = option(None, help="the SQL query (or give it as the first argument)")
+    format: str = option("table", help="output format", choices=["table", "json"])
+    limit: int = option(1000, help="print at most this many rows")
+
+
+def _session(config: SparkOptions) -> Any:
+    from warehouse.spark import build_session
+
+    return build_session(
+        master=config.master,
+        conf=config.spark_settings(),
+        shuffle_partitions=config.shuffle_partitions,
+    )
+
+
+def load_main(argv: Sequence[str]) -> int:
+    config = load_config(LoadConfig, argv, prog="walbus warehouse load", section="warehouse")
+    setup_logging(config.log_level)
+    from warehouse.job import LoadError, LoadSpec, run_load
+    from warehouse.read import TopicError
+
+    kafka = KafkaOptions(**{f.name: getattr(config, f.name) for f in dataclasses.fields(KafkaOptions)})
+    spec = LoadSpec(kafka, config.topic, config.warehouse, tuple(config.tables), config.numeric_scale)
+    spark = _session(config)
+    try:
+        result = run_load(spark, spec)
+    except (LoadError, TopicError) as e:
+        print(f"walbus warehouse load: error: {e}", file=sys.stderr)
+        return 1
+    except Exception as e:  # Spark/JVM failures: one readable line, the trace in the log
+        log.debug("load failed", exc_info=True)
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        print(f"walbus warehouse load: error: {type(e).__name__}: {first}", file=sys.stderr)
+        return 1
+    finally:
+        spark.stop()
+    for line in result.lines():
+        print(line)
+    print(f"loaded {result.events} events in {result.seconds:.1f} s (loads {result.batches})", file=sys.stderr)
+    return 0
+
+
+def run_sql(spark: Any, warehouse: str, topic: str | None, query: str, limit: int) -> tuple[list[str], list[Any]]:
+    """Register the warehouse's views and run ``query``: (column names, rows)."""
+    from warehouse.views import register_views
+
+    names = register_views(spark, warehouse, topic)
+    log.info("views", extra={"views": names})
+    df = spark.sql(query)
+    return list(df.columns), df.limit(limit).collect()
+
+
+def sql_main(argv: Sequence[str]) -> int:
+    args = list(argv)
+    positional = None
+    if args and not args[0].startswith("-"):
+        positional = args.pop(0)
+    config = load_config(SqlConfig, args, prog="walbus warehouse sql", section="warehouse")
+    query = config.query or positional
+    if not query:
+        raise ConfigError('a query is needed: walbus warehouse sql "SELECT …" --warehouse …')
+    setup_logging(config.log_level)
+    spark = _session(config)
+    try:
+        columns, rows = run_sql(spark, config.warehouse, config.topic, query, config.limit)
+    except Exception as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        print(f"walbus warehouse sql: error: {first}", file=sys.stderr)
+        return 1
+    finally:
+        spark.stop()
+    if config.format == "json":
+        for row in rows:
+            print(orjson.dumps(row.asDict(recursive=True), default=str).decode())
+    else:
+        _print_table(columns, [[row[i] for i in range(len(columns))] for row in rows])
+    return 0
+
+
+def _print_table(columns: list[str], rows: list[list[Any]]) -> None:
+    cells = [[("NULL" if v is None else str(v)) for v in row] for row in rows]
+    widths = [max([len(c), *(len(r[i]) for r in cells)]) for i, c in enumerate(columns)]
+    print(" | ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True)))
+    print("-+-".join("-" * w for w in widths))
+    for r in cells:
+        print(" | ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)))
+    print(f"({len(rows)} rows)")
+
+
+def main(argv: Sequence[str]) -> int:
+    args = list(argv)
+    if not args or args[0] in ("-h", "--help", "help"):
+        print(USAGE)
+        return 0 if args else 2
+    commands = {"load": load_main, "sql": sql_main}
+    command = commands.get(args[0])
+    if command is None:
+        print(f"walbus warehouse: unknown command {args[0]!r}\n\n{USAGE}", file=sys.stderr)
+        return 2
+    return command(args[1:])

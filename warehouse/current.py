@@ -1,0 +1,180 @@
+"""Current-state tables: one row per primary key, the latest version in (commit LSN, seq)
+order, maintained by a Delta MERGE of each load's latest version per key.
+
+* LSN guard: a row is only replaced by a strictly later event, so replays and late events
+  never move a row back in time.
+* Tombstones: a delete (or an update that moved the row to another key) leaves the row in
+  place with ``_walbus_deleted = true`` and the delete's position, so an older event that
+  arrives in a later load finds a newer row and is ignored: nothing is resurrected.
+  Live rows: ``WHERE NOT _walbus_deleted`` (the ``<schema>_<table>`` view of
+  ``walbus warehouse sql`` does it).
+* TRUNCATE tombstones every row older than it, and its position is kept as the table
+  property ``walbus.truncatedAt`` so that events older than a truncate, arriving late, are
+  ignored too.
+* The MERGE's target side is limited to the key range of the load (on the first key column)
+  so Delta skips the files outside it (min/max file statistics); deletion vectors keep
+  updates from rewriting whole files.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Final
+
+from pyspark.sql import Column, DataFrame, SparkSession
+from pyspark.sql import functions as F
+from pyspark.sql.types import BooleanType, StructField
+
+from warehouse.frame import DELETED, META_FIELDS, POSITION, prev_name
+from warehouse.schema import SourceColumn, quote, sql_string, table_properties
+from warehouse.txn import Txn, last_commit_metrics
+
+TRUNCATED_PROPERTY: Final = "walbus.truncatedAt"
+CURRENT_EXTRA_FIELDS: Final = (StructField(DELETED, BooleanType(), False),)
+CURRENT_PROPERTIES: Final = {
+    "delta.enableDeletionVectors": "true",
+}
+_ORDERABLE_KEY_TYPES: Final = ("int", "bigint", "smallint", "string", "date", "timestamp", "double", "float")
+
+
+@dataclass(frozen=True)
+class CurrentResult:
+    inserted: int  # rows of keys new to the table (tombstones of unseen keys included)
+    updated: int  # rows replaced by a newer version (tombstoning included)
+    deleted: int  # deletes among those, plus rows tombstoned by TRUNCATE
+    skipped: bool
+
+
+def _newer(s: str, t: str) -> str:
+    lsn, seq = POSITION
+    return f"({s}.{lsn} > {t}.{lsn} OR ({s}.{lsn} = {t}.{lsn} AND {s}.{seq} > {t}.{seq}))"
+
+
+def _pos_literal(position: tuple[int, int]) -> Column:
+    return F.struct(F.lit(position[0]).cast("decimal(20,0)").alias("l"), F.lit(position[1]).alias("s"))
+
+
+def truncated_at(properties: dict[str, str]) -> tuple[int, int] | None:
+    text = properties.get(TRUNCATED_PROPERTY)
+    if not text:
+        return None
+    lsn, _, seq = text.partition(":")
+    return int(lsn), int(seq)
+
+
+def _after(position: tuple[int, int] | None) -> Column:
+    if position is None:
+        return F.lit(True)
+    lsn, seq = POSITION
+    return (F.col(lsn) > F.lit(position[0])) | ((F.col(lsn) == F.lit(position[0])) & (F.col(seq) > F.lit(position[1])))
+
+
+def latest_actions(rows: DataFrame, pk: Sequence[str], columns: Sequence[SourceColumn]) -> DataFrame:
+    """The last action per key in this load: an upsert or a tombstone.
+
+    An update that changed the key also tombstones its old key, at the same position.
+    """
+    meta = [f.name for f in META_FIELDS]
+    source = [c.name for c in columns]
+    changes = rows.where(F.col("pg_operation") != "truncate")
+    upserts = changes.select(*meta, *source, (F.col("pg_operation") == "delete").alias(DELETED))
+    same_key = F.expr(" AND ".join(f"({quote(k)} <=> {quote(prev_name(k))})" for k in pk))
+    moved = changes.where((F.col("pg_operation") == "update") & ~same_key).select(
+        *meta,
+        *[F.col(prev_name(c)).alias(c) if c in pk else F.lit(None).cast(rows.schema[c].dataType).alias(c) for c in source],
+        F.lit(True).alias(DELETED),
+    )
+    actions = upserts.unionByName(moved).where(" AND ".join(f"{quote(k)} IS NOT NULL" for k in pk))
+    others = [c for c in actions.columns if c not in pk]
+    latest = actions.groupBy(*[F.col(k) for k in pk]).agg(
+        F.max_by(F.struct(*[F.col(c) for c in others]), F.struct(*[F.col(c) for c in POSITION])).alias("a")
+    )
+    return latest.select(*pk, *[F.col("a")[c].alias(c) for c in others])
+
+
+def _source_stats(source: DataFrame, first_key: str) -> tuple[tuple[Any, Any] | None, int]:
+    """(key range of the first key column if orderable, number of tombstones) in one job."""
+    row = source.agg(
+        F.min(first_key).alias("lo"), F.max(first_key).alias("hi"), F.count_if(F.col(DELETED)).alias("d")
+    ).first()
+    if row is None:
+        return None, 0
+    key_type = source.schema[first_key].dataType.simpleString()
+    orderable = key_type in _ORDERABLE_KEY_TYPES or key_type.startswith("decimal")
+    bounds = (row["lo"], row["hi"]) if orderable and row["lo"] is not None else None
+    return bounds, int(row["d"] or 0)
+
+
+def merge_current(
+    spark: SparkSession,
+    path: str,
+    rows: DataFrame,
+    pk: Sequence[str],
+    columns: Sequence[SourceColumn],
+    txn: Txn,
+    truncate: tuple[int, int] | None,
+) -> CurrentResult:
+    from delta.tables import DeltaTable
+
+    if txn.applied(spark, path):
+        inserted = updated = deleted = 0
+        skipped = True
+    else:
+        skipped = False
+        floor = truncated_at(table_properties(spark, path))
+        if truncate is not None and (floor is None or truncate > floor):
+            floor = truncate
+        source = latest_actions(rows.where(_after(floor)), pk, columns).localCheckpoint()
+        cond: Column = F.lit(True)
+        for k in pk:
+            cond = cond & (F.col(f"t.{quote(k)}") == F.col(f"s.{quote(k)}"))
+        bounds, deleted = _source_stats(source, pk[0])
+        if bounds is not None:
+            # a target-only predicate: Delta prunes the files outside the load's key range
+            cond = cond & F.col(f"t.{quote(pk[0])}").between(F.lit(bounds[0]), F.lit(bounds[1]))
+        meta_names = [f.name for f in META_FIELDS]
+        all_cols = [*meta_names, *[c.name for c in columns], DELETED]
+        tombstone_set: dict[str, str | Column] = {quote(c): f"s.{quote(c)}" for c in [*meta_names, DELETED]}
+        full_set: dict[str, str | Column] = {quote(c): f"s.{quote(c)}" for c in all_cols}
+        with txn.for_sql(spark):
+            (
+                DeltaTable.forPath(spark, path)
+                .alias("t")
+                .merge(source.alias("s"), cond)
+                # a tombstone keeps the row's last values, with the delete's position
+                .whenMatchedUpdate(condition=f"{_newer('s', 't')} AND s.{DELETED}", set=tombstone_set)
+                .whenMatchedUpdate(condition=_newer("s", "t"), set=full_set)
+                .whenNotMatchedInsert(values=full_set)
+                .execute()
+            )
+        metrics = last_commit_metrics(spark, path)
+        inserted = int(metrics.get("numTargetRowsInserted", 0))
+        updated = int(metrics.get("numTargetRowsUpdated", 0))
+    if truncate is not None:
+        deleted += _apply_truncate(spark, path, truncate)
+    return CurrentResult(inserted, updated, deleted, skipped)
+
+
+def _apply_truncate(spark: SparkSession, path: str, position: tuple[int, int]) -> int:
+    """Tombstone every live row older than the TRUNCATE; remember its position. Idempotent."""
+    from delta.tables import DeltaTable
+
+    floor = truncated_at(table_properties(spark, path))
+    if floor is not None and floor >= position:
+        return 0
+    lsn, seq = POSITION
+    older = (F.col(lsn) < F.lit(position[0])) | ((F.col(lsn) == F.lit(position[0])) & (F.col(seq) < F.lit(position[1])))
+    DeltaTable.forPath(spark, path).update(
+        condition=(~F.col(DELETED)) & older,
+        set={
+            DELETED: F.lit(True),
+            lsn: F.lit(position[0]).cast("decimal(20,0)"),
+            seq: F.lit(position[1]),
+            "pg_operation": F.lit("truncate"),
+        },
+    )
+    metrics = last_commit_metrics(spark, path)
+    value = f"{position[0]}:{position[1]}"
+    spark.sql(f"ALTER TABLE delta.`{path}` SET TBLPROPERTIES ('{TRUNCATED_PROPERTY}' = {sql_string(value)})")
+    return int(metrics.get("numUpdatedRows", 0))

@@ -1,0 +1,105 @@
+"""Events of one source table -> typed rows: metadata columns, then the source columns.
+
+Metadata columns (history and current tables alike):
+
+=================  ===============  ===============================================
+pg_lsn             decimal(20,0)    LSN of the change's WAL record
+pg_commit_lsn      decimal(20,0)    LSN of the transaction's commit
+pg_seq             int              position of the change in its transaction
+pg_txn_id          bigint           transaction id (xid)
+pg_operation       string           insert / update / delete / truncate / read
+pg_txn_timestamp   timestamp        commit time (UTC)
+pg_unchanged       array<string>    columns not sent (unchanged TOAST): carried over
+pg_raw_values      map<str,str>     exact text of values the Spark type cannot hold
+=================  ===============  ===============================================
+
+``(pg_commit_lsn, pg_seq)`` is an event's position: unique, in commit order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Final
+
+from pyspark.sql import Column, DataFrame
+from pyspark.sql import functions as F
+from pyspark.sql.types import (
+    ArrayType,
+    DecimalType,
+    IntegerType,
+    LongType,
+    MapType,
+    StringType,
+    StructField,
+    TimestampType,
+)
+
+from warehouse.schema import SourceColumn
+from warehouse.types import convert
+
+LSN_TYPE: Final = DecimalType(20, 0)
+
+META_FIELDS: Final = (
+    StructField("pg_lsn", LSN_TYPE, False),
+    StructField("pg_commit_lsn", LSN_TYPE, False),
+    StructField("pg_seq", IntegerType(), False),
+    StructField("pg_txn_id", LongType(), True),
+    StructField("pg_operation", StringType(), False),
+    StructField("pg_txn_timestamp", TimestampType(), True),
+    StructField("pg_unchanged", ArrayType(StringType(), True), True),
+    StructField("pg_raw_values", MapType(StringType(), StringType(), True), True),
+)
+META_NAMES: Final = frozenset(f.name for f in META_FIELDS)
+DELETED: Final = "_walbus_deleted"  # tombstone flag of the current table
+POSITION: Final = ("pg_commit_lsn", "pg_seq")
+PREV_PREFIX: Final = "_walbus_prev_"  # the old key of an update (its identity), current only
+
+
+def prev_name(key: str) -> str:
+    return PREV_PREFIX + key
+
+
+def typed_rows(events: DataFrame, columns: Sequence[SourceColumn], pk: Sequence[str]) -> DataFrame:
+    """One row per event with typed source values; deletes carry their identity values.
+
+    With a primary key, ``_walbus_prev_<key>`` columns hold the identity's key values (the
+    row's old key on an update; equal to the key when the identity has no key columns).
+    """
+    new_values = F.map_from_arrays(F.col("columns"), F.col("values"))
+    old_values = F.map_from_arrays(F.col("identity.columns"), F.col("identity.values"))
+    is_delete = F.col("operation") == "delete"
+    typed: list[Column] = []
+    raw_entries: list[Column] = []
+    prev: list[Column] = []
+    for col in columns:
+        raw = F.when(is_delete, old_values[col.name]).otherwise(new_values[col.name])
+        value, exact = convert(raw, col.pg_type, col.spark)
+        typed.append(value.cast(col.spark).alias(col.name))
+        raw_entries.append(F.when(~exact, F.struct(F.lit(col.name).alias("k"), raw.alias("v"))))
+        if col.name in pk:
+            old_raw = old_values[col.name]
+            old_value, _ = convert(old_raw, col.pg_type, col.spark)
+            # an identity without this key column (REPLICA IDENTITY USING INDEX/NOTHING):
+            # the key is taken as unchanged
+            prev.append(F.when(old_raw.isNotNull(), old_value.cast(col.spark)).otherwise(value.cast(col.spark)).alias(prev_name(col.name)))
+    raw_map = (
+        F.map_from_entries(F.filter(F.array(*raw_entries), lambda e: e.isNotNull()))
+        if raw_entries
+        else F.create_map().cast(MapType(StringType(), StringType()))
+    )
+    return events.select(
+        F.col("lsn").alias("pg_lsn"),
+        F.col("commit_lsn").alias("pg_commit_lsn"),
+        F.col("seq").cast("int").alias("pg_seq"),
+        F.col("xid").alias("pg_txn_id"),
+        F.col("operation").alias("pg_operation"),
+        F.col("timestamp").try_cast("timestamp").alias("pg_txn_timestamp"),
+        F.coalesce(F.col("unchanged"), F.array().cast("array<string>")).alias("pg_unchanged"),
+        raw_map.alias("pg_raw_values"),
+        *typed,
+        *prev,
+    )
+
+
+def table_columns(columns: Sequence[SourceColumn]) -> list[str]:
+    return [f.name for f in META_FIELDS] + [c.name for c in columns]

@@ -1,0 +1,321 @@
+"""One load: topic slice -> per table history + current -> load committed.
+
+See :mod:`warehouse.loads` for the commit protocol and :mod:`warehouse.txn` for how each
+table's data and its load marker are committed together.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from pyspark import StorageLevel
+from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import functions as F
+
+from walbus.kafka import KafkaOptions
+from warehouse import layout, loads
+from warehouse.current import CURRENT_EXTRA_FIELDS, CURRENT_PROPERTIES, merge_current
+from warehouse.frame import DELETED, META_FIELDS, META_NAMES, POSITION, prev_name, typed_rows
+from warehouse.history import write_history
+from warehouse.read import (
+    Offsets,
+    check_no_gap,
+    describe_invalid,
+    invalid_events,
+    parse_events,
+    read_slice,
+    topic_bounds,
+)
+from warehouse.schema import (
+    PRIMARY_KEY_PROPERTY,
+    SchemaChangeError,
+    SchemaPlan,
+    ensure_table,
+    existing_columns,
+    plan,
+    table_exists,
+    table_properties,
+)
+from warehouse.toast import resolve_unchanged
+from warehouse.txn import Txn
+from warehouse.types import NUMERIC_SCALE
+
+log = logging.getLogger("walbus.warehouse")
+
+HISTORY_PROPERTIES = {
+    # column mapping lets PostgreSQL column names with spaces or ,;{}()= be Delta columns
+    "delta.columnMapping.mode": "name",
+    "delta.minReaderVersion": "2",
+    "delta.minWriterVersion": "5",
+}
+
+
+class LoadError(Exception):
+    """A load that did not complete; the message says what to fix. Nothing is half-written:
+    the next run replays the same load."""
+
+
+@dataclass(frozen=True)
+class LoadSpec:
+    kafka: KafkaOptions
+    topic: str
+    warehouse: str
+    tables: Sequence[str] = ()  # fnmatch patterns on schema.table; empty: all
+    numeric_scale: int = NUMERIC_SCALE
+
+
+@dataclass
+class TableSummary:
+    table: str
+    events: int = 0
+    history_rows: int = 0
+    inserted: int = 0
+    updated: int = 0
+    deleted: int = 0
+    history_only: bool = False
+    already_loaded: bool = False
+    error: str | None = None
+    seconds: dict[str, float] = field(default_factory=dict)  # per phase: schema, history, current
+
+    def timed(self, phase: str, started: float) -> None:
+        self.seconds[phase] = round(self.seconds.get(phase, 0.0) + time.monotonic() - started, 3)
+
+    def line(self) -> str:
+        if self.error:
+            return f"{self.table}: FAILED: {self.error}"
+        text = f"{self.table}: {self.events} events, history +{self.history_rows}"
+        if self.history_only:
+            text += ", no primary key: history only"
+        else:
+            text += f", current {self.inserted} inserted / {self.updated} updated rows ({self.deleted} deletes)"
+        if self.already_loaded:
+            text += " (this load was already committed before a restart)"
+        return text
+
+    def as_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in vars(self).items() if v not in (None, False, {})}
+
+
+@dataclass
+class LoadResult:
+    batches: list[int] = field(default_factory=list)
+    events: int = 0
+    tables: dict[str, TableSummary] = field(default_factory=dict)
+    seconds: float = 0.0
+    phases: dict[str, float] = field(default_factory=dict)  # read+parse+meta of each load
+
+    def lines(self) -> list[str]:
+        if not self.batches:
+            return ["no new events"]
+        return [self.tables[t].line() for t in sorted(self.tables)]
+
+
+def _selected(table: str, patterns: Sequence[str]) -> bool:
+    return not patterns or any(fnmatch.fnmatchcase(table, p) for p in patterns)
+
+
+def run_load(spark: SparkSession, spec: LoadSpec) -> LoadResult:
+    """Load everything from the last committed load to the topic's end offsets now."""
+    started = time.monotonic()
+    log_path = layout.loads_path(spec.warehouse, spec.topic)
+    last = loads.last_load(spark, log_path)
+    bounds = topic_bounds(spec.kafka, spec.topic)
+    todo: list[loads.Load] = []
+    if last is not None and last.status == "planned":
+        check_no_gap(spec.topic, last.start, bounds.earliest)
+        todo.append(last)  # the previous run died mid-load: replay it exactly
+    if last is None:
+        start: Offsets = dict(bounds.earliest)
+        next_id = 0
+    else:
+        start = {p: last.end.get(p, bounds.earliest[p]) for p in bounds.latest}
+        next_id = last.batch_id + 1
+        check_no_gap(spec.topic, start, bounds.earliest)
+    if any(bounds.latest[p] > start[p] for p in bounds.latest):
+        todo.append(loads.Load(next_id, "planned", start, dict(bounds.latest)))
+    result = LoadResult()
+    for load in todo:
+        _run_batch(spark, spec, log_path, load, result, replay=load is last)
+    result.seconds = time.monotonic() - started
+    return result
+
+
+def _table_meta(events: DataFrame) -> list[dict[str, Any]]:
+    """Per table: count, pk, column order, (column, type) pairs, unchanged, last truncate.
+
+    The distinct (column, type) pairs and unchanged names come from distributed DISTINCTs:
+    collecting them per event into one aggregation buffer would hold every event's column
+    list in one task's memory.
+    """
+    position = F.struct(*[F.col(c) for c in ("commit_lsn", "seq")])
+    cols = F.coalesce(F.col("columns"), F.col("identity.columns"))
+    types = F.coalesce(F.col("types"), F.col("identity.types"))
+    per_table = {
+        r["table"]: r.asDict()
+        for r in events.groupBy("table")
+        .agg(
+            F.count(F.lit(1)).alias("events"),
+            F.max_by(F.col("pk"), position).alias("pk"),
+            F.max_by(cols, F.when(cols.isNotNull(), position)).alias("latest_columns"),
+            F.max(F.when(F.col("operation") == "truncate", position)).alias("truncate"),
+        )
+        .collect()
+    }
+    for meta in per_table.values():
+        meta["pairs"], meta["unchanged"] = [], []
+    pairs = (
+        events.select("table", F.explode(F.zip_with(cols, types, lambda c, t: F.struct(c.alias("c"), t.alias("t")))).alias("p"))
+        .distinct()
+        .collect()
+    )
+    for r in pairs:
+        per_table[r["table"]]["pairs"].append(r["p"])
+    for r in events.select("table", F.explode("unchanged").alias("u")).distinct().collect():
+        per_table[r["table"]]["unchanged"].append(r["u"])
+    return list(per_table.values())
+
+
+def _run_batch(
+    spark: SparkSession,
+    spec: LoadSpec,
+    log_path: str,
+    load: loads.Load,
+    result: LoadResult,
+    *,
+    replay: bool,
+) -> None:
+    if not replay:
+        loads.record(spark, log_path, load)
+    log.info("load", extra={"batch": load.batch_id, "start": load.start, "end": load.end, "replay": replay})
+    raw = read_slice(spark, spec.kafka, spec.topic, load.start, load.end)
+    events = parse_events(raw).persist(StorageLevel.MEMORY_AND_DISK)
+    started = time.monotonic()
+    try:
+        bad = events.where(invalid_events(events)).select("kafka_partition", "kafka_offset").first()
+        if bad is not None:
+            raise LoadError(
+                f"record at {spec.topic} {describe_invalid(bad)} is not a walbus contract-v1 event; "
+                "nothing of this load was written"
+            )
+        txn = Txn(f"walbus:{spec.topic}", load.batch_id, replay)
+        failures: list[str] = []
+        batch_events = 0
+        metas = sorted(_table_meta(events), key=lambda r: r["table"])  # reads the slice
+        result.phases["read"] = round(result.phases.get("read", 0.0) + time.monotonic() - started, 3)
+        for meta in metas:
+            table = meta["table"]
+            if not _selected(table, spec.tables):
+                continue
+            batch_events += int(meta["events"])
+            summary = result.tables.setdefault(table, TableSummary(table))
+            try:
+                _load_table(spark, spec, events.where(F.col("table") == table), meta, txn, summary)
+            except SchemaChangeError as e:
+                summary.error = str(e)
+                failures.append(str(e))
+        result.events += batch_events
+        result.batches.append(load.batch_id)
+        if failures:
+            raise LoadError(
+                "; ".join(failures)
+                + ". The other tables of this load are committed; the load itself is not, so "
+                "every run replays it until the table is fixed (or left out with --tables)."
+            )
+        loads.record(
+            spark,
+            log_path,
+            loads.Load(load.batch_id, "committed", load.start, load.end),
+            {t: s.as_dict() for t, s in result.tables.items()},
+        )
+    finally:
+        events.unpersist()
+
+
+def _incoming_pairs(meta: Any) -> list[tuple[str, str]]:
+    latest = list(meta["latest_columns"] or [])
+    pairs = [(p["c"], p["t"]) for p in meta["pairs"] or []]
+    rank = {name: i for i, name in enumerate(latest)}
+    return sorted(pairs, key=lambda p: (rank.get(p[0], len(rank)), p[0]))
+
+
+def _load_table(
+    spark: SparkSession,
+    spec: LoadSpec,
+    events: DataFrame,
+    meta: Any,
+    txn: Txn,
+    summary: TableSummary,
+) -> None:
+    started = time.monotonic()
+    table = meta["table"]
+    paths = layout.table_paths(spec.warehouse, spec.topic, table)
+    pk: list[str] = list(meta["pk"] or [])
+    summary.events += int(meta["events"])
+    summary.history_only = not pk
+    existing = None
+    if table_exists(spark, paths.history):
+        fields = spark.read.format("delta").load(paths.history).schema.fields
+        existing = existing_columns(fields, table_properties(spark, paths.history), set(META_NAMES))
+    reserved = {*META_NAMES, DELETED, *(prev_name(k) for k in pk)}
+    schema_plan: SchemaPlan = plan(
+        table, existing, _incoming_pairs(meta), reserved=reserved, numeric_scale=spec.numeric_scale
+    )
+    if pk:
+        _check_primary_key(spark, table, paths.current, pk)
+        missing = [k for k in pk if k not in {c.name for c in schema_plan.columns}]
+        if missing:
+            raise SchemaChangeError(f"{table}: primary-key column(s) {missing} missing from the events")
+    ensure_table(spark, paths.history, META_FIELDS, schema_plan, HISTORY_PROPERTIES)
+    if pk:
+        ensure_table(
+            spark,
+            paths.current,
+            [*META_FIELDS, *CURRENT_EXTRA_FIELDS],
+            schema_plan,
+            {**HISTORY_PROPERTIES, **CURRENT_PROPERTIES, PRIMARY_KEY_PROPERTY: ",".join(pk)},
+        )
+    summary.timed("schema", started)
+    columns = list(schema_plan.columns)
+    rows = typed_rows(events, columns, pk)
+    known = {c.name for c in columns}
+    unchanged = [c for c in (meta["unchanged"] or []) if c in known and c not in pk]
+    if pk and unchanged:
+        rows = resolve_unchanged(spark, rows, pk, unchanged, paths.current)
+    rows = rows.persist(StorageLevel.MEMORY_AND_DISK)
+    try:
+        started = time.monotonic()
+        history = write_history(spark, paths.history, rows, columns, txn)
+        summary.timed("history", started)
+        summary.history_rows += history.written
+        summary.already_loaded = history.skipped
+        if pk:
+            truncate = meta["truncate"]
+            position = (int(truncate["commit_lsn"]), int(truncate["seq"])) if truncate is not None else None
+            started = time.monotonic()
+            current = merge_current(spark, paths.current, rows, pk, columns, txn, position)
+            summary.timed("current", started)
+            summary.inserted += current.inserted
+            summary.updated += current.updated
+            summary.deleted += current.deleted
+            summary.already_loaded = summary.already_loaded and current.skipped
+    finally:
+        rows.unpersist()
+
+
+def _check_primary_key(spark: SparkSession, table: str, path: str, pk: list[str]) -> None:
+    if not table_exists(spark, path):
+        return
+    stored = table_properties(spark, path).get(PRIMARY_KEY_PROPERTY, "")
+    if stored and stored != ",".join(pk):
+        raise SchemaChangeError(
+            f"{table}: primary key changed from ({stored}) to ({','.join(pk)}); the current table "
+            "is keyed on the old one. Move its current/ directory away to rebuild it from now on."
+        )
+
+
+__all__ = ["POSITION", "LoadError", "LoadResult", "LoadSpec", "TableSummary", "run_load"]

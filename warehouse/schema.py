@@ -1,0 +1,162 @@
+"""Schema evolution: what the history and current tables look like after a load.
+
+Pure planning (:func:`plan`) is separate from applying it to Delta (:func:`ensure_table`),
+so the rules are unit-tested without Spark:
+
+* a new source column is added, nullable, at the end of both tables;
+* a column missing from the new events (dropped at the source) stays; its value is null from
+  then on;
+* a column whose PostgreSQL type maps to another Spark type fails the load of that table
+  with a message saying which column changed from what to what. Nothing is written to the
+  table then. Types that map to the same Spark type (varchar -> text) are fine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+import orjson
+from pyspark.sql import SparkSession
+from pyspark.sql.types import DataType, StructField, StructType
+
+from warehouse.types import compatible, describe, spark_type
+
+
+class SchemaChangeError(Exception):
+    """An incompatible change of a source table's columns."""
+
+
+@dataclass(frozen=True)
+class SourceColumn:
+    name: str
+    pg_type: str
+    spark: DataType
+
+
+@dataclass(frozen=True)
+class SchemaPlan:
+    columns: tuple[SourceColumn, ...]  # every source column of the table after this load
+    added: tuple[SourceColumn, ...]  # those that the tables lack so far
+
+
+def plan(
+    table: str,
+    existing: Iterable[SourceColumn] | None,
+    incoming: Iterable[tuple[str, str]],
+    *,
+    reserved: Iterable[str] = (),
+    numeric_scale: int,
+) -> SchemaPlan:
+    """Merge the tables' current source columns with the (column, pg type) pairs of a load.
+
+    ``incoming`` in the order of the latest event's columns, then any others.
+    """
+    existing_cols = {c.name: c for c in existing or ()}
+    reserved_names = set(reserved)
+    seen: dict[str, str] = {}
+    order: list[str] = []
+    for name, pg_type in incoming:
+        if name in seen:
+            if seen[name] != pg_type and spark_type(seen[name], numeric_scale=numeric_scale) != spark_type(
+                pg_type, numeric_scale=numeric_scale
+            ):
+                raise SchemaChangeError(
+                    f"{table}: column {name!r} changed type within this load, "
+                    f"from {seen[name]} to {pg_type}"
+                )
+            continue
+        seen[name] = pg_type
+        order.append(name)
+    clashes = sorted(n for n in seen if n in reserved_names)
+    if clashes:
+        raise SchemaChangeError(f"{table}: source column(s) {clashes} clash with walbus metadata columns")
+    changes: list[str] = []
+    columns = dict(existing_cols)
+    added: list[SourceColumn] = []
+    for name in order:
+        pg_type = seen[name]
+        incoming_type = spark_type(pg_type, numeric_scale=numeric_scale)
+        old = existing_cols.get(name)
+        if old is None:
+            col = SourceColumn(name, pg_type, incoming_type)
+            columns[name] = col
+            added.append(col)
+        elif not compatible(old.spark, incoming_type):
+            changes.append(
+                f"column {name!r} changed type from {describe(old.pg_type, old.spark)} "
+                f"to {describe(pg_type, incoming_type)}"
+            )
+        else:
+            columns[name] = SourceColumn(name, pg_type, old.spark)
+    if changes:
+        raise SchemaChangeError(
+            f"{table}: incompatible schema change: {'; '.join(changes)}. The table was not "
+            "loaded; its history and current tables are unchanged."
+        )
+    return SchemaPlan(tuple(columns.values()), tuple(added))
+
+
+PG_TYPES_PROPERTY = "walbus.pgTypes"
+PRIMARY_KEY_PROPERTY = "walbus.primaryKey"
+
+
+def existing_columns(fields: Iterable[StructField], properties: Mapping[str, str], meta: set[str]) -> list[SourceColumn]:
+    """The source columns of an existing table (its schema minus the metadata columns)."""
+    pg_types: dict[str, str] = orjson.loads(properties.get(PG_TYPES_PROPERTY, "{}"))
+    return [
+        SourceColumn(f.name, pg_types.get(f.name, "?"), f.dataType) for f in fields if f.name not in meta
+    ]
+
+
+def table_properties(spark: SparkSession, path: str) -> dict[str, str]:
+    rows = spark.sql(f"SHOW TBLPROPERTIES delta.`{path}`").collect()
+    return {r["key"]: r["value"] for r in rows}
+
+
+def quote(name: str) -> str:
+    return "`" + name.replace("`", "``") + "`"
+
+
+def table_exists(spark: SparkSession, path: str) -> bool:
+    from delta.tables import DeltaTable
+
+    return bool(DeltaTable.isDeltaTable(spark, path))
+
+
+def ensure_table(
+    spark: SparkSession,
+    path: str,
+    meta_fields: Iterable[StructField],
+    schema_plan: SchemaPlan,
+    properties: Mapping[str, str],
+) -> None:
+    """Create the Delta table, or add the planned columns; record the pg types.
+
+    Each step is its own Delta commit and idempotent, so a crash between two of them is
+    repaired by the next load.
+    """
+    from delta.tables import DeltaTable
+
+    pg_types = {c.name: c.pg_type for c in schema_plan.columns}
+    props = {**properties, PG_TYPES_PROPERTY: orjson.dumps(pg_types).decode()}
+    if not table_exists(spark, path):
+        schema = StructType([*meta_fields, *(StructField(c.name, c.spark, True) for c in schema_plan.columns)])
+        builder = DeltaTable.createIfNotExists(spark).location(path).addColumns(schema)
+        for key, value in props.items():
+            builder = builder.property(key, value)
+        builder.execute()
+        return
+    current = {f.name for f in spark.read.format("delta").load(path).schema.fields}
+    missing = [c for c in schema_plan.columns if c.name not in current]
+    if missing:
+        cols = ", ".join(f"{quote(c.name)} {c.spark.simpleString()}" for c in missing)
+        spark.sql(f"ALTER TABLE delta.`{path}` ADD COLUMNS ({cols})")
+    old = table_properties(spark, path)
+    if any(old.get(k) != v for k, v in props.items()):
+        assignments = ", ".join(f"'{k}' = {sql_string(v)}" for k, v in props.items())
+        spark.sql(f"ALTER TABLE delta.`{path}` SET TBLPROPERTIES ({assignments})")
+
+
+def sql_string(value: str) -> str:
+    return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
