@@ -184,7 +184,7 @@ class Producer:
             sink = KafkaSink(
                 client_kwargs=client_kwargs, topic=cfg.topic_name, partitions=self._partitions, progress=progress,
                 max_batch_bytes=cfg.max_batch_bytes, max_in_flight=cfg.max_in_flight, on_ack=on_ack,
-                request_timeout_ms=cfg.kafka_request_timeout_ms,
+                request_timeout_ms=cfg.kafka_request_timeout_ms, compression=cfg.compression,
             )
             await sink.start()
             decoder = self._decoder(catalog)

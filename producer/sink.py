@@ -42,6 +42,7 @@ class KafkaSink:
         max_in_flight: int = 8,
         on_ack: Any = None,
         request_timeout_ms: int = 30000,
+        compression: str = "none",
     ) -> None:
         self.topic = topic
         self.partitions = partitions
@@ -54,6 +55,7 @@ class KafkaSink:
             max_request_size=max(max_batch_bytes * 2, 1 << 20),
             linger_ms=0,
             request_timeout_ms=request_timeout_ms,
+            compression_type=None if compression == "none" else compression,
             retry_backoff_ms=200,
         )
         self._max_in_flight = max_in_flight
