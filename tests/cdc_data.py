@@ -132,7 +132,7 @@ def final_state(changes: Iterable[Change], table: str) -> dict[int, dict[str, An
     return state
 
 
-class FakeDemux:
+class ScriptedDemux:
     """Writes per-table records the way the demux does: in a Kafka transaction that also
     commits its consumer-group offsets on the database topic."""
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from tests.cdc_data import FakeDemux, create_topic, final_state, produce, table_records, workload
+from tests.cdc_data import ScriptedDemux, create_topic, final_state, produce, table_records, workload
 from walbus.client import Table, TableChange
 
 pytestmark = pytest.mark.integration
@@ -61,7 +61,7 @@ async def test_wait_until_waits_for_the_demux(kafka_bootstrap: str, unique_name:
     await create_topic(kafka_bootstrap, topic, compact=True)
     await produce(kafka_bootstrap, source, [c.record() for c in changes])
     commits = sorted({c.commit_lsn for c in changes})
-    demux = FakeDemux(kafka_bootstrap, source, group, transactional_id=f"{unique_name}-tx")
+    demux = ScriptedDemux(kafka_bootstrap, source, group, transactional_id=f"{unique_name}-tx")
     await demux.start()
 
     async def demux_up_to(index: int) -> None:
