@@ -8,7 +8,14 @@ from typing import Any
 
 import pytest
 
-from tests.cdc_data import ScriptedDemux, create_topic, final_state, produce, table_records, workload
+from tests.cdc_data import (
+    ScriptedDemux,
+    create_topic,
+    final_state,
+    produce,
+    table_records,
+    workload,
+)
 from walbus.client import Table, TableChange
 
 pytestmark = pytest.mark.integration

@@ -119,6 +119,7 @@ class Table(Mapping[Any, Row]):
         self._consumer: AIOKafkaConsumer | None = None
         self._task: asyncio.Task[None] | None = None
         self._progress: SourceProgress | None = None
+        self._hw_consumer: AIOKafkaConsumer | None = None  # read_uncommitted: high watermarks
         self._tps: list[TopicPartition] = []
         self._applied: dict[TopicPartition, int] = {}  # offset after the last applied record
         self._max_commit: dict[TopicPartition, int] = {}  # highest __commit_lsn applied
@@ -174,6 +175,9 @@ class Table(Mapping[Any, Row]):
     async def stop(self) -> None:
         task, consumer, progress = self._task, self._consumer, self._progress
         self._task = self._consumer = self._progress = None
+        hw, self._hw_consumer = self._hw_consumer, None
+        if hw is not None:
+            await hw.stop()
         if task is not None:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -281,8 +285,12 @@ class Table(Mapping[Any, Row]):
            demux commits its offsets in the Kafka transaction of its output, so every record
            derived from those commits is then visible. Without this step a lagging demux can
            make the wait return early;
-        4. finally it reads this topic's end offsets (last stable offsets) and waits until the
-           table has applied everything before them.
+        4. finally it reads this topic's high watermarks and waits until the table's
+           ``read_committed`` position has passed them. Not the last stable offsets: a Kafka
+           transaction's markers reach its partitions one by one, so the demux's committed
+           offset (step 3) can be visible before the marker of its output on this topic; the
+           high watermark already counts that output. (A demux transaction open on this topic
+           at that moment delays the return until it commits or aborts.)
 
         Bound the wait with ``async with asyncio.timeout(seconds):``.
         """
@@ -297,7 +305,13 @@ class Table(Mapping[Any, Row]):
                 self._progress = progress
         ends = await self._progress.commit_reached(lsn)
         await self._progress.group_reached(lsn, ends)
-        consumer = self._consumer
-        if consumer is None:
+        if self._consumer is None:
             raise RuntimeError("Table stopped")
-        await self._wait_offsets(await consumer.end_offsets(self._tps))
+        await self._wait_offsets(await self._high_watermarks())
+
+    async def _high_watermarks(self) -> dict[TopicPartition, int]:
+        if self._hw_consumer is None:
+            hw = AIOKafkaConsumer(**self._kwargs, enable_auto_commit=False, isolation_level="read_uncommitted")
+            await hw.start()
+            self._hw_consumer = hw
+        return dict(await self._hw_consumer.end_offsets(self._tps))
