@@ -6,7 +6,6 @@ Runs once the demux service is in the tree (it is built on its own branch); skip
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
 import os
 import random
@@ -20,10 +19,7 @@ import pytest
 from tests.fix_pipeline import ROOT, running_producer, walbus_process
 from walbus.client import Feed, Table
 
-pytestmark = [
-    pytest.mark.integration,
-    pytest.mark.skipif(importlib.util.find_spec("demux.service") is None, reason="the demux service is not in this tree yet"),
-]
+pytestmark = pytest.mark.integration
 
 
 def _select_all(dsn: str) -> dict[int, dict[str, int]]:
