@@ -129,7 +129,6 @@ class PostgresInstance:
                 "max_wal_senders = 20\n"
                 "listen_addresses = '127.0.0.1'\n"
                 "fsync = off\n"
-                "synchronous_commit = off\n"
                 "full_page_writes = off\n"
                 "max_connections = 200\n"
                 "shared_buffers = 256MB\n"
