@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import shutil
@@ -58,6 +59,32 @@ def scratch_database(dsn: str, name: str) -> Iterator[str]:
                 with contextlib.suppress(psycopg.Error):
                     conn.execute("SELECT pg_drop_replication_slot(%s)", (slot,))
             conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
+
+
+async def fill_topic(bootstrap: str, topic: str, records: list[tuple[bytes, bytes]]) -> float:
+    """Create ``topic`` and write ``records`` to partition 0 in large record batches; seconds taken."""
+    from aiokafka import AIOKafkaProducer
+
+    from walbus.kafka import KafkaAdmin, TopicSpec
+
+    async with KafkaAdmin(client_kwargs={"bootstrap_servers": bootstrap}) as admin:
+        await admin.ensure_topic(TopicSpec(topic))
+    producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all", enable_idempotence=True, max_batch_size=1_000_000)
+    await producer.start()
+    started = time.monotonic()
+    try:
+        futures = []
+        batch = producer.create_batch()
+        for k, v in records:
+            if batch.append(key=k, value=v, timestamp=None) is None:
+                futures.append(await producer.send_batch(batch, topic, partition=0))
+                batch = producer.create_batch()
+                batch.append(key=k, value=v, timestamp=None)
+        futures.append(await producer.send_batch(batch, topic, partition=0))
+        await asyncio.gather(*futures)
+    finally:
+        await producer.stop()
+    return time.monotonic() - started
 
 
 def current_lsn(dsn: str) -> int:

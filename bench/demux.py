@@ -28,14 +28,13 @@ from pathlib import Path
 from typing import Any
 
 import orjson
-from aiokafka import AIOKafkaProducer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.common import fill_topic
 from demux.config import DemuxConfig
 from demux.service import Demux, tune_gc
 from walbus.contract import encode_event, event_key
-from walbus.kafka import KafkaAdmin, TopicSpec
 from walbus.metrics import new_registry
 
 TS = "2024-05-01T12:00:00.000001+00:00"
@@ -81,25 +80,7 @@ def events(n: int, seed: int = 1) -> list[tuple[bytes, bytes]]:
 
 
 async def prefill(bootstrap: str, topic: str, evs: list[tuple[bytes, bytes]]) -> float:
-    async with KafkaAdmin(client_kwargs={"bootstrap_servers": bootstrap}) as admin:
-        await admin.ensure_topic(TopicSpec(topic))
-    producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all", enable_idempotence=True,
-                                max_batch_size=1_000_000)
-    await producer.start()
-    started = time.monotonic()
-    try:
-        futs = []
-        batch = producer.create_batch()
-        for k, v in evs:
-            if batch.append(key=k, value=v, timestamp=None) is None:
-                futs.append(await producer.send_batch(batch, topic, partition=0))
-                batch = producer.create_batch()
-                batch.append(key=k, value=v, timestamp=None)
-        futs.append(await producer.send_batch(batch, topic, partition=0))
-        await asyncio.gather(*futs)
-    finally:
-        await producer.stop()
-    return time.monotonic() - started
+    return await fill_topic(bootstrap, topic, evs)
 
 
 async def run_demux(bootstrap: str, topic: str, n: int, prefix: str, txn_max_records: int) -> dict[str, Any]:

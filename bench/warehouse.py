@@ -27,11 +27,9 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from aiokafka import AIOKafkaProducer
-
-from bench.common import emit, services
+from bench.common import emit, fill_topic, services
 from walbus.contract import encode_event, event_key
-from walbus.kafka import KafkaAdmin, KafkaOptions, TopicSpec
+from walbus.kafka import KafkaOptions
 
 TS = "2024-01-02T03:04:05.123456+00:00"
 TX_COLS = ["transaction_id", "user_id", "amount"]
@@ -93,23 +91,7 @@ def events(
 
 
 async def _fill(bootstrap: str, topic: str, records: list[tuple[bytes, bytes]]) -> None:
-    async with KafkaAdmin(client_kwargs={"bootstrap_servers": bootstrap}) as admin:
-        await admin.ensure_topic(TopicSpec(topic))
-    producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all", enable_idempotence=True,
-                                max_batch_size=1_000_000)
-    await producer.start()
-    try:
-        futures = []
-        batch = producer.create_batch()
-        for k, v in records:
-            if batch.append(key=k, value=v, timestamp=None) is None:
-                futures.append(await producer.send_batch(batch, topic, partition=0))
-                batch = producer.create_batch()
-                batch.append(key=k, value=v, timestamp=None)
-        futures.append(await producer.send_batch(batch, topic, partition=0))
-        await asyncio.gather(*futures)
-    finally:
-        await producer.stop()
+    await fill_topic(bootstrap, topic, records)
 
 
 def fill(bootstrap: str, topic: str, records: list[tuple[bytes, bytes]]) -> None:
