@@ -122,7 +122,10 @@ async def test_wait_until_waits_for_the_demux(kafka_bootstrap: str, unique_name:
             await produce(kafka_bootstrap, source, [c.record() for c in extra])
             await demux.write([(topic, r) for r in table_records(extra, "public.a")], source_offset=len(changes) + 1)
             async with asyncio.timeout(15):
-                await waiter
+                await waiter  # every commit <= future is reflected (there is none past commits[-1])
+                # The extra row committed *after* `future`: waiting for `future` alone may return
+                # before the demux wrote it; waiting for its own commit may not.
+                await table.wait_until(future + 10)
             assert table.get(100000) == {"id": 100000, "v": 1}
     finally:
         await demux.stop()
