@@ -212,7 +212,7 @@ async def pipeline(dsn: str, database: str, bootstrap: str, rows: int, warehouse
 
 def warehouse(bootstrap: str, topic: str, root: Path) -> None:
     from walbus.kafka import KafkaOptions
-    from warehouse.cli import _print_table, run_sql
+    from warehouse.cli import print_table, run_sql
     from warehouse.job import LoadSpec, run_load
     from warehouse.spark import build_session
 
@@ -229,13 +229,13 @@ def warehouse(bootstrap: str, topic: str, root: Path) -> None:
             "SELECT pg_commit_lsn, pg_seq, pg_operation, transaction_id, user_id, amount FROM public_transactions_history "
             "ORDER BY pg_commit_lsn, pg_seq", 10,
         )
-        _print_table(cols, [list(r) for r in rows])
+        print_table(cols, [list(r) for r in rows])
         print("\n  current (live rows only):")
         cols, rows = run_sql(
             spark, str(root), topic, "SELECT transaction_id, user_id, amount, pg_operation, pg_commit_lsn, pg_seq FROM public_transactions "
             "ORDER BY transaction_id", 10,
         )
-        _print_table(cols, [list(r) for r in rows])
+        print_table(cols, [list(r) for r in rows])
     finally:
         spark.stop()
 

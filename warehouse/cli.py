@@ -135,11 +135,12 @@ def sql_main(argv: Sequence[str]) -> int:
         for row in rows:
             print(orjson.dumps(row.asDict(recursive=True), default=str).decode())
     else:
-        _print_table(columns, [[row[i] for i in range(len(columns))] for row in rows])
+        print_table(columns, [[row[i] for i in range(len(columns))] for row in rows])
     return 0
 
 
-def _print_table(columns: list[str], rows: list[list[Any]]) -> None:
+def print_table(columns: list[str], rows: list[list[Any]]) -> None:
+    """Rows as an aligned text table (used by `walbus warehouse sql` and `walbus demo`)."""
     cells = [[("NULL" if v is None else str(v)) for v in row] for row in rows]
     widths = [max([len(c), *(len(r[i]) for r in cells)]) for i, c in enumerate(columns)]
     print(" | ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True)))
