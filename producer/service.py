@@ -135,7 +135,7 @@ class Producer:
                     if self._stopping.is_set():
                         break
                     self.metrics.reconnects.inc()
-                    await self._sleep_or_stop(backoff, e)
+                    await backoff.wait(log, "stream", e, stop=self._stopping)
         finally:
             self.metrics.connected.set(0)
             await offsets.stop()
@@ -143,15 +143,6 @@ class Producer:
                 self.incremental.close()
             if cfg.drop_slot_on_exit:
                 await asyncio.to_thread(setup.drop_slot, cfg.pg_dsn, cfg.slot_name)
-
-    async def _sleep_or_stop(self, backoff: Backoff, error: BaseException) -> None:
-        backoff.failures += 1
-        if backoff.exhausted:
-            raise error
-        delay = backoff.next_delay()
-        log.warning("stream interrupted, reconnecting", extra={"error": str(error), "attempt": backoff.failures, "retry_in_s": delay})
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._stopping.wait(), delay)
 
     def _decoder(self, catalog: Catalog) -> Decoder:
         decoder: PgoutputDecoder | Wal2jsonDecoder

@@ -12,8 +12,9 @@ from pathlib import Path
 
 import psycopg
 import pytest
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from aiokafka import AIOKafkaProducer
 
+from tests.fix_pipeline import read_topic
 from tests.fix_services import Services
 from walbus.dev.kafka import KafkaInstance
 from walbus.dev.processes import free_port, pid_alive
@@ -33,25 +34,6 @@ def test_postgres_logical_replication_connection(pg_dsn: str) -> None:
         assert row is not None and "/" in row[2]  # xlogpos
 
 
-async def _read_all(bootstrap: str, topic: str, count: int, timeout: float = 30) -> list[tuple[bytes | None, bytes | None]]:
-    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False, auto_offset_reset="earliest")
-    await consumer.start()
-    try:
-        tp = TopicPartition(topic, 0)
-        consumer.assign([tp])
-        await consumer.seek_to_beginning(tp)
-        end = (await consumer.end_offsets([tp]))[tp]
-        out: list[tuple[bytes | None, bytes | None]] = []
-        deadline = time.monotonic() + timeout
-        while (await consumer.position(tp)) < end and time.monotonic() < deadline:
-            batch = await consumer.getmany(tp, timeout_ms=1000)
-            out += [(m.key, m.value) for m in batch.get(tp, [])]
-        assert len(out) >= count or end == len(out)
-        return out
-    finally:
-        await consumer.stop()
-
-
 async def test_kafka_produce_and_consume(services: Services, unique_name: str) -> None:
     async with KafkaAdmin(client_kwargs={"bootstrap_servers": services.kafka_bootstrap}) as admin:
         assert await admin.ensure_topic(TopicSpec(unique_name)) is True
@@ -64,7 +46,7 @@ async def test_kafka_produce_and_consume(services: Services, unique_name: str) -
         await producer.flush()
     finally:
         await producer.stop()
-    records = await _read_all(services.kafka_bootstrap, unique_name, 100)
+    records = await read_topic(services.kafka_bootstrap, unique_name, min_count=100)
     assert records == [(b"k%d" % i, b"v%d" % i) for i in range(100)]
 
 
@@ -92,7 +74,7 @@ def test_kafka_restart_keeps_data() -> None:
         assert not pid_alive(pid, str(broker.home))
         broker.start()
         assert broker.pid != pid
-        records = asyncio.run(_read_all(broker.bootstrap, "durable", 50))
+        records = asyncio.run(read_topic(broker.bootstrap, "durable", min_count=50))
         assert records == [(b"%d" % i, b"x" * i) for i in range(50)]
     finally:
         broker.stop()
@@ -127,7 +109,7 @@ async def test_log_compaction_keeps_latest_value_per_key(services: Services, uni
             # Rolling the active segment needs a new record after segment.ms.
             await asyncio.sleep(0.3)
             await producer.send_and_wait(unique_name, key=b"filler", value=b"f")
-            records = await _read_all(services.kafka_bootstrap, unique_name, 0)
+            records = await read_topic(services.kafka_bootstrap, unique_name)
             live = [(k, v) for k, v in records if k != b"filler"]
             if len(live) == len(expected) and dict(live) == expected:
                 break

@@ -26,7 +26,7 @@ from producer.codec import (
     Relation,
     iso_from_pg_text,
 )
-from producer.decoders import Item, TxnBegin, TxnEnd
+from producer.decoders import Item, LogicalMessage, TxnBegin, TxnEnd
 from producer.decoders.pgoutput import DecodeError
 from walbus.contract import Lsn
 
@@ -61,6 +61,9 @@ class Wal2jsonDecoder:
         self.capture = capture
         self.encoder = EventEncoder()
         self._relations: dict[tuple[str, str], tuple[Relation, dict[str, int], list[Callable[[Any], Any]]]] = {}
+        # (name, type oid) pairs each cached relation is known to match: checked per event,
+        # so it must cost set look-ups, not catalog calls.
+        self._known: dict[tuple[str, str], set[tuple[str, int]]] = {}
         self._relid = 0
         self._counts: dict[tuple[str, str], int] = {}
         self._begin: TxnBegin | None = None
@@ -79,8 +82,12 @@ class Wal2jsonDecoder:
     def _relation(self, schema: str, table: str, cols: list[dict[str, Any]]) -> tuple[Relation, dict[str, int], list[Callable[[Any], Any]]]:
         cached = self._relations.get((schema, table))
         if cached is not None:
+            known = self._known[(schema, table)]
+            if all((c["name"], c["typeoid"]) in known for c in cols):
+                return cached
             rel, index, _ = cached
             if all(c["name"] in index and rel.types[index[c["name"]]] == self.catalog.typname(c["typeoid"]) for c in cols):
+                known.update((c["name"], c["typeoid"]) for c in cols)
                 return cached
         invalidate = getattr(self.catalog, "invalidate", None)
         if invalidate is not None:
@@ -94,6 +101,7 @@ class Wal2jsonDecoder:
         ).prepare(self.capture)
         entry = (rel, {c: i for i, c in enumerate(info.columns)}, [_value_converter(t) for t in types])
         self._relations[(schema, table)] = entry
+        self._known[(schema, table)] = set(zip(info.columns, info.type_oids, strict=True))
         return entry
 
     def _row(self, cols: list[dict[str, Any]], index: dict[str, int], convs: list[Callable[[Any], Any]], n: int) -> tuple[list[Any], set[int]]:
@@ -165,8 +173,6 @@ class Wal2jsonDecoder:
                 key = (rel.qualified, "truncate")
                 self._counts[key] = self._counts.get(key, 0) + 1
             elif action == "M":
-                from producer.decoders import LogicalMessage
-
                 content = msg.get("content", "")
                 enc = self.encoder
                 out.append(LogicalMessage(
