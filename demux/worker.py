@@ -91,6 +91,8 @@ class PartitionWorker:
         self.txn_started = 0.0
         self.txn_records = 0
         self._batches: dict[tuple[str, int], Any] = {}
+        # Partition counts of the output topics records were appended to (so usable).
+        self._fast_parts: dict[str, int] = {}
         self._futures: list[tuple[asyncio.Future[Any], int]] = []
         # (topic, partition) -> offset after the last record we committed there.
         self._written: dict[tuple[str, int], int] = {}
@@ -187,80 +189,139 @@ class PartitionWorker:
 
     async def process(self, messages: list[ConsumerRecord[bytes, bytes]]) -> None:
         """Re-key a run of source records into the open transaction."""
-        producer, store = self.producer, self.store
-        assert producer is not None and store is not None and self.ready
+        assert self.producer is not None and self.store is not None and self.ready
         await self._ensure_txn()
-        tracked = store.tracked
-        stats = self._stats
+        i, end = 0, len(messages)
+        while i < end:
+            i = self._fast_run(messages, i)
+            if i < end:
+                await self._process_one(messages[i])
+                i += 1
+
+    def _fast_run(self, messages: list[ConsumerRecord[bytes, bytes]], i: int) -> int:
+        """Process ``messages[i:]`` while they take the fast path; the index of the first that does not.
+
+        The fast path: one record into a batch that is open, of a topic known to be
+        usable, of a table whose rows need no store (or are in it). Anything else
+        (the first record of a table or of a batch, a full batch, a big row, rare
+        events, bad input) is left to :meth:`_process_one`, which gets it with
+        the position checks below already done. Everything per record is a local
+        here: this loop is most of the demux' own CPU time.
+        """
+        store = self.store
+        assert store is not None
+        tracked, pending = store.tracked, store.pending
         produced, tombstones = self._produced, self._tombstones
-        rekey = self.rekeyer.rekey_value
-        apply = store.apply
-        append = self._append
+        fast, fast_parts, batches = self.rekeyer.fast, self._fast_parts, self._batches
         skip_replayed = self.config.skip_replayed
-        for m in messages:
-            offset = m.offset
-            key = m.key
-            # Event keys are fixed-width upper-case hex: byte order is position order.
-            valid_key = key is not None and len(key) == 25 and key[16] == 45  # b"-"
-            if self.next_offset is not None and offset < self.next_offset:
-                # Already processed (the look-back after open, or fetched before a seek):
-                # only learn the highest position seen.
-                if valid_key and (self.last_key is None or key > self.last_key):
-                    self.last_key = key
-                continue
-            if valid_key:
-                if skip_replayed and self.last_key is not None and key <= self.last_key:
-                    # The producer is at-least-once: after its restart it sends again the
-                    # transactions after its last confirmed commit. Same position, same event.
-                    self._replayed += 1
-                    self.next_offset = offset + 1
-                    self.txn_records += 1
+        next_offset = self.next_offset
+        # Below it: already processed (the look-back after open, or fetched before a seek).
+        skip_below = -1 if next_offset is None else next_offset
+        last_key = self.last_key
+        done = replayed = 0
+        end = len(messages)
+        try:
+            while i < end:
+                m = messages[i]
+                offset = m.offset
+                key = m.key
+                # Event keys are fixed-width upper-case hex: byte order is position order.
+                valid_key = key is not None and len(key) == 25 and key[16] == 45  # b"-"
+                if offset < skip_below:
+                    # Only learn the highest position seen.
+                    if valid_key and (last_key is None or key > last_key):
+                        last_key = key
+                    i += 1
                     continue
-                self.last_key = key
-            try:
-                if m.value is None:
-                    raise ContractError("record has no value")
-                out = rekey(m.value, store)
-                if out.needs_state and out.table not in tracked:
-                    out = await self._rekey_with_state(m.value, out)
-            except (ContractError, RekeyError) as e:
-                await self._dead_letter(m, str(e), "contract")
-                self._advance(offset)
-                continue
-            except Exception as e:  # a bug must not stall the stream on one record
-                log.exception("re-keying failed", extra={"partition": m.partition, "offset": offset})
-                await self._dead_letter(m, f"internal error: {type(e).__name__}: {e}", "internal")
-                self._advance(offset)
-                continue
-            table = out.table
-            if out.no_pk:
-                info = await self.topics.ensure(out.records[0].topic, compact=False)
-                if info.unusable is not None:
-                    await self._dead_letter(m, info.unusable, "topic")
-                    self._advance(offset)
-                    continue
-                stats[("no_pk", table)] += 1
-                self._warn_once("no_pk", table, offset)
-            records = out.records
-            too_big = [r for r in records if r.value is not None and len(r.value) > MAX_RECORD_BYTES]
-            if too_big:
-                size = _size(too_big[0])
-                await self._dead_letter(m, f"output record of {size} bytes is over {MAX_RECORD_BYTES}", "size")
-                self._advance(offset)
-                continue
-            for rec in records:
-                await append(rec)
-                if rec.value is None:
+                if valid_key:
+                    if skip_replayed and last_key is not None and key <= last_key:
+                        # The producer is at-least-once: after its restart it sends again the
+                        # transactions after its last confirmed commit. Same position, same event.
+                        replayed += 1
+                        done += 1
+                        next_offset = offset + 1
+                        i += 1
+                        continue
+                    last_key = key
+                value = m.value
+                hit = fast(value) if value is not None else None
+                if hit is None:
+                    return i
+                table, topic, out_key, out_value, needs_state = hit
+                parts = fast_parts.get(topic)
+                if parts is None or (needs_state and table not in tracked) or (
+                        out_value is not None and len(out_value) > MAX_RECORD_BYTES):
+                    return i
+                batch = batches.get((topic, 0 if parts == 1 else partition_for(out_key, parts)))
+                if batch is None or batch.append(timestamp=None, key=out_key, value=out_value) is None:
+                    return i
+                if out_value is None:
                     tombstones[table] = tombstones.get(table, 0) + 1
                 else:
                     produced[table] = produced.get(table, 0) + 1
-            if out.changes:
-                apply(out.changes)
-            if out.unfilled:
-                stats[("unfilled", table)] += len(out.unfilled)
-                self._warn_once("unfilled", table, offset, out.unfilled)
-            self.next_offset = offset + 1
-            self.txn_records += 1
+                if table in tracked:
+                    pending[(table, out_key)] = out_value
+                next_offset = offset + 1
+                done += 1
+                i += 1
+            return i
+        finally:
+            self.next_offset = next_offset
+            self.last_key = last_key
+            self.txn_records += done
+            self._replayed += replayed
+
+    async def _process_one(self, m: ConsumerRecord[bytes, bytes]) -> None:
+        """The general path for one record (its position is already checked by _fast_run)."""
+        store = self.store
+        assert store is not None
+        stats = self._stats
+        produced, tombstones = self._produced, self._tombstones
+        offset = m.offset
+        value = m.value
+        try:
+            if value is None:
+                raise ContractError("record has no value")
+            out = self.rekeyer.rekey_value(value, store)
+            if out.needs_state and out.table not in store.tracked:
+                out = await self._rekey_with_state(value, out)
+        except (ContractError, RekeyError) as e:
+            await self._dead_letter(m, str(e), "contract")
+            self._advance(offset)
+            return
+        except Exception as e:  # a bug must not stall the stream on one record
+            log.exception("re-keying failed", extra={"partition": m.partition, "offset": offset})
+            await self._dead_letter(m, f"internal error: {type(e).__name__}: {e}", "internal")
+            self._advance(offset)
+            return
+        table = out.table
+        if out.no_pk:
+            info = await self.topics.ensure(out.records[0].topic, compact=False)
+            if info.unusable is not None:
+                await self._dead_letter(m, info.unusable, "topic")
+                self._advance(offset)
+                return
+            stats[("no_pk", table)] += 1
+            self._warn_once("no_pk", table, offset)
+        records = out.records
+        too_big = [r for r in records if r.value is not None and len(r.value) > MAX_RECORD_BYTES]
+        if too_big:
+            size = _size(too_big[0])
+            await self._dead_letter(m, f"output record of {size} bytes is over {MAX_RECORD_BYTES}", "size")
+            self._advance(offset)
+            return
+        for rec in records:
+            await self._append(rec)
+            if rec.value is None:
+                tombstones[table] = tombstones.get(table, 0) + 1
+            else:
+                produced[table] = produced.get(table, 0) + 1
+        if out.changes:
+            store.apply(out.changes)
+        if out.unfilled:
+            stats[("unfilled", table)] += len(out.unfilled)
+            self._warn_once("unfilled", table, offset, out.unfilled)
+        self._advance(offset)
 
     async def _ensure_txn(self) -> None:
         if not self.in_txn:
@@ -309,6 +370,8 @@ class PartitionWorker:
             part = self.tp.partition % info.partitions
         else:
             part = partition_for(rec.key, info.partitions)
+            if rec.compact:
+                self._fast_parts[rec.topic] = info.partitions
         slot = (rec.topic, part)
         batch = self._batches.get(slot)
         if batch is None:

@@ -213,6 +213,35 @@ def test_fast_path_equals_full_path(emit_delete_records: bool) -> None:
         full_state.apply(b.changes)
 
 
+def test_fast_path_takes_the_common_events() -> None:
+    """Inserts, updates (the producer always sends the old key) and deletes: one tuple each, no ChangeEvent."""
+    from demux.rekey import _FastEvent
+    from tests.demux_support import Workload
+    from walbus.contract import CONTRACT_VERSION
+
+    assert _FastEvent.__annotations__["v"] == f"Literal[{CONTRACT_VERSION}]"
+    rk = Rekeyer(prefix="walbus", database="shop")
+    workload = Workload(seed=5)
+    values = [v for _ in range(100) for _, v in workload.transaction(20)]
+    ops = [orjson.loads(v)["operation"] for v in values]
+    hits = [rk.fast(v) is not None for v in values]
+    same_key_updates = [
+        v for v, op in zip(values, ops, strict=True)
+        if op == "update" and not orjson.loads(v).get("unchanged")
+        and rk.rekey(decode_event(v), DictState()).records[0].value is not None
+    ]
+    assert same_key_updates and all(rk.fast(v) is not None for v in same_key_updates)
+    assert sum(hits) / len(hits) > 0.5
+    plain = encode_event(lsn=1, commit_lsn=2, seq=0, xid=3, operation="update", table="public.t", timestamp=TS,
+                         pk=["id"], new=image(id=1, n=2), identity=image(id=1))
+    assert rk.fast(plain) == ("public.t", "walbus.shop.public.t", b'{"id":1}',
+                              b'{"id":1,"n":2,"__op":"u","__lsn":1,"__commit_lsn":2,"__seq":0,"__xid":3,"__ts":"%s"}'
+                              % TS.encode(), False)
+    moved = encode_event(lsn=1, commit_lsn=2, seq=0, xid=3, operation="update", table="public.t", timestamp=TS,
+                         pk=["id"], new=image(id=2, n=2), identity=image(id=1))
+    assert rk.fast(moved) is None  # a key change: tombstone + row, the full path
+
+
 @pytest.mark.parametrize("raw", [
     b"not json", b"[]", b'{"v":2}', b'{"v":1,"operation":"insert"}',
     encode_event(lsn=1, commit_lsn=2, seq=0, xid=3, operation="insert", table="nodot", timestamp=TS, pk=["id"],
@@ -224,6 +253,12 @@ def test_fast_path_equals_full_path(emit_delete_records: bool) -> None:
     orjson.dumps({**orjson.loads(encode_event(lsn=1, commit_lsn=2, seq=0, xid=3, operation="insert", table="public.t",
                                               timestamp=TS, pk=["id"], new=image(id=1), identity=None)),
                   "unchanged": "doc"}),
+    # A delete with "columns": null, and one with a position beyond 64 bits (orjson reads a float).
+    orjson.dumps({**orjson.loads(encode_event(lsn=1, commit_lsn=2, seq=0, xid=3, operation="delete", table="public.t",
+                                              timestamp=TS, pk=["id"], new=None, identity=image(id=1))),
+                  "columns": None}),
+    encode_event(lsn=1, commit_lsn=2, seq=0, xid=3, operation="delete", table="public.t", timestamp=TS, pk=["id"],
+                 new=None, identity=image(id=1)).replace(b'"lsn":1,', b'"lsn":18446744073709551616,'),
 ])
 def test_fast_path_refuses_what_the_contract_refuses(raw: bytes) -> None:
     from walbus.contract import ContractError
