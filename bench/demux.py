@@ -138,6 +138,51 @@ def profile_summary(prof: cProfile.Profile, top: int) -> list[dict[str, Any]]:
     return rows[:top]
 
 
+# Where the demux' time goes, by stage: (stage, path fragments of the functions in it).
+# C functions (orjson, msgspec, aiokafka's Cython record code, socket calls) are
+# counted in the stage of the Python function that called them.
+STAGES: list[tuple[str, tuple[str, ...]]] = [
+    ("re-keying (demux.rekey: msgspec decode, key and row JSON)", ("demux/rekey.py",)),
+    ("fetch (aiokafka consumer: fetch, batch unpacking, ConsumerRecord objects)",
+     ("aiokafka/consumer/", "aiokafka/record/")),
+    ("batch append (aiokafka BatchBuilder)", ("producer/message_accumulator.py",)),
+    ("produce requests and transactions (aiokafka sender, protocol encoding, CRC32C)",
+     ("aiokafka/producer/", "aiokafka/protocol/", "aiokafka/client.py")),
+    ("demux loop and bookkeeping (worker, service, store, metrics)", ("demux/", "prometheus_client/")),
+    ("network and event loop (asyncio, sockets, aiokafka connections)",
+     ("asyncio/", "selectors.py", "aiokafka/conn.py", "socket.py")),
+]
+
+
+WAITING = "waiting for the broker (epoll)"
+
+
+def _stage_of(filename: str) -> str:
+    path = filename.replace("\\", "/")
+    for stage, parts in STAGES:
+        if any(part in path for part in parts):
+            return stage
+    return "other"
+
+
+def time_by_stage(prof: cProfile.Profile) -> list[dict[str, Any]]:
+    """Self time per stage, in seconds and shares of the total (C callees go to their Python caller)."""
+    stats = pstats.Stats(prof, stream=io.StringIO())
+    totals: dict[str, float] = {}
+    for (filename, _line, _func), (_cc, _nc, tt, _ct, callers) in stats.stats.items():  # type: ignore[attr-defined]
+        if filename == "~" and callers:
+            for (caller_file, _l, _f), caller_stats in callers.items():
+                # Blocked in epoll: the process had nothing to do (waiting for the broker).
+                stage = WAITING if "poll' of 'select.epoll" in _func else _stage_of(caller_file)
+                totals[stage] = totals.get(stage, 0.0) + caller_stats[2]
+        else:
+            stage = _stage_of(filename)
+            totals[stage] = totals.get(stage, 0.0) + tt
+    whole = sum(totals.values()) or 1.0
+    ordered = sorted(totals.items(), key=lambda kv: kv[1], reverse=True)
+    return [{"stage": k, "self_s": round(v, 3), "share": round(v / whole, 3)} for k, v in ordered]
+
+
 async def produce_w1(pg_dsn: str, bootstrap: str, topic: str, n: int) -> float:
     """The real producer over a backlog of ``n`` rows in 100 transactions; seconds until all are in Kafka."""
     import psycopg
@@ -244,7 +289,7 @@ async def main_async(args: argparse.Namespace) -> None:
                                   args.txn_max_records)
         prof.disable()
         emit({"phase": "profile", "note": "rates under cProfile are lower", **presult,
-              "top_self_time": profile_summary(prof, args.top)})
+              "time_by_stage": time_by_stage(prof), "top_self_time": profile_summary(prof, args.top)})
 
 
 def main() -> None:
