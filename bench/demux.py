@@ -21,6 +21,7 @@ import argparse
 import asyncio
 import cProfile
 import io
+import os
 import pstats
 import random
 import resource
@@ -183,64 +184,189 @@ def time_by_stage(prof: cProfile.Profile) -> list[dict[str, Any]]:
     return [{"stage": k, "self_s": round(v, 3), "share": round(v / whole, 3)} for k, v in ordered]
 
 
-async def produce_w1(pg_dsn: str, bootstrap: str, topic: str, n: int) -> float:
-    """The real producer over a backlog of ``n`` rows in 100 transactions; seconds until all are in Kafka."""
+def w1_tables(partitions: int) -> list[str]:
+    """pgkafka's ``transactions`` table, or one copy per partition of a multi-partition topic.
+
+    The producer partitions the database topic by table (see producer.codec), so the
+    copies' names are picked to land on distinct partitions.
+    """
+    if partitions == 1:
+        return ["transactions"]
+    from producer.codec import partition_for
+
+    chosen: dict[int, str] = {}
+    i = 0
+    while len(chosen) < partitions:
+        name = f"transactions_{i}"
+        part = partition_for(b',"table":' + orjson.dumps(f"public.{name}"), partitions)
+        chosen.setdefault(part, name)
+        i += 1
+    return [chosen[p] for p in range(partitions)]
+
+
+async def wait_for_end_offsets(bootstrap: str, topic: str, total: int) -> None:
+    """Until the topic's partitions hold ``total`` records together."""
+    from aiokafka import AIOKafkaConsumer, TopicPartition
+
+    from walbus.ktable import topic_partitions
+
+    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap)
+    await consumer.start()
+    try:
+        while True:
+            parts = await topic_partitions({"bootstrap_servers": bootstrap}, topic)
+            if parts:
+                ends = await consumer.end_offsets([TopicPartition(topic, p) for p in range(parts)])
+                if sum(ends.values()) >= total:
+                    return
+            await asyncio.sleep(0.05)
+    finally:
+        await consumer.stop()
+
+
+async def produce_w1(pg_dsn: str, bootstrap: str, topic: str, n: int, partitions: int = 1) -> float:
+    """The real producer over a backlog of ``n`` rows in 100 transactions; seconds until all are in Kafka.
+
+    With several partitions the rows are spread evenly over one table per partition.
+    """
     import psycopg
     from psycopg import sql
     from psycopg.conninfo import make_conninfo
 
     from producer.config import ProducerConfig
     from producer.service import Producer
-    from walbus.ktable import topic_partitions
 
     dbname = f"bench_demux_{uuid.uuid4().hex[:8]}"
+    tables = w1_tables(partitions)
     with psycopg.connect(pg_dsn, autocommit=True) as conn:
         conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(dbname)))
     dsn = make_conninfo(pg_dsn, dbname=dbname)
     slot = f"walbus_{dbname}"
     try:
         with psycopg.connect(dsn, autocommit=True) as conn:
-            conn.execute("CREATE TABLE transactions (transaction_id INT PRIMARY KEY, user_id INT, amount INT)")
+            for table in tables:
+                conn.execute(sql.SQL("CREATE TABLE {} (transaction_id INT PRIMARY KEY, user_id INT, amount INT)")
+                             .format(sql.Identifier(table)))
 
         async def run_producer(until: int | None) -> float:
-            producer = Producer(ProducerConfig(pg_dsn=dsn, kafka_bootstrap=bootstrap, topic=topic))
+            producer = Producer(ProducerConfig(pg_dsn=dsn, kafka_bootstrap=bootstrap, topic=topic,
+                                               partitions=partitions))
             started = time.monotonic()
             task = asyncio.create_task(producer.run())
             await producer.ready.wait()
             if until is not None:
-                consumer_kw = {"bootstrap_servers": bootstrap}
-                from aiokafka import AIOKafkaConsumer, TopicPartition
-
-                consumer = AIOKafkaConsumer(**consumer_kw)
-                await consumer.start()
-                try:
-                    while True:
-                        if await topic_partitions(consumer_kw, topic):
-                            tp = TopicPartition(topic, 0)
-                            if (await consumer.end_offsets([tp]))[tp] >= until:
-                                break
-                        await asyncio.sleep(0.05)
-                finally:
-                    await consumer.stop()
+                await wait_for_end_offsets(bootstrap, topic, until)
             elapsed = time.monotonic() - started
             producer.stop()
             await task
             return elapsed
 
         await run_producer(None)  # creates the slot and the publication
-        per_txn = n // 100
+        per_txn = n // 100 // len(tables)
         with psycopg.connect(dsn, autocommit=True) as conn:
             for t in range(100):
-                conn.execute(
-                    "INSERT INTO transactions SELECT g, g %% 50000, g %% 1000000 FROM generate_series(%s::int, %s::int) g",
-                    (t * per_txn + 1, (t + 1) * per_txn),
-                )
-        return await run_producer(per_txn * 100)
+                with conn.transaction():
+                    for table in tables:
+                        conn.execute(
+                            sql.SQL("INSERT INTO {} SELECT g, g %% 50000, g %% 1000000 "
+                                    "FROM generate_series(%s::int, %s::int) g").format(sql.Identifier(table)),
+                            (t * per_txn + 1, (t + 1) * per_txn),
+                        )
+        return await run_producer(per_txn * 100 * len(tables))
     finally:
         with psycopg.connect(pg_dsn, autocommit=True) as conn:
             conn.execute("SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE slot_name = %s",
                          (slot,))
             conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(dbname)))
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def run_demux_processes(bootstrap: str, topic: str, partitions: int, prefix: str,
+                              txn_max_records: int) -> dict[str, Any]:
+    """``partitions`` `walbus demux` processes in one group, one source partition each.
+
+    The clock starts once every process holds exactly one partition (the group is
+    stable); the events committed before that are not counted. It stops when the
+    group's committed offsets reach the end of every partition.
+    """
+    from aiokafka import AIOKafkaConsumer, TopicPartition
+
+    group = f"bench-{uuid.uuid4().hex[:8]}"
+    state = tempfile.mkdtemp(prefix="walbus-bench-demux-")
+    tps = [TopicPartition(topic, p) for p in range(partitions)]
+    procs = [
+        await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "walbus.cli", "demux", "--kafka-bootstrap", bootstrap, "--source-topic", topic,
+            "--group-id", group, "--topic-prefix", prefix, "--database", "bench", "--state-dir", f"{state}/{i}",
+            "--txn-max-records", str(txn_max_records),
+            # The broker's minimum (group.min.session.timeout.ms); heartbeats every 2 s, so
+            # the group settles on one partition per process sooner.
+            "--session-timeout-ms", "6000",
+            stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
+        for i in range(partitions)
+    ]
+    held: list[set[int]] = [set() for _ in procs]
+    last_lines: list[list[bytes]] = [[] for _ in procs]  # shown when the group does not settle
+
+    async def follow(i: int, proc: asyncio.subprocess.Process) -> None:
+        assert proc.stderr is not None
+        async for line in proc.stderr:
+            last_lines[i] = [*last_lines[i][-4:], line[:300]]
+            try:
+                rec = orjson.loads(line)
+            except orjson.JSONDecodeError:
+                continue
+            if rec.get("msg") == "partition opened":
+                held[i].add(int(rec["partition"]))
+            elif rec.get("msg") == "partition revoked":
+                held[i].discard(int(rec["partition"]))
+
+    readers = [asyncio.create_task(follow(i, proc)) for i, proc in enumerate(procs)]
+    offsets = AIOKafkaConsumer(bootstrap_servers=bootstrap, group_id=group, enable_auto_commit=False)
+    await offsets.start()
+    try:
+        ends = await offsets.end_offsets(tps)
+        total = sum(ends.values())
+
+        async def committed() -> int:
+            return sum([await offsets.committed(tp) or 0 for tp in tps])
+
+        settle_by = time.monotonic() + 60
+        while not all(len(h) == 1 for h in held) or len(set().union(*held)) != partitions:
+            if any(proc.returncode is not None for proc in procs):
+                raise RuntimeError("a demux process exited during the benchmark")
+            if time.monotonic() > settle_by:
+                raise RuntimeError(f"the demux group did not settle on one partition per process: {held}; "
+                                   f"last log lines: {last_lines}")
+            await asyncio.sleep(0.02)
+        started = time.monotonic()
+        done_before = await committed()
+        cpu_before = [_cpu_seconds(proc.pid) for proc in procs]
+        while True:
+            done = await committed()
+            if done >= total:
+                break
+            await asyncio.sleep(0.05)
+        elapsed = time.monotonic() - started
+        cpu = [_cpu_seconds(proc.pid) - c for proc, c in zip(procs, cpu_before, strict=True)]
+    finally:
+        await offsets.stop()
+        for proc in procs:
+            if proc.returncode is None:
+                proc.terminate()
+        for proc in procs:
+            await proc.wait()
+        for reader in readers:
+            reader.cancel()
+    counted = done - done_before
+    return {"events": counted, "processes": partitions, "seconds": round(elapsed, 3),
+            "records_per_s": round(counted / elapsed), "cpu_s_per_process": [round(c, 3) for c in cpu],
+            "note": f"{partitions} `walbus demux` processes, one source partition each; events committed "
+                    f"before the group was stable ({done_before}) not counted"}
 
 
 async def main_async(args: argparse.Namespace) -> None:
@@ -252,7 +378,7 @@ async def main_async(args: argparse.Namespace) -> None:
         # (a shared host) then slows both alike, and the ratio stays meaningful.
         topic = f"bench_demux_{run}_{r}"
         if args.pg_dsn:
-            seconds = await produce_w1(args.pg_dsn, args.kafka_bootstrap, topic, args.events)
+            seconds = await produce_w1(args.pg_dsn, args.kafka_bootstrap, topic, args.events, args.partitions)
             emit({"phase": "producer", "round": r, "events": args.events, "seconds": round(seconds, 3),
                   "records_per_s": round(args.events / seconds),
                   "note": "walbus produce (pgoutput) draining a W1 backlog into the database topic"})
@@ -264,7 +390,12 @@ async def main_async(args: argparse.Namespace) -> None:
                   "note": "synthetic events, raw Kafka write with record batches (acks=all)"})
             del evs
         fill_rates.append(args.events / seconds)
-        result = await run_demux(args.kafka_bootstrap, topic, args.events, f"bench{run}r{r}", args.txn_max_records)
+        if args.partitions == 1:
+            result = await run_demux(args.kafka_bootstrap, topic, args.events, f"bench{run}r{r}",
+                                     args.txn_max_records)
+        else:
+            result = await run_demux_processes(args.kafka_bootstrap, topic, args.partitions, f"bench{run}r{r}",
+                                               args.txn_max_records)
         demux_rates.append(result["records_per_s"])
         emit({"phase": "demux", "round": r, **result})
     ratios = [d / f for d, f in zip(demux_rates, fill_rates, strict=True)]
@@ -297,6 +428,9 @@ def main() -> None:
     p.add_argument("--kafka-bootstrap", required=True)
     p.add_argument("--pg-dsn", help="fill the topic with the real producer (W1 backlog) and report its rate")
     p.add_argument("--events", type=int, default=1_000_000)
+    p.add_argument("--partitions", type=int, default=1,
+                   help="with --pg-dsn: a database topic of this many partitions (one W1 table each) and as many "
+                        "demux processes")
     p.add_argument("--rounds", type=int, default=3, help="producer/demux pairs, alternating; the summary takes medians")
     p.add_argument("--profile-events", type=int, default=200_000, help="0: no profile run")
     p.add_argument("--txn-max-records", type=int, default=20000)
