@@ -7,13 +7,19 @@ Where they come from, in order:
    directory, stopped at the end of the session.
 
 Every test gets its own database (``pg_dsn``) and its own topic names (``unique_name``).
+Databases are dropped after each test; on services given by the environment (a
+long-lived ``walbus dev`` stack, say) the session also deletes, at its end, the
+topics whose names contain one of its unique names, so that the stack does not
+fill its disk with test topics run after run.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import shutil
+import sys
 import tempfile
 import uuid
 from collections.abc import Iterator
@@ -24,6 +30,25 @@ import psycopg
 import pytest
 from psycopg import sql
 from psycopg.conninfo import make_conninfo
+
+# Every unique name handed out in this session (topic names contain them).
+_UNIQUE_NAMES: list[str] = []
+
+
+def _delete_session_topics(bootstrap: str) -> None:
+    from walbus.kafka import KafkaAdmin
+
+    async def run() -> int:
+        async with KafkaAdmin(client_kwargs={"bootstrap_servers": bootstrap}) as admin:
+            ours = sorted(t for t in await admin.list_topics() if any(n in t for n in _UNIQUE_NAMES))
+            for i in range(0, len(ours), 100):
+                await admin.delete_topics(ours[i:i + 100])
+            return len(ours)
+
+    try:
+        asyncio.run(run())
+    except Exception as e:  # cleanup only: the tests' outcome stands
+        print(f"\nwalbus tests: could not delete this session's topics: {e!r}", file=sys.stderr)
 
 
 @dataclass(frozen=True)
@@ -78,6 +103,7 @@ def services() -> Iterator[Services]:
     dsn, bootstrap = os.environ.get("WALBUS_PG_DSN"), os.environ.get("WALBUS_KAFKA_BOOTSTRAP")
     if dsn and bootstrap:
         yield Services(dsn, bootstrap, "env")
+        _delete_session_topics(bootstrap)
     elif _docker_answers():
         with _testcontainers() as s:
             yield s
@@ -90,7 +116,9 @@ def services() -> Iterator[Services]:
 def unique_name(request: pytest.FixtureRequest) -> str:
     """A short name unique to this test, usable as a database, slot or topic name."""
     base = "".join(c if c.isalnum() else "_" for c in request.node.name.lower())[:30].strip("_")
-    return f"t_{base}_{uuid.uuid4().hex[:8]}"
+    name = f"t_{base}_{uuid.uuid4().hex[:8]}"
+    _UNIQUE_NAMES.append(name)
+    return name
 
 
 @pytest.fixture()
