@@ -9,7 +9,7 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,12 +27,38 @@ def emit(**fields: Any) -> None:
     print(orjson.dumps(fields).decode(), flush=True)
 
 
+async def list_topics(bootstrap: str) -> set[str]:
+    from walbus.kafka import KafkaAdmin
+
+    async with KafkaAdmin(client_kwargs={"bootstrap_servers": bootstrap}) as admin:
+        return await admin.list_topics()
+
+
+async def delete_topics_matching(bootstrap: str, match: Callable[[str], bool]) -> int:
+    """Delete the topics whose name ``match`` accepts; how many."""
+    from walbus.kafka import KafkaAdmin
+
+    async with KafkaAdmin(client_kwargs={"bootstrap_servers": bootstrap}) as admin:
+        ours = sorted(t for t in await admin.list_topics() if match(t))
+        for i in range(0, len(ours), 100):
+            await admin.delete_topics(ours[i:i + 100])
+        return len(ours)
+
+
 @contextlib.contextmanager
 def services() -> Iterator[tuple[str, str]]:
-    """(maintenance DSN, bootstrap): from WALBUS_PG_DSN/WALBUS_KAFKA_BOOTSTRAP, else a local stack."""
+    """(maintenance DSN, bootstrap): from WALBUS_PG_DSN/WALBUS_KAFKA_BOOTSTRAP, else a local stack.
+
+    On services given by the environment, the topics the benchmark created (all
+    named ``bench…``) are deleted at the end: a benchmark writes gigabytes.
+    """
     dsn, bootstrap = os.environ.get("WALBUS_PG_DSN"), os.environ.get("WALBUS_KAFKA_BOOTSTRAP")
     if dsn and bootstrap:
-        yield dsn, bootstrap
+        before = asyncio.run(list_topics(bootstrap))
+        try:
+            yield dsn, bootstrap
+        finally:
+            asyncio.run(delete_topics_matching(bootstrap, lambda t: t.startswith("bench") and t not in before))
         return
     from walbus.dev import LocalStack
 

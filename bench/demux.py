@@ -37,7 +37,7 @@ import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import fill_topic
+from bench.common import delete_topics_matching, fill_topic
 from demux.config import DemuxConfig
 from demux.service import Demux, tune_gc
 from walbus.contract import encode_event, event_key
@@ -371,6 +371,14 @@ async def run_demux_processes(bootstrap: str, topic: str, partitions: int, prefi
 
 async def main_async(args: argparse.Namespace) -> None:
     run = uuid.uuid4().hex[:8]
+    try:
+        await run_rounds(args, run)
+    finally:
+        if not args.keep_topics:  # a benchmark writes gigabytes
+            await delete_topics_matching(args.kafka_bootstrap, lambda t: run in t)
+
+
+async def run_rounds(args: argparse.Namespace, run: str) -> None:
     fill_rates: list[float] = []
     demux_rates: list[float] = []
     for r in range(args.rounds):
@@ -435,6 +443,7 @@ def main() -> None:
     p.add_argument("--profile-events", type=int, default=200_000, help="0: no profile run")
     p.add_argument("--txn-max-records", type=int, default=20000)
     p.add_argument("--top", type=int, default=25)
+    p.add_argument("--keep-topics", action="store_true", help="keep the topics written (deleted at the end otherwise)")
     p.add_argument("--default-gc", action="store_true", help="keep Python's default GC thresholds")
     args = p.parse_args()
     if not args.default_gc:
