@@ -56,19 +56,10 @@ class TopicManager:
             try:
                 created = await self._admin.ensure_topic(spec)
                 unusable = None if created else await self._check_policy(topic, compact)
-                partitions = await self._partitions(topic)
+                partitions = await self._admin.partitions(topic)  # described: ensure_topic waited
                 return TopicInfo(partitions, unusable)
             except KafkaError as e:
                 await backoff.wait(log, f"creating/describing topic {topic}", e)
-
-    async def _partitions(self, topic: str) -> int:
-        # Right after creation the metadata may not list the topic yet.
-        for _ in range(50):
-            try:
-                return await self._admin.partitions(topic)
-            except KafkaError:
-                await asyncio.sleep(0.1)
-        return await self._admin.partitions(topic)
 
     async def _check_policy(self, topic: str, compact: bool) -> str | None:
         conf = await self._admin.topic_config(topic, ["cleanup.policy"])

@@ -50,6 +50,16 @@ async def test_kafka_produce_and_consume(services: Services, unique_name: str) -
     assert records == [(b"k%d" % i, b"v%d" % i) for i in range(100)]
 
 
+async def test_ensure_topic_returns_once_the_topic_is_described(services: Services, unique_name: str) -> None:
+    """Callers ask a new topic's partitions at once; right after CreateTopics the metadata may lag."""
+    names = [f"{unique_name}.{i}" for i in range(30)]
+    async with KafkaAdmin(client_kwargs={"bootstrap_servers": services.kafka_bootstrap}) as admin:
+        for name in names:
+            assert await admin.ensure_topic(TopicSpec(name, partitions=3)) is True
+            assert await admin.partitions(name) == 3
+        await admin.delete_topics(names)
+
+
 def test_kafka_restart_keeps_data() -> None:
     """A dedicated broker (not the session's): stop it, start it again, read the data back."""
     state = Path(tempfile.mkdtemp(prefix="walbus-durable-"))

@@ -10,7 +10,14 @@ from typing import Any
 
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
-from aiokafka.errors import KafkaConnectionError, KafkaError, TopicAlreadyExistsError, for_code
+from aiokafka.errors import (
+    KafkaConnectionError,
+    KafkaError,
+    LeaderNotAvailableError,
+    TopicAlreadyExistsError,
+    UnknownTopicOrPartitionError,
+    for_code,
+)
 
 from walbus.config import ConfigError, option
 
@@ -88,7 +95,16 @@ class KafkaAdmin:
         return set(await self._admin.list_topics())
 
     async def ensure_topic(self, spec: TopicSpec) -> bool:
-        """Create the topic if it is missing; True when this call created it."""
+        """Create the topic if it is missing; True when this call created it.
+
+        Returns once the brokers describe the topic: right after CreateTopics the
+        metadata may not list it yet, and callers go on to ask its partitions.
+        """
+        created = await self._create(spec)
+        await self._wait_until_described(spec.name)
+        return created
+
+    async def _create(self, spec: TopicSpec) -> bool:
         new = NewTopic(
             name=spec.name,
             num_partitions=spec.partitions,
@@ -111,6 +127,17 @@ class KafkaAdmin:
             raise err(f"creating topic {spec.name}: {message}")
         return False
 
+    async def _wait_until_described(self, topic: str, timeout: float = 10.0) -> None:
+        deadline = asyncio.get_running_loop().time() + timeout
+        while True:
+            try:
+                await self.partitions(topic)
+                return
+            except (UnknownTopicOrPartitionError, LeaderNotAvailableError):
+                if asyncio.get_running_loop().time() >= deadline:
+                    return  # the caller's next request reports it
+                await asyncio.sleep(0.05)
+
     async def delete_topics(self, topics: list[str]) -> None:
         if topics:
             await self._admin.delete_topics(topics)
@@ -132,7 +159,7 @@ class KafkaAdmin:
                 if t["error_code"]:
                     raise for_code(t["error_code"])(f"topic {topic}")
                 return len(t["partitions"])
-        raise KafkaError(f"topic {topic} not found")
+        raise UnknownTopicOrPartitionError(f"topic {topic}")
 
 
 async def wait_for_broker(client_kwargs: dict[str, Any], *, attempts: int = 0, max_delay: float = 60.0) -> None:
