@@ -40,8 +40,7 @@ async def delete_topics_matching(bootstrap: str, match: Callable[[str], bool]) -
 
     async with KafkaAdmin(client_kwargs={"bootstrap_servers": bootstrap}) as admin:
         ours = sorted(t for t in await admin.list_topics() if match(t))
-        for i in range(0, len(ours), 100):
-            await admin.delete_topics(ours[i:i + 100])
+        await admin.delete_topics(ours)
         return len(ours)
 
 
@@ -120,11 +119,19 @@ def current_lsn(dsn: str) -> int:
     return int(str(row[0]))
 
 
-def peak_rss_mb(pid: int) -> float:
+def _status_mb(pid: int, field: str) -> float:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
+        if line.startswith(field + ":"):
             return int(line.split()[1]) / 1024
     return 0.0
+
+
+def peak_rss_mb(pid: int) -> float:
+    return _status_mb(pid, "VmHWM")
+
+
+def rss_mb(pid: int) -> float:
+    return _status_mb(pid, "VmRSS")
 
 
 class Stopwatch:

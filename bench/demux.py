@@ -37,7 +37,7 @@ import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import delete_topics_matching, fill_topic
+from bench.common import delete_topics_matching, fill_topic, rss_mb
 from demux.config import DemuxConfig
 from demux.service import Demux, tune_gc
 from walbus.contract import encode_event, event_key
@@ -119,14 +119,7 @@ async def run_demux(bootstrap: str, topic: str, n: int, prefix: str, txn_max_rec
     commit_sum = registry.get_sample_value("walbus_demux_txn_commit_seconds_sum") or 0
     return {"events": n, "seconds": round(elapsed, 3), "records_per_s": round(n / elapsed),
             "cpu_s": round(cpu, 3), "cpu_share": round(cpu / elapsed, 3),
-            "page_faults": faults, "rss_mb": _rss_mb(), "transactions": int(commits), "commit_ms_avg": round(1000 * commit_sum / max(commits, 1), 2)}
-
-
-def _rss_mb() -> float:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return round(int(line.split()[1]) / 1024, 1)
-    return -1.0
+            "page_faults": faults, "rss_mb": round(rss_mb(os.getpid()), 1), "transactions": int(commits), "commit_ms_avg": round(1000 * commit_sum / max(commits, 1), 2)}
 
 
 def profile_summary(prof: cProfile.Profile, top: int) -> list[dict[str, Any]]:

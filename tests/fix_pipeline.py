@@ -18,7 +18,7 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 
 from producer.config import ProducerConfig
 from producer.service import Producer
-from walbus.kafka import KafkaAdmin
+from walbus import ktable
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -45,10 +45,7 @@ async def running_producer(pg_dsn: str, kafka_bootstrap: str, **options: Any) ->
 
 async def topic_partitions(bootstrap: str, topic: str) -> int:
     """Partition count of ``topic`` (0 while it does not exist)."""
-    async with KafkaAdmin(client_kwargs={"bootstrap_servers": bootstrap}) as admin:
-        if topic not in await admin.list_topics():
-            return 0
-        return await admin.partitions(topic)
+    return await ktable.topic_partitions({"bootstrap_servers": bootstrap}, topic)
 
 
 async def read_topic(

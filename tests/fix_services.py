@@ -41,8 +41,7 @@ def _delete_session_topics(bootstrap: str) -> None:
     async def run() -> int:
         async with KafkaAdmin(client_kwargs={"bootstrap_servers": bootstrap}) as admin:
             ours = sorted(t for t in await admin.list_topics() if any(n in t for n in _UNIQUE_NAMES))
-            for i in range(0, len(ours), 100):
-                await admin.delete_topics(ours[i:i + 100])
+            await admin.delete_topics(ours)
             return len(ours)
 
     try:
