@@ -141,3 +141,37 @@ class Stopwatch:
 
     def __exit__(self, *exc: object) -> None:
         self.seconds = time.perf_counter() - self.start
+
+
+def _cpu_times() -> tuple[int, int]:
+    """(busy, total) jiffies of the whole machine since boot."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = fields[3] + fields[4]  # idle + iowait
+    total = sum(fields[:8])  # guest time is already in user
+    return total - idle, total
+
+
+async def settle(pg_dsn: str | None = None, *, busy_below: float = 0.1, window_s: float = 0.5,
+                 timeout_s: float = 60.0) -> dict[str, float]:
+    """Wait until the machine is quiet before a measured phase.
+
+    A phase leaves work behind that runs on the same cores as the next one: dirty
+    pages of the topic just written, PostgreSQL's checkpoint and autovacuum after a
+    big load or a dropped database. Measured phases start only once that is done
+    (a checkpoint, a sync, then CPU use of the whole machine below ``busy_below``
+    over ``window_s``), so that neither side of a ratio pays for the other.
+    """
+    started = time.monotonic()
+    if pg_dsn:
+        with psycopg.connect(pg_dsn, autocommit=True) as conn:
+            conn.execute("CHECKPOINT")
+    await asyncio.to_thread(os.sync)
+    busy_share = 1.0
+    while time.monotonic() - started < timeout_s:
+        b0, t0 = _cpu_times()
+        await asyncio.sleep(window_s)
+        b1, t1 = _cpu_times()
+        busy_share = (b1 - b0) / max(t1 - t0, 1)
+        if busy_share < busy_below:
+            break
+    return {"settle_s": round(time.monotonic() - started, 2), "busy_share": round(busy_share, 3)}

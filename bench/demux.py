@@ -37,7 +37,7 @@ import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import delete_topics_matching, fill_topic, rss_mb
+from bench.common import delete_topics_matching, fill_topic, rss_mb, settle
 from demux.config import DemuxConfig
 from demux.service import Demux, tune_gc
 from walbus.contract import encode_event, event_key
@@ -217,8 +217,8 @@ async def wait_for_end_offsets(bootstrap: str, topic: str, total: int) -> None:
         await consumer.stop()
 
 
-async def produce_w1(pg_dsn: str, bootstrap: str, topic: str, n: int, partitions: int = 1) -> float:
-    """The real producer over a backlog of ``n`` rows in 100 transactions; seconds until all are in Kafka.
+async def produce_w1(pg_dsn: str, bootstrap: str, topic: str, n: int, partitions: int = 1) -> dict[str, float]:
+    """The real producer over a backlog of ``n`` rows in 100 transactions: seconds until all are in Kafka, CPU.
 
     With several partitions the rows are spread evenly over one table per partition.
     """
@@ -241,18 +241,24 @@ async def produce_w1(pg_dsn: str, bootstrap: str, topic: str, n: int, partitions
                 conn.execute(sql.SQL("CREATE TABLE {} (transaction_id INT PRIMARY KEY, user_id INT, amount INT)")
                              .format(sql.Identifier(table)))
 
-        async def run_producer(until: int | None) -> float:
+        async def run_producer(until: int | None) -> dict[str, float]:
             producer = Producer(ProducerConfig(pg_dsn=dsn, kafka_bootstrap=bootstrap, topic=topic,
                                                partitions=partitions))
-            started = time.monotonic()
+            started, cpu_started = time.monotonic(), time.process_time()
             task = asyncio.create_task(producer.run())
             await producer.ready.wait()
+            walsender = walsender_pid(dsn, slot)
+            walsender_cpu = _cpu_seconds(walsender) if walsender else 0.0
             if until is not None:
                 await wait_for_end_offsets(bootstrap, topic, until)
-            elapsed = time.monotonic() - started
+            elapsed, cpu = time.monotonic() - started, time.process_time() - cpu_started
+            if walsender:
+                walsender_cpu = _cpu_seconds(walsender) - walsender_cpu
             producer.stop()
             await task
-            return elapsed
+            # The producer's own CPU, and PostgreSQL's (its walsender decodes the WAL
+            # in a process of its own: the producer side runs on two cores).
+            return {"seconds": elapsed, "cpu_s": round(cpu, 3), "walsender_cpu_s": round(walsender_cpu, 3)}
 
         await run_producer(None)  # creates the slot and the publication
         per_txn = n // 100 // len(tables)
@@ -265,12 +271,26 @@ async def produce_w1(pg_dsn: str, bootstrap: str, topic: str, n: int, partitions
                                     "FROM generate_series(%s::int, %s::int) g").format(sql.Identifier(table)),
                             (t * per_txn + 1, (t + 1) * per_txn),
                         )
+        await settle(pg_dsn)  # the load's checkpoint and autovacuum are not the producer's work
         return await run_producer(per_txn * 100 * len(tables))
     finally:
         with psycopg.connect(pg_dsn, autocommit=True) as conn:
             conn.execute("SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE slot_name = %s",
                          (slot,))
             conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(dbname)))
+
+
+def walsender_pid(dsn: str, slot: str) -> int | None:
+    """The walsender process serving ``slot``, when PostgreSQL runs on this machine."""
+    import psycopg
+    from psycopg.conninfo import conninfo_to_dict
+
+    host = str(conninfo_to_dict(dsn).get("host") or "")
+    if host not in ("", "localhost", "127.0.0.1", "::1") and not host.startswith("/"):
+        return None
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        row = conn.execute("SELECT active_pid FROM pg_replication_slots WHERE slot_name = %s", (slot,)).fetchone()
+    return None if row is None or row[0] is None else int(row[0])
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -379,9 +399,10 @@ async def run_rounds(args: argparse.Namespace, run: str) -> None:
         # (a shared host) then slows both alike, and the ratio stays meaningful.
         topic = f"bench_demux_{run}_{r}"
         if args.pg_dsn:
-            seconds = await produce_w1(args.pg_dsn, args.kafka_bootstrap, topic, args.events, args.partitions)
+            produced = await produce_w1(args.pg_dsn, args.kafka_bootstrap, topic, args.events, args.partitions)
+            seconds = produced.pop("seconds")
             emit({"phase": "producer", "round": r, "events": args.events, "seconds": round(seconds, 3),
-                  "records_per_s": round(args.events / seconds),
+                  "records_per_s": round(args.events / seconds), **produced,
                   "note": "walbus produce (pgoutput) draining a W1 backlog into the database topic"})
         else:
             evs = events(args.events)
@@ -391,6 +412,9 @@ async def run_rounds(args: argparse.Namespace, run: str) -> None:
                   "note": "synthetic events, raw Kafka write with record batches (acks=all)"})
             del evs
         fill_rates.append(args.events / seconds)
+        # The producer phase's leftovers (its database dropped, the topic's dirty pages)
+        # are not the demux's work either.
+        await settle(args.pg_dsn)
         if args.partitions == 1:
             result = await run_demux(args.kafka_bootstrap, topic, args.events, f"bench{run}r{r}",
                                      args.txn_max_records)

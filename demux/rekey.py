@@ -74,9 +74,12 @@ class _FastEvent(msgspec.Struct):
     """The fields of a common event, typed as decode_event requires them (or stricter).
 
     UNSET (not None) for absent row fields: decode_event refuses ``"columns": null``,
-    and so does this struct, so that the fast path never accepts what the contract
-    refuses. Unknown fields are ignored, as by decode_event; a repeated key keeps
-    its last value, as orjson does.
+    and so does the fast path, so that it never accepts what the contract refuses.
+    ``pk``, ``columns``, ``types`` and ``unchanged`` stay raw JSON: they repeat from
+    event to event of a table, so they are checked once per distinct spelling (see
+    _TableShape) rather than decoded into new strings every time. Unknown fields
+    are ignored, as by decode_event; a repeated key keeps its last value, as orjson
+    does.
     """
 
     v: Literal[1]
@@ -87,13 +90,32 @@ class _FastEvent(msgspec.Struct):
     operation: str
     table: str
     timestamp: str
-    pk: list[str]
-    columns: list[str] | UnsetType = UNSET
-    types: list[str] | UnsetType = UNSET
+    pk: msgspec.Raw
+    columns: msgspec.Raw | UnsetType = UNSET
+    types: msgspec.Raw | UnsetType = UNSET
     values: list[Any] | UnsetType = UNSET
     identity: _FastImage | None = None
-    unchanged: list[str] = []
+    unchanged: msgspec.Raw | UnsetType = UNSET
 
+
+@dataclass(slots=True)
+class _TableShape:
+    """What the fast path checked once of a table's events: their pk/columns/types, byte for byte."""
+
+    pk_raw: msgspec.Raw
+    columns_raw: msgspec.Raw
+    types_raw: msgspec.Raw
+    pk: list[str]
+    columns: list[str]
+    key_at: tuple[tuple[str, int], ...]  # (primary-key column, its index in columns)
+    needs_state: bool
+    topic: str
+
+
+_decode_names = msgspec.json.Decoder(list[str]).decode
+_NO_NAMES: Final = msgspec.Raw(b"[]")
+# Tables whose event shape is remembered; beyond it the memory starts again (schema churn, junk).
+_MAX_SHAPES: Final = 4096
 
 _decode_fast = msgspec.json.Decoder(_FastEvent).decode
 
@@ -166,6 +188,7 @@ class Rekeyer:
         self.database = database
         self.emit_delete_records = emit_delete_records
         self._topics: dict[str, str] = {}
+        self._shapes: dict[str, _TableShape] = {}
 
     def topic_for(self, table: str) -> str:
         t = self._topics.get(table)
@@ -213,7 +236,8 @@ class Rekeyer:
         Common events: insert/read/update of a table with a primary key whose row
         is complete and whose key did not change, and delete by key (without
         ``emit_delete_records``). They are ~all of a database's traffic, so this
-        path decodes into a typed struct (msgspec checks the field types in C) and
+        path decodes into a typed struct (msgspec checks the field types in C),
+        checks a table's pk/columns/types once per spelling (_TableShape) and
         returns a plain tuple (no ChangeEvent, no Rekeyed). It accepts only what
         decode_event accepts and builds the same bytes as :meth:`rekey`; tests
         compare both on random workloads. A value of None is a tombstone.
@@ -222,55 +246,39 @@ class Rekeyer:
             ev = _decode_fast(raw)
         except msgspec.DecodeError:  # not JSON, or not of the struct: the full path says why
             return None
+        unchanged = ev.unchanged
+        if unchanged is not UNSET and unchanged != _NO_NAMES:
+            return None
         op = ev.operation
-        table = ev.table
-        # Every table in _topics passed decode_event or the check below once.
-        topic = self._topics.get(table)
-        if topic is None:
-            if "." not in table:
+        code = _FAST_UPSERT.get(op)
+        if code is None:
+            return self._fast_delete(ev) if op == "delete" else None
+        values = ev.values
+        shape = self._shapes.get(ev.table)
+        if shape is None or ev.columns != shape.columns_raw or ev.types != shape.types_raw or ev.pk != shape.pk_raw:
+            shape = self._learn_shape(ev)
+            if shape is None:
                 return None
-            topic = self.topic_for(table)
-        pk = ev.pk
-        if not pk or ev.unchanged:
+        if values is UNSET or len(values) != len(shape.columns):
             return None
-        columns: list[str] | UnsetType
-        types: list[str] | UnsetType
-        values: list[Any] | UnsetType
-        if op == "delete":
-            image = ev.identity
-            if image is None or ev.columns is not UNSET or self.emit_delete_records:
-                return None
-            columns, types, values = image.columns, image.types, image.values
-            identity = None
-        elif op in _FAST_UPSERT:
-            columns, types, values = ev.columns, ev.types, ev.values
-            if columns is UNSET or types is UNSET or values is UNSET:
-                return None
-            identity = ev.identity
-            if identity is not None and op != "update":
-                return None  # identity on insert (REPLICA IDENTITY FULL, by hand): the full path
-        else:
-            return None
-        if not len(columns) == len(types) == len(values):
-            return None
-        row = dict(zip(columns, values))  # noqa: B905 -- lengths checked above; strict= costs ~0.2 µs
+        identity = ev.identity
+        key_at = shape.key_at
         try:
-            if len(pk) == 1:
-                col = pk[0]
-                key = _dumps({col: row[col]})
+            if len(key_at) == 1:
+                col, at = key_at[0]
+                key = _dumps({col: values[at]})
             else:
-                key = _dumps({col: row[col] for col in pk})
+                key = _dumps({col: values[at] for col, at in key_at})
             if identity is not None:
                 # Updates carry the old key (or the old row): same key or the full path.
-                if not len(identity.columns) == len(identity.types) == len(identity.values):
+                # (Identity on insert: REPLICA IDENTITY FULL by hand, the full path too.)
+                if code != "u" or not len(identity.columns) == len(identity.types) == len(identity.values):
                     return None
                 old = dict(zip(identity.columns, identity.values))  # noqa: B905 -- checked above
-                if key != _dumps({col: old[col] for col in pk}):
+                if key != _dumps({col: old[col] for col in shape.pk}):
                     return None
-            if op == "delete":
-                return table, topic, key, None, False
-            needs_state = not FIXED_WIDTH_TYPES.issuperset(types)
-            row["__op"] = _FAST_UPSERT[op]
+            row = dict(zip(shape.columns, values))  # noqa: B905 -- lengths checked above; strict= costs ~0.2 µs
+            row["__op"] = code
             row["__lsn"] = ev.lsn
             row["__commit_lsn"] = ev.commit_lsn
             row["__seq"] = ev.seq
@@ -278,9 +286,59 @@ class Rekeyer:
             row["__ts"] = ev.timestamp
             # orjson refuses integers beyond 64 bits (msgspec keeps them, orjson.loads
             # makes floats of them): such rows take the full path, as orjson reads them.
-            return table, topic, key, _dumps(row), needs_state
+            return ev.table, shape.topic, key, _dumps(row), shape.needs_state
         except (KeyError, TypeError):
             return None
+
+    def _learn_shape(self, ev: _FastEvent) -> _TableShape | None:
+        """Check an upsert's pk/columns/types as decode_event would, and remember them (None: full path)."""
+        if ev.columns is UNSET or ev.types is UNSET:
+            return None
+        try:
+            pk, columns, types = _decode_names(ev.pk), _decode_names(ev.columns), _decode_names(ev.types)
+        except msgspec.DecodeError:
+            return None
+        table = ev.table
+        if "." not in table or not pk or len(columns) != len(types):
+            return None
+        # A duplicated column name: the row keeps the last value, so the key must too.
+        at = {col: i for i, col in enumerate(columns)}
+        if any(col not in at for col in pk):
+            return None  # the key is not in the row: the full path explains
+        shape = _TableShape(
+            pk_raw=ev.pk.copy(), columns_raw=ev.columns.copy(), types_raw=ev.types.copy(),
+            pk=pk, columns=columns, key_at=tuple((col, at[col]) for col in pk),
+            needs_state=not FIXED_WIDTH_TYPES.issuperset(types), topic=self.topic_for(table),
+        )
+        if len(self._shapes) >= _MAX_SHAPES:
+            self._shapes.clear()
+        self._shapes[table] = shape
+        return shape
+
+    def _fast_delete(self, ev: _FastEvent) -> FastRecord | None:
+        """A delete by key: its tombstone (None when the full path must take it)."""
+        image = ev.identity
+        if image is None or ev.columns is not UNSET or self.emit_delete_records:
+            return None
+        shape = self._shapes.get(ev.table)
+        if shape is not None and ev.pk == shape.pk_raw:
+            pk, topic = shape.pk, shape.topic
+        else:
+            try:
+                pk = _decode_names(ev.pk)
+            except msgspec.DecodeError:
+                return None
+            if "." not in ev.table:
+                return None
+            topic = self.topic_for(ev.table)
+        if not pk or not len(image.columns) == len(image.types) == len(image.values):
+            return None
+        old = dict(zip(image.columns, image.values))  # noqa: B905 -- lengths checked above
+        try:
+            key = _dumps({col: old[col] for col in pk})
+        except (KeyError, TypeError):
+            return None
+        return ev.table, topic, key, None, False
 
     def _upsert(self, event: ChangeEvent, state: StateView) -> Rekeyed:
         new = event.new
