@@ -430,7 +430,8 @@ async def run_rounds(args: argparse.Namespace, run: str) -> None:
                                                args.txn_max_records)
         demux_rates.append(result["records_per_s"])
         demux_cpu = result.get("cpu_s") or sum(result.get("cpu_s_per_process", []))
-        cpu_us["demux"].append(1e6 * demux_cpu / result["events"])
+        if result["events"]:  # several processes: only the events after the group settled count
+            cpu_us["demux"].append(1e6 * demux_cpu / result["events"])
         emit({"phase": "demux", "round": r, **result})
     ratios = [d / f for d, f in zip(demux_rates, fill_rates, strict=True)]
     summary: dict[str, Any] = {
