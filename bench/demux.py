@@ -274,8 +274,8 @@ async def produce_w1(pg_dsn: str, bootstrap: str, topic: str, n: int, partitions
                                     "FROM generate_series(%s::int, %s::int) g").format(sql.Identifier(table)),
                             (t * per_txn + 1, (t + 1) * per_txn),
                         )
-        await settle(pg_dsn)  # the load's checkpoint and autovacuum are not the producer's work
-        return await run_producer(per_txn * 100 * len(tables))
+        settled = await settle(pg_dsn)  # the load's checkpoint and autovacuum are not the producer's work
+        return {**await run_producer(per_txn * 100 * len(tables)), **settled}
     finally:
         with psycopg.connect(pg_dsn, autocommit=True) as conn:
             conn.execute("SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE slot_name = %s",
@@ -421,7 +421,7 @@ async def run_rounds(args: argparse.Namespace, run: str) -> None:
         fill_rates.append(args.events / seconds)
         # The producer phase's leftovers (its database dropped, the topic's dirty pages)
         # are not the demux's work either.
-        await settle(args.pg_dsn)
+        settled = await settle(args.pg_dsn)
         if args.partitions == 1:
             result = await run_demux(args.kafka_bootstrap, topic, args.events, f"bench{run}r{r}",
                                      args.txn_max_records)
@@ -432,7 +432,7 @@ async def run_rounds(args: argparse.Namespace, run: str) -> None:
         demux_cpu = result.get("cpu_s") or sum(result.get("cpu_s_per_process", []))
         if result["events"]:  # several processes: only the events after the group settled count
             cpu_us["demux"].append(1e6 * demux_cpu / result["events"])
-        emit({"phase": "demux", "round": r, **result})
+        emit({"phase": "demux", "round": r, **result, **settled})
     ratios = [d / f for d, f in zip(demux_rates, fill_rates, strict=True)]
     summary: dict[str, Any] = {
         "phase": "summary", "rounds": args.rounds, "events": args.events,

@@ -51,7 +51,8 @@ def test_demux_benchmark(services: Services, partitions: int) -> None:
                            else {"producer", "demux", "summary"})
     producer, demux, summary = phases["producer"], phases["demux"], phases["summary"]
     assert producer["events"] == events and producer["records_per_s"] > 0
-    assert {"cpu_s", "walsender_cpu_s", "startup_s"} <= set(producer)
+    assert {"cpu_s", "walsender_cpu_s", "startup_s", "settle_s", "settle_busy_share"} <= set(producer)
+    assert {"settle_s", "settle_busy_share"} <= set(demux)
     if partitions == 1:
         assert demux["events"] == events and demux["cpu_s"] > 0 and demux["transactions"] >= 1
         stages = {s["stage"] for s in phases["profile"]["time_by_stage"]}
