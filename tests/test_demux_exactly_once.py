@@ -52,6 +52,9 @@ async def test_kill9_restart_exactly_once(kafka_bootstrap: str, unique_name: str
         await asyncio.sleep(rnd.uniform(0.5, 1.5))
         proc.kill9()
         proc.start()  # same log file: the restarted process appends
+    # The last restart must be up before "caught up" means anything: the killed process
+    # may have committed everything already (and a SIGTERM during start-up kills outright).
+    await wait_for_log(proc, OPENED, count=kills + 1)
     await feeder.wait()
     await wait_caught_up(kafka_bootstrap, f"walbus-demux.{source}", source, procs=[proc], within=120)
     assert proc.stop() == 0, proc.log_tail()

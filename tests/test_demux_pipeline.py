@@ -170,6 +170,8 @@ async def test_postgres_producer_demux_ktable_equals_select(
         finally:
             enough.set()
             await work
+        # The last restart must be up before "caught up" means anything (see test_demux_exactly_once).
+        await wait_for_log(proc, "partition opened", count=kills + 1, within=90)
         # Eventually equal: the producer may still be shipping the tail.
         deadline = time.monotonic() + 120
         while True:
