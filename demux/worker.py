@@ -41,6 +41,13 @@ MAX_RECORD_BYTES = 1_000_000
 DLQ_VALUE_LIMIT = 900_000
 # Source records read again before the committed offset on open, to learn the last position.
 LOOK_BACK = 1000
+# Records re-keyed between two turns of the event loop. aiokafka fetches a partition
+# again only once its buffer is drained (each getmany drains it: see
+# demux.service.FETCH_BYTES), and a fetch needs a few turns of the loop to go out and
+# ~16 to read a 4 MiB answer: with a turn every ~6 ms the next run arrives while this
+# one is re-keyed, instead of after it (measured +17% events/s; every 300 records cost
+# more turns than they saved).
+YIELD_EVERY = 1000
 
 # (what, table) already warned about: once per process, not once per partition or transaction.
 _WARNED: set[tuple[str, str]] = set()
@@ -193,13 +200,16 @@ class PartitionWorker:
         await self._ensure_txn()
         i, end = 0, len(messages)
         while i < end:
-            i = self._fast_run(messages, i)
-            if i < end:
+            stop = min(end, i + YIELD_EVERY)
+            i = self._fast_run(messages, i, stop)
+            if i < stop:
                 await self._process_one(messages[i])
                 i += 1
+            else:
+                await asyncio.sleep(0)  # let the next fetch go out and come in: see YIELD_EVERY
 
-    def _fast_run(self, messages: list[ConsumerRecord[bytes, bytes]], i: int) -> int:
-        """Process ``messages[i:]`` while they take the fast path; the index of the first that does not.
+    def _fast_run(self, messages: list[ConsumerRecord[bytes, bytes]], i: int, end: int) -> int:
+        """Process ``messages[i:end]`` while they take the fast path; the index of the first that does not.
 
         The fast path: one record into a batch that is open, of a topic known to be
         usable, of a table whose rows need no store (or are in it). Anything else
@@ -219,7 +229,6 @@ class PartitionWorker:
         skip_below = -1 if next_offset is None else next_offset
         last_key = self.last_key
         done = replayed = 0
-        end = len(messages)
         try:
             while i < end:
                 m = messages[i]
