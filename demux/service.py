@@ -61,6 +61,7 @@ from aiokafka.errors import KafkaError, ProducerFenced
 from prometheus_client import CollectorRegistry
 
 from demux.config import DemuxConfig, parse_config
+from demux.fetch import consumer_options, flatten
 from demux.metrics import DemuxMetrics
 from demux.rekey import Rekeyer
 from demux.topics import TopicManager
@@ -174,6 +175,8 @@ class Demux:
             session_timeout_ms=cfg.session_timeout_ms,
             heartbeat_interval_ms=max(1000, cfg.session_timeout_ms // 3),
             max_partition_fetch_bytes=FETCH_BYTES,
+            # Records in runs, without a ConsumerRecord each: see demux.fetch.
+            **consumer_options(),
             fetch_max_bytes=64 * 1024 * 1024,
         )
         self._consumer = consumer
@@ -209,15 +212,15 @@ class Demux:
             except KafkaError as e:
                 await getmany_backoff.wait(log, "fetching from the source topic", e)
                 continue
-            for tp, messages in data.items():
+            for tp, runs in data.items():
                 worker = self.workers.get(tp)
-                if worker is None or not worker.ready or not messages:
+                if worker is None or not worker.ready or not runs:
                     continue  # re-read from the committed offset once it is opened
                 async with worker.lock:
                     if not worker.ready:
                         continue
                     try:
-                        await worker.process(messages)
+                        await worker.process(flatten(runs))
                         await worker.send_batches()
                         if worker.due(time.monotonic()):
                             await worker.commit()

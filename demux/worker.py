@@ -22,9 +22,9 @@ from typing import Any
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.partitioner import murmur2
-from aiokafka.structs import ConsumerRecord
 
 from demux.config import DemuxConfig
+from demux.fetch import SourceRecord
 from demux.metrics import DemuxMetrics
 from demux.rekey import OutRecord, Rekeyed, Rekeyer, RekeyError
 from demux.state import StateStore
@@ -194,7 +194,7 @@ class PartitionWorker:
 
     # -- processing --------------------------------------------------------------
 
-    async def process(self, messages: list[ConsumerRecord[bytes, bytes]]) -> None:
+    async def process(self, messages: list[SourceRecord]) -> None:
         """Re-key a run of source records into the open transaction."""
         assert self.producer is not None and self.store is not None and self.ready
         await self._ensure_txn()
@@ -208,7 +208,7 @@ class PartitionWorker:
             else:
                 await asyncio.sleep(0)  # let the next fetch go out and come in: see YIELD_EVERY
 
-    def _fast_run(self, messages: list[ConsumerRecord[bytes, bytes]], i: int, end: int) -> int:
+    def _fast_run(self, messages: list[SourceRecord], i: int, end: int) -> int:
         """Process ``messages[i:end]`` while they take the fast path; the index of the first that does not.
 
         The fast path: one record into a batch that is open, of a topic known to be
@@ -233,7 +233,8 @@ class PartitionWorker:
             while i < end:
                 m = messages[i]
                 offset = m.offset
-                key = m.key
+                # None is possible: valid_key below is False for it, and key is used only then.
+                key: bytes = m.key  # type: ignore[assignment]
                 # Event keys are fixed-width upper-case hex: byte order is position order.
                 valid_key = key is not None and len(key) == 25 and key[16] == 45  # b"-"
                 if offset < skip_below:
@@ -280,7 +281,7 @@ class PartitionWorker:
             self.txn_records += done
             self._replayed += replayed
 
-    async def _process_one(self, m: ConsumerRecord[bytes, bytes]) -> None:
+    async def _process_one(self, m: SourceRecord) -> None:
         """The general path for one record (its position is already checked by _fast_run)."""
         store = self.store
         assert store is not None
@@ -299,7 +300,7 @@ class PartitionWorker:
             self._advance(offset)
             return
         except Exception as e:  # a bug must not stall the stream on one record
-            log.exception("re-keying failed", extra={"partition": m.partition, "offset": offset})
+            log.exception("re-keying failed", extra={"partition": self.tp.partition, "offset": offset})
             await self._dead_letter(m, f"internal error: {type(e).__name__}: {e}", "internal")
             self._advance(offset)
             return
@@ -413,12 +414,12 @@ class PartitionWorker:
             await self._send(slot, batch)
         self._batches.clear()
 
-    async def _dead_letter(self, m: ConsumerRecord[bytes, bytes], error: str, reason: str) -> None:
+    async def _dead_letter(self, m: SourceRecord, error: str, reason: str) -> None:
         value = m.value
         headers = [
             ("walbus.error", error.encode()[:4000]),
-            ("walbus.source.topic", m.topic.encode()),
-            ("walbus.source.partition", str(m.partition).encode()),
+            ("walbus.source.topic", self.tp.topic.encode()),
+            ("walbus.source.partition", str(self.tp.partition).encode()),
             ("walbus.source.offset", str(m.offset).encode()),
         ]
         if value is not None and len(value) > DLQ_VALUE_LIMIT:
@@ -432,7 +433,7 @@ class PartitionWorker:
         self._stats[("dead_letter", reason)] += 1
         log.warning(
             "record sent to the dead-letter topic",
-            extra={"partition": m.partition, "offset": m.offset, "error": error[:500], "dlq": self.config.dlq},
+            extra={"partition": self.tp.partition, "offset": m.offset, "error": error[:500], "dlq": self.config.dlq},
         )
 
     # -- committing --------------------------------------------------------------
