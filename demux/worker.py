@@ -23,6 +23,7 @@ from typing import Any
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.partitioner import murmur2
 
+from demux.batches import DIRECT_APPEND, NO_HEADERS
 from demux.config import DemuxConfig
 from demux.fetch import SourceRecord
 from demux.metrics import DemuxMetrics
@@ -216,7 +217,9 @@ class PartitionWorker:
         (the first record of a table or of a batch, a full batch, a big row, rare
         events, bad input) is left to :meth:`_process_one`, which gets it with
         the position checks below already done. Everything per record is a local
-        here: this loop is most of the demux' own CPU time.
+        here: this loop is most of the demux' own CPU time. Records go straight into
+        aiokafka's Cython batch builder (see demux.batches), and a run of one table
+        reuses the batch and store decision of the record before it.
         """
         store = self.store
         assert store is not None
@@ -229,6 +232,11 @@ class PartitionWorker:
         skip_below = -1 if next_offset is None else next_offset
         last_key = self.last_key
         done = replayed = 0
+        direct, no_headers = DIRECT_APPEND, NO_HEADERS
+        # The last single-partition topic appended to: its batch and whether its table is kept.
+        cur_topic: str | None = None
+        cur_batch: Any = None
+        cur_keep = False
         try:
             while i < end:
                 m = messages[i]
@@ -258,18 +266,32 @@ class PartitionWorker:
                 if hit is None:
                     return i
                 table, topic, out_key, out_value, needs_state = hit
-                parts = fast_parts.get(topic)
-                if parts is None or (needs_state and table not in tracked) or (
-                        out_value is not None and len(out_value) > MAX_RECORD_BYTES):
+                if out_value is not None and len(out_value) > MAX_RECORD_BYTES:
                     return i
-                batch = batches.get((topic, 0 if parts == 1 else partition_for(out_key, parts)))
-                if batch is None or batch.append(timestamp=None, key=out_key, value=out_value) is None:
+                if topic is cur_topic:  # one table per topic: same batch, same store decision
+                    batch, keep = cur_batch, cur_keep
+                else:
+                    parts = fast_parts.get(topic)
+                    if parts is None or (needs_state and table not in tracked):
+                        return i
+                    batch = batches.get((topic, 0 if parts == 1 else partition_for(out_key, parts)))
+                    if batch is None:
+                        return i
+                    keep = table in tracked
+                    if parts == 1:  # batches and tracked tables change only outside this loop
+                        cur_topic, cur_batch, cur_keep = topic, batch, keep
+                if direct:
+                    rel = batch._relative_offset
+                    if batch._builder.append(rel, None, out_key, out_value, no_headers) is None:
+                        return i  # full
+                    batch._relative_offset = rel + 1
+                elif batch.append(timestamp=None, key=out_key, value=out_value) is None:
                     return i
                 if out_value is None:
                     tombstones[table] = tombstones.get(table, 0) + 1
                 else:
                     produced[table] = produced.get(table, 0) + 1
-                if table in tracked:
+                if keep:
                     pending[(table, out_key)] = out_value
                 next_offset = offset + 1
                 done += 1

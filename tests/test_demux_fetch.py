@@ -1,7 +1,8 @@
-"""The demux' fetch path (demux.fetch): runs of aiokafka's records equal its ConsumerRecords.
+"""The demux' shortcuts through aiokafka: runs of records (demux.fetch), direct appends (demux.batches).
 
-Against the real broker, on a topic that mixes plain batches with committed, aborted
-and interleaved transactions, read from the start and from inside a batch.
+Runs of aiokafka's records equal its ConsumerRecords against the real broker, on a
+topic that mixes plain batches with committed, aborted and interleaved transactions,
+read from the start and from inside a batch.
 """
 
 from __future__ import annotations
@@ -15,9 +16,10 @@ from typing import Any
 
 import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from aiokafka.producer.message_accumulator import BatchBuilder
 
 import demux.service
-from demux import fetch
+from demux import batches, fetch
 from demux.config import DemuxConfig
 from demux.service import Demux
 from tests.demux_support import create_topic, end_offsets, ev, produce, read_records
@@ -46,6 +48,18 @@ def test_install_checks_the_aiokafka_internals_it_needs() -> None:
 
     assert not fetch._fits(types.SimpleNamespace(PartitionRecords=Other, READ_COMMITTED=1))
     assert not fetch._fits(types.SimpleNamespace(READ_COMMITTED=1))
+
+
+def test_direct_append_fills_a_batch_as_aiokafkas_append_does() -> None:
+    assert batches.DIRECT_APPEND  # the pinned aiokafka fits
+    direct, public = BatchBuilder(2048, 0, is_transactional=1), BatchBuilder(2048, 0, is_transactional=1)
+    n = 0
+    while batches.append(direct, f"k{n}".encode(), b"x" * 100):
+        n += 1
+    m = 0
+    while public.append(timestamp=None, key=f"k{m}".encode(), value=b"x" * 100) is not None:
+        m += 1
+    assert 10 <= n == m == direct.record_count()  # full at the same record, counted alike
 
 
 async def _write_mixed(bootstrap: str, topic: str) -> None:
