@@ -137,8 +137,9 @@ def profile_summary(prof: cProfile.Profile, top: int) -> list[dict[str, Any]]:
 # counted in the stage of the Python function that called them.
 STAGES: list[tuple[str, tuple[str, ...]]] = [
     ("re-keying (demux.rekey: msgspec decode, key and row JSON)", ("demux/rekey.py",)),
-    ("fetch (aiokafka consumer: fetch, batch unpacking, ConsumerRecord objects)",
-     ("aiokafka/consumer/", "aiokafka/record/")),
+    # demux/fetch.py is the demux' own fetch path (runs of records): fetch work, not the loop's.
+    ("fetch (aiokafka consumer and demux.fetch: batch unpacking, CRC, records or runs)",
+     ("aiokafka/consumer/", "aiokafka/record/", "demux/fetch.py")),
     ("batch append (aiokafka BatchBuilder)", ("producer/message_accumulator.py",)),
     ("produce requests and transactions (aiokafka sender, protocol encoding, CRC32C)",
      ("aiokafka/producer/", "aiokafka/protocol/", "aiokafka/client.py")),

@@ -18,6 +18,7 @@ import logging
 from typing import Any, Final
 
 from aiokafka.producer.message_accumulator import BatchBuilder
+from aiokafka.record.memory_records import MemoryRecords
 
 log = logging.getLogger("walbus.demux")
 
@@ -45,8 +46,6 @@ def _probe() -> bool:
             if not append(direct, key, value):
                 return False
         # Timestamps differ (each append reads the clock): compare what the records hold.
-        from aiokafka.record.memory_records import MemoryRecords
-
         def content(batch: Any) -> list[tuple[int, bytes | None, bytes | None]]:
             built = MemoryRecords(bytes(batch._build())).next_batch()
             return [(r.offset, r.key, r.value) for r in built]

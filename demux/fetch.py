@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import inspect
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from itertools import chain
 from typing import Any, Protocol
 
@@ -133,8 +133,8 @@ def consumer_options() -> dict[str, Any]:
     return {"value_deserializer": RUNS} if install() else {}
 
 
-def flatten(items: Sequence[Any]) -> list[SourceRecord]:
+def flatten(items: list[Any]) -> list[SourceRecord]:
     """getmany's list for one partition -> its records in offset order (runs or records alike)."""
     if items and isinstance(items[0], list):
         return list(chain.from_iterable(items))
-    return list(items)
+    return items
