@@ -37,7 +37,7 @@ import msgspec
 import orjson
 from msgspec import UNSET, UnsetType
 
-from walbus.contract import ChangeEvent, RowImage, decode_event, table_topic
+from walbus.contract import ChangeEvent, RowImage, decode_event, split_table, table_topic
 
 META_FIELDS: Final = ("__op", "__lsn", "__commit_lsn", "__seq", "__xid", "__ts")
 OP_CODES: Final = {"insert": "c", "update": "u", "delete": "d", "read": "r", "truncate": "t"}
@@ -193,7 +193,7 @@ class Rekeyer:
     def topic_for(self, table: str) -> str:
         t = self._topics.get(table)
         if t is None:
-            t = self._topics[table] = table_topic(self.prefix, self.database, table)
+            t = self._topics[table] = table_topic(self.prefix, self.database, *split_table(table))
         return t
 
     @staticmethod

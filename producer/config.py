@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from psycopg.conninfo import conninfo_to_dict
 
 from walbus.config import ConfigError, load_config, option
+from walbus.contract import database_topic
 from walbus.kafka import KafkaOptions
 
 
@@ -63,7 +64,7 @@ class ProducerConfig(KafkaOptions):
 
     @property
     def topic_name(self) -> str:
-        return self.topic or f"{self.topic_prefix}.{self.database}"
+        return self.topic or database_topic(self.topic_prefix, self.database)
 
 
 def load(argv: Sequence[str] | None) -> ProducerConfig:

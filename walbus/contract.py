@@ -11,6 +11,7 @@ with :func:`encode_event`, consumers parse them with :func:`decode_event`.
 
 from __future__ import annotations
 
+import hashlib
 import re
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal
@@ -120,11 +121,11 @@ class ChangeEvent:
 
     @property
     def schema_name(self) -> str:
-        return self.table.split(".", 1)[0]
+        return split_table(self.table)[0]
 
     @property
     def table_name(self) -> str:
-        return self.table.split(".", 1)[1]
+        return split_table(self.table)[1]
 
     def row(self) -> dict[str, Any] | None:
         """The new row as a dict (``None`` on delete and truncate)."""
@@ -228,8 +229,9 @@ def decode_event(value: bytes | str) -> ChangeEvent:
     if operation not in OPERATIONS:
         raise ContractError(f"unknown operation {operation!r}")
     table = obj.get("table")
-    if not isinstance(table, str) or "." not in table:
+    if not isinstance(table, str):
         raise ContractError(f"field 'table' must be 'schema.table', got {table!r}")
+    split_table(table)  # raises ContractError
     timestamp = obj.get("timestamp")
     if not isinstance(timestamp, str):
         raise ContractError("field 'timestamp' must be a string")
@@ -259,11 +261,166 @@ def decode_event(value: bytes | str) -> ChangeEvent:
     )
 
 
-def default_topic(database: str, prefix: str = "walbus") -> str:
-    """The database topic's default name."""
-    return f"{prefix}.{database}"
+def check_key(key: bytes | None, event: ChangeEvent) -> None:
+    """Raise :class:`ContractError` unless ``key`` is the event's own position.
+
+    Consumers move their positions only on events that pass this: a record whose key
+    says one position and whose value another must not move anything.
+    """
+    if key is None or parse_event_key(key) != (event.commit_lsn, event.seq):
+        shown = key[:40] if key is not None else None
+        raise ContractError(f"key {shown!r} is not the event's position {event_key(event.commit_lsn, event.seq)!r}")
 
 
-def table_topic(prefix: str, database: str, table: str) -> str:
-    """The compacted per-table topic: ``<prefix>.<database>.<schema>.<table>``."""
-    return f"{prefix}.{database}.{table}"
+# -- table names --------------------------------------------------------------------------
+# The event's ``table`` is ``schema.table``; a part that holds a dot or a double quote is
+# written in double quotes with inner quotes doubled (SQL style), so every name PostgreSQL
+# accepts splits back exactly, and every other name reads as before.
+
+
+def _quote_part(part: str) -> str:
+    if "." in part or '"' in part:
+        return '"' + part.replace('"', '""') + '"'
+    return part
+
+
+def qualify_table(schema: str, table: str) -> str:
+    """The event's ``table`` field for (schema, table); inverse of :func:`split_table`."""
+    return f"{_quote_part(schema)}.{_quote_part(table)}"
+
+
+def _take_part(text: str, start: int) -> tuple[str, int]:
+    """One part of a qualified name from ``start``; returns it and the index after it."""
+    if text.startswith('"', start):
+        out: list[str] = []
+        i = start + 1
+        while True:
+            j = text.find('"', i)
+            if j < 0:
+                raise ContractError(f"unterminated quote in table name {text!r}")
+            out.append(text[i:j])
+            if text.startswith('"', j + 1):  # a doubled quote
+                out.append('"')
+                i = j + 2
+                continue
+            return "".join(out), j + 1
+    j = text.find(".", start)
+    end = len(text) if j < 0 else j
+    part = text[start:end]
+    if '"' in part:
+        raise ContractError(f"stray quote in table name {text!r}")
+    return part, end
+
+
+def split_table(qualified: str) -> tuple[str, str]:
+    """``(schema, table)`` of an event's ``table`` field; raises :class:`ContractError`."""
+    schema, i = _take_part(qualified, 0)
+    if not qualified.startswith(".", i):
+        raise ContractError(f"table name {qualified!r} is not 'schema.table'")
+    table, j = _take_part(qualified, i + 1)
+    if j != len(qualified) or not schema or not table:
+        raise ContractError(f"table name {qualified!r} is not 'schema.table'")
+    return schema, table
+
+
+# -- topic names --------------------------------------------------------------------------
+# Kafka allows [A-Za-z0-9._-] and 249 characters. Each name part is escaped reversibly:
+# letters, digits and '_' stay; every other character's UTF-8 bytes become '-HH' (upper-case
+# hex); a '-' stays itself unless it is followed by two upper-case hex digits or by another
+# '-', so common names ('order_items', 'my-db') are unchanged and '--' never appears in an
+# escaped part. A name too long for Kafka, or one that Kafka finds colliding ('.' and '_'
+# are one character to its metric names), is cut and given the suffix '--' + 8 hex digits
+# of a hash of its exact parts (docs/contract.md).
+
+MAX_TOPIC_LENGTH: Final = 249
+_SAFE_TOPIC_CHARS: Final = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_")
+_HEX_UPPER: Final = frozenset("0123456789ABCDEF")
+_ESCAPED = re.compile(r"-([0-9A-F]{2})")
+_TOPIC_PART_SAFE = re.compile(r"^[A-Za-z0-9_]+$")
+
+
+def escape_topic_part(name: str) -> str:
+    """One topic-name part for a database, schema or table name (reversible)."""
+    if _TOPIC_PART_SAFE.match(name):
+        return name
+    out: list[str] = []
+    n = len(name)
+    for i, ch in enumerate(name):
+        if ch in _SAFE_TOPIC_CHARS:
+            out.append(ch)
+        elif ch == "-" and not (
+            (i + 1 < n and name[i + 1] == "-")
+            or (i + 2 < n and name[i + 1] in _HEX_UPPER and name[i + 2] in _HEX_UPPER)
+        ):
+            out.append("-")
+        else:
+            out.extend(f"-{b:02X}" for b in ch.encode("utf-8", "surrogatepass"))
+    return "".join(out)
+
+
+def unescape_topic_part(part: str) -> str:
+    """Inverse of :func:`escape_topic_part`."""
+    if "-" not in part:
+        return part
+    out = bytearray()
+    i = 0
+    while i < len(part):
+        m = _ESCAPED.match(part, i)
+        if m is not None:
+            out.append(int(m.group(1), 16))
+            i = m.end()
+        else:
+            out.extend(part[i].encode("utf-8"))
+            i += 1
+    return out.decode("utf-8", "surrogatepass")
+
+
+def _hashed_topic(head: str, parts: tuple[str, ...], escaped: list[str]) -> str:
+    digest = hashlib.sha256("\x00".join(parts).encode("utf-8", "surrogatepass")).hexdigest()[:8]
+    suffix = f"--{digest}"
+    room = MAX_TOPIC_LENGTH - len(head) - len(suffix) - (len(escaped) - 1)
+    if room < 2 * len(escaped):
+        raise ValueError(f"topic prefix {head!r} leaves no room for the table's name")
+    # Share the room between the parts, the shorter ones keeping all they need.
+    budget = [0] * len(escaped)
+    left, pending = room, sorted(range(len(escaped)), key=lambda k: len(escaped[k]))
+    while pending:
+        k = pending.pop(0)
+        budget[k] = min(len(escaped[k]), left // (len(pending) + 1))
+        left -= budget[k]
+    cut = [_cut_escaped(e, b) for e, b in zip(escaped, budget, strict=True)]
+    return head + ".".join(cut) + suffix
+
+
+def _cut_escaped(escaped: str, limit: int) -> str:
+    """``escaped`` cut to ``limit`` characters, never inside an escape, never ending in '-'."""
+    if len(escaped) <= limit:
+        return escaped
+    cut = escaped[:limit]
+    j = cut.rfind("-", max(0, limit - 2))
+    if j >= 0:
+        cut = cut[:j]
+    return cut.rstrip("-") or "_"
+
+
+def database_topic(prefix: str, database: str) -> str:
+    """The database topic's default name: ``<prefix>.<database>`` (database escaped)."""
+    head = f"{prefix}."
+    escaped = escape_topic_part(database)
+    if len(head) + len(escaped) <= MAX_TOPIC_LENGTH:
+        return head + escaped
+    return _hashed_topic(head, (database,), [escaped])
+
+
+def table_topic(prefix: str, database: str, schema: str, table: str, *, hashed: bool = False) -> str:
+    """The compacted per-table topic ``<prefix>.<database>.<schema>.<table>``, each part escaped.
+
+    ``hashed``: the cut, hash-suffixed form, for a name Kafka finds colliding; a name
+    longer than Kafka allows always takes it.
+    """
+    head = f"{prefix}.{escape_topic_part(database)}."
+    escaped = [escape_topic_part(schema), escape_topic_part(table)]
+    plain = head + ".".join(escaped)
+    if not hashed and len(plain) <= MAX_TOPIC_LENGTH:
+        return plain
+    return _hashed_topic(head, (database, schema, table), escaped)

@@ -28,6 +28,9 @@ import psycopg
 from psycopg import sql
 from psycopg.conninfo import make_conninfo
 
+from walbus.contract import database_topic
+from walbus.contract import table_topic as contract_table_topic
+
 DATABASE_PREFIX = "walbus_demo"
 TABLE_DDL = "CREATE TABLE transactions (transaction_id INT PRIMARY KEY, user_id INT, amount INT)"
 
@@ -152,8 +155,8 @@ async def pipeline(dsn: str, database: str, bootstrap: str, rows: int, warehouse
     from producer.service import Producer
     from walbus.client import Feed, Table
 
-    topic = f"walbus.{database}"
-    table_topic = f"{topic}.public.transactions"
+    topic = database_topic("walbus", database)
+    table_topic = contract_table_topic("walbus", database, "public", "transactions")
     total = 6 if warehouse_dir else 5
 
     step(2, total, f"producer (slot walbus_{database} -> {topic}) and demux (-> {table_topic})")
