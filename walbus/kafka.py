@@ -23,6 +23,20 @@ from walbus.config import ConfigError, option
 
 log = logging.getLogger("walbus.kafka")
 
+# The largest record walbus creates its topics for (their max.message.bytes, docs/contract.md):
+# large enough for rows with big TOAST values; the broker default (1 MB) is not.
+DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+# Kafka's default when a topic sets nothing (the broker's message.max.bytes).
+BROKER_DEFAULT_MAX_MESSAGE_BYTES = 1048588
+# What a one-record batch adds to key, value and headers (v2 batch header and record framing),
+# rounded up: a record fits a topic when its parts plus this are within max.message.bytes.
+RECORD_OVERHEAD_BYTES = 128
+
+
+def record_fits(limit: int, key: bytes | None, value: bytes | None, headers_bytes: int = 0) -> bool:
+    """Whether one record, sent alone, stays within a topic's ``max.message.bytes``."""
+    return len(key or b"") + len(value or b"") + headers_bytes + RECORD_OVERHEAD_BYTES <= limit
+
 
 @dataclass(kw_only=True)
 class KafkaOptions:
@@ -152,6 +166,14 @@ class KafkaAdmin:
                 for entry in resource[4]:
                     out[entry[0]] = entry[1]
         return out
+
+    async def max_message_bytes(self, topic: str) -> int:
+        """The topic's ``max.message.bytes`` (the broker's default when the topic sets none)."""
+        value = (await self.topic_config(topic, ["max.message.bytes"])).get("max.message.bytes")
+        try:
+            return int(value) if value is not None else BROKER_DEFAULT_MAX_MESSAGE_BYTES
+        except ValueError:
+            return BROKER_DEFAULT_MAX_MESSAGE_BYTES
 
     async def partitions(self, topic: str) -> int:
         desc = await self._admin.describe_topics([topic])
