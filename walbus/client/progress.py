@@ -18,6 +18,7 @@ from typing import Any
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
+from prometheus_client import CollectorRegistry
 
 from walbus.client._connect import topic_partitions
 from walbus.client.metrics import client_metrics
@@ -30,8 +31,17 @@ log = logging.getLogger("walbus.client.progress")
 class SourceProgress:
     """Watches the database topic's newest positions and, optionally, the demux group's offsets."""
 
-    def __init__(self, client_kwargs: Mapping[str, Any], topic: str, group: str | None, *, poll_interval: float = 0.05) -> None:
+    def __init__(
+        self,
+        client_kwargs: Mapping[str, Any],
+        topic: str,
+        group: str | None,
+        *,
+        poll_interval: float = 0.05,
+        metrics_registry: CollectorRegistry | None = None,
+    ) -> None:
         self.topic = topic
+        self._metrics = client_metrics(metrics_registry)
         self.group = group
         self._kwargs = dict(client_kwargs)
         self._poll = poll_interval
@@ -108,7 +118,7 @@ class SourceProgress:
         try:
             return valid_event(msg.key, msg.value).position
         except ContractError as e:
-            client_metrics().invalid_records.labels("wait_until", msg.topic).inc()
+            self._metrics.invalid_records.labels("wait_until", msg.topic).inc()
             log.error(
                 "ignoring a record that is not a valid walbus v1 event",
                 extra={"topic": msg.topic, "partition": msg.partition, "offset": msg.offset, "error": str(e)},
