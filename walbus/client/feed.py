@@ -134,7 +134,8 @@ class Feed:
         group_id: the consumer group; None reads every partition without committing anything.
         bootstrap_servers / client_kwargs: where the brokers are; ``client_kwargs`` takes any
             aiokafka connection options (``KafkaOptions.kafka_client_kwargs()``).
-        tables: fnmatch patterns on ``schema.table`` (no dot: the table in any schema).
+        tables: fnmatch patterns on ``schema.table`` (no dot: the table in any schema); a name
+            with a dot or quote is quoted as in the event (``public."a.b"``).
         operations: ``insert``, ``update``, ``delete``, ``truncate``, ``read``; empty = all.
         from_beginning: where a group without committed offsets (or a group-less feed) starts.
         commit_interval: seconds between offset commits while events keep coming; the feed
