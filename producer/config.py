@@ -5,9 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from psycopg.conninfo import conninfo_to_dict
-
-from walbus.config import ConfigError, load_config, option
+from walbus.config import ConfigError, load_config, option, parse_dsn
 from walbus.contract import database_topic
 from walbus.kafka import KafkaOptions
 
@@ -45,10 +43,7 @@ class ProducerConfig(KafkaOptions):
 
     @property
     def database(self) -> str:
-        try:
-            params = conninfo_to_dict(self.pg_dsn)
-        except Exception as e:
-            raise ConfigError(f"--pg-dsn is not a valid connection string: {e}") from None
+        params = parse_dsn(self.pg_dsn, "--pg-dsn")
         db = params.get("dbname") or params.get("user")
         if not db:
             raise ConfigError("--pg-dsn must name a database (dbname=… or /dbname in the URI)")

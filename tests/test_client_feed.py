@@ -5,11 +5,14 @@ from __future__ import annotations
 import asyncio
 import random
 
+import orjson
 import pytest
+from aiokafka import AIOKafkaConsumer, TopicPartition
+from prometheus_client import REGISTRY
 
 from tests.cdc_data import Change, create_topic, produce, workload
 from walbus.client import Feed, Transaction
-from walbus.contract import ChangeEvent
+from walbus.contract import ChangeEvent, event_key
 
 pytestmark = pytest.mark.integration
 
@@ -110,3 +113,80 @@ async def test_transactions(kafka_bootstrap: str, unique_name: str) -> None:
     # Everything is committed: the group has nothing left.
     async with Feed(unique_name, group_id=group, bootstrap_servers=kafka_bootstrap, until_end=True) as feed:
         assert [e async for e in feed] == []
+
+
+POISON_KEY = b"FFFFFFFFFFFFFFFF-FFFFFFFF"
+
+
+def _invalid_count(topic: str, reader: str = "feed") -> float:
+    return REGISTRY.get_sample_value("walbus_client_invalid_records_total", {"reader": reader, "topic": topic}) or 0.0
+
+
+def _misaligned(position: tuple[int, int]) -> bytes:
+    """An insert whose columns, types and values differ in length (issue 13, defect 6)."""
+    value = orjson.loads(Change(position[0], position[1], 1, "public.users", "insert", {"id": 2, "a": "y"}).record()[1] or b"")
+    value["values"] = [2, "y", 7]
+    return orjson.dumps(value)
+
+
+async def test_invalid_records_move_no_position(kafka_bootstrap: str, unique_name: str) -> None:
+    """A high key with a garbage value (or with another event's value) must not poison the group."""
+    changes = workload(random.Random(5), 20, TABLES)
+    first, second = changes[:15], changes[15:]
+    wrong_key_event = Change(first[-1].commit_lsn + 1, 0, 1, "public.users", "insert", {"id": 9, "v": 9}).record()[1]
+    bad = [
+        (POISON_KEY, b"garbage"),
+        (POISON_KEY, wrong_key_event),  # a valid event, but the key is not its position
+        (None, wrong_key_event),
+        (b"not-a-key", wrong_key_event),
+        (event_key(first[-1].commit_lsn + 2, 0), _misaligned((first[-1].commit_lsn + 2, 0))),
+    ]
+    await create_topic(kafka_bootstrap, unique_name)
+    await produce(kafka_bootstrap, unique_name, [c.record() for c in first] + bad + [c.record() for c in second[:5]])
+    group = unique_name + "-g"
+    async with Feed(unique_name, group_id=group, bootstrap_servers=kafka_bootstrap, until_end=True) as feed:
+        got = [e.position async for e in feed]
+    assert got == [c.position for c in first + second[:5]]
+    assert feed.stats.invalid_skipped == len(bad) and feed.stats.duplicates_skipped == 0
+    assert _invalid_count(unique_name) == len(bad)
+    # The group's stored position is the last valid event's: a restart is not poisoned either.
+    await produce(kafka_bootstrap, unique_name, [c.record() for c in second[5:]])
+    async with Feed(unique_name, group_id=group, bootstrap_servers=kafka_bootstrap, until_end=True) as feed:
+        assert [e.position async for e in feed] == [c.position for c in second[5:]]
+    # transactions() skips them the same way.
+    async with Feed(unique_name, bootstrap_servers=kafka_bootstrap, transaction_linger=0.2, until_end=True) as feed:
+        txns = [t async for t in feed.transactions()]
+    assert [e.position for t in txns for e in t.events] == [c.position for c in changes]
+    assert all(e.row() is None or set(e.row() or {}) == {"id", "v"} for t in txns for e in t.events)
+
+
+async def test_a_poisoned_stored_position_is_ignored(kafka_bootstrap: str, unique_name: str) -> None:
+    """Older feeds stored the position of any key: such a group recovers, a sound one keeps its mark."""
+    changes = workload(random.Random(6), 20, TABLES)
+    first, second = changes[:10], changes[10:]
+    resent = [c.record() for c in first[-3:]]
+    await create_topic(kafka_bootstrap, unique_name)
+    # offsets 0-9: first; 10: the poison; 11-13: a re-send of first[-3:]; then second.
+    await produce(kafka_bootstrap, unique_name, [c.record() for c in first] + [(POISON_KEY, b"garbage")] + resent + [c.record() for c in second])
+    tp = TopicPartition(unique_name, 0)
+    poisoned, sound = unique_name + "-poisoned", unique_name + "-sound"
+    for group, offset, key in ((poisoned, 11, POISON_KEY), (sound, 10, event_key(*first[-1].position))):
+        committer = AIOKafkaConsumer(bootstrap_servers=kafka_bootstrap, group_id=group, enable_auto_commit=False)
+        await committer.start()
+        try:
+            committer.assign([tp])
+            await committer.commit({tp: (offset, "walbus-feed/1:" + key.decode())})
+        finally:
+            await committer.stop()
+
+    async with Feed(unique_name, group_id=poisoned, bootstrap_servers=kafka_bootstrap, until_end=True) as feed:
+        got = [e.position async for e in feed]
+    # The mark is gone, so the re-send after the committed offset comes through once.
+    assert got == [c.position for c in first[-3:] + second]
+    ignored = REGISTRY.get_sample_value("walbus_client_stored_positions_ignored_total", {"topic": unique_name})
+    assert ignored == 1
+
+    async with Feed(unique_name, group_id=sound, bootstrap_servers=kafka_bootstrap, until_end=True) as feed:
+        got = [e.position async for e in feed]
+    assert got == [c.position for c in second]
+    assert feed.stats.duplicates_skipped == 3 and feed.stats.invalid_skipped == 1

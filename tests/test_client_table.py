@@ -6,7 +6,9 @@ import asyncio
 import random
 from typing import Any
 
+import orjson
 import pytest
+from prometheus_client import REGISTRY
 
 from tests.cdc_data import (
     ScriptedDemux,
@@ -16,7 +18,8 @@ from tests.cdc_data import (
     table_records,
     workload,
 )
-from walbus.client import Table, TableChange
+from walbus.client import Table, TableChange, TableError
+from walbus.kafka import KafkaAdmin
 
 pytestmark = pytest.mark.integration
 
@@ -129,3 +132,74 @@ async def test_wait_until_waits_for_the_demux(kafka_bootstrap: str, unique_name:
             assert table.get(100000) == {"id": 100000, "v": 1}
     finally:
         await demux.stop()
+
+
+def _bad_records(rows: dict[int, dict[str, Any]]) -> list[tuple[bytes | None, bytes | None]]:
+    """Records the demux never writes; the ids are of rows the table holds, so a wrong apply shows."""
+    ids = list(rows)
+    meta = {"__op": "u", "__lsn": 1, "__commit_lsn": 2, "__seq": 0, "__xid": 3, "__ts": "x"}
+    return [
+        (orjson.dumps({"id": ids[0]}), b"garbage"),
+        (b"not json", orjson.dumps({"id": ids[1], "v": -1, **meta})),
+        (orjson.dumps({"id": ids[2]}), b"[1, 2]"),
+        (orjson.dumps({"id": ids[3]}), orjson.dumps({"id": ids[3], "v": -1})),  # no __op: not a delete
+        # A row built from misaligned lists: its key column disagrees with the record key.
+        (orjson.dumps({"id": ids[4]}), orjson.dumps({"id": -1, "v": ids[4], **meta})),
+        (orjson.dumps({"id": {"a": 1}}), orjson.dumps({"id": 1, **meta})),
+        (orjson.dumps({"id": ids[5]}), orjson.dumps({"id": ids[5], "v": -1, **meta, "__commit_lsn": "7"})),
+    ]
+
+
+async def test_bad_records_are_skipped_and_the_table_keeps_going(kafka_bootstrap: str, unique_name: str) -> None:
+    changes = workload(random.Random(13), 120, ["public.t"])
+    records = table_records(changes, "public.t")
+    half = len(records) // 2
+    topic = f"walbus.{unique_name}.public.t"
+    first_state = final_state([c for c in changes if c.table == "public.t"][:half], "public.t")
+    assert len(first_state) >= 6
+    bad = _bad_records(first_state)
+    await create_topic(kafka_bootstrap, topic, compact=True)
+    await produce(kafka_bootstrap, topic, records[:half] + bad)
+    expected = final_state(changes, "public.t")
+    store: dict[Any, dict[str, Any]] = {}
+    converged = asyncio.Event()
+
+    def on_change(change: TableChange) -> None:
+        if store == expected:
+            converged.set()
+
+    async with Table(topic, bootstrap_servers=kafka_bootstrap, store=store, on_change=on_change) as table:
+        assert dict(table) == first_state  # loaded past the bad records, none of them applied
+        await produce(kafka_bootstrap, topic, bad + records[half:])
+        async with asyncio.timeout(30):
+            await converged.wait()
+        assert table.invalid_skipped == 2 * len(bad)
+    invalid = REGISTRY.get_sample_value("walbus_client_invalid_records_total", {"reader": "table", "topic": topic})
+    assert invalid == 2 * len(bad)
+
+
+async def test_reads_raise_once_the_reader_failed(kafka_bootstrap: str, unique_name: str) -> None:
+    changes = workload(random.Random(14), 20, ["public.t"])
+    topic = f"walbus.{unique_name}.public.t"
+    await create_topic(kafka_bootstrap, topic, compact=True)
+    await produce(kafka_bootstrap, topic, table_records(changes, "public.t"))
+    async with Table(topic, bootstrap_servers=kafka_bootstrap, follow_demux=False) as table:
+        some = next(iter(table))
+        assert table.get(some) is not None
+        async with KafkaAdmin(client_kwargs={"bootstrap_servers": kafka_bootstrap}) as admin:
+            await admin.delete_topics([topic])
+        async with asyncio.timeout(60):
+            while True:
+                try:
+                    len(table)
+                except TableError:
+                    break
+                await asyncio.sleep(0.2)
+        with pytest.raises(TableError, match="failed"):
+            table.get(some)
+        with pytest.raises(TableError):
+            _ = some in table
+        with pytest.raises(TableError):
+            list(table)
+        with pytest.raises(TableError):
+            await table.wait_until(changes[-1].commit_lsn)

@@ -5,8 +5,14 @@ from __future__ import annotations
 import pytest
 
 from walbus.client import EventFilter, table_key
-from walbus.client.positions import decode_metadata, encode_metadata, newest, position_of_key
-from walbus.contract import event_key
+from walbus.client.positions import (
+    decode_legacy_metadata,
+    decode_metadata,
+    encode_metadata,
+    newest,
+    position_of_key,
+)
+from walbus.contract import event_key, qualify_table
 from walbus.tail import _merge_repeated
 
 
@@ -22,12 +28,32 @@ def test_filter_patterns_and_operations() -> None:
         EventFilter(operations=["upsert"])
 
 
+def test_filter_matches_schema_and_table_names_that_hold_dots() -> None:
+    # The event's `table` is qualify_table(schema, table): a part with a dot is quoted.
+    dotted_schema, dotted_table = qualify_table("my.app", "orders"), qualify_table("public", "a.b")
+    assert EventFilter(["orders"]).wants(dotted_schema, "insert")
+    assert EventFilter(['"my.app".*']).wants(dotted_schema, "insert")
+    assert EventFilter(["my*.orders"]).wants(dotted_schema, "insert")
+    assert not EventFilter(["my.*"]).wants(dotted_schema, "insert")  # schema "my" only
+    assert EventFilter(['"a.b"']).wants(dotted_table, "insert")
+    assert EventFilter(['public."a.b"']).wants(dotted_table, "insert")
+    assert not EventFilter(["b"]).wants(dotted_table, "insert")
+    assert not EventFilter(["public.a"]).wants(dotted_table, "insert")
+    assert EventFilter(["public.a*"]).wants(dotted_table, "insert")
+    assert EventFilter(['"we""ird".t']).wants(qualify_table('we"ird', "t"), "delete")
+    with pytest.raises(ValueError, match=r"schema\.table"):
+        EventFilter(["a.b.c"])
+
+
 def test_position_metadata_round_trip() -> None:
     pos = (0x16B374D848, 3)
     text = encode_metadata(pos)
     assert text.endswith(event_key(*pos).decode())
     assert decode_metadata(text) == pos
     assert decode_metadata("") is None and decode_metadata("someone else's") is None
+    # Version 1 was written without checking keys: it is only read as a legacy claim.
+    assert decode_metadata("walbus-feed/1:" + event_key(*pos).decode()) is None
+    assert decode_legacy_metadata("walbus-feed/1:" + event_key(*pos).decode()) == pos
     assert encode_metadata(None) == ""
     assert position_of_key(b"not a key") is None and position_of_key(None) is None
     assert newest(None, (1, 2), (1, 1), None) == (1, 2) and newest(None) is None

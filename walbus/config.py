@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import re
 import tomllib
 import types
 import typing
@@ -188,6 +189,27 @@ def load_config(
         return cls(**values)
     except (TypeError, ValueError) as e:
         raise ConfigError(str(e)) from None
+
+
+# libpq quotes pieces of the connection string in its parse errors, and a piece may be
+# (part of) the password: such errors are shown without any quoted piece.
+_QUOTED = re.compile(r'"[^"]*"')
+
+
+def parse_dsn(dsn: str, flag: str) -> dict[str, Any]:
+    """libpq's parameters of a connection string; a :class:`ConfigError` that shows no part of it."""
+    from psycopg.conninfo import conninfo_to_dict
+
+    try:
+        params: dict[str, Any] = conninfo_to_dict(dsn)
+    except Exception as e:
+        reason = _QUOTED.sub('"…"', str(e).strip()) or type(e).__name__
+        raise ConfigError(f"{flag} is not a valid connection string: {reason}") from None
+    # libpq ends a URI's password at its first '@' and takes the rest for the host, which
+    # then shows up in every connection error.
+    if "@" in str(params.get("host", "")):
+        raise ConfigError(f"{flag}: an '@' in a URI's user name or password must be written %40")
+    return params
 
 
 def describe(config: Any) -> dict[str, Any]:

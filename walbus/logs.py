@@ -9,15 +9,19 @@ from typing import Any
 
 import orjson
 
-_PASSWORD_KV = re.compile(r"(password\s*=\s*)('(?:[^'\\]|\\.)*'|\S+)", re.IGNORECASE)
-_PASSWORD_URI = re.compile(r"(\w+://[^:/@\s]+:)([^@\s]+)(@)")
+# key=value: a quoted value (backslash escapes) or up to the next whitespace.
+_PASSWORD_KV = re.compile(r"""(password\s*=\s*)('(?:[^'\\]|\\.)*'?|"(?:[^"\\]|\\.)*"?|\S+)""", re.IGNORECASE)
+# URI: the userinfo's password runs to the *last* '@' of the URI (an '@' or ':' inside a
+# password need not be percent-encoded for libpq to be asked, and stopping at the first
+# one would print the rest).
+_PASSWORD_URI = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*://[^\s:/?#@]*:)(\S*)(@)")
 _SECRET_KEYS = ("password", "passwd", "secret", "sasl_plain_password", "token")
 
 
 def redact_dsn(text: str) -> str:
-    """Hide passwords in libpq key=value DSNs and in URIs (``user:pw@host``)."""
-    text = _PASSWORD_KV.sub(r"\1***", text)
-    return _PASSWORD_URI.sub(r"\1***\3", text)
+    """Hide passwords in libpq key=value DSNs and in URIs (``user:pw@host``), however many."""
+    text = _PASSWORD_URI.sub(r"\1***\3", text)
+    return _PASSWORD_KV.sub(r"\1***", text)
 
 
 def _clean(key: str, value: Any) -> Any:

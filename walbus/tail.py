@@ -86,7 +86,7 @@ def main(argv: Sequence[str]) -> int:
     try:
         EventFilter(config.table, config.operation)
     except ValueError as e:
-        raise ConfigError(f"--operation: {e}") from None
+        raise ConfigError(str(e)) from None
     try:
         asyncio.run(_run(config))
     except BrokenPipeError:  # `walbus tail ... | head`

@@ -25,7 +25,7 @@
 from walbus.client.feed import Feed, FeedStats, ResumeAfter, Transaction
 from walbus.client.filters import EventFilter
 from walbus.client.positions import Position
-from walbus.client.table import Row, Table, TableChange, table_key
+from walbus.client.table import InvalidTableRecord, Row, Table, TableChange, TableError, table_key
 from walbus.contract import ChangeEvent, Lsn, RowImage
 
 __all__ = [
@@ -33,6 +33,7 @@ __all__ = [
     "EventFilter",
     "Feed",
     "FeedStats",
+    "InvalidTableRecord",
     "Lsn",
     "Position",
     "ResumeAfter",
@@ -40,6 +41,7 @@ __all__ = [
     "RowImage",
     "Table",
     "TableChange",
+    "TableError",
     "Transaction",
     "table_key",
 ]

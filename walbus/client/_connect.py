@@ -7,7 +7,7 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from aiokafka import TopicPartition
+from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
 
 log = logging.getLogger("walbus.client")
@@ -45,3 +45,21 @@ async def topic_partitions(
             await asyncio.sleep(poll_interval)
     finally:
         await admin.close()
+
+
+async def read_records(kwargs: Mapping[str, Any], tp: TopicPartition, start: int, end: int) -> list[Any]:
+    """The committed records of ``tp`` at offsets ``start <= offset < end`` (those still there)."""
+    consumer = AIOKafkaConsumer(**kwargs, enable_auto_commit=False, isolation_level="read_committed")
+    await consumer.start()
+    try:
+        consumer.assign([tp])
+        first = (await consumer.beginning_offsets([tp]))[tp]
+        end = min(end, (await consumer.end_offsets([tp]))[tp])
+        consumer.seek(tp, max(start, first))
+        out: list[Any] = []
+        while await consumer.position(tp) < end:
+            batches = await consumer.getmany(tp, timeout_ms=1000)
+            out += [m for m in batches.get(tp, []) if m.offset < end]
+        return out
+    finally:
+        await consumer.stop()

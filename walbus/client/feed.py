@@ -3,6 +3,9 @@
 Delivery guarantees (see docs/client.md):
 
 * events come in commit order (``(commit_lsn, seq)``; total with the default single partition);
+* a record that is not a valid v1 event whose key is its own ``(commit_lsn, seq)`` is
+  skipped (error log line, ``stats.invalid_skipped``, ``walbus_client_invalid_records``) and
+  moves no position;
 * a record whose position is not above the highest position already read from its partition
   is a duplicate (the producer re-sends after a crash) and is skipped; the group's highest
   finished position is committed with its offset as metadata, so a restarted consumer skips
@@ -25,20 +28,26 @@ from typing import Any, Literal
 from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.errors import ConsumerStoppedError, KafkaError
+from prometheus_client import CollectorRegistry
 
 from walbus.client._connect import client_kwargs as _client_kwargs
-from walbus.client._connect import topic_partitions
+from walbus.client._connect import read_records, topic_partitions
 from walbus.client.filters import EventFilter
+from walbus.client.metrics import client_metrics
 from walbus.client.positions import (
     Position,
+    decode_legacy_metadata,
     decode_metadata,
     encode_metadata,
     newest,
-    position_of_key,
+    valid_event,
 )
-from walbus.contract import ChangeEvent, ContractError, decode_event
+from walbus.contract import ChangeEvent, ContractError, event_key
 
 log = logging.getLogger("walbus.client.feed")
+
+# How far back from its committed offset a version-1 group position is looked for.
+LEGACY_MARK_WINDOW = 10_000
 
 ResumeAfter = Callable[[str, int], Awaitable[Position | None]]
 """``async (topic, partition) -> position | None``: the last position your handler durably applied."""
@@ -125,7 +134,8 @@ class Feed:
         group_id: the consumer group; None reads every partition without committing anything.
         bootstrap_servers / client_kwargs: where the brokers are; ``client_kwargs`` takes any
             aiokafka connection options (``KafkaOptions.kafka_client_kwargs()``).
-        tables: fnmatch patterns on ``schema.table`` (no dot: the table in any schema).
+        tables: fnmatch patterns on ``schema.table`` (no dot: the table in any schema); a name
+            with a dot or quote is quoted as in the event (``public."a.b"``).
         operations: ``insert``, ``update``, ``delete``, ``truncate``, ``read``; empty = all.
         from_beginning: where a group without committed offsets (or a group-less feed) starts.
         commit_interval: seconds between offset commits while events keep coming; the feed
@@ -136,9 +146,10 @@ class Feed:
             no record arrived for this many seconds (v1 events carry no end-of-transaction mark).
         until_end: stop iterating once the partitions are read up to where they ended when
             they were assigned (for tools and tests).
-        strict: raise :class:`~walbus.contract.ContractError` on a record that is not a v1
-            event, instead of logging and skipping it.
+        strict: raise :class:`~walbus.contract.ContractError` on a record that is not a valid
+            v1 event keyed by its own position, instead of logging and skipping it.
         consumer_options: extra ``AIOKafkaConsumer`` options (e.g. ``session_timeout_ms``).
+        metrics_registry: where the client's Prometheus counters live (default: the global one).
     """
 
     def __init__(
@@ -157,6 +168,7 @@ class Feed:
         until_end: bool = False,
         strict: bool = False,
         consumer_options: Mapping[str, Any] | None = None,
+        metrics_registry: CollectorRegistry | None = None,
     ) -> None:
         self.topic = topic
         self.group_id = group_id
@@ -170,6 +182,7 @@ class Feed:
         self._until_end = until_end
         self._strict = strict
         self._consumer_options = dict(consumer_options or {})
+        self._metrics = client_metrics(metrics_registry)
         self._consumer: AIOKafkaConsumer | None = None
         self._admin: AIOKafkaAdminClient | None = None
         self._parts: dict[TopicPartition, _PartitionState] = {}
@@ -388,30 +401,63 @@ class Feed:
         tp = TopicPartition(msg.topic, msg.partition)
         state = self._parts[tp]
         state.read_offset = msg.offset + 1
-        position = position_of_key(msg.key)
-        if position is not None and state.seen is not None and position <= state.seen:
+        try:
+            event = valid_event(msg.key, msg.value)
+        except ContractError as e:
+            self._skip_invalid(msg, e)
+            return None
+        position = event.position
+        if state.seen is not None and position <= state.seen:
             self.stats.duplicates_skipped += 1
             return None
-        try:
-            event = decode_event(msg.value)
-        except ContractError as e:
-            self.stats.invalid_skipped += 1
-            if self._strict:
-                raise
-            log.warning(
-                "skipping a record that is not a walbus v1 event",
-                extra={"topic": msg.topic, "partition": msg.partition, "offset": msg.offset, "error": str(e)},
-            )
-            state.seen = newest(state.seen, position)
-            return None
-        if position is None:
-            position = event.position
-            if state.seen is not None and position <= state.seen:
-                self.stats.duplicates_skipped += 1
-                return None
         state.seen = position
         wanted = self.filter.wants(event.table, event.operation)
         return _Record(tp, state.epoch, msg.offset, position, event, wanted)
+
+    def _skip_invalid(self, msg: Any, error: ContractError) -> None:
+        # Skipped for good (its offset is committed with the next ones), but never silently.
+        self.stats.invalid_skipped += 1
+        self._metrics.invalid_records.labels("feed", msg.topic).inc()
+        log.error(
+            "skipping a record that is not a valid walbus v1 event",
+            extra={
+                "topic": msg.topic,
+                "partition": msg.partition,
+                "offset": msg.offset,
+                "key": repr(msg.key[:40]) if msg.key is not None else None,
+                "error": str(error),
+            },
+        )
+        if self._strict:
+            raise error
+
+    async def _stored_position(self, tp: TopicPartition, offset: int, metadata: str) -> Position | None:
+        """The position the group stored with ``offset``; a version-1 one only once verified.
+
+        Feeds before version 2 moved the position on any key, so one record with a high key
+        and a broken value could store a position no event has, after which everything
+        looked like a replay. Such a position is used only if a valid event just before the
+        committed offset carries it; otherwise it is ignored (logged and counted), which at
+        worst lets a re-send written after the committed offset through once.
+        """
+        position = decode_metadata(metadata)
+        legacy = decode_legacy_metadata(metadata)
+        if position is not None or legacy is None:
+            return position
+        key = event_key(*legacy)
+        for msg in reversed(await read_records(self._kwargs, tp, offset - LEGACY_MARK_WINDOW, offset)):
+            if msg.key == key:
+                try:
+                    valid_event(msg.key, msg.value)
+                except ContractError:
+                    break
+                return legacy
+        self._metrics.stored_positions_ignored.labels(tp.topic).inc()
+        log.error(
+            "ignoring the group's stored position: no valid event before the committed offset has it",
+            extra={"topic": tp.topic, "partition": tp.partition, "offset": offset, "group": self.group_id, "position": key.decode()},
+        )
+        return None
 
     async def _load_new_partitions(self) -> None:
         """Set up the dedup state of newly assigned partitions from what the group stored."""
@@ -427,7 +473,7 @@ class Feed:
             offsets = await self._admin.list_consumer_group_offsets(self.group_id, partitions=new)
             for tp, om in offsets.items():
                 if om.offset >= 0:
-                    stored[tp] = decode_metadata(om.metadata)
+                    stored[tp] = await self._stored_position(tp, om.offset, om.metadata)
         resumed: dict[TopicPartition, Position | None] = {}
         if self._resume_after is not None:
             for tp in new:

@@ -5,19 +5,40 @@ from __future__ import annotations
 from collections.abc import Iterable
 from fnmatch import fnmatchcase
 
-from walbus.contract import OPERATIONS
+from walbus.contract import OPERATIONS, ContractError, split_table
+
+
+def _split_pattern(pattern: str) -> tuple[str | None, str]:
+    """``(schema pattern or None for any schema, table pattern)``, split like the event's field."""
+    if "." not in pattern and '"' not in pattern:
+        return None, pattern
+    try:
+        return split_table(pattern)
+    except ContractError:
+        pass
+    try:  # a single quoted name: the table in any schema
+        _, table = split_table("_." + pattern)
+    except ContractError:
+        raise ValueError(
+            f"table pattern {pattern!r} is neither 'table' nor 'schema.table' "
+            '(double-quote a name that holds a dot: public."a.b")'
+        ) from None
+    return None, table
 
 
 class EventFilter:
-    """Matches ``schema.table`` against fnmatch patterns and the operation against a set.
+    """Matches ``(schema, table)`` against fnmatch patterns and the operation against a set.
 
     A pattern without a dot matches the table name in any schema (``transactions`` matches
-    ``public.transactions``); with a dot it matches the qualified name (``public.*``).
+    ``public.transactions``); ``schema.table`` matches each part (``public.*``). A name
+    holding a dot or a double quote is written as in the event's ``table`` field
+    (:func:`walbus.contract.qualify_table`): ``"my.schema".*``, ``public."a.b"``.
     No patterns (or no operations) means everything.
     """
 
     def __init__(self, tables: Iterable[str] = (), operations: Iterable[str] = ()) -> None:
         self.tables: tuple[str, ...] = tuple(tables)
+        self._patterns = [_split_pattern(p) for p in self.tables]
         self.operations: frozenset[str] = frozenset(operations)
         unknown = self.operations - OPERATIONS
         if unknown:
@@ -28,17 +49,18 @@ class EventFilter:
         self._cache: dict[str, bool] = {}
 
     def wants_table(self, table: str) -> bool:
+        """``table`` is the event's field (``schema.table``, parts quoted where needed)."""
         hit = self._cache.get(table)
         if hit is None:
-            hit = not self.tables or any(self._match(p, table) for p in self.tables)
+            hit = not self._patterns or self._match(split_table(table))
             self._cache[table] = hit
         return hit
 
     def wants(self, table: str, operation: str) -> bool:
         return (not self.operations or operation in self.operations) and self.wants_table(table)
 
-    @staticmethod
-    def _match(pattern: str, table: str) -> bool:
-        if "." in pattern:
-            return fnmatchcase(table, pattern)
-        return fnmatchcase(table.split(".", 1)[-1], pattern)
+    def _match(self, name: tuple[str, str]) -> bool:
+        schema, table = name
+        return any(
+            (sp is None or fnmatchcase(schema, sp)) and fnmatchcase(table, tp) for sp, tp in self._patterns
+        )

@@ -4,16 +4,38 @@ A position is ``(commit_lsn, seq)``: unique per change and ordered as the commit
 highest position a group has finished with travels as the metadata string of its committed
 offset, so that a restarted consumer recognises records that were written to the topic twice
 (the producer is at-least-once) even when they sit *after* the committed offset.
+
+Positions move only on valid events whose key is their own ``(commit_lsn, seq)``
+(:func:`valid_event`): one record with a high key and a broken value must not make every
+later event look like a replay. Metadata of version 1 was written by feeds that did not
+check this, so it is only a claim to verify (see ``Feed``); version 2 is trusted.
 """
 
 from __future__ import annotations
 
-from walbus.contract import ContractError, event_key, parse_event_key
+from walbus.contract import (
+    ChangeEvent,
+    ContractError,
+    check_key,
+    decode_event,
+    event_key,
+    parse_event_key,
+)
 
 Position = tuple[int, int]
 """``(commit_lsn, seq)`` of an event."""
 
-_METADATA_PREFIX = "walbus-feed/1:"
+_METADATA_PREFIX = "walbus-feed/2:"
+_LEGACY_METADATA_PREFIX = "walbus-feed/1:"
+
+
+def valid_event(key: bytes | None, value: bytes | None) -> ChangeEvent:
+    """The event of a database-topic record whose key is its own position; else :class:`ContractError`."""
+    if value is None:
+        raise ContractError("record without a value")
+    event = decode_event(value)
+    check_key(key, event)
+    return event
 
 
 def position_of_key(key: bytes | None) -> Position | None:
@@ -33,11 +55,20 @@ def encode_metadata(position: Position | None) -> str:
     return _METADATA_PREFIX + event_key(*position).decode("ascii")
 
 
+def _decode(text: str | None, prefix: str) -> Position | None:
+    if not text or not text.startswith(prefix):
+        return None
+    return position_of_key(text[len(prefix) :].encode("ascii", "replace"))
+
+
 def decode_metadata(text: str | None) -> Position | None:
     """Inverse of :func:`encode_metadata`; None for metadata some other client wrote."""
-    if not text or not text.startswith(_METADATA_PREFIX):
-        return None
-    return position_of_key(text[len(_METADATA_PREFIX) :].encode("ascii", "replace"))
+    return _decode(text, _METADATA_PREFIX)
+
+
+def decode_legacy_metadata(text: str | None) -> Position | None:
+    """The position in version-1 metadata: unchecked, it may come from an invalid record."""
+    return _decode(text, _LEGACY_METADATA_PREFIX)
 
 
 def newest(*positions: Position | None) -> Position | None:

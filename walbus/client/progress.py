@@ -18,9 +18,12 @@ from typing import Any
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
+from prometheus_client import CollectorRegistry
 
 from walbus.client._connect import topic_partitions
-from walbus.client.positions import Position, newest, position_of_key
+from walbus.client.metrics import client_metrics
+from walbus.client.positions import Position, newest, valid_event
+from walbus.contract import ContractError
 
 log = logging.getLogger("walbus.client.progress")
 
@@ -28,8 +31,17 @@ log = logging.getLogger("walbus.client.progress")
 class SourceProgress:
     """Watches the database topic's newest positions and, optionally, the demux group's offsets."""
 
-    def __init__(self, client_kwargs: Mapping[str, Any], topic: str, group: str | None, *, poll_interval: float = 0.05) -> None:
+    def __init__(
+        self,
+        client_kwargs: Mapping[str, Any],
+        topic: str,
+        group: str | None,
+        *,
+        poll_interval: float = 0.05,
+        metrics_registry: CollectorRegistry | None = None,
+    ) -> None:
         self.topic = topic
+        self._metrics = client_metrics(metrics_registry)
         self.group = group
         self._kwargs = dict(client_kwargs)
         self._poll = poll_interval
@@ -38,7 +50,7 @@ class SourceProgress:
         self._tps: list[TopicPartition] = []
         self._newest: dict[TopicPartition, Position] = {}
         self._probe: AIOKafkaConsumer | None = None  # random access to single records
-        self._at: dict[tuple[TopicPartition, int], Position] = {}
+        self._at: dict[tuple[TopicPartition, int], Position | None] = {}  # None: not a valid event
         self._cursor_lock = asyncio.Lock()
         self._probe_lock = asyncio.Lock()
 
@@ -96,10 +108,22 @@ class SourceProgress:
             batches = await consumer.getmany(*behind, timeout_ms=200)
             for tp, msgs in batches.items():
                 for m in msgs:
-                    pos = position_of_key(m.key)
+                    pos = self._position_of(m)
                     best = newest(self._newest.get(tp), pos)
                     if best is not None:
                         self._newest[tp] = best
+
+    def _position_of(self, msg: Any) -> Position | None:
+        """The record's position if it is a valid event keyed by it (a bad key must not count)."""
+        try:
+            return valid_event(msg.key, msg.value).position
+        except ContractError as e:
+            self._metrics.invalid_records.labels("wait_until", msg.topic).inc()
+            log.error(
+                "ignoring a record that is not a valid walbus v1 event",
+                extra={"topic": msg.topic, "partition": msg.partition, "offset": msg.offset, "error": str(e)},
+            )
+            return None
 
     async def group_reached(self, lsn: int, ends: Mapping[TopicPartition, int]) -> None:
         """Wait until the demux group has consumed every commit up to ``lsn`` (no group: return).
@@ -137,9 +161,8 @@ class SourceProgress:
 
     async def _position_at(self, tp: TopicPartition, offset: int) -> Position | None:
         """The position in the key of the record at ``offset`` (cached: records never change)."""
-        cached = self._at.get((tp, offset))
-        if cached is not None:
-            return cached
+        if (tp, offset) in self._at:
+            return self._at[(tp, offset)]
         async with self._probe_lock:
             return await self._probe_position(tp, offset)
 
@@ -156,9 +179,8 @@ class SourceProgress:
         msgs = batches.get(tp, [])
         if not msgs or msgs[0].offset != offset:
             return None  # compacted away or not fetched in time: ask again later
-        pos = position_of_key(msgs[0].key)
-        if pos is not None:
-            if len(self._at) > 1024:
-                self._at.clear()
-            self._at[(tp, offset)] = pos
+        pos = self._position_of(msgs[0])
+        if len(self._at) > 1024:
+            self._at.clear()
+        self._at[(tp, offset)] = pos
         return pos

@@ -5,6 +5,11 @@ per row change keyed by the primary key (``{"transaction_id":54441}``); a null v
 (tombstone) deletes the key. A :class:`Table` reads it from the beginning into a dict (or a
 mapping you give, e.g. a disk-backed one), then keeps following it. Records are read with
 ``isolation_level=read_committed``: the demux writes them in Kafka transactions.
+
+A record that the demux cannot have written (:class:`InvalidTableRecord`) is logged as an
+error, counted and skipped; the table keeps following the topic. When the reader itself
+fails (the topic was deleted, the brokers refuse it), every read raises :class:`TableError`
+instead of serving rows that no longer follow the topic.
 """
 
 from __future__ import annotations
@@ -20,15 +25,27 @@ from typing import Any
 
 import orjson
 from aiokafka import AIOKafkaConsumer, TopicPartition
+from prometheus_client import CollectorRegistry
 
 from walbus.client._connect import client_kwargs as _client_kwargs
 from walbus.client._connect import topic_partitions
+from walbus.client.metrics import client_metrics
 from walbus.client.progress import SourceProgress
 
 log = logging.getLogger("walbus.client.table")
 
 Row = dict[str, Any]
 METADATA_FIELDS = frozenset({"__op", "__lsn", "__commit_lsn", "__seq", "__xid", "__ts"})
+_INT_METADATA = ("__lsn", "__commit_lsn", "__seq", "__xid")
+_ROW_OPS = frozenset({"c", "u", "r", "d"})
+
+
+class TableError(RuntimeError):
+    """The table's reader failed: its rows no longer follow the topic."""
+
+
+class InvalidTableRecord(ValueError):
+    """A record of a per-table topic that is not a row the demux writes."""
 
 
 def freeze(value: Any) -> Any:
@@ -50,6 +67,42 @@ def table_key(key: Any) -> Any:
         values = [freeze(v) for v in key.values()]
         return values[0] if len(values) == 1 else tuple(values)
     return freeze(key)
+
+
+def decode_table_record(key: bytes, value: bytes | None) -> tuple[Any, Row | None, dict[str, Any]]:
+    """``(mapping key, row or None for a delete, metadata)`` of one keyed record.
+
+    Raises :class:`InvalidTableRecord` unless the key is a JSON object of the primary-key
+    columns and the value is a tombstone or a row object with the demux's metadata whose
+    key columns agree with the key (a row built from misaligned lists does not).
+    """
+    try:
+        key_obj = orjson.loads(key)
+        row = orjson.loads(value) if value is not None else None
+    except orjson.JSONDecodeError as e:
+        raise InvalidTableRecord(f"not JSON: {e}") from None
+    if not isinstance(key_obj, dict) or not key_obj:
+        raise InvalidTableRecord(f"the key is not an object of primary-key columns: {key[:80]!r}")
+    mapping_key = table_key(key_obj)
+    try:
+        hash(mapping_key)
+    except TypeError:
+        raise InvalidTableRecord(f"the key holds a JSON object: {key[:80]!r}") from None
+    if row is None:
+        return mapping_key, None, {}
+    if not isinstance(row, dict):
+        raise InvalidTableRecord(f"the value is not a JSON object: {value[:80]!r}" if value else "empty value")
+    meta = {k: row.pop(k) for k in METADATA_FIELDS if k in row}
+    op = meta.get("__op")
+    if op not in _ROW_OPS:
+        raise InvalidTableRecord(f"unknown or missing __op {op!r}")
+    bad = [k for k in _INT_METADATA if k in meta and (not isinstance(meta[k], int) or isinstance(meta[k], bool))]
+    if bad:
+        raise InvalidTableRecord(f"metadata {bad} must be integers")
+    clash = [c for c, v in key_obj.items() if c in row and row[c] != v]
+    if clash:
+        raise InvalidTableRecord(f"the row's key column(s) {clash} differ from the record key")
+    return mapping_key, (None if op == "d" else row), meta
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +146,7 @@ class Table(Mapping[Any, Row]):
             demux's own default), which makes :meth:`wait_until` exact (see there).
         follow_demux: False: :meth:`wait_until` does not consult the demux group (step 3).
         consumer_options: extra ``AIOKafkaConsumer`` options.
+        metrics_registry: where the client's Prometheus counters live (default: the global one).
     """
 
     def __init__(
@@ -107,6 +161,7 @@ class Table(Mapping[Any, Row]):
         source_group: str | None = None,
         follow_demux: bool = True,
         consumer_options: Mapping[str, Any] | None = None,
+        metrics_registry: CollectorRegistry | None = None,
     ) -> None:
         self.topic = topic
         self.rows: MutableMapping[Any, Row] = {} if store is None else store
@@ -116,6 +171,9 @@ class Table(Mapping[Any, Row]):
         self.source_group = (source_group or f"walbus-demux.{self.source_topic}") if follow_demux else None
         self._kwargs = _client_kwargs(bootstrap_servers, client_kwargs)
         self._consumer_options = dict(consumer_options or {})
+        self._metrics_registry = metrics_registry
+        self._metrics = client_metrics(metrics_registry)
+        self.invalid_skipped = 0
         self._consumer: AIOKafkaConsumer | None = None
         self._task: asyncio.Task[None] | None = None
         self._progress: SourceProgress | None = None
@@ -131,19 +189,27 @@ class Table(Mapping[Any, Row]):
     # -- mapping -----------------------------------------------------------------------------
 
     def __getitem__(self, key: Any) -> Row:
+        self._check()
         return self.rows[table_key(key)]
 
     def __iter__(self) -> Iterator[Any]:
+        self._check()
         return iter(self.rows)
 
     def __len__(self) -> int:
+        self._check()
         return len(self.rows)
 
     def __contains__(self, key: object) -> bool:
+        self._check()
         try:
             return table_key(key) in self.rows
         except (TypeError, orjson.JSONDecodeError):
             return False
+
+    def _check(self) -> None:
+        if self._failure is not None:
+            raise TableError(f"table reader for {self.topic} failed: {self._failure!r}") from self._failure
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -202,11 +268,17 @@ class Table(Mapping[Any, Row]):
         try:
             while True:
                 batches = await consumer.getmany(timeout_ms=500)
+                if not batches and consumer.partitions_for_topic(self.topic) is None:
+                    # aiokafka keeps polling a deleted topic in silence: ask the brokers.
+                    await topic_partitions(self._kwargs, self.topic, wait=False)
                 # Positions also move over transaction markers, which return no record.
                 positions = {tp: await consumer.position(tp) for tp in self._tps}
                 for tp, msgs in batches.items():
                     for m in msgs:
-                        await self._apply(tp, m)
+                        try:
+                            await self._apply(tp, m)
+                        except InvalidTableRecord as e:
+                            self._skip_invalid(m, e)
                         self._applied[tp] = m.offset + 1
                 for tp, pos in positions.items():
                     self._applied[tp] = max(self._applied[tp], pos)
@@ -216,7 +288,7 @@ class Table(Mapping[Any, Row]):
             raise
         except BaseException as e:
             self._failure = e
-            log.exception("table reader failed", extra={"topic": self.topic})
+            log.exception("table reader failed; reads raise TableError", extra={"topic": self.topic})
             async with self._changed:
                 self._changed.notify_all()
 
@@ -226,14 +298,9 @@ class Table(Mapping[Any, Row]):
                 log.warning("ignoring records without a key (table without a primary key?)", extra={"topic": self.topic})
                 self._warned_null_key = True
             return
-        key = table_key(m.key)
-        old = self.rows.get(key)
-        value = orjson.loads(m.value) if m.value is not None else None
-        meta: dict[str, Any] = {}
-        if value is not None:
-            meta = {k: value.pop(k) for k in METADATA_FIELDS if k in value}
+        key, new, meta = decode_table_record(m.key, m.value)
         op = meta.get("__op", "d")
-        new = value if value is not None and op != "d" else None
+        old = self.rows.get(key)
         if new is None:
             self.rows.pop(key, None)
         else:
@@ -253,19 +320,27 @@ class Table(Mapping[Any, Row]):
             except Exception:
                 log.exception("on_change failed", extra={"topic": self.topic, "key": repr(key)})
 
+    def _skip_invalid(self, m: Any, error: InvalidTableRecord) -> None:
+        self.invalid_skipped += 1
+        self._metrics.invalid_records.labels("table", self.topic).inc()
+        log.error(
+            "skipping a record that is not a walbus table row",
+            extra={"topic": m.topic, "partition": m.partition, "offset": m.offset, "error": str(error)},
+        )
+
     async def _wait_offsets(self, targets: Mapping[TopicPartition, int]) -> None:
         def reached() -> bool:
             return self._failure is not None or all(self._applied.get(tp, 0) >= off for tp, off in targets.items())
 
         async with self._changed:
             await self._changed.wait_for(reached)
-        if self._failure is not None:
-            raise RuntimeError(f"table reader for {self.topic} failed") from self._failure
+        self._check()
 
     # -- read-your-writes --------------------------------------------------------------------
 
     def reflects(self, lsn: int) -> bool:
         """True when every partition has applied a record committed after ``lsn``."""
+        self._check()
         return bool(self._tps) and all(self._max_commit.get(tp, -1) > lsn for tp in self._tps)
 
     async def wait_until(self, lsn: int) -> None:
@@ -300,7 +375,9 @@ class Table(Mapping[Any, Row]):
             return
         async with self._progress_lock:
             if self._progress is None:
-                progress = SourceProgress(self._kwargs, self.source_topic, self.source_group)
+                progress = SourceProgress(
+                    self._kwargs, self.source_topic, self.source_group, metrics_registry=self._metrics_registry
+                )
                 await progress.start()
                 self._progress = progress
         ends = await self._progress.commit_reached(lsn)

@@ -1,0 +1,86 @@
+"""Passwords never reach a log line or an error message: DSN redaction and DSN parse errors."""
+
+from __future__ import annotations
+
+import io
+import logging
+
+import pytest
+
+from producer.config import ProducerConfig
+from walbus.config import ConfigError, describe
+from walbus.logs import JsonFormatter, redact_dsn
+
+
+@pytest.mark.parametrize(
+    ("text", "secrets"),
+    [
+        ("postgresql://u:p@ss@h/db", ["p@ss", "ss@"]),  # the issue's reproduction
+        ("postgresql://u:pa:ss@h:5432/db", ["pa:ss", "ss@"]),
+        ("postgres://u:p%40ss%3Aw@h/db?sslmode=require", ["p%40ss", "ss%3Aw"]),
+        ("postgresql://:only@h/db", ["only"]),
+        ("a postgresql://u:one@h1/db and postgresql://v:t@w@o@h2/db end", ["one", "t@w", "w@o"]),
+        ("host=h password=s3cret dbname=x", ["s3cret"]),
+        ("host=h password = 's3 cr\\'et' dbname=x", ["s3", "cr", "et'"]),
+        ("host=h PASSWORD='unterminated secret", ["unterminated", "secret"]),
+        ("postgresql://h/db?password=s3cret&sslmode=require", ["s3cret"]),
+        ("dsn1=host=a password=x1y dsn2=postgresql://u:x2y@b/db", ["x1y", "x2y"]),
+    ],
+)
+def test_every_password_is_redacted(text: str, secrets: list[str]) -> None:
+    out = redact_dsn(text)
+    for secret in secrets:
+        assert secret not in out, out
+    assert "***" in out
+    assert redact_dsn(out) == out
+
+
+def test_redaction_keeps_what_is_not_a_password() -> None:
+    assert redact_dsn("postgresql://u:p@ss@h/db") == "postgresql://u:***@h/db"
+    assert redact_dsn("host=h password='a b' dbname=x") == "host=h password=*** dbname=x"
+    assert redact_dsn("postgresql://u@h/db and user@example.com") == "postgresql://u@h/db and user@example.com"
+
+
+def test_log_lines_and_config_dumps_hide_passwords() -> None:
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(JsonFormatter())
+    log = logging.getLogger("walbus.test.redact")
+    log.addHandler(handler)
+    try:
+        log.error("connect failed: postgresql://u:p@ss@h/db", extra={"dsn": "host=h password='se cret'"})
+    finally:
+        log.removeHandler(handler)
+    line = stream.getvalue()
+    assert "p@ss" not in line and "ss@h" not in line and "se cret" not in line and "cret" not in line
+
+    cfg = ProducerConfig(pg_dsn="postgresql://u:p@ss%40w@h/db", kafka_bootstrap="k")
+    assert "ss" not in describe(cfg)["pg_dsn"].replace("postgresql", "")
+
+
+@pytest.mark.parametrize(
+    "dsn",
+    [
+        "postgresql://u:p%zzsecret@h/db",  # bad percent-encoding: libpq quotes the password
+        "postgresql://u:sec ret@h/db",  # libpq quotes "sec ret"
+        "host=h password=se cret dbname=x",  # libpq quotes "cret"
+        "host=h password='se cret dbname=x",
+        "postgresql://u:secret@h/db?secret=1",
+    ],
+)
+def test_dsn_parse_errors_show_no_part_of_the_dsn(dsn: str) -> None:
+    with pytest.raises(ConfigError, match="--pg-dsn is not a valid connection string") as caught:
+        _ = ProducerConfig(pg_dsn=dsn, kafka_bootstrap="k").database
+    message = str(caught.value)
+    assert "sec" not in message and "cret" not in message and "zz" not in message
+
+
+def test_an_unencoded_at_in_a_uri_password_is_a_config_error() -> None:
+    from walbus.config import parse_dsn
+
+    cfg = ProducerConfig(pg_dsn="postgresql://u:p@ss@h/db", kafka_bootstrap="k")
+    with pytest.raises(ConfigError, match="%40") as caught:
+        _ = cfg.database
+    assert "ss" not in str(caught.value).replace("password", "")
+    assert parse_dsn("postgresql://u:p%40ss@h/db", "--pg-dsn")["password"] == "p@ss"
+    assert ProducerConfig(pg_dsn="postgresql://u:pa:ss@h/shop", kafka_bootstrap="k").database == "shop"
