@@ -210,3 +210,25 @@ def test_check_key_refuses_any_other_position(kw: dict[str, Any], other: tuple[i
         check_key(event_key(*other), ev)
     with pytest.raises(ContractError):
         check_key(None, ev)
+
+
+_NOT_A_NAME = st.one_of(st.integers(), st.none(), st.booleans(), st.floats(allow_nan=False),
+                        st.lists(st.integers(), max_size=2), st.dictionaries(st.text(max_size=2), st.integers(), max_size=1))
+
+
+@given(events(), st.sampled_from(["pk", "columns", "types", "unchanged", "identity.columns", "identity.types"]),
+       _NOT_A_NAME, st.integers(0, 5))
+def test_names_that_are_not_strings_are_contract_errors(kw: dict[str, Any], where: str, junk: Any, at: int) -> None:
+    """A number or null among pk/columns/types/unchanged is the record's fault, not a crash further on."""
+    obj = orjson.loads(encode_event(**kw))
+    holder = obj.get("identity") if where.startswith("identity.") else obj
+    name = where.removeprefix("identity.")
+    assume(isinstance(holder, dict) and isinstance(holder.get(name), list))
+    names = holder[name]
+    names.insert(min(at, len(names)), junk)
+    if name in ("columns", "types"):  # keep the lists aligned: only the name is wrong
+        holder["values" if name == "columns" else "columns"].insert(min(at, len(names) - 1), "x")
+        other = "types" if name == "columns" else "values"
+        holder[other].insert(min(at, len(names) - 1), "x")
+    with pytest.raises(ContractError):
+        decode_event(orjson.dumps(obj))

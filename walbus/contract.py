@@ -204,7 +204,15 @@ def _image(obj: dict[str, Any], where: str) -> RowImage:
         raise ContractError(f"{where}: columns, types and values must be lists")
     if not len(columns) == len(types) == len(values):
         raise ContractError(f"{where}: columns, types and values differ in length")
+    _check_names(columns, f"{where} columns")
+    _check_names(types, f"{where} types")
     return RowImage(tuple(columns), tuple(types), tuple(values))
+
+
+def _check_names(names: list[Any], where: str) -> None:
+    # Names become dict keys and JSON object keys downstream: a number there is the record's fault.
+    if not all(isinstance(n, str) for n in names):
+        raise ContractError(f"{where}: every name must be a string")
 
 
 def _int_field(obj: dict[str, Any], name: str) -> int:
@@ -238,6 +246,7 @@ def decode_event(value: bytes | str) -> ChangeEvent:
     pk = obj.get("pk", [])
     if not isinstance(pk, list):
         raise ContractError("field 'pk' must be a list")
+    _check_names(pk, "pk")
     new = _image(obj, "row") if "columns" in obj else None
     if new is None and operation in ("insert", "update", "read"):
         raise ContractError(f"{operation} event without columns/types/values")
@@ -246,6 +255,7 @@ def decode_event(value: bytes | str) -> ChangeEvent:
     unchanged = obj.get("unchanged", [])
     if not isinstance(unchanged, list):
         raise ContractError("field 'unchanged' must be a list")
+    _check_names(unchanged, "unchanged")
     return ChangeEvent(
         lsn=_int_field(obj, "lsn"),
         commit_lsn=_int_field(obj, "commit_lsn"),
