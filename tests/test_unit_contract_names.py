@@ -19,7 +19,7 @@ from walbus.contract import (
 
 KAFKA_TOPIC = re.compile(r"^[A-Za-z0-9._-]{1,249}$")
 NAMES = ["order_items", "Order Items", "ö", "a.b", "a_b", "my-db", "my-DB", "a--b", "a-2E", "-", "--",
-         '"q"', "x" * 63, "ö" * 31, "日本語", " ", "a\tb", "emoji😀", "-2D", "..", "-_-"]
+         '"q"', "x" * 63, "ö" * 31, "日本語", " ", "a\tb", "emoji😀", "-2D", "..", "-_-", "a-ö", "a- b", "-."]
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -204,7 +204,15 @@ def _image(obj: dict[str, Any], where: str) -> RowImage:
         raise ContractError(f"{where}: columns, types and values must be lists")
     if not len(columns) == len(types) == len(values):
         raise ContractError(f"{where}: columns, types and values differ in length")
+    _check_names(columns, f"{where} columns")
+    _check_names(types, f"{where} types")
     return RowImage(tuple(columns), tuple(types), tuple(values))
+
+
+def _check_names(names: list[Any], where: str) -> None:
+    # Names become dict keys and JSON object keys downstream: a number there is the record's fault.
+    if not all(isinstance(n, str) for n in names):
+        raise ContractError(f"{where}: every name must be a string")
 
 
 def _int_field(obj: dict[str, Any], name: str) -> int:
@@ -238,6 +246,7 @@ def decode_event(value: bytes | str) -> ChangeEvent:
     pk = obj.get("pk", [])
     if not isinstance(pk, list):
         raise ContractError("field 'pk' must be a list")
+    _check_names(pk, "pk")
     new = _image(obj, "row") if "columns" in obj else None
     if new is None and operation in ("insert", "update", "read"):
         raise ContractError(f"{operation} event without columns/types/values")
@@ -246,6 +255,7 @@ def decode_event(value: bytes | str) -> ChangeEvent:
     unchanged = obj.get("unchanged", [])
     if not isinstance(unchanged, list):
         raise ContractError("field 'unchanged' must be a list")
+    _check_names(unchanged, "unchanged")
     return ChangeEvent(
         lsn=_int_field(obj, "lsn"),
         commit_lsn=_int_field(obj, "commit_lsn"),
@@ -326,9 +336,9 @@ def split_table(qualified: str) -> tuple[str, str]:
 # -- topic names --------------------------------------------------------------------------
 # Kafka allows [A-Za-z0-9._-] and 249 characters. Each name part is escaped reversibly:
 # letters, digits and '_' stay; every other character's UTF-8 bytes become '-HH' (upper-case
-# hex); a '-' stays itself unless it is followed by two upper-case hex digits or by another
-# '-', so common names ('order_items', 'my-db') are unchanged and '--' never appears in an
-# escaped part. A name too long for Kafka, or one that Kafka finds colliding ('.' and '_'
+# hex); a '-' stays itself when it ends the name or comes before a character that stays
+# itself, unless that starts two upper-case hex digits, so common names ('order_items',
+# 'my-db') are unchanged and '--' never appears in an escaped part. A name too long for Kafka, or one that Kafka finds colliding ('.' and '_'
 # are one character to its metric names), is cut and given the suffix '--' + 8 hex digits
 # of a hash of its exact parts (docs/contract.md).
 
@@ -337,6 +347,14 @@ _SAFE_TOPIC_CHARS: Final = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnop
 _HEX_UPPER: Final = frozenset("0123456789ABCDEF")
 _ESCAPED = re.compile(r"-([0-9A-F]{2})")
 _TOPIC_PART_SAFE = re.compile(r"^[A-Za-z0-9_]+$")
+
+
+def _plain_dash_before(name: str, i: int) -> bool:
+    """Whether a '-' may stay itself before ``name[i:]``: not before an escape (that would
+    make '--') nor before two upper-case hex digits (that would read as an escape)."""
+    if name[i] not in _SAFE_TOPIC_CHARS:
+        return False
+    return not (i + 1 < len(name) and name[i] in _HEX_UPPER and name[i + 1] in _HEX_UPPER)
 
 
 def escape_topic_part(name: str) -> str:
@@ -348,10 +366,7 @@ def escape_topic_part(name: str) -> str:
     for i, ch in enumerate(name):
         if ch in _SAFE_TOPIC_CHARS:
             out.append(ch)
-        elif ch == "-" and not (
-            (i + 1 < n and name[i + 1] == "-")
-            or (i + 2 < n and name[i + 1] in _HEX_UPPER and name[i + 2] in _HEX_UPPER)
-        ):
+        elif ch == "-" and (i + 1 == n or _plain_dash_before(name, i + 1)):
             out.append("-")
         else:
             out.extend(f"-{b:02X}" for b in ch.encode("utf-8", "surrogatepass"))
