@@ -10,6 +10,7 @@ from walbus.contract import (
     MAX_TOPIC_LENGTH,
     ContractError,
     database_topic,
+    decode_event,
     escape_topic_part,
     qualify_table,
     split_table,
@@ -71,3 +72,12 @@ def test_plain_names_keep_their_form() -> None:
 def test_malformed_qualified_names_are_contract_errors(bad: str) -> None:
     with pytest.raises(ContractError):
         split_table(bad)
+
+
+@pytest.mark.parametrize("field,value", [("lsn", -1), ("commit_lsn", 1 << 64), ("seq", 1 << 32), ("seq", -1), ("xid", -5)])
+def test_positions_out_of_the_key_range_are_contract_errors(field: str, value: int) -> None:
+    fields = {"lsn": 1, "commit_lsn": 2, "seq": 0, "xid": 3, field: value}
+    text = ('{{"v":1,"lsn":{lsn},"commit_lsn":{commit_lsn},"seq":{seq},"xid":{xid},'
+            '"operation":"truncate","table":"a.b","timestamp":"t","pk":[]}}').format(**fields)
+    with pytest.raises(ContractError, match=r"out of range|must be an integer"):  # orjson reads 2**64 as a float
+        decode_event(text.encode())

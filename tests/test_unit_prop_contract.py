@@ -212,8 +212,9 @@ def test_check_key_refuses_any_other_position(kw: dict[str, Any], other: tuple[i
         check_key(None, ev)
 
 
-_NOT_A_NAME = st.one_of(st.integers(), st.none(), st.booleans(), st.floats(allow_nan=False),
-                        st.lists(st.integers(), max_size=2), st.dictionaries(st.text(max_size=2), st.integers(), max_size=1))
+_NOT_A_NAME = st.one_of(st.integers(-(2**63), 2**63 - 1), st.none(), st.booleans(), st.floats(allow_nan=False),
+                        st.lists(st.integers(-(2**63), 2**63 - 1), max_size=2),
+                        st.dictionaries(st.text(max_size=2), st.integers(-(2**63), 2**63 - 1), max_size=1))
 
 
 @given(events(), st.sampled_from(["pk", "columns", "types", "unchanged", "identity.columns", "identity.types"]),

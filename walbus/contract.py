@@ -215,10 +215,12 @@ def _check_names(names: list[Any], where: str) -> None:
         raise ContractError(f"{where}: every name must be a string")
 
 
-def _int_field(obj: dict[str, Any], name: str) -> int:
+def _int_field(obj: dict[str, Any], name: str, bits: int = 64) -> int:
     v = obj.get(name)
     if not isinstance(v, int) or isinstance(v, bool):
         raise ContractError(f"field {name!r} must be an integer, got {v!r}")
+    if not 0 <= v < 1 << bits:  # the key's fixed width holds 64-bit LSNs and 32-bit seqs
+        raise ContractError(f"field {name!r} is out of range: {v}")
     return v
 
 
@@ -259,7 +261,7 @@ def decode_event(value: bytes | str) -> ChangeEvent:
     return ChangeEvent(
         lsn=_int_field(obj, "lsn"),
         commit_lsn=_int_field(obj, "commit_lsn"),
-        seq=_int_field(obj, "seq"),
+        seq=_int_field(obj, "seq", bits=32),
         xid=_int_field(obj, "xid"),
         operation=operation,
         table=table,
