@@ -19,7 +19,7 @@ from typing import Any
 
 import orjson
 
-from walbus.contract import CONTRACT_VERSION, event_key
+from walbus.contract import CONTRACT_VERSION, event_key, qualify_table
 
 PG_EPOCH = datetime(2000, 1, 1, tzinfo=UTC)
 MASK = "****"
@@ -46,7 +46,8 @@ def table_matches(name: str, patterns: Sequence[str]) -> bool:
 
 @dataclass(frozen=True)
 class CaptureFilter:
-    """Debezium-style include/exclude lists over ``schema.table`` and ``schema.table.column``."""
+    """Debezium-style include/exclude lists over ``schema.table`` and ``schema.table.column``,
+    matched against the table as events name it (:func:`walbus.contract.qualify_table`)."""
 
     tables: tuple[str, ...] = ()
     exclude_tables: tuple[str, ...] = ()
@@ -89,7 +90,8 @@ class Relation:
 
     @property
     def qualified(self) -> str:
-        return f"{self.schema}.{self.name}"
+        """The event's ``table`` field: a part with a dot or quote is double-quoted."""
+        return qualify_table(self.schema, self.name)
 
     def prepare(self, capture: CaptureFilter) -> Relation:
         q = self.qualified

@@ -36,7 +36,7 @@ from producer.replication import ReplicationError, ReplicationStream
 from producer.sink import KafkaSink, SinkError
 from producer.snapshot import InitialSnapshot, SnapshotAborted
 from walbus.config import ConfigError, describe
-from walbus.contract import Lsn
+from walbus.contract import Lsn, split_table
 from walbus.kafka import KafkaAdmin, TopicSpec, wait_for_broker
 from walbus.logs import setup_logging
 from walbus.metrics import new_registry, serve_metrics
@@ -58,15 +58,16 @@ class Producer:
         self.offsets: OffsetStore | None = None
         self.incremental: IncrementalSnapshot | None = None
         self.capture = CaptureFilter(
-            tables=tuple(config.tables),
-            exclude_tables=tuple(config.exclude_tables),
+            tables=setup.table_patterns(config.tables, "--tables"),
+            exclude_tables=setup.table_patterns(config.exclude_tables, "--exclude-tables"),
             exclude_columns=tuple(config.exclude_columns),
             mask_columns=tuple(config.mask_columns),
-            signal_table=config.signal_table,
+            signal_table=setup.table_pattern(config.signal_table, "--signal-table") if config.signal_table else None,
         )
         self._stopping = asyncio.Event()
         self._partitions = 1
         self.progress: Progress | None = None
+        self._failed_at = -1  # the confirmed position when the stream last failed
         self.ready = asyncio.Event()  # set once streaming started (tests, demo)
 
     def stop(self) -> None:
@@ -74,7 +75,7 @@ class Producer:
 
     # -- set-up -----------------------------------------------------------------------------
 
-    def _prepare_database(self) -> tuple[list[str], setup.SlotState]:
+    def _prepare_database(self) -> tuple[list[setup.TableName], setup.SlotState]:
         cfg = self.config
         with setup.connect(cfg.pg_dsn) as conn:
             setup.check_server(conn)
@@ -104,9 +105,10 @@ class Producer:
         client_kwargs = cfg.kafka_client_kwargs()
         await self._prepare_kafka(client_kwargs)
         tables, slot = await asyncio.to_thread(self._prepare_database)
-        if cfg.signal_table and cfg.signal_table not in tables:
+        signal_table = self.capture.signal_table
+        if signal_table and split_table(signal_table) not in tables:
             raise ConfigError(
-                f"signal table {cfg.signal_table} does not exist: CREATE TABLE {cfg.signal_table} "
+                f"signal table {signal_table} does not exist: CREATE TABLE {setup.sql_table(split_table(signal_table))} "
                 "(id varchar(64) PRIMARY KEY, type varchar(32) NOT NULL, data text)"
             )
         offsets = self.offsets = OffsetStore(client_kwargs, cfg.topic_name, cfg.slot_name, replication_factor=cfg.replication_factor)
@@ -135,6 +137,9 @@ class Producer:
                     if self._stopping.is_set():
                         break
                     self.metrics.reconnects.inc()
+                    # Retries count per position: only a confirmed position past this one resets them.
+                    self._failed_at = self.progress.confirmed_lsn if self.progress is not None else 0
+                    log.warning("stream failed", extra={"error": describe_error(e), "confirmed_lsn": str(Lsn(self._failed_at))})
                     await backoff.wait(log, "stream", e, stop=self._stopping)
         finally:
             self.metrics.connected.set(0)
@@ -239,7 +244,8 @@ class Producer:
                                 sink.append(ev)
                 items.clear()
                 await sink.flush_idle()
-                backoff.reset()
+                if progress.confirmed_lsn > self._failed_at:
+                    backoff.reset()
             sink.raise_if_failed()
             if inc is not None:
                 await inc.tick(progress.confirmed_lsn)
@@ -276,6 +282,12 @@ class Producer:
             value["event_count"] = sum(per_table.values())
             value["data_collections"] = [{"data_collection": t, "event_count": n} for t, n in sorted(per_table.items())]
         await sink.send_side_record(topic, b"%016X" % commit_lsn, orjson.dumps(value))
+
+
+def describe_error(e: BaseException) -> str:
+    """An exception as its type and message: some (TimeoutError()) have an empty message."""
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
 def main(argv: Sequence[str]) -> int:

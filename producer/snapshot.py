@@ -73,7 +73,7 @@ from producer.tablescan import (
     describe_table,
     str_converters,
 )
-from walbus.contract import Lsn
+from walbus.contract import Lsn, qualify_table
 
 log = logging.getLogger("walbus.producer.snapshot")
 
@@ -357,10 +357,10 @@ class InitialSnapshot:
         """The captured tables as the snapshot sees them (listed inside the snapshot, so a table
         created after the consistent point is left to the stream)."""
         out: list[ScanTable] = []
-        for relid, name in enumerate(setup.list_tables(conn), start=1):
+        for relid, (schema, table) in enumerate(setup.list_tables(conn), start=1):
+            name = qualify_table(schema, table)
             if not self.capture.captures(name) or name == self.capture.signal_table:
                 continue
-            schema, table = name.split(".", 1)
             scan = describe_table(conn, schema, table, self.capture, relid)
             # pgoutput publishes a partitioned table's changes under its leaf partitions.
             if scan is not None and scan.kind == "r":

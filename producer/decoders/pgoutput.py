@@ -20,6 +20,7 @@ from producer.codec import (
     text_converter,
 )
 from producer.decoders import Item, LogicalMessage, TxnBegin, TxnEnd
+from producer.replication import quote_ident
 
 log = logging.getLogger("walbus.producer.pgoutput")
 
@@ -52,7 +53,8 @@ class PgoutputDecoder:
         self._iso = ""
 
     def start_options(self, publication: str) -> dict[str, str]:
-        return {"proto_version": "1", "publication_names": publication, "messages": "true"}
+        # A list of identifiers: quoted, or PostgreSQL folds the name to lower case.
+        return {"proto_version": "1", "publication_names": quote_ident(publication), "messages": "true"}
 
     def decode(self, messages: list[tuple[int, bytes]], out: list[Item]) -> None:
         relations = self.relations

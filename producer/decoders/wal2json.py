@@ -28,7 +28,7 @@ from producer.codec import (
 )
 from producer.decoders import Item, LogicalMessage, TxnBegin, TxnEnd
 from producer.decoders.pgoutput import DecodeError
-from walbus.contract import Lsn
+from walbus.contract import Lsn, qualify_table
 
 log = logging.getLogger("walbus.producer.wal2json")
 
@@ -121,7 +121,7 @@ class Wal2jsonDecoder:
             action = msg["action"]
             if action in ("I", "U", "D"):
                 schema, table = msg["schema"], msg["table"]
-                if not self.capture.captures(f"{schema}.{table}"):
+                if not self.capture.captures(qualify_table(schema, table)):
                     continue
                 lsn = int(Lsn.parse(msg["lsn"]))
                 cols = msg.get("columns") or []
@@ -166,7 +166,7 @@ class Wal2jsonDecoder:
                 self._counts = {}
             elif action == "T":
                 schema, table = msg["schema"], msg["table"]
-                if not self.capture.captures(f"{schema}.{table}"):
+                if not self.capture.captures(qualify_table(schema, table)):
                     continue
                 rel, _, _ = self._relation(schema, table, [])
                 out.append(self.encoder.truncate(rel, int(Lsn.parse(msg["lsn"]))))

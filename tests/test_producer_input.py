@@ -1,0 +1,94 @@
+"""The producer under legal but unusual input (issue 13): names, publications, slots, schema
+changes inside a transaction, malformed signals and watermarks, records above the size limit.
+Against real PostgreSQL and Kafka."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import orjson
+import psycopg
+import pytest
+from psycopg import sql as pgsql
+from psycopg.conninfo import make_conninfo
+
+from tests.fix_pipeline import read_topic, running_producer
+from walbus.config import ConfigError
+
+pytestmark = pytest.mark.integration
+
+
+def sql(dsn: str, *statements: str) -> None:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        for s in statements:
+            conn.execute(s)  # type: ignore[arg-type]
+
+
+def events(records: list[tuple[bytes | None, bytes | None]]) -> list[dict[str, Any]]:
+    return [orjson.loads(v) for _, v in records if v is not None]
+
+
+# -- publications and slots ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("publication", ["MyPub", "Pub-ö$x"])
+async def test_publication_with_unusual_name_streams(pg_dsn: str, kafka_bootstrap: str, unique_name: str, publication: str) -> None:
+    sql(pg_dsn, "CREATE TABLE t (id int PRIMARY KEY, v text)")
+    async with running_producer(pg_dsn, kafka_bootstrap, topic=unique_name, publication=publication) as producer:
+        sql(pg_dsn, "INSERT INTO t VALUES (1, 'a')")
+        records = await read_topic(kafka_bootstrap, unique_name, min_count=1, timeout=30)
+        assert producer.metrics.reconnects._value.get() == 0
+    assert [e["values"] for e in events(records)] == [[1, "a"]]
+    with psycopg.connect(pg_dsn) as conn:
+        assert conn.execute("SELECT 1 FROM pg_publication WHERE pubname = %s", (publication,)).fetchone() == (1,)
+
+
+async def test_existing_publication_missing_a_table_is_a_configuration_error(pg_dsn: str, kafka_bootstrap: str, unique_name: str) -> None:
+    sql(
+        pg_dsn,
+        "CREATE TABLE a (id int PRIMARY KEY)",
+        'CREATE TABLE "B c" (id int PRIMARY KEY)',
+        'CREATE PUBLICATION "Only A" FOR TABLE a',
+    )
+    with pytest.raises(ConfigError) as err:
+        async with running_producer(
+            pg_dsn, kafka_bootstrap, topic=unique_name, publication="Only A", tables=["public.a", "public.B c"]
+        ):
+            pass
+    message = str(err.value)
+    assert 'ALTER PUBLICATION "Only A" ADD TABLE "public"."B c"' in message
+    assert '"public"."a"' not in message
+    # What the hint says is what fixes it.
+    sql(pg_dsn, message[message.index("ALTER PUBLICATION"):])
+    async with running_producer(pg_dsn, kafka_bootstrap, topic=unique_name, publication="Only A", tables=["public.a", "public.B c"]):
+        sql(pg_dsn, 'INSERT INTO "B c" VALUES (7)')
+        records = await read_topic(kafka_bootstrap, unique_name, min_count=1, timeout=30)
+    assert [(e["table"], e["values"]) for e in events(records)] == [("public.B c", [7])]
+
+
+@contextlib.contextmanager
+def database(services_dsn: str, name: str) -> Iterator[str]:
+    with psycopg.connect(services_dsn, autocommit=True) as conn:
+        conn.execute(pgsql.SQL("CREATE DATABASE {}").format(pgsql.Identifier(name)))
+    try:
+        yield make_conninfo(services_dsn, dbname=name)
+    finally:
+        with psycopg.connect(services_dsn, autocommit=True) as conn:
+            for (slot,) in conn.execute("SELECT slot_name FROM pg_replication_slots WHERE database = %s", (name,)).fetchall():
+                with contextlib.suppress(psycopg.Error):
+                    conn.execute("SELECT pg_drop_replication_slot(%s)", (slot,))
+            conn.execute(pgsql.SQL("DROP DATABASE {} WITH (FORCE)").format(pgsql.Identifier(name)))
+
+
+async def test_database_with_unusual_name_gets_a_valid_slot(pg_dsn: str, kafka_bootstrap: str, unique_name: str) -> None:
+    with database(pg_dsn, f"Shop.EU-ö {unique_name}"[:63]) as dsn:
+        sql(dsn, "CREATE TABLE t (id int PRIMARY KEY)")
+        async with running_producer(dsn, kafka_bootstrap, topic=unique_name) as producer:
+            sql(dsn, "INSERT INTO t VALUES (1)")
+            records = await read_topic(kafka_bootstrap, unique_name, min_count=1, timeout=30)
+            slot = producer.config.slot_name
+        with psycopg.connect(dsn) as conn:
+            assert conn.execute("SELECT 1 FROM pg_replication_slots WHERE slot_name = %s", (slot,)).fetchone() == (1,)
+    assert [e["values"] for e in events(records)] == [[1]]
