@@ -193,6 +193,12 @@ class EventEncoder:
         self._commit_part = b',"commit_lsn":%d' % commit_lsn
         self._insert_rest = {}
 
+    def forget(self, relid: int) -> None:
+        """A relation was defined anew (a schema change, even inside this transaction): its
+        later rows must not reuse the parts cached for its earlier version."""
+        self._insert_rest.pop(relid, None)
+        self._insert_rest.pop(-1 - relid, None)
+
     def insert(self, rel: Relation, lsn: int, new: list[Any]) -> EncodedEvent:
         """The hot path: an insert of a relation with no excluded or masked column."""
         return self._whole_row(rel, "insert", lsn, new)

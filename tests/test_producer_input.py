@@ -92,3 +92,33 @@ async def test_database_with_unusual_name_gets_a_valid_slot(pg_dsn: str, kafka_b
         with psycopg.connect(dsn) as conn:
             assert conn.execute("SELECT 1 FROM pg_replication_slots WHERE slot_name = %s", (slot,)).fetchone() == (1,)
     assert [e["values"] for e in events(records)] == [[1]]
+
+
+# -- schema changes inside one transaction -------------------------------------------------
+
+
+@pytest.mark.parametrize("plugin", ["pgoutput", "wal2json"])
+async def test_each_row_has_the_columns_of_its_own_schema_version(pg_dsn: str, kafka_bootstrap: str, unique_name: str, plugin: str) -> None:
+    sql(pg_dsn, "CREATE TABLE t (id int PRIMARY KEY, a text)")
+    async with running_producer(pg_dsn, kafka_bootstrap, topic=unique_name, plugin=plugin):
+        with psycopg.connect(pg_dsn) as conn:
+            conn.execute("INSERT INTO t VALUES (1, 'x')")
+            conn.execute("ALTER TABLE t ADD COLUMN b int")
+            conn.execute("INSERT INTO t VALUES (2, 'y', 7)")
+            conn.execute("ALTER TABLE t DROP COLUMN a")
+            conn.execute("INSERT INTO t VALUES (3, 8)")
+            conn.execute("ALTER TABLE t ALTER COLUMN b TYPE text")
+            conn.execute("INSERT INTO t VALUES (4, 'nine')")
+            conn.execute("ALTER TABLE t RENAME COLUMN b TO c")
+            conn.execute("INSERT INTO t VALUES (5, 'ten')")
+            conn.execute("UPDATE t SET c = 'eleven' WHERE id = 5")
+        records = await read_topic(kafka_bootstrap, unique_name, min_count=6, timeout=30)
+    got = [(e["operation"], e["columns"], e["types"], e["values"]) for e in events(records)]
+    assert got == [
+        ("insert", ["id", "a"], ["int4", "text"], [1, "x"]),
+        ("insert", ["id", "a", "b"], ["int4", "text", "int4"], [2, "y", 7]),
+        ("insert", ["id", "b"], ["int4", "int4"], [3, 8]),
+        ("insert", ["id", "b"], ["int4", "text"], [4, "nine"]),
+        ("insert", ["id", "c"], ["int4", "text"], [5, "ten"]),
+        ("update", ["id", "c"], ["int4", "text"], [5, "eleven"]),
+    ]

@@ -173,6 +173,7 @@ class PgoutputDecoder:
         if old is not None:
             rel.txn_counts = old.txn_counts
         self.relations[relid] = rel
+        self.encoder.forget(relid)
         log.debug("relation", extra={"table": rel.qualified, "columns": columns})
 
     def _truncate(self, buf: bytes, lsn: int, out: list[Item]) -> None:
