@@ -122,3 +122,38 @@ async def test_each_row_has_the_columns_of_its_own_schema_version(pg_dsn: str, k
         ("insert", ["id", "c"], ["int4", "text"], [5, "ten"]),
         ("update", ["id", "c"], ["int4", "text"], [5, "eleven"]),
     ]
+
+
+# -- malformed signals and watermarks ------------------------------------------------------
+
+SIGNAL_DDL = "CREATE TABLE walbus_signal (id varchar(64) PRIMARY KEY, type varchar(32) NOT NULL, data text)"
+
+
+@pytest.mark.parametrize("plugin", ["pgoutput", "wal2json"])
+async def test_malformed_signals_and_watermarks_are_skipped(pg_dsn: str, kafka_bootstrap: str, unique_name: str, plugin: str) -> None:
+    sql(pg_dsn, SIGNAL_DDL, "CREATE TABLE orders (id int PRIMARY KEY)", "INSERT INTO orders SELECT generate_series(1, 5)")
+    malformed = [
+        "[]", "not json", '"text"', "7", '{"data-collections": "public.orders"}', '{"data-collections": [1, 2]}',
+        '{"data-collections": {"a": 1}}', '{"type": 5, "data-collections": ["public.orders"]}',
+        '{"data-collections": ["public.\\"open"]}', orjson.dumps({"data-collections": [f"public.t{i}" for i in range(1001)]}).decode(),
+    ]
+    async with running_producer(
+        pg_dsn, kafka_bootstrap, topic=unique_name, plugin=plugin, snapshot_mode="never", signal_table="public.walbus_signal",
+    ) as producer:
+        with psycopg.connect(pg_dsn, autocommit=True) as conn:
+            for i, data in enumerate(malformed):
+                conn.execute("INSERT INTO walbus_signal VALUES (%s, 'execute-snapshot', %s)", (f"bad-{i}", data))
+            for transactional in (True, False):
+                for content in ("not json", "[]", '"x"', "null", '{"id": [1]}'):
+                    conn.execute("SELECT pg_logical_emit_message(%s, 'walbus-watermark', %s::text)", (transactional, content))
+                conn.execute("SELECT pg_logical_emit_message(%s, 'walbus-watermark', '\\xff00'::bytea)", (transactional,))
+                conn.execute("SELECT pg_logical_emit_message(%s, 'other', 'anything')", (transactional,))
+            conn.execute("""INSERT INTO walbus_signal VALUES ('good', 'execute-snapshot', '{"data-collections": ["public.orders"]}')""")
+        records = await read_topic(kafka_bootstrap, unique_name, min_count=len(malformed) + 1 + 5, timeout=60)
+        reg = producer.registry
+        assert producer.metrics.reconnects._value.get() == 0
+        assert reg.get_sample_value("walbus_snapshot_ignored_signals_total", {"kind": "signal"}) == len(malformed)
+        # Transactional watermarks that are no JSON object (the bytea one included); the valid ones are no chunk's.
+        assert reg.get_sample_value("walbus_snapshot_ignored_signals_total", {"kind": "watermark"}) == 5
+    reads = sorted(e["values"][0] for e in events(records) if e["operation"] == "read")
+    assert reads == [1, 2, 3, 4, 5]

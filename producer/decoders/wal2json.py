@@ -53,6 +53,17 @@ def _value_converter(typname: str) -> Callable[[Any], Any]:
     return lambda v: v if v is None or isinstance(v, str) else str(v)
 
 
+def _message_with_bytes(buf: bytes) -> Any:
+    """A payload that is not valid UTF-8 JSON: wal2json prints a logical message's content as
+    it is, and ``pg_logical_emit_message`` takes any bytes from any login role. Such a
+    message is read with the bytes replaced (no walbus message is binary); anything else
+    stays an error."""
+    msg = json.loads(buf.decode("utf-8", "replace"))
+    if not isinstance(msg, dict) or msg.get("action") != "M":
+        raise DecodeError(f"wal2json payload is not valid JSON: {buf[:200]!r}")
+    return msg
+
+
 class Wal2jsonDecoder:
     plugin = "wal2json"
 
@@ -145,7 +156,10 @@ class Wal2jsonDecoder:
 
     def decode(self, messages: list[tuple[int, bytes]], out: list[Item]) -> None:
         for _lsn, buf in messages:
-            msg = _exact_loads(buf) if _NUMERIC_MARK in buf else orjson.loads(buf)
+            try:
+                msg = _exact_loads(buf) if _NUMERIC_MARK in buf else orjson.loads(buf)
+            except ValueError:
+                msg = _message_with_bytes(buf)
             action = msg["action"]
             if action in ("I", "U", "D"):
                 schema, table = msg["schema"], msg["table"]
