@@ -157,3 +157,44 @@ async def test_malformed_signals_and_watermarks_are_skipped(pg_dsn: str, kafka_b
         assert reg.get_sample_value("walbus_snapshot_ignored_signals_total", {"kind": "watermark"}) == 5
     reads = sorted(e["values"][0] for e in events(records) if e["operation"] == "read")
     assert reads == [1, 2, 3, 4, 5]
+
+
+async def test_rejected_position_save_leaves_the_signal_to_be_handled_again(pg_dsn: str, kafka_bootstrap: str, unique_name: str) -> None:
+    from aiokafka.errors import KafkaError
+
+    from producer.codec import CaptureFilter, EventEncoder, Relation
+    from producer.config import ProducerConfig
+    from producer.incremental import IncrementalSnapshot
+    from producer.metrics import SnapshotMetrics
+    from producer.offsets import COMPACTED, OffsetStore, progress_topic
+    from walbus.kafka import KafkaAdmin, TopicSpec
+    from walbus.metrics import new_registry
+
+    kw = {"bootstrap_servers": kafka_bootstrap}
+    # The progress topic takes no record as large as this signal's position: Kafka rejects the save.
+    async with KafkaAdmin(client_kwargs=kw) as admin:
+        await admin.ensure_topic(TopicSpec(progress_topic(unique_name), 1, 1, (*COMPACTED, ("max.message.bytes", "600"))))
+    cfg = ProducerConfig(pg_dsn=pg_dsn, kafka_bootstrap=kafka_bootstrap, topic=unique_name, signal_table="public.walbus_signal")
+    capture = CaptureFilter(signal_table="public.walbus_signal")
+    offsets = OffsetStore(kw, unique_name, "slot_x")
+    await offsets.start()
+    inc = IncrementalSnapshot(cfg, capture, offsets=offsets, metrics=SnapshotMetrics(new_registry()))
+    try:
+        rel = Relation(1, "public", "walbus_signal", ["id", "type", "data"], ["varchar", "varchar", "text"], [True, False, False], ["id"])
+        rel.prepare(capture)
+        encoder = EventEncoder()
+        encoder.begin(1000, 7, "2024-01-01T00:00:00.000000+00:00")
+        data = orjson.dumps({"data-collections": [f"public.table_number_{i}" for i in range(40)]}).decode()
+        ev = encoder.insert(rel, 900, ["sig-1", "execute-snapshot", data])
+        inc.observe(ev)
+        assert inc.on_commit(1100), "a signal is saved before its transaction may be confirmed"
+        with pytest.raises(KafkaError):
+            await inc.save_now()
+        inc.reset()  # the stream restarts from the confirmed position and replays the signal
+        assert inc.position is None
+        inc.observe(ev)
+        assert inc.on_commit(1100), "the replayed signal must be saved again"
+        assert "incremental" not in offsets.doc
+    finally:
+        inc.close()
+        await offsets.stop()
