@@ -37,7 +37,7 @@ from producer.sink import KafkaSink, SinkError
 from producer.snapshot import InitialSnapshot, SnapshotAborted
 from walbus.config import ConfigError, describe
 from walbus.contract import Lsn, split_table
-from walbus.kafka import KafkaAdmin, TopicSpec, wait_for_broker
+from walbus.kafka import DEFAULT_MAX_MESSAGE_BYTES, KafkaAdmin, TopicSpec, wait_for_broker
 from walbus.logs import setup_logging
 from walbus.metrics import new_registry, serve_metrics
 from walbus.retry import Backoff
@@ -66,6 +66,7 @@ class Producer:
         )
         self._stopping = asyncio.Event()
         self._partitions = 1
+        self._max_message_bytes = DEFAULT_MAX_MESSAGE_BYTES
         self.progress: Progress | None = None
         self._failed_at = -1  # the confirmed position when the stream last failed
         self.ready = asyncio.Event()  # set once streaming started (tests, demo)
@@ -91,11 +92,14 @@ class Producer:
             await wait_for_broker(client_kwargs, attempts=3, max_delay=4)
         except KafkaError as e:
             raise ConfigError(f"cannot reach Kafka at {cfg.kafka_bootstrap}: {e}") from None
+        limit = (("max.message.bytes", str(DEFAULT_MAX_MESSAGE_BYTES)),)
         async with KafkaAdmin(client_kwargs=client_kwargs) as admin:
-            await admin.ensure_topic(TopicSpec(cfg.topic_name, cfg.partitions, cfg.replication_factor))
+            await admin.ensure_topic(TopicSpec(cfg.topic_name, cfg.partitions, cfg.replication_factor, limit))
             if cfg.transaction_metadata:
-                await admin.ensure_topic(TopicSpec(f"{cfg.topic_name}.transaction", 1, cfg.replication_factor))
+                await admin.ensure_topic(TopicSpec(f"{cfg.topic_name}.transaction", 1, cfg.replication_factor, limit))
             self._partitions = await admin.partitions(cfg.topic_name)
+            # An existing topic keeps its own limit: records are checked against what it takes.
+            self._max_message_bytes = await admin.max_message_bytes(cfg.topic_name)
 
     # -- running ------------------------------------------------------------------------------
 
@@ -181,6 +185,7 @@ class Producer:
                 client_kwargs=client_kwargs, topic=cfg.topic_name, partitions=self._partitions, progress=progress,
                 max_batch_bytes=cfg.max_batch_bytes, max_in_flight=cfg.max_in_flight, on_ack=on_ack,
                 request_timeout_ms=cfg.kafka_request_timeout_ms, compression=cfg.compression,
+                max_message_bytes=self._max_message_bytes,
             )
             await sink.start()
             decoder = self._decoder(catalog)
@@ -218,9 +223,7 @@ class Producer:
                     if type(it) is EncodedEvent:
                         if inc is not None:
                             inc.observe(it)
-                        if not sink.append(it):
-                            await sink.send_full()
-                            sink.append(it)
+                        await sink.put(it)
                     elif type(it) is TxnEnd:
                         in_txn = False
                         if txn_topic:
@@ -239,9 +242,7 @@ class Producer:
                             await self._transaction_record(sink, txn_topic, "BEGIN", it.xid, it.commit_lsn, it.timestamp, None)
                     elif type(it) is LogicalMessage and inc is not None:
                         for ev in inc.on_message(it, self._partitions > 1):
-                            if not sink.append(ev):
-                                await sink.send_full()
-                                sink.append(ev)
+                            await sink.put(ev)
                 items.clear()
                 await sink.flush_idle()
                 if progress.confirmed_lsn > self._failed_at:

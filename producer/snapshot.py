@@ -321,9 +321,7 @@ class InitialSnapshot:
             seen_tables[rel.qualified] = table
             for values in batch.rows:
                 ev = encoder.read(rel, cp, values)
-                if not sink.append(ev):
-                    await sink.send_full()
-                    sink.append(ev)
+                await sink.put(ev)
             gone = earlier.get(rel.qualified)
             if gone and rel.pk_index:
                 idx = rel.pk_index
@@ -346,9 +344,7 @@ class InitialSnapshot:
             if known is None or not keys or not known.relation.pk_index:
                 continue  # a table dropped since (or keyless): nothing to say the row is gone
             for ev in _deletes(encoder, known, keys, cp):
-                if not sink.append(ev):
-                    await sink.send_full()
-                    sink.append(ev)
+                await sink.put(ev)
                 result.deletes += 1
         if result.deletes:
             log.info("emitted deletes for rows the interrupted snapshot had read and that are gone", extra={"deletes": result.deletes})

@@ -198,3 +198,40 @@ async def test_rejected_position_save_leaves_the_signal_to_be_handled_again(pg_d
     finally:
         inc.close()
         await offsets.stop()
+
+
+# -- record size limits --------------------------------------------------------------------
+
+
+async def test_two_megabyte_row_flows_intact(pg_dsn: str, kafka_bootstrap: str, unique_name: str) -> None:
+    sql(pg_dsn, "CREATE TABLE big (id int PRIMARY KEY, doc text)")
+    doc = "".join(f"{i:08d}" for i in range(250_000))  # 2 MB, incompressible enough for TOAST to keep it large
+    async with running_producer(pg_dsn, kafka_bootstrap, topic=unique_name):
+        with psycopg.connect(pg_dsn, autocommit=True) as conn:
+            conn.execute("INSERT INTO big VALUES (1, %s)", (doc,))
+        records = await read_topic(kafka_bootstrap, unique_name, min_count=1, timeout=60)
+    assert [e["values"] for e in events(records)] == [[1, doc]]
+
+
+async def test_row_above_the_topic_limit_fails_fast_with_a_clear_error(pg_dsn: str, kafka_bootstrap: str, unique_name: str) -> None:
+    import asyncio
+
+    from producer.config import ProducerConfig
+    from producer.service import Producer
+    from walbus.kafka import KafkaAdmin, TopicSpec
+
+    async with KafkaAdmin(client_kwargs={"bootstrap_servers": kafka_bootstrap}) as admin:
+        await admin.ensure_topic(TopicSpec(unique_name, 1, 1, (("max.message.bytes", "200000"),)))
+    sql(pg_dsn, "CREATE TABLE big (id int PRIMARY KEY, doc text)")
+    doc = "".join(f"{i:08d}" for i in range(40_000))  # 320 kB
+    cfg = ProducerConfig(pg_dsn=pg_dsn, kafka_bootstrap=kafka_bootstrap, topic=unique_name, retry_max_delay=1.0)
+    producer = Producer(cfg)
+    task = asyncio.create_task(producer.run())
+    await asyncio.wait_for(producer.ready.wait(), 60)
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute("INSERT INTO big VALUES (42, %s)", (doc,))
+    with pytest.raises(ConfigError) as err:
+        await asyncio.wait_for(task, 60)
+    message = str(err.value)
+    assert "public.big" in message and "'id': 42" in message and "200000" in message and "max.message.bytes" in message
+    assert producer.metrics.reconnects._value.get() == 0
