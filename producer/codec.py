@@ -19,7 +19,7 @@ from typing import Any
 
 import orjson
 
-from walbus.contract import CONTRACT_VERSION, event_key
+from walbus.contract import CONTRACT_VERSION, event_key, qualify_table
 
 PG_EPOCH = datetime(2000, 1, 1, tzinfo=UTC)
 MASK = "****"
@@ -46,7 +46,8 @@ def table_matches(name: str, patterns: Sequence[str]) -> bool:
 
 @dataclass(frozen=True)
 class CaptureFilter:
-    """Debezium-style include/exclude lists over ``schema.table`` and ``schema.table.column``."""
+    """Debezium-style include/exclude lists over ``schema.table`` and ``schema.table.column``,
+    matched against the table as events name it (:func:`walbus.contract.qualify_table`)."""
 
     tables: tuple[str, ...] = ()
     exclude_tables: tuple[str, ...] = ()
@@ -89,7 +90,8 @@ class Relation:
 
     @property
     def qualified(self) -> str:
-        return f"{self.schema}.{self.name}"
+        """The event's ``table`` field: a part with a dot or quote is double-quoted."""
+        return qualify_table(self.schema, self.name)
 
     def prepare(self, capture: CaptureFilter) -> Relation:
         q = self.qualified
@@ -190,6 +192,12 @@ class EventEncoder:
         self._ts_part = b',"timestamp":' + orjson.dumps(timestamp_iso)
         self._commit_part = b',"commit_lsn":%d' % commit_lsn
         self._insert_rest = {}
+
+    def forget(self, relid: int) -> None:
+        """A relation was defined anew (a schema change, even inside this transaction): its
+        later rows must not reuse the parts cached for its earlier version."""
+        self._insert_rest.pop(relid, None)
+        self._insert_rest.pop(-1 - relid, None)
 
     def insert(self, rel: Relation, lsn: int, new: list[Any]) -> EncodedEvent:
         """The hot path: an insert of a relation with no excluded or masked column."""

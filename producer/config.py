@@ -2,12 +2,30 @@
 
 from __future__ import annotations
 
+import hashlib
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from walbus.config import ConfigError, load_config, option, parse_dsn
 from walbus.contract import database_topic
 from walbus.kafka import KafkaOptions
+
+# PostgreSQL's rule for replication slot names.
+_SLOT_NAME = re.compile(r"^[a-z0-9_]{1,63}$")
+_SLOT_UNSAFE = re.compile(r"[^a-z0-9_]")
+_SLOT_PREFIX = "walbus_"
+
+
+def default_slot_name(database: str) -> str:
+    """``walbus_<database>`` as a valid slot name (lower-case letters, digits, '_', at most 63
+    bytes). When the database's name had to be changed for that, a hash of the exact name
+    is appended, so two databases never share a slot name."""
+    body = _SLOT_UNSAFE.sub("_", database)
+    if body == database and len(_SLOT_PREFIX) + len(body) <= 63:
+        return _SLOT_PREFIX + body
+    digest = hashlib.sha256(database.encode("utf-8", "surrogatepass")).hexdigest()[:8]
+    return f"{_SLOT_PREFIX}{body[: 63 - len(_SLOT_PREFIX) - 9]}_{digest}"
 
 
 @dataclass(kw_only=True)
@@ -51,7 +69,7 @@ class ProducerConfig(KafkaOptions):
 
     @property
     def slot_name(self) -> str:
-        return self.slot or f"walbus_{self.database}".replace("-", "_").lower()
+        return self.slot or default_slot_name(self.database)
 
     @property
     def publication_name(self) -> str:
@@ -68,6 +86,8 @@ def load(argv: Sequence[str] | None) -> ProducerConfig:
         description="Stream a PostgreSQL database's changes into its Kafka topic.", section="produce",
     )
     _ = cfg.database  # validates the DSN now
+    if cfg.slot is not None and not _SLOT_NAME.match(cfg.slot):
+        raise ConfigError(f"--slot {cfg.slot!r}: a slot name has 1 to 63 lower-case letters, digits and underscores")
     if cfg.partitions < 1 or cfg.replication_factor < 1:
         raise ConfigError("--partitions and --replication-factor must be at least 1")
     return cfg

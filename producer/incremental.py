@@ -74,10 +74,12 @@ from producer.tablescan import (
     max_key,
     select_chunk,
 )
+from walbus.contract import ContractError, qualify_table, split_table
 
 log = logging.getLogger("walbus.producer.incremental")
 
 WATERMARK_PREFIX = "walbus-watermark"
+MAX_SIGNAL_TABLES = 1000  # tables one execute-snapshot signal may list (docs/contract.md)
 KIND = "incremental"
 Key = tuple[Hashable, ...]
 
@@ -223,7 +225,14 @@ class IncrementalSnapshot:
         """A logical decoding message; at our chunk's high watermark, its reads."""
         if msg.prefix != WATERMARK_PREFIX or not msg.transactional:
             return []
-        mark = orjson.loads(msg.content)
+        try:
+            mark = orjson.loads(msg.content)
+        except orjson.JSONDecodeError:
+            mark = None
+        if not isinstance(mark, dict):
+            # Any login role may write such a message: it must never stop the stream.
+            self._ignore("watermark", "not a JSON object", lsn=msg.lsn, content=msg.content[:200].decode(errors="replace"))
+            return []
         chunk = self._chunk
         if chunk is None or mark.get("id") != chunk.id:
             return []  # a watermark of an earlier process or of a chunk abandoned since
@@ -252,6 +261,11 @@ class IncrementalSnapshot:
 
     async def tick(self, confirmed_lsn: int) -> None:
         """Between batches: save what Kafka acknowledged, start the next chunk."""
+        task = self._save_task
+        if task is not None and task.done() and not task.cancelled() and task.exception() is not None:
+            # Saved again with the next position; until then a restart resumes from the last one saved.
+            log.warning("saving the incremental snapshot position failed", extra={"error": repr(task.exception())})
+            self._save_task = None
         ready = [p for p in self._pending if p[0] is not None and p[0] <= confirmed_lsn]
         if ready and (self._save_task is None or self._save_task.done()):
             self._pending = self._pending[len(ready):]
@@ -261,6 +275,25 @@ class IncrementalSnapshot:
 
     # -- signals -----------------------------------------------------------------------------
 
+    def _ignore(self, kind: str, reason: str, **details: Any) -> None:
+        log.error(f"{kind} ignored: {reason}", extra={"reason": reason, **details})
+        self.metrics.ignored.labels(kind).inc()
+
+    def _signal_tables(self, sig_id: str, payload: dict[str, Any]) -> list[str] | None:
+        """The signal's ``data-collections`` as event table names; None (logged) when malformed."""
+        listed = payload.get("data-collections") or []
+        if not isinstance(listed, list) or not all(isinstance(t, str) for t in listed):
+            self._ignore("signal", "data-collections is not a list of strings", signal=sig_id)
+            return None
+        if len(listed) > MAX_SIGNAL_TABLES:
+            self._ignore("signal", f"lists more than {MAX_SIGNAL_TABLES} tables", signal=sig_id, tables=len(listed))
+            return None
+        try:
+            return [qualify_table(*split_table(t)) for t in listed]
+        except ContractError as e:
+            self._ignore("signal", str(e), signal=sig_id)
+            return None
+
     def _signal(self, ev: dict[str, Any]) -> None:
         if ev.get("operation") != "insert":
             return
@@ -269,12 +302,17 @@ class IncrementalSnapshot:
         try:
             payload = orjson.loads(data) if isinstance(data, str) and data else {}
         except orjson.JSONDecodeError:
-            log.error("signal ignored: its data is not JSON", extra={"signal": sig_id, "data": data})
+            payload = None
+        if not isinstance(payload, dict):
+            self._ignore("signal", "its data is not a JSON object", signal=sig_id, data=str(data)[:200])
             return
-        tables = [str(t) for t in payload.get("data-collections") or []]
+        tables = self._signal_tables(sig_id, payload)
+        if tables is None:
+            return
         if sig_type == "execute-snapshot":
-            if payload.get("type", "incremental").lower() != "incremental":
-                log.error("signal ignored: only incremental snapshots can be asked for", extra={"signal": sig_id})
+            kind = payload.get("type", "incremental")
+            if not isinstance(kind, str) or kind.lower() != "incremental":
+                self._ignore("signal", "only incremental snapshots can be asked for", signal=sig_id)
                 return
             if sig_id in self._done_signals or (self.position is not None and self.position.signal_id == sig_id):
                 return  # replayed after a restart: already done, or being resumed
@@ -354,7 +392,7 @@ class IncrementalSnapshot:
     def _read_chunk(self, chunk: Chunk) -> None:
         """In a thread: low watermark, the chunk's rows, high watermark."""
         conn = self._connection()
-        schema, _, name = chunk.table.partition(".")
+        schema, name = split_table(chunk.table)
         self._relids += 1
         scan = describe_table(conn, schema, name, self.capture, self._relids)
         chunk.skip_reason = self._unusable(conn, chunk.table, scan)
@@ -466,9 +504,17 @@ class IncrementalSnapshot:
         self._eager = self._eager or eager
 
     async def _save(self, doc: dict[str, Any]) -> None:
+        """Write the position; it counts as saved (what a new session resumes from) only once
+        Kafka acknowledged it: a rejected save leaves the signal to be handled again on replay."""
+        before = dict(self.offsets.doc)
         self.offsets.doc.update(doc)
+        try:
+            await self.offsets.save()
+        except BaseException:
+            self.offsets.doc.clear()
+            self.offsets.doc.update(before)
+            raise
         self._saved = doc["incremental"]
-        await self.offsets.save()
 
 
 def _event_keys(msg: dict[str, Any]) -> list[Key]:

@@ -33,6 +33,10 @@ class SnapshotMetrics:
         self.aborted = Gauge("walbus_snapshot_aborted", "1 when the last snapshot was stopped before completion", ["kind"], registry=registry)
         self.duration = Gauge("walbus_snapshot_duration_seconds", "Duration of the running or last snapshot", ["kind"], registry=registry)
         self.chunks = Counter("walbus_snapshot_chunks", "Incremental snapshot chunks emitted", ["table"], registry=registry)
+        self.ignored = Counter(
+            "walbus_snapshot_ignored_signals", "Signal rows and watermark messages ignored as malformed or over the limits, by kind",
+            ["kind"], registry=registry,
+        )
 
     def begin(self, kind: str, tables: int) -> None:
         self.tables_total.labels(kind).set(tables)

@@ -32,6 +32,16 @@ _KEEPALIVE = struct.Struct(">QqB")  # wal_end, send_time, reply_requested
 _FEEDBACK = struct.Struct(">cQQQqB")  # 'r', written, flushed, applied, client_time, reply
 
 
+def quote_ident(name: str) -> str:
+    """A name as a double-quoted SQL identifier (replication commands cannot use psycopg's
+    ``sql.Identifier``, which needs a normal connection to render)."""
+    return '"' + name.replace('"', '""') + '"'
+
+
+def quote_literal(text: str) -> str:
+    return "'" + text.replace("'", "''") + "'"
+
+
 class ReplicationError(Exception):
     """The replication stream failed (connection lost, server error)."""
 
@@ -75,8 +85,8 @@ class ReplicationStream:
         return cur.fetchall() if cur.description else []
 
     def start(self, slot: str, start_lsn: int, options: dict[str, str]) -> None:
-        opts = ", ".join(f'"{k}" \'{v}\'' for k, v in options.items())
-        command = f'START_REPLICATION SLOT "{slot}" LOGICAL {Lsn(start_lsn)}' + (f" ({opts})" if opts else "")
+        opts = ", ".join(f"{quote_ident(k)} {quote_literal(v)}" for k, v in options.items())
+        command = f'START_REPLICATION SLOT {quote_ident(slot)} LOGICAL {Lsn(start_lsn)}' + (f" ({opts})" if opts else "")
         self._pgconn.send_query(command.encode())
         res = self._pgconn.get_result()
         if res is None or res.status != pq.ExecStatus.COPY_BOTH:

@@ -36,8 +36,8 @@ from producer.replication import ReplicationError, ReplicationStream
 from producer.sink import KafkaSink, SinkError
 from producer.snapshot import InitialSnapshot, SnapshotAborted
 from walbus.config import ConfigError, describe
-from walbus.contract import Lsn
-from walbus.kafka import KafkaAdmin, TopicSpec, wait_for_broker
+from walbus.contract import Lsn, split_table
+from walbus.kafka import DEFAULT_MAX_MESSAGE_BYTES, KafkaAdmin, TopicSpec, wait_for_broker
 from walbus.logs import setup_logging
 from walbus.metrics import new_registry, serve_metrics
 from walbus.retry import Backoff
@@ -58,15 +58,17 @@ class Producer:
         self.offsets: OffsetStore | None = None
         self.incremental: IncrementalSnapshot | None = None
         self.capture = CaptureFilter(
-            tables=tuple(config.tables),
-            exclude_tables=tuple(config.exclude_tables),
+            tables=setup.table_patterns(config.tables, "--tables"),
+            exclude_tables=setup.table_patterns(config.exclude_tables, "--exclude-tables"),
             exclude_columns=tuple(config.exclude_columns),
             mask_columns=tuple(config.mask_columns),
-            signal_table=config.signal_table,
+            signal_table=setup.table_pattern(config.signal_table, "--signal-table") if config.signal_table else None,
         )
         self._stopping = asyncio.Event()
         self._partitions = 1
+        self._max_message_bytes = DEFAULT_MAX_MESSAGE_BYTES
         self.progress: Progress | None = None
+        self._failed_at = -1  # the confirmed position when the stream last failed
         self.ready = asyncio.Event()  # set once streaming started (tests, demo)
 
     def stop(self) -> None:
@@ -74,7 +76,7 @@ class Producer:
 
     # -- set-up -----------------------------------------------------------------------------
 
-    def _prepare_database(self) -> tuple[list[str], setup.SlotState]:
+    def _prepare_database(self) -> tuple[list[setup.TableName], setup.SlotState]:
         cfg = self.config
         with setup.connect(cfg.pg_dsn) as conn:
             setup.check_server(conn)
@@ -90,11 +92,14 @@ class Producer:
             await wait_for_broker(client_kwargs, attempts=3, max_delay=4)
         except KafkaError as e:
             raise ConfigError(f"cannot reach Kafka at {cfg.kafka_bootstrap}: {e}") from None
+        limit = (("max.message.bytes", str(DEFAULT_MAX_MESSAGE_BYTES)),)
         async with KafkaAdmin(client_kwargs=client_kwargs) as admin:
-            await admin.ensure_topic(TopicSpec(cfg.topic_name, cfg.partitions, cfg.replication_factor))
+            await admin.ensure_topic(TopicSpec(cfg.topic_name, cfg.partitions, cfg.replication_factor, limit))
             if cfg.transaction_metadata:
-                await admin.ensure_topic(TopicSpec(f"{cfg.topic_name}.transaction", 1, cfg.replication_factor))
+                await admin.ensure_topic(TopicSpec(f"{cfg.topic_name}.transaction", 1, cfg.replication_factor, limit))
             self._partitions = await admin.partitions(cfg.topic_name)
+            # An existing topic keeps its own limit: records are checked against what it takes.
+            self._max_message_bytes = await admin.max_message_bytes(cfg.topic_name)
 
     # -- running ------------------------------------------------------------------------------
 
@@ -104,9 +109,10 @@ class Producer:
         client_kwargs = cfg.kafka_client_kwargs()
         await self._prepare_kafka(client_kwargs)
         tables, slot = await asyncio.to_thread(self._prepare_database)
-        if cfg.signal_table and cfg.signal_table not in tables:
+        signal_table = self.capture.signal_table
+        if signal_table and split_table(signal_table) not in tables:
             raise ConfigError(
-                f"signal table {cfg.signal_table} does not exist: CREATE TABLE {cfg.signal_table} "
+                f"signal table {signal_table} does not exist: CREATE TABLE {setup.sql_table(split_table(signal_table))} "
                 "(id varchar(64) PRIMARY KEY, type varchar(32) NOT NULL, data text)"
             )
         offsets = self.offsets = OffsetStore(client_kwargs, cfg.topic_name, cfg.slot_name, replication_factor=cfg.replication_factor)
@@ -135,6 +141,9 @@ class Producer:
                     if self._stopping.is_set():
                         break
                     self.metrics.reconnects.inc()
+                    # Retries count per position: only a confirmed position past this one resets them.
+                    self._failed_at = self.progress.confirmed_lsn if self.progress is not None else 0
+                    log.warning("stream failed", extra={"error": describe_error(e), "confirmed_lsn": str(Lsn(self._failed_at))})
                     await backoff.wait(log, "stream", e, stop=self._stopping)
         finally:
             self.metrics.connected.set(0)
@@ -176,6 +185,7 @@ class Producer:
                 client_kwargs=client_kwargs, topic=cfg.topic_name, partitions=self._partitions, progress=progress,
                 max_batch_bytes=cfg.max_batch_bytes, max_in_flight=cfg.max_in_flight, on_ack=on_ack,
                 request_timeout_ms=cfg.kafka_request_timeout_ms, compression=cfg.compression,
+                max_message_bytes=self._max_message_bytes,
             )
             await sink.start()
             decoder = self._decoder(catalog)
@@ -213,9 +223,7 @@ class Producer:
                     if type(it) is EncodedEvent:
                         if inc is not None:
                             inc.observe(it)
-                        if not sink.append(it):
-                            await sink.send_full()
-                            sink.append(it)
+                        await sink.put(it)
                     elif type(it) is TxnEnd:
                         in_txn = False
                         if txn_topic:
@@ -234,12 +242,11 @@ class Producer:
                             await self._transaction_record(sink, txn_topic, "BEGIN", it.xid, it.commit_lsn, it.timestamp, None)
                     elif type(it) is LogicalMessage and inc is not None:
                         for ev in inc.on_message(it, self._partitions > 1):
-                            if not sink.append(ev):
-                                await sink.send_full()
-                                sink.append(ev)
+                            await sink.put(ev)
                 items.clear()
                 await sink.flush_idle()
-                backoff.reset()
+                if progress.confirmed_lsn > self._failed_at:
+                    backoff.reset()
             sink.raise_if_failed()
             if inc is not None:
                 await inc.tick(progress.confirmed_lsn)
@@ -276,6 +283,12 @@ class Producer:
             value["event_count"] = sum(per_table.values())
             value["data_collections"] = [{"data_collection": t, "event_count": n} for t, n in sorted(per_table.items())]
         await sink.send_side_record(topic, b"%016X" % commit_lsn, orjson.dumps(value))
+
+
+def describe_error(e: BaseException) -> str:
+    """An exception as its type and message: some (TimeoutError()) have an empty message."""
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
 def main(argv: Sequence[str]) -> int:

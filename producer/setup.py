@@ -6,14 +6,20 @@ Everything here is a configuration matter: failures raise ConfigError with what 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import psycopg
 from psycopg import sql
 
-from producer.codec import CaptureFilter, table_matches
+from producer.codec import CaptureFilter
+from producer.replication import quote_ident
 from walbus.config import ConfigError
+from walbus.contract import ContractError, qualify_table, split_table
 from walbus.logs import redact_dsn
+
+TableName = tuple[str, str]  # (schema, table), exactly as PostgreSQL spells them
+WILDCARDS = "*?["
 
 log = logging.getLogger("walbus.producer.setup")
 
@@ -45,28 +51,72 @@ def check_server(conn: psycopg.Connection[tuple[object, ...]]) -> None:
         raise ConfigError("the PostgreSQL user lacks the REPLICATION privilege: ALTER ROLE … WITH REPLICATION")
 
 
-def list_tables(conn: psycopg.Connection[tuple[object, ...]]) -> list[str]:
+def table_pattern(pattern: str, flag: str) -> str:
+    """A ``--tables``-style entry in the form events name tables (``qualify_table``): an exact
+    name is read as ``split_table`` reads it (``public."a.b"``), a pattern with wildcards
+    is matched as written against that form."""
+    if any(ch in pattern for ch in WILDCARDS):
+        return pattern
+    try:
+        return qualify_table(*split_table(pattern))
+    except ContractError as e:
+        raise ConfigError(f"{flag}: {e} (write schema.table; a name with a dot or quote in double quotes: public.\"a.b\")") from None
+
+
+def table_patterns(patterns: Sequence[str], flag: str) -> tuple[str, ...]:
+    return tuple(table_pattern(p, flag) for p in patterns)
+
+
+def list_tables(conn: psycopg.Connection[tuple[object, ...]]) -> list[TableName]:
     rows = conn.execute(
-        "SELECT n.nspname || '.' || c.relname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
+        "SELECT n.nspname, c.relname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
         "WHERE c.relkind IN ('r', 'p') AND n.nspname NOT IN ('pg_catalog', 'information_schema') "
-        "AND n.nspname NOT LIKE 'pg_toast%' ORDER BY 1"
+        "AND n.nspname NOT LIKE 'pg_toast%' ORDER BY 1, 2"
     ).fetchall()
-    return [str(r[0]) for r in rows]
+    return [(str(r[0]), str(r[1])) for r in rows]
 
 
-def resolve_tables(conn: psycopg.Connection[tuple[object, ...]], capture: CaptureFilter) -> list[str]:
+def resolve_tables(conn: psycopg.Connection[tuple[object, ...]], capture: CaptureFilter) -> list[TableName]:
     """The captured tables that exist now; an include-list name without wildcards must exist."""
     existing = list_tables(conn)
+    names = {qualify_table(*t) for t in existing}
     for pattern in capture.tables:
-        if not any(ch in pattern for ch in "*?[") and pattern not in existing:
+        if not any(ch in pattern for ch in WILDCARDS) and pattern not in names:
             raise ConfigError(f"table {pattern!r} in --tables does not exist in this database")
-    return [t for t in existing if capture.captures(t)]
+    return [t for t in existing if capture.captures(qualify_table(*t))]
+
+
+def sql_table(table: TableName) -> str:
+    return f"{quote_ident(table[0])}.{quote_ident(table[1])}"
+
+
+def check_publication(conn: psycopg.Connection[tuple[object, ...]], name: str, tables: list[TableName]) -> None:
+    """An existing publication must publish every captured table: a table missing from it
+    would be snapshotted and then get no changes. A partitioned table counts as published
+    when it, a partition of it or a table it is a partition of is (as publish_via_partition_root
+    decides, pgoutput streams one or the other)."""
+    rows = conn.execute(
+        "WITH pub AS (SELECT format('%%I.%%I', schemaname, tablename)::regclass AS rel "
+        "FROM pg_publication_tables WHERE pubname = %s) "
+        "SELECT n.nspname, c.relname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
+        "WHERE c.relkind IN ('r', 'p') AND EXISTS (SELECT 1 FROM pub WHERE pub.rel = c.oid OR pub.rel IN "
+        "(SELECT relid FROM pg_partition_ancestors(c.oid) UNION ALL SELECT relid FROM pg_partition_tree(c.oid)))",
+        (name,),
+    ).fetchall()
+    published = {(str(r[0]), str(r[1])) for r in rows}
+    missing = [t for t in tables if t not in published]
+    if missing:
+        raise ConfigError(
+            f"publication {name} does not publish {', '.join(qualify_table(*t) for t in missing)}: their changes would "
+            f"not be streamed. ALTER PUBLICATION {quote_ident(name)} ADD TABLE {', '.join(sql_table(t) for t in missing)}"
+        )
 
 
 def ensure_publication(
-    conn: psycopg.Connection[tuple[object, ...]], name: str, capture: CaptureFilter, tables: list[str]
+    conn: psycopg.Connection[tuple[object, ...]], name: str, capture: CaptureFilter, tables: list[TableName]
 ) -> None:
     if conn.execute("SELECT 1 FROM pg_publication WHERE pubname = %s", (name,)).fetchone():
+        check_publication(conn, name, tables)
         log.info("using existing publication", extra={"publication": name})
         return
     try:
@@ -75,11 +125,12 @@ def ensure_publication(
         else:
             if not tables:
                 raise ConfigError("--tables/--exclude-tables leave no table to capture")
-            idents = [sql.Identifier(*t.split(".", 1)) for t in tables]
+            idents = [sql.Identifier(*t) for t in tables]
             conn.execute(sql.SQL("CREATE PUBLICATION {} FOR TABLE {}").format(sql.Identifier(name), sql.SQL(", ").join(idents)))
     except psycopg.errors.InsufficientPrivilege as e:
         raise ConfigError(f"cannot create publication {name}: {e}; create it as the tables' owner") from None
-    log.info("created publication", extra={"publication": name, "tables": "ALL" if not (capture.tables or capture.exclude_tables) else tables})
+    shown = "ALL" if not (capture.tables or capture.exclude_tables) else [qualify_table(*t) for t in tables]
+    log.info("created publication", extra={"publication": name, "tables": shown})
 
 
 def slot_state(conn: psycopg.Connection[tuple[object, ...]], slot: str) -> SlotState:
@@ -112,7 +163,3 @@ def drop_slot(dsn: str, slot: str) -> None:
     with connect(dsn) as conn:
         conn.execute("SELECT pg_drop_replication_slot(%s) WHERE EXISTS (SELECT 1 FROM pg_replication_slots WHERE slot_name = %s)", (slot, slot))
     log.info("dropped replication slot", extra={"slot": slot})
-
-
-def captured_table_list(capture: CaptureFilter, tables: list[str]) -> list[str]:
-    return [t for t in tables if table_matches(t, capture.tables)] if capture.tables else tables

@@ -22,12 +22,30 @@ from aiokafka import AIOKafkaProducer
 
 from producer.codec import EncodedEvent, partition_for
 from producer.progress import Progress
+from walbus.config import ConfigError
+from walbus.contract import ContractError, decode_event
+from walbus.kafka import DEFAULT_MAX_MESSAGE_BYTES, RECORD_OVERHEAD_BYTES, record_fits
 
 log = logging.getLogger("walbus.producer.sink")
 
 
 class SinkError(Exception):
     """Kafka refused or lost a batch: the stream must restart from the confirmed position."""
+
+
+def oversized_error(topic: str, ev: EncodedEvent, limit: int) -> ConfigError:
+    """What to say of a record above the topic's limit: which row, how large, what to raise."""
+    try:
+        event = decode_event(ev.value)
+        table, key = event.table, event.key_values()
+    except ContractError:
+        table, key = "?", None
+    size = len(ev.key) + len(ev.value) + RECORD_OVERHEAD_BYTES
+    return ConfigError(
+        f"a change of {table} (key {key}, event {ev.key.decode()}) is {size} bytes, above the {limit} bytes topic {topic} "
+        f"takes: raise the topic's max.message.bytes (and the brokers' replica.fetch.max.bytes and the consumers' "
+        f"fetch sizes to match), or keep the row smaller (docs/contract.md, size limits)"
+    )
 
 
 class KafkaSink:
@@ -43,6 +61,7 @@ class KafkaSink:
         on_ack: Any = None,
         request_timeout_ms: int = 30000,
         compression: str = "none",
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     ) -> None:
         self.topic = topic
         self.partitions = partitions
@@ -51,13 +70,15 @@ class KafkaSink:
             **client_kwargs,
             acks="all",
             enable_idempotence=True,
-            max_batch_size=max_batch_bytes,
-            max_request_size=max(max_batch_bytes * 2, 1 << 20),
+            # A batch the topic takes; one record up to its limit always gets a batch of its own.
+            max_batch_size=min(max_batch_bytes, max_message_bytes),
+            max_request_size=max(max_batch_bytes * 2, max_message_bytes + RECORD_OVERHEAD_BYTES, 1 << 20),
             linger_ms=0,
             request_timeout_ms=request_timeout_ms,
             compression_type=None if compression == "none" else compression,
             retry_backoff_ms=200,
         )
+        self.max_message_bytes = max_message_bytes
         self._max_in_flight = max_in_flight
         self._open: list[Any] = [None] * partitions  # BatchBuilder per partition
         self._open_count = [0] * partitions
@@ -74,6 +95,15 @@ class KafkaSink:
 
     async def stop(self) -> None:
         await self._producer.stop()
+
+    async def put(self, ev: EncodedEvent) -> None:
+        """Append an event, sending its partition's full batch first when needed; a record
+        the topic cannot take is a configuration fault, not something to retry."""
+        if not record_fits(self.max_message_bytes, ev.key, ev.value):
+            raise oversized_error(self.topic, ev, self.max_message_bytes)
+        if not self.append(ev):
+            await self.send_full()
+            self.append(ev)
 
     def append(self, ev: EncodedEvent) -> bool:
         """Add an event to its partition's open batch. False: the batch is full — call

@@ -73,7 +73,7 @@ from producer.tablescan import (
     describe_table,
     str_converters,
 )
-from walbus.contract import Lsn
+from walbus.contract import Lsn, qualify_table
 
 log = logging.getLogger("walbus.producer.snapshot")
 
@@ -321,9 +321,7 @@ class InitialSnapshot:
             seen_tables[rel.qualified] = table
             for values in batch.rows:
                 ev = encoder.read(rel, cp, values)
-                if not sink.append(ev):
-                    await sink.send_full()
-                    sink.append(ev)
+                await sink.put(ev)
             gone = earlier.get(rel.qualified)
             if gone and rel.pk_index:
                 idx = rel.pk_index
@@ -346,9 +344,7 @@ class InitialSnapshot:
             if known is None or not keys or not known.relation.pk_index:
                 continue  # a table dropped since (or keyless): nothing to say the row is gone
             for ev in _deletes(encoder, known, keys, cp):
-                if not sink.append(ev):
-                    await sink.send_full()
-                    sink.append(ev)
+                await sink.put(ev)
                 result.deletes += 1
         if result.deletes:
             log.info("emitted deletes for rows the interrupted snapshot had read and that are gone", extra={"deletes": result.deletes})
@@ -357,10 +353,10 @@ class InitialSnapshot:
         """The captured tables as the snapshot sees them (listed inside the snapshot, so a table
         created after the consistent point is left to the stream)."""
         out: list[ScanTable] = []
-        for relid, name in enumerate(setup.list_tables(conn), start=1):
+        for relid, (schema, table) in enumerate(setup.list_tables(conn), start=1):
+            name = qualify_table(schema, table)
             if not self.capture.captures(name) or name == self.capture.signal_table:
                 continue
-            schema, table = name.split(".", 1)
             scan = describe_table(conn, schema, table, self.capture, relid)
             # pgoutput publishes a partitioned table's changes under its leaf partitions.
             if scan is not None and scan.kind == "r":

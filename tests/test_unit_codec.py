@@ -155,3 +155,42 @@ def test_config_precedence_flags_env_file(tmp_path: Path) -> None:
 def test_passwords_never_logged() -> None:
     assert redact_dsn("postgresql://u:s3cret@h/db") == "postgresql://u:***@h/db"
     assert "s3cret" not in redact_dsn("host=h password=s3cret dbname=x")
+
+
+@pytest.mark.parametrize(
+    ("database", "expected"),
+    [("shop", "walbus_shop"), ("shop_eu", "walbus_shop_eu")],
+)
+def test_default_slot_name_keeps_plain_names(database: str, expected: str) -> None:
+    from producer.config import default_slot_name
+
+    assert default_slot_name(database) == expected
+
+
+def test_default_slot_name_is_valid_and_distinct_for_unusual_names() -> None:
+    import re
+
+    from producer.config import default_slot_name
+
+    names = ["shop.eu", "shop_eu", "Shop-EU", "shop-eu", "ö", "o", "x" * 63, "x" * 64, "ü" * 40]
+    slots = [default_slot_name(n) for n in names]
+    for s in slots:
+        assert re.fullmatch(r"[a-z0-9_]{1,63}", s), s
+        assert len(s.encode()) <= 63
+    assert len(set(slots)) == len(slots)
+
+
+def test_slot_flag_must_be_a_valid_slot_name() -> None:
+    from producer.config import load
+
+    with pytest.raises(ConfigError, match="--slot"):
+        load(["--pg-dsn", "dbname=x", "--kafka-bootstrap", "k:1", "--slot", "Shop.EU"])
+
+
+def test_replication_options_are_quoted() -> None:
+    from producer.decoders.pgoutput import PgoutputDecoder
+    from producer.replication import quote_ident, quote_literal
+
+    assert quote_literal(quote_ident("My'Pub\"x")) == "'\"My''Pub\"\"x\"'"
+    opts = PgoutputDecoder(None, CaptureFilter()).start_options("MyPub")  # type: ignore[arg-type]
+    assert opts["publication_names"] == '"MyPub"'

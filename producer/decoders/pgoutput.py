@@ -20,6 +20,7 @@ from producer.codec import (
     text_converter,
 )
 from producer.decoders import Item, LogicalMessage, TxnBegin, TxnEnd
+from producer.replication import quote_ident
 
 log = logging.getLogger("walbus.producer.pgoutput")
 
@@ -52,7 +53,8 @@ class PgoutputDecoder:
         self._iso = ""
 
     def start_options(self, publication: str) -> dict[str, str]:
-        return {"proto_version": "1", "publication_names": publication, "messages": "true"}
+        # A list of identifiers: quoted, or PostgreSQL folds the name to lower case.
+        return {"proto_version": "1", "publication_names": quote_ident(publication), "messages": "true"}
 
     def decode(self, messages: list[tuple[int, bytes]], out: list[Item]) -> None:
         relations = self.relations
@@ -171,6 +173,7 @@ class PgoutputDecoder:
         if old is not None:
             rel.txn_counts = old.txn_counts
         self.relations[relid] = rel
+        self.encoder.forget(relid)
         log.debug("relation", extra={"table": rel.qualified, "columns": columns})
 
     def _truncate(self, buf: bytes, lsn: int, out: list[Item]) -> None:

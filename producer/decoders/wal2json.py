@@ -17,7 +17,7 @@ from typing import Any
 
 import orjson
 
-from producer.catalog import CatalogLookup
+from producer.catalog import CatalogLookup, TableInfo
 from producer.codec import (
     FLOAT_TYPES,
     INT_TYPES,
@@ -28,7 +28,7 @@ from producer.codec import (
 )
 from producer.decoders import Item, LogicalMessage, TxnBegin, TxnEnd
 from producer.decoders.pgoutput import DecodeError
-from walbus.contract import Lsn
+from walbus.contract import Lsn, qualify_table
 
 log = logging.getLogger("walbus.producer.wal2json")
 
@@ -51,6 +51,17 @@ def _value_converter(typname: str) -> Callable[[Any], Any]:
     if typname == "bool":
         return lambda v: v
     return lambda v: v if v is None or isinstance(v, str) else str(v)
+
+
+def _message_with_bytes(buf: bytes) -> Any:
+    """A payload that is not valid UTF-8 JSON: wal2json prints a logical message's content as
+    it is, and ``pg_logical_emit_message`` takes any bytes from any login role. Such a
+    message is read with the bytes replaced (no walbus message is binary); anything else
+    stays an error."""
+    msg = json.loads(buf.decode("utf-8", "replace"))
+    if not isinstance(msg, dict) or msg.get("action") != "M":
+        raise DecodeError(f"wal2json payload is not valid JSON: {buf[:200]!r}")
+    return msg
 
 
 class Wal2jsonDecoder:
@@ -79,30 +90,58 @@ class Wal2jsonDecoder:
             "include-transaction": "1",
         }
 
-    def _relation(self, schema: str, table: str, cols: list[dict[str, Any]]) -> tuple[Relation, dict[str, int], list[Callable[[Any], Any]]]:
-        cached = self._relations.get((schema, table))
-        if cached is not None:
-            known = self._known[(schema, table)]
-            if all((c["name"], c["typeoid"]) in known for c in cols):
-                return cached
-            rel, index, _ = cached
-            if all(c["name"] in index and rel.types[index[c["name"]]] == self.catalog.typname(c["typeoid"]) for c in cols):
-                known.update((c["name"], c["typeoid"]) for c in cols)
-                return cached
+    def _relation(
+        self, schema: str, table: str, cols: list[dict[str, Any]], *, whole: bool = False
+    ) -> tuple[Relation, dict[str, int], list[Callable[[Any], Any]]]:
+        """The relation a change was written with. ``whole``: ``cols`` is the whole row (an
+        insert), so its column list is the table's as of that change and must match exactly.
+
+        The catalog says how a table is now, which may be a later version than the change's
+        (a column added, dropped, renamed or retyped later in its transaction or since): when
+        the catalog does not match the change's own columns, those columns are the relation."""
+        key = (schema, table)
+        cached = self._relations.get(key)
+        if cached is not None and self._matches(cached, cols, whole, self._known[key]):
+            return cached
         invalidate = getattr(self.catalog, "invalidate", None)
         if invalidate is not None:
             invalidate(schema, table)
         info = self.catalog.table(schema, table)
-        types = [self.catalog.typname(oid) for oid in info.type_oids]
+        entry = self._build(schema, table, list(info.columns), list(info.type_oids), info)
+        if not self._matches(entry, cols, whole, None):
+            entry = self._build(schema, table, [c["name"] for c in cols], [c["typeoid"] for c in cols], info)
+            log.debug("relation from the change's own columns", extra={"table": entry[0].qualified, "columns": entry[0].columns})
+        self._relations[key] = entry
+        self._known[key] = set()
+        return entry
+
+    def _matches(
+        self, entry: tuple[Relation, dict[str, int], list[Callable[[Any], Any]]], cols: list[dict[str, Any]], whole: bool,
+        known: set[tuple[str, int]] | None,
+    ) -> bool:
+        """Whether the change's columns are the relation's (``known``: pairs already checked)."""
+        rel, index, _ = entry
+        if whole and (len(cols) != len(rel.columns) or any(c["name"] != n for c, n in zip(cols, rel.columns, strict=True))):
+            return False
+        if known is not None and all((c["name"], c["typeoid"]) in known for c in cols):
+            return True
+        if not all(c["name"] in index and rel.types[index[c["name"]]] == self.catalog.typname(c["typeoid"]) for c in cols):
+            return False
+        if known is not None:
+            known.update((c["name"], c["typeoid"]) for c in cols)
+        return True
+
+    def _build(
+        self, schema: str, table: str, columns: list[str], oids: list[int], info: TableInfo
+    ) -> tuple[Relation, dict[str, int], list[Callable[[Any], Any]]]:
+        types = [self.catalog.typname(oid) for oid in oids]
         ident = set(info.identity)
         self._relid += 1
         rel = Relation(
-            self._relid, schema, table, list(info.columns), types, [c in ident for c in info.columns], list(info.pk), info.replident
+            self._relid, schema, table, columns, types, [c in ident for c in columns],
+            [c for c in info.pk if c in columns], info.replident,
         ).prepare(self.capture)
-        entry = (rel, {c: i for i, c in enumerate(info.columns)}, [_value_converter(t) for t in types])
-        self._relations[(schema, table)] = entry
-        self._known[(schema, table)] = set(zip(info.columns, info.type_oids, strict=True))
-        return entry
+        return rel, {c: i for i, c in enumerate(columns)}, [_value_converter(t) for t in types]
 
     def _row(self, cols: list[dict[str, Any]], index: dict[str, int], convs: list[Callable[[Any], Any]], n: int) -> tuple[list[Any], set[int]]:
         values: list[Any] = [None] * n
@@ -117,16 +156,19 @@ class Wal2jsonDecoder:
 
     def decode(self, messages: list[tuple[int, bytes]], out: list[Item]) -> None:
         for _lsn, buf in messages:
-            msg = _exact_loads(buf) if _NUMERIC_MARK in buf else orjson.loads(buf)
+            try:
+                msg = _exact_loads(buf) if _NUMERIC_MARK in buf else orjson.loads(buf)
+            except ValueError:
+                msg = _message_with_bytes(buf)
             action = msg["action"]
             if action in ("I", "U", "D"):
                 schema, table = msg["schema"], msg["table"]
-                if not self.capture.captures(f"{schema}.{table}"):
+                if not self.capture.captures(qualify_table(schema, table)):
                     continue
                 lsn = int(Lsn.parse(msg["lsn"]))
                 cols = msg.get("columns") or []
                 ident_cols = msg.get("identity")
-                rel, index, convs = self._relation(schema, table, cols + (ident_cols or []))
+                rel, index, convs = self._relation(schema, table, cols + (ident_cols or []) if action != "I" else cols, whole=action == "I")
                 if not rel.captured:
                     continue
                 n = len(rel.columns)
@@ -166,7 +208,7 @@ class Wal2jsonDecoder:
                 self._counts = {}
             elif action == "T":
                 schema, table = msg["schema"], msg["table"]
-                if not self.capture.captures(f"{schema}.{table}"):
+                if not self.capture.captures(qualify_table(schema, table)):
                     continue
                 rel, _, _ = self._relation(schema, table, [])
                 out.append(self.encoder.truncate(rel, int(Lsn.parse(msg["lsn"]))))
