@@ -11,7 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -140,10 +139,6 @@ def test_fast_encoder_is_byte_identical_to_the_contract(case: Case) -> None:
     check_case(case)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "producer/codec.py Relation.qualified writes f'{schema}.{name}', not walbus.contract.qualify_table: "
-    "schema 'public', table 'a.b' gives \"table\":\"public.a.b\" where the contract says 'public.\"a.b\"' "
-    "(split_table then refuses it); being changed in parallel (issue 13)"))
 @given(cases(quoted_names))
 def test_fast_encoder_quotes_names_with_dots_and_quotes(case: Case) -> None:
     check_case(case)
