@@ -144,7 +144,14 @@ class Producer:
                     # Retries count per position: only a confirmed position past this one resets them.
                     self._failed_at = self.progress.confirmed_lsn if self.progress is not None else 0
                     log.warning("stream failed", extra={"error": describe_error(e), "confirmed_lsn": str(Lsn(self._failed_at))})
-                    await backoff.wait(log, "stream", e, stop=self._stopping)
+                    try:
+                        await backoff.wait(log, "stream", e, stop=self._stopping)
+                    except type(e):
+                        log.error(
+                            "giving up: the stream failed at the same position as often as --retry-attempts allows",
+                            extra={"attempts": backoff.failures, "confirmed_lsn": str(Lsn(self._failed_at)), "error": describe_error(e)},
+                        )
+                        raise
         finally:
             self.metrics.connected.set(0)
             await offsets.stop()

@@ -235,3 +235,54 @@ async def test_row_above_the_topic_limit_fails_fast_with_a_clear_error(pg_dsn: s
     message = str(err.value)
     assert "public.big" in message and "'id': 42" in message and "200000" in message and "max.message.bytes" in message
     assert producer.metrics.reconnects._value.get() == 0
+
+
+async def lower_topic_limit(kafka_bootstrap: str, topic: str, limit: int) -> None:
+    """Set ``max.message.bytes`` behind a running producer's back (it keeps the limit it read)."""
+    from aiokafka.admin import AIOKafkaAdminClient
+    from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
+
+    admin = AIOKafkaAdminClient(bootstrap_servers=kafka_bootstrap)
+    await admin.start()
+    try:
+        for resp in await admin.alter_configs([ConfigResource(ConfigResourceType.TOPIC, topic, {"max.message.bytes": str(limit)})]):
+            assert all(code == 0 for code, *_ in resp.resources), resp
+    finally:
+        await admin.close()
+
+
+async def test_a_fault_repeating_at_one_position_gives_up_after_the_retry_attempts(
+    pg_dsn: str, kafka_bootstrap: str, unique_name: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    import asyncio
+
+    from producer.config import ProducerConfig
+    from producer.service import Producer
+    from producer.sink import SinkError
+
+    sql(pg_dsn, "CREATE TABLE big (id int PRIMARY KEY, doc text)")
+    cfg = ProducerConfig(
+        pg_dsn=pg_dsn, kafka_bootstrap=kafka_bootstrap, topic=unique_name, retry_attempts=3, retry_max_delay=0.5, heartbeat_interval=1.0,
+    )
+    producer = Producer(cfg)
+    task = asyncio.create_task(producer.run())
+    try:
+        await asyncio.wait_for(producer.ready.wait(), 60)
+        sql(pg_dsn, "INSERT INTO big VALUES (1, 'small')")
+        await read_topic(kafka_bootstrap, unique_name, min_count=1, timeout=30)
+        # Kafka now rejects the next row at every attempt, while the producer checks against the 16 MiB it read.
+        await lower_topic_limit(kafka_bootstrap, unique_name, 200_000)
+        with psycopg.connect(pg_dsn, autocommit=True) as conn:
+            conn.execute("INSERT INTO big VALUES (42, %s)", ("".join(f"{i:08d}" for i in range(40_000)),))
+        with pytest.raises(SinkError) as err:
+            await asyncio.wait_for(asyncio.shield(task), 90)
+    finally:
+        if not task.done():
+            producer.stop()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(task, 60)
+    assert "MessageSizeTooLarge" in str(err.value)
+    assert producer.metrics.reconnects._value.get() == 3
+    giving_up = [r for r in caplog.records if r.levelname == "ERROR" and r.getMessage().startswith("giving up")]
+    assert [getattr(r, "attempts", None) for r in giving_up] == [3]
+    assert [e["values"] for e in events(await read_topic(kafka_bootstrap, unique_name))] == [[1, "small"]]
