@@ -13,7 +13,7 @@ import contextlib
 import logging
 import signal
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import orjson
@@ -67,6 +67,7 @@ class Producer:
         self._stopping = asyncio.Event()
         self._partitions = 1
         self._max_message_bytes = DEFAULT_MAX_MESSAGE_BYTES
+        self._client_kwargs: dict[str, Any] = {}  # built once per run (an SSL context is costly)
         self.progress: Progress | None = None
         self._failed_at = -1  # the confirmed position when the stream last failed
         self.ready = asyncio.Event()  # set once streaming started (tests, demo)
@@ -106,7 +107,7 @@ class Producer:
     async def run(self) -> None:
         cfg = self.config
         log.info("producer starting", extra={"config": describe(cfg)})
-        client_kwargs = cfg.kafka_client_kwargs()
+        client_kwargs = self._client_kwargs = cfg.kafka_client_kwargs()
         await self._prepare_kafka(client_kwargs)
         tables, slot = await asyncio.to_thread(self._prepare_database)
         signal_table = self.capture.signal_table
@@ -122,7 +123,7 @@ class Producer:
             # Snapshot hook: creates the slot (with an exported snapshot when one is due) and reads it.
             initial = InitialSnapshot(
                 cfg, self.capture, offsets=offsets, metrics=self.snapshot_metrics, client_kwargs=client_kwargs,
-                partitions=self._partitions, stopping=self._stopping,
+                partitions=self._partitions, stopping=self._stopping, new_sink=self._new_sink,
             )
             if cfg.signal_table:
                 self.incremental = IncrementalSnapshot(cfg, self.capture, offsets=offsets, metrics=self.snapshot_metrics)
@@ -135,7 +136,7 @@ class Producer:
                 return
             while not self._stopping.is_set():
                 try:
-                    await self._stream_session(client_kwargs, backoff)
+                    await self._stream_session(backoff)
                 except TRANSIENT as e:
                     self.metrics.connected.set(0)
                     if self._stopping.is_set():
@@ -160,6 +161,17 @@ class Producer:
             if cfg.drop_slot_on_exit:
                 await asyncio.to_thread(setup.drop_slot, cfg.pg_dsn, cfg.slot_name)
 
+    def _new_sink(self, progress: Progress, *, on_ack: Callable[[float, int], None] | None = None) -> KafkaSink:
+        """The sink of the database topic, for the stream and the snapshot alike: both check
+        records against the limit the topic has (read in :meth:`_prepare_kafka`)."""
+        cfg = self.config
+        return KafkaSink(
+            client_kwargs=self._client_kwargs, topic=cfg.topic_name, partitions=self._partitions, progress=progress,
+            max_batch_bytes=cfg.max_batch_bytes, max_in_flight=cfg.max_in_flight, on_ack=on_ack,
+            request_timeout_ms=cfg.kafka_request_timeout_ms, compression=cfg.compression,
+            max_message_bytes=self._max_message_bytes,
+        )
+
     def _decoder(self, catalog: Catalog) -> Decoder:
         decoder: PgoutputDecoder | Wal2jsonDecoder
         if self.config.plugin == "wal2json":
@@ -169,7 +181,7 @@ class Producer:
         decoder.encoder.partitioned = self._partitions > 1
         return decoder
 
-    async def _stream_session(self, client_kwargs: dict[str, Any], backoff: Backoff) -> None:
+    async def _stream_session(self, backoff: Backoff) -> None:
         cfg = self.config
         catalog = Catalog(cfg.pg_dsn)
         stream: ReplicationStream | None = None
@@ -188,12 +200,7 @@ class Producer:
             def on_ack(seconds: float, records: int) -> None:
                 metrics.send_latency.observe(seconds)
 
-            sink = KafkaSink(
-                client_kwargs=client_kwargs, topic=cfg.topic_name, partitions=self._partitions, progress=progress,
-                max_batch_bytes=cfg.max_batch_bytes, max_in_flight=cfg.max_in_flight, on_ack=on_ack,
-                request_timeout_ms=cfg.kafka_request_timeout_ms, compression=cfg.compression,
-                max_message_bytes=self._max_message_bytes,
-            )
+            sink = self._new_sink(progress, on_ack=on_ack)
             await sink.start()
             decoder = self._decoder(catalog)
             stream = await asyncio.to_thread(ReplicationStream.connect, cfg.pg_dsn)

@@ -143,6 +143,7 @@ class InitialSnapshot:
         client_kwargs: dict[str, Any],
         partitions: int,
         stopping: asyncio.Event,
+        new_sink: Callable[[Progress], KafkaSink],
     ) -> None:
         self.config = config
         self.capture = capture
@@ -151,6 +152,7 @@ class InitialSnapshot:
         self.client_kwargs = client_kwargs
         self.partitions = partitions
         self.stopping = stopping
+        self.new_sink = new_sink  # the stream's sink settings and topic limit
         self.result: SnapshotResult | None = None
 
     # -- the decision ------------------------------------------------------------------------
@@ -248,11 +250,7 @@ class InitialSnapshot:
             extra={"consistent_point": str(Lsn(export.consistent_point)), "tables": [t.qualified for t in tables], "workers": workers},
         )
         progress = Progress(self.partitions + 1)
-        sink = KafkaSink(
-            client_kwargs=self.client_kwargs, topic=cfg.topic_name, partitions=self.partitions, progress=progress,
-            max_batch_bytes=cfg.max_batch_bytes, max_in_flight=cfg.max_in_flight,
-            request_timeout_ms=cfg.kafka_request_timeout_ms,
-        )
+        sink = self.new_sink(progress)
         await sink.start()
         todo: queue.SimpleQueue[Part] = queue.SimpleQueue()
         parts = plan_parts(tables, workers)

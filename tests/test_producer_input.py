@@ -286,3 +286,24 @@ async def test_a_fault_repeating_at_one_position_gives_up_after_the_retry_attemp
     giving_up = [r for r in caplog.records if r.levelname == "ERROR" and r.getMessage().startswith("giving up")]
     assert [getattr(r, "attempts", None) for r in giving_up] == [3]
     assert [e["values"] for e in events(await read_topic(kafka_bootstrap, unique_name))] == [[1, "small"]]
+
+
+async def test_snapshot_row_above_an_existing_topics_limit_fails_fast_with_a_clear_error(
+    pg_dsn: str, kafka_bootstrap: str, unique_name: str
+) -> None:
+    import asyncio
+
+    from producer.config import ProducerConfig
+    from producer.service import Producer
+    from walbus.kafka import KafkaAdmin, TopicSpec
+
+    async with KafkaAdmin(client_kwargs={"bootstrap_servers": kafka_bootstrap}) as admin:
+        await admin.ensure_topic(TopicSpec(unique_name, 1, 1, (("max.message.bytes", "200000"),)))
+    sql(pg_dsn, "CREATE TABLE big (id int PRIMARY KEY, doc text)", "INSERT INTO big VALUES (1, 'small')")
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute("INSERT INTO big VALUES (42, %s)", ("".join(f"{i:08d}" for i in range(40_000)),))  # 320 kB
+    producer = Producer(ProducerConfig(pg_dsn=pg_dsn, kafka_bootstrap=kafka_bootstrap, topic=unique_name, retry_max_delay=1.0))
+    with pytest.raises(ConfigError) as err:
+        await asyncio.wait_for(producer.run(), 90)
+    message = str(err.value)
+    assert "public.big" in message and "'id': 42" in message and "200000" in message and "max.message.bytes" in message
