@@ -21,7 +21,7 @@ def default_slot_name(database: str) -> str:
     """``walbus_<database>`` as a valid slot name (lower-case letters, digits, '_', at most 63
     bytes). When the database's name had to be changed for that, a hash of the exact name
     is appended, so two databases never share a slot name."""
-    body = _SLOT_UNSAFE.sub("_", database)
+    body = _SLOT_UNSAFE.sub("_", database.lower())
     if body == database and len(_SLOT_PREFIX) + len(body) <= 63:
         return _SLOT_PREFIX + body
     digest = hashlib.sha256(database.encode("utf-8", "surrogatepass")).hexdigest()[:8]

@@ -178,6 +178,7 @@ def test_default_slot_name_is_valid_and_distinct_for_unusual_names() -> None:
         assert re.fullmatch(r"[a-z0-9_]{1,63}", s), s
         assert len(s.encode()) <= 63
     assert len(set(slots)) == len(slots)
+    assert default_slot_name("Shop").startswith("walbus_shop_")  # lower-cased, not '_hop'
 
 
 def test_slot_flag_must_be_a_valid_slot_name() -> None:
