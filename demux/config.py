@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from walbus.config import ConfigError, load_config, option
-from walbus.kafka import KafkaOptions
+from walbus.kafka import DEFAULT_MAX_MESSAGE_BYTES, KafkaOptions
 
 # Logging levels accepted by --log-level.
 LOG_LEVELS = ["debug", "info", "warning", "error"]
@@ -80,8 +80,15 @@ class DemuxConfig(KafkaOptions):
         return self.source_topic
 
     def topic_configs(self, *, compact: bool) -> tuple[tuple[str, str], ...]:
-        """Configs of a per-table topic created by the demux."""
-        out: list[tuple[str, str]] = [("cleanup.policy", "compact" if compact else "delete")]
+        """Configs of a topic created by the demux (per-table topics and the DLQ).
+
+        max.message.bytes is set explicitly: the broker default (1 MB) is too small for
+        rows with big TOAST values (walbus.kafka.DEFAULT_MAX_MESSAGE_BYTES).
+        """
+        out: list[tuple[str, str]] = [
+            ("cleanup.policy", "compact" if compact else "delete"),
+            ("max.message.bytes", str(DEFAULT_MAX_MESSAGE_BYTES)),
+        ]
         if compact and self.min_compaction_lag_ms is not None:
             out.append(("min.compaction.lag.ms", str(self.min_compaction_lag_ms)))
         if compact and self.delete_retention_ms is not None:

@@ -11,6 +11,7 @@ from demux.config import parse_config
 from demux.state import StateStore
 from demux.worker import checkpoint_text, partition_for, transactional_id
 from walbus.config import ConfigError
+from walbus.kafka import DEFAULT_MAX_MESSAGE_BYTES
 
 ROW = orjson.dumps({"id": 1, "doc": "x", "__op": "c", "__lsn": 1, "__commit_lsn": 2, "__seq": 0, "__xid": 3, "__ts": "t"})
 
@@ -68,13 +69,16 @@ def test_config_defaults_and_errors() -> None:
     cfg = parse_config(["--kafka-bootstrap", "k:9092", "--source-topic", "walbus.shop"])
     assert cfg.database_name == "shop" and cfg.group == "walbus-demux.walbus.shop"
     assert cfg.dlq == "walbus.shop.dlq"
-    assert dict(cfg.topic_configs(compact=True)) == {"cleanup.policy": "compact"}
+    limit = str(DEFAULT_MAX_MESSAGE_BYTES)
+    assert dict(cfg.topic_configs(compact=True)) == {"cleanup.policy": "compact", "max.message.bytes": limit}
     cfg = parse_config(["--kafka-bootstrap", "k", "--source-topic", "cdc_shop", "--segment-ms", "1000",
                         "--delete-retention-ms", "5", "--min-compaction-lag-ms", "0"])
     assert cfg.database_name == "cdc_shop"
     assert dict(cfg.topic_configs(compact=True)) == {
-        "cleanup.policy": "compact", "segment.ms": "1000", "delete.retention.ms": "5", "min.compaction.lag.ms": "0"}
-    assert dict(cfg.topic_configs(compact=False)) == {"cleanup.policy": "delete", "segment.ms": "1000"}
+        "cleanup.policy": "compact", "segment.ms": "1000", "delete.retention.ms": "5", "min.compaction.lag.ms": "0",
+        "max.message.bytes": limit}
+    assert dict(cfg.topic_configs(compact=False)) == {
+        "cleanup.policy": "delete", "segment.ms": "1000", "max.message.bytes": limit}
     with pytest.raises(ConfigError, match="--txn-max-records"):
         parse_config(["--kafka-bootstrap", "k", "--source-topic", "s", "--txn-max-records", "0"])
     with pytest.raises(ConfigError, match="--source-topic"):
