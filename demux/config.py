@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from walbus.config import ConfigError, load_config, option
+from walbus.contract import MAX_TOPIC_LENGTH
 from walbus.kafka import DEFAULT_MAX_MESSAGE_BYTES, KafkaOptions
+
+# What Kafka accepts in a topic name (table names are escaped into it; these are taken as given).
+_TOPIC_NAME = re.compile(r"^[A-Za-z0-9._-]+$")
 
 # Logging levels accepted by --log-level.
 LOG_LEVELS = ["debug", "info", "warning", "error"]
@@ -58,6 +63,11 @@ class DemuxConfig(KafkaOptions):
             v = getattr(self, name)
             if v is not None and v < 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 0, got {v}")
+        for flag, name in (("--source-topic", self.source_topic), ("--topic-prefix", self.topic_prefix),
+                           ("--dlq-topic", self.dlq)):
+            if not _TOPIC_NAME.match(name) or len(name) > MAX_TOPIC_LENGTH:
+                raise ConfigError(f"{flag} must be a Kafka topic name ([A-Za-z0-9._-], at most "
+                                  f"{MAX_TOPIC_LENGTH} characters), got {name!r}")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise ConfigError(f"--metrics-port must be a TCP port, got {self.metrics_port}")
 

@@ -83,3 +83,36 @@ def test_config_defaults_and_errors() -> None:
         parse_config(["--kafka-bootstrap", "k", "--source-topic", "s", "--txn-max-records", "0"])
     with pytest.raises(ConfigError, match="--source-topic"):
         parse_config(["--kafka-bootstrap", "k"])
+    with pytest.raises(ConfigError, match="--topic-prefix"):
+        parse_config(["--kafka-bootstrap", "k", "--source-topic", "s", "--topic-prefix", "cdc events"])
+    with pytest.raises(ConfigError, match="--dlq-topic"):
+        parse_config(["--kafka-bootstrap", "k", "--source-topic", "s", "--dlq-topic", "s dlq"])
+    with pytest.raises(ConfigError, match="--source-topic"):
+        parse_config(["--kafka-bootstrap", "k", "--source-topic", "walbus.ö"])
+
+
+def test_topic_errors_are_sorted_into_transient_permanent_and_colliding() -> None:
+    """Transient: retried. Permanent: the topic is unusable (DLQ). Colliding: the hashed name."""
+    from aiokafka.errors import (
+        InvalidReplicationFactorError,
+        InvalidTopicError,
+        KafkaConnectionError,
+        KafkaTimeoutError,
+        NotControllerError,
+        PolicyViolationError,
+        RequestTimedOutError,
+        TopicAuthorizationFailedError,
+    )
+
+    from demux.topics import _transient, _unusable
+
+    for error in (KafkaConnectionError("down"), KafkaTimeoutError(), RequestTimedOutError(), NotControllerError()):
+        assert _transient(error), error
+    for error in (InvalidTopicError("bad"), PolicyViolationError(), TopicAuthorizationFailedError(),
+                  InvalidReplicationFactorError()):
+        assert not _transient(error), error
+        info = _unusable("t", error)
+        assert info.unusable is not None and "t cannot be created" in info.unusable and not info.collides
+    clash = _unusable("w.d.public.c_d", InvalidTopicError(
+        "creating topic w.d.public.c_d: Topic 'w.d.public.c_d' collides with existing topics: w.d.public_c.d"))
+    assert clash.collides and clash.unusable is not None
