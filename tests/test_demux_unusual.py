@@ -184,3 +184,39 @@ async def test_dead_letter_cut_to_its_topic_says_so(kafka_bootstrap: str, unique
     assert headers["walbus.value.truncated"] == b"300000"
     assert b"max.message.bytes=100000" in headers["walbus.value.cut"] and b"not JSON" in headers["walbus.error"]
     assert [r.key for r in await read_records(kafka_bootstrap, f"{source}.public.nums")] == [b'{"id":1}']
+
+
+async def test_postgres_tables_with_names_that_are_not_topic_safe(
+    pg_dsn: str, kafka_bootstrap: str, unique_name: str, tmp_path: Path
+) -> None:
+    """The same from a real database through the producer (names without a dot or quote: the
+    producer's own quoting of those is not the demux's; the test above covers them)."""
+    import psycopg
+    from psycopg import sql
+
+    from tests.fix_pipeline import read_topic, running_producer
+
+    tables = [
+        ("public", "Order Items"), ("public", "ö"), ("public", "a_b"), ("public", "n" * 63),
+        ("s" * 63, "ü" * 31),  # 63 + 62 bytes: > 249 characters once escaped
+        ("public_c", "d"), ("public", "c_d"),  # one topic name to Kafka: the second is hashed
+    ]
+    source = f"walbus.{unique_name}"
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        for schema, table in tables:
+            conn.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(sql.Identifier(schema)))
+            conn.execute(sql.SQL("CREATE TABLE {} (id int4 PRIMARY KEY, note text)").format(
+                sql.Identifier(schema, table)))
+    async with running_producer(pg_dsn, kafka_bootstrap, topic=source):
+        with psycopg.connect(pg_dsn, autocommit=True) as conn:
+            for i, (schema, table) in enumerate(tables):
+                name = sql.Identifier(schema, table)
+                conn.execute(sql.SQL("INSERT INTO {} VALUES (%s, %s)").format(name), (i, f"row {i}"))
+                conn.execute(sql.SQL("UPDATE {} SET note = %s WHERE id = %s").format(name), (f"new {i}", i))
+        await read_topic(kafka_bootstrap, source, min_count=2 * len(tables))
+    await _run_demux(kafka_bootstrap, source, tmp_path, "demux")
+    for i, (schema, table) in enumerate(tables):
+        topic = table_topic("walbus", unique_name, schema, table, hashed=(schema, table) == ("public", "c_d"))
+        assert _rows(await read_records(kafka_bootstrap, topic)) == [
+            (b'{"id":%d}' % i, {"id": i, "note": f"row {i}"}), (b'{"id":%d}' % i, {"id": i, "note": f"new {i}"})]
+    assert f"{source}.dlq" not in await list_topics(kafka_bootstrap)
