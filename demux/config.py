@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from walbus.config import ConfigError, load_config, option
-from walbus.contract import MAX_TOPIC_LENGTH
+from walbus.contract import MAX_TOPIC_LENGTH, unescape_topic_part
 from walbus.kafka import DEFAULT_MAX_MESSAGE_BYTES, KafkaOptions
 
 # What Kafka accepts in a topic name (table names are escaped into it; these are taken as given).
@@ -81,13 +81,18 @@ class DemuxConfig(KafkaOptions):
 
     @property
     def database_name(self) -> str:
-        """The database part of the output topic names."""
+        """The database whose per-table topics are written (table_topic escapes it again).
+
+        Derived from a source topic named by walbus.contract.database_topic, whose database
+        part is escaped: read back, so that ``my db`` gives ``walbus.my-20db.<schema>.<table>``,
+        not a twice-escaped ``my-2D20db``.
+        """
         if self.database:
             return self.database
         head = self.topic_prefix + "."
         if self.source_topic.startswith(head) and len(self.source_topic) > len(head):
-            return self.source_topic[len(head):]
-        return self.source_topic
+            return unescape_topic_part(self.source_topic[len(head):])
+        return unescape_topic_part(self.source_topic)
 
     def topic_configs(self, *, compact: bool) -> tuple[tuple[str, str], ...]:
         """Configs of a topic created by the demux (per-table topics and the DLQ).

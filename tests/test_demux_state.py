@@ -11,6 +11,7 @@ from demux.config import parse_config
 from demux.state import StateStore
 from demux.worker import checkpoint_text, partition_for, transactional_id
 from walbus.config import ConfigError
+from walbus.contract import database_topic, table_topic
 from walbus.kafka import DEFAULT_MAX_MESSAGE_BYTES
 
 ROW = orjson.dumps({"id": 1, "doc": "x", "__op": "c", "__lsn": 1, "__commit_lsn": 2, "__seq": 0, "__xid": 3, "__ts": "t"})
@@ -74,6 +75,12 @@ def test_config_defaults_and_errors() -> None:
     cfg = parse_config(["--kafka-bootstrap", "k", "--source-topic", "cdc_shop", "--segment-ms", "1000",
                         "--delete-retention-ms", "5", "--min-compaction-lag-ms", "0"])
     assert cfg.database_name == "cdc_shop"
+    # The producer's database topic escapes the name (contract.database_topic): read back once.
+    for database in ("my db", "shop-20x", "ö", "a.b"):
+        source = database_topic("walbus", database)
+        derived = parse_config(["--kafka-bootstrap", "k", "--source-topic", source]).database_name
+        assert derived == database
+        assert table_topic("walbus", derived, "public", "t").startswith(source + ".")
     assert dict(cfg.topic_configs(compact=True)) == {
         "cleanup.policy": "compact", "segment.ms": "1000", "delete.retention.ms": "5", "min.compaction.lag.ms": "0",
         "max.message.bytes": limit}
