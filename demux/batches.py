@@ -26,6 +26,12 @@ log = logging.getLogger("walbus.demux")
 NO_HEADERS: Final[list[tuple[str, bytes]]] = []
 
 
+def new_batch(size: int) -> Any:
+    """An empty transactional batch of ``size`` bytes, as AIOKafkaProducer.create_batch (no compression)
+    makes one of its max_batch_size: the demux sizes batches per topic (max.message.bytes)."""
+    return BatchBuilder(size, 0, is_transactional=1)  # 0: no compression
+
+
 def append(batch: Any, key: bytes | None, value: bytes | None) -> bool:
     """Append one record the way the fast path does; False when the batch is full."""
     rel = batch._relative_offset

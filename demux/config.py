@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from walbus.config import ConfigError, load_config, option
-from walbus.kafka import KafkaOptions
+from walbus.contract import MAX_TOPIC_LENGTH, unescape_topic_part
+from walbus.kafka import DEFAULT_MAX_MESSAGE_BYTES, KafkaOptions
+
+# What Kafka accepts in a topic name (table names are escaped into it; these are taken as given).
+_TOPIC_NAME = re.compile(r"^[A-Za-z0-9._-]+$")
 
 # Logging levels accepted by --log-level.
 LOG_LEVELS = ["debug", "info", "warning", "error"]
@@ -58,6 +63,11 @@ class DemuxConfig(KafkaOptions):
             v = getattr(self, name)
             if v is not None and v < 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 0, got {v}")
+        for flag, name in (("--source-topic", self.source_topic), ("--topic-prefix", self.topic_prefix),
+                           ("--dlq-topic", self.dlq)):
+            if not _TOPIC_NAME.match(name) or len(name) > MAX_TOPIC_LENGTH:
+                raise ConfigError(f"{flag} must be a Kafka topic name ([A-Za-z0-9._-], at most "
+                                  f"{MAX_TOPIC_LENGTH} characters), got {name!r}")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise ConfigError(f"--metrics-port must be a TCP port, got {self.metrics_port}")
 
@@ -71,17 +81,29 @@ class DemuxConfig(KafkaOptions):
 
     @property
     def database_name(self) -> str:
-        """The database part of the output topic names."""
+        """The database whose per-table topics are written (table_topic escapes it again).
+
+        Derived from a source topic named by walbus.contract.database_topic, whose database
+        part is escaped: read back, so that ``my db`` gives ``walbus.my-20db.<schema>.<table>``,
+        not a twice-escaped ``my-2D20db``.
+        """
         if self.database:
             return self.database
         head = self.topic_prefix + "."
         if self.source_topic.startswith(head) and len(self.source_topic) > len(head):
-            return self.source_topic[len(head):]
-        return self.source_topic
+            return unescape_topic_part(self.source_topic[len(head):])
+        return unescape_topic_part(self.source_topic)
 
     def topic_configs(self, *, compact: bool) -> tuple[tuple[str, str], ...]:
-        """Configs of a per-table topic created by the demux."""
-        out: list[tuple[str, str]] = [("cleanup.policy", "compact" if compact else "delete")]
+        """Configs of a topic created by the demux (per-table topics and the DLQ).
+
+        max.message.bytes is set explicitly: the broker default (1 MB) is too small for
+        rows with big TOAST values (walbus.kafka.DEFAULT_MAX_MESSAGE_BYTES).
+        """
+        out: list[tuple[str, str]] = [
+            ("cleanup.policy", "compact" if compact else "delete"),
+            ("max.message.bytes", str(DEFAULT_MAX_MESSAGE_BYTES)),
+        ]
         if compact and self.min_compaction_lag_ms is not None:
             out.append(("min.compaction.lag.ms", str(self.min_compaction_lag_ms)))
         if compact and self.delete_retention_ms is not None:

@@ -21,6 +21,11 @@ class DemuxMetrics:
             "walbus_demux_dead_letters", "Source records sent to the dead-letter topic", ["reason"],
             registry=registry,
         )
+        self.unwritten_outputs = Counter(
+            "walbus_demux_unwritten_outputs",
+            "Events whose output could not be written (too large for its topic, topic refused): "
+            "sent to the dead-letter topic", ["table", "reason"], registry=registry,
+        )
         self.no_pk_events = Counter(
             "walbus_demux_no_pk_events", "Events of tables without a primary key", ["table"], registry=registry
         )

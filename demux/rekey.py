@@ -37,8 +37,19 @@ import msgspec
 import orjson
 from msgspec import UNSET, UnsetType
 
-from walbus.contract import ChangeEvent, RowImage, decode_event, split_table, table_topic
+from walbus.contract import (
+    ChangeEvent,
+    ContractError,
+    RowImage,
+    check_key,
+    decode_event,
+    split_table,
+    table_topic,
+)
 
+# In the last-row store only: the key's row is not known (its last change could not be
+# written to its topic, demux.worker); an update that needs its unchanged values is refused.
+UNKNOWN_ROW: Final = "__unknown"
 META_FIELDS: Final = ("__op", "__lsn", "__commit_lsn", "__seq", "__xid", "__ts")
 OP_CODES: Final = {"insert": "c", "update": "u", "delete": "d", "read": "r", "truncate": "t"}
 _FAST_UPSERT: Final = {"insert": "c", "update": "u", "read": "r"}
@@ -156,6 +167,11 @@ class Rekeyed:
     truncate: bool = False
 
 
+def unknown_row(reason: str) -> bytes:
+    """The store's value for a key whose row is unknown (see UNKNOWN_ROW)."""
+    return orjson.dumps({UNKNOWN_ROW: reason})
+
+
 def strip_meta(value: dict[str, Any]) -> dict[str, Any]:
     """A stored output value back to the bare row."""
     for name in META_FIELDS:
@@ -191,9 +207,22 @@ class Rekeyer:
         self._shapes: dict[str, _TableShape] = {}
 
     def topic_for(self, table: str) -> str:
+        """The table's topic; ContractError for a malformed name, RekeyError when none can be made."""
         t = self._topics.get(table)
         if t is None:
-            t = self._topics[table] = table_topic(self.prefix, self.database, *split_table(table))
+            try:
+                t = table_topic(self.prefix, self.database, *split_table(table))
+            except ValueError as e:  # ContractError is one: the name itself is malformed
+                if isinstance(e, ContractError):
+                    raise
+                raise RekeyError(f"no topic name for {table!r}: {e}") from e
+            self._topics[table] = t
+        return t
+
+    def use_hashed_topic(self, table: str) -> str:
+        """From now on the table goes to its hash-suffixed topic (Kafka found its name colliding)."""
+        t = self._topics[table] = table_topic(self.prefix, self.database, *split_table(table), hashed=True)
+        self._shapes.pop(table, None)  # the shape remembers the topic
         return t
 
     @staticmethod
@@ -227,10 +256,18 @@ class Rekeyer:
         hit = self.fast(raw)
         if hit is None:
             return self.rekey(decode_event(raw), state)
-        table, topic, key, value, needs_state = hit
-        return Rekeyed(table, [OutRecord(topic, key, value, table)], [(table, key, value)], needs_state=needs_state)
+        return _single(hit)
 
-    def fast(self, raw: bytes) -> FastRecord | None:
+    def rekey_record(self, key: bytes | None, raw: bytes, state: StateView) -> Rekeyed:
+        """:meth:`rekey_value` of a source record: also ContractError unless its key is the event's position."""
+        hit = self.fast(raw, key) if key is not None else None
+        if hit is None:
+            event = decode_event(raw)
+            check_key(key, event)
+            return self.rekey(event, state)
+        return _single(hit)
+
+    def fast(self, raw: bytes, key: bytes | None = None) -> FastRecord | None:
         """The one output record of a common event, or None: take :meth:`rekey_value`.
 
         Common events: insert/read/update of a table with a primary key whose row
@@ -241,10 +278,15 @@ class Rekeyer:
         returns a plain tuple (no ChangeEvent, no Rekeyed). It accepts only what
         decode_event accepts and builds the same bytes as :meth:`rekey`; tests
         compare both on random workloads. A value of None is a tombstone.
+
+        ``key``: the source record's key; None (a record whose key is not the event's
+        position in the contract's form, contract.event_key) when it differs.
         """
         try:
             ev = _decode_fast(raw)
         except msgspec.DecodeError:  # not JSON, or not of the struct: the full path says why
+            return None
+        if key is not None and key != b"%016X-%08X" % (ev.commit_lsn, ev.seq):  # contract.event_key, inlined
             return None
         unchanged = ev.unchanged
         if unchanged is not UNSET and unchanged != _NO_NAMES:
@@ -305,10 +347,14 @@ class Rekeyer:
         at = {col: i for i, col in enumerate(columns)}
         if any(col not in at for col in pk):
             return None  # the key is not in the row: the full path explains
+        try:
+            topic = self.topic_for(table)
+        except (ContractError, RekeyError):
+            return None  # the full path explains
         shape = _TableShape(
             pk_raw=ev.pk.copy(), columns_raw=ev.columns.copy(), types_raw=ev.types.copy(),
             pk=pk, columns=columns, key_at=tuple((col, at[col]) for col in pk),
-            needs_state=not FIXED_WIDTH_TYPES.issuperset(types), topic=self.topic_for(table),
+            needs_state=not FIXED_WIDTH_TYPES.issuperset(types), topic=topic,
         )
         if len(self._shapes) >= _MAX_SHAPES:
             self._shapes.clear()
@@ -328,9 +374,10 @@ class Rekeyer:
                 pk = _decode_names(ev.pk)
             except msgspec.DecodeError:
                 return None
-            if "." not in ev.table:
+            try:
+                topic = self.topic_for(ev.table)
+            except (ContractError, RekeyError):
                 return None
-            topic = self.topic_for(ev.table)
         if not pk or not len(image.columns) == len(image.types) == len(image.values):
             return None
         old = dict(zip(image.columns, image.values))  # noqa: B905 -- lengths checked above
@@ -388,6 +435,10 @@ class Rekeyer:
         would be a lie about a value that exists.
         """
         old = identity.as_dict() if identity is not None else {}
+        if prior is not None and UNKNOWN_ROW in prior and any(col not in old for col in unchanged):
+            # Filling from an older row would publish a stale value as current.
+            raise RekeyError(f"unchanged column(s) {list(unchanged)} of a row whose last value is unknown: "
+                             f"{prior[UNKNOWN_ROW]}")
         for col in unchanged:
             if col in old:
                 row[col] = old[col]
@@ -412,7 +463,7 @@ class Rekeyer:
             raise RekeyError(f"delete on {event.table} without the primary-key column(s) {list(event.pk)}")
         if self.emit_delete_records:
             last = state.get(event.table, key)
-            row = dict(last) if last is not None else {}
+            row = dict(last) if last is not None and UNKNOWN_ROW not in last else {}
             if old is not None:
                 # The identity is the newest truth for the columns it carries.
                 row.update(zip(old.columns, old.values, strict=True))
@@ -436,3 +487,8 @@ class Rekeyer:
             out.records.append(OutRecord(topic, key, None, event.table))
             out.changes.append((event.table, key, None))
         return out
+
+
+def _single(hit: FastRecord) -> Rekeyed:
+    table, topic, key, value, needs_state = hit
+    return Rekeyed(table, [OutRecord(topic, key, value, table)], [(table, key, value)], needs_state=needs_state)

@@ -1,4 +1,13 @@
-"""Output topics: created on first sight, checked once, partition counts cached."""
+"""Output topics: created on first sight, checked once, partition counts and size limits cached.
+
+Errors are sorted once per topic: a transient one (broker unreachable, timeouts, a
+leader moving) is retried with backoff and, if it lasts, fails the worker (which
+reopens from the committed offset); a permanent one (an invalid or colliding name,
+a policy, an authorization) makes the topic *unusable*: its records go to the DLQ
+and the other tables go on. A name Kafka finds colliding ('.' and '_' are one
+character to it) is reported as such, so that the caller can take the table's
+hash-suffixed name instead (walbus.contract.table_topic).
+"""
 
 from __future__ import annotations
 
@@ -6,7 +15,7 @@ import asyncio
 import logging
 from dataclasses import dataclass
 
-from aiokafka.errors import KafkaError
+from aiokafka.errors import BrokerResponseError, InvalidTopicError, KafkaError
 
 from demux.config import DemuxConfig
 from walbus.kafka import KafkaAdmin, TopicSpec
@@ -18,8 +27,12 @@ log = logging.getLogger("walbus.demux.topics")
 @dataclass(frozen=True, slots=True)
 class TopicInfo:
     partitions: int
+    # The topic's max.message.bytes: the largest record batch it accepts.
+    max_bytes: int = 0
     # None: writable. Otherwise why records cannot go there (they go to the DLQ instead).
     unusable: str | None = None
+    # Kafka refused the name as colliding with an existing topic's.
+    collides: bool = False
 
 
 class TopicManager:
@@ -57,9 +70,13 @@ class TopicManager:
                 created = await self._admin.ensure_topic(spec)
                 unusable = None if created else await self._check_policy(topic, compact)
                 partitions = await self._admin.partitions(topic)  # described: ensure_topic waited
-                return TopicInfo(partitions, unusable)
+                max_bytes = await self._admin.max_message_bytes(topic)
+                return TopicInfo(partitions, max_bytes, unusable)
             except KafkaError as e:
-                await backoff.wait(log, f"creating/describing topic {topic}", e)
+                if _transient(e):
+                    await backoff.wait(log, f"creating/describing topic {topic}", e)
+                    continue
+                return _unusable(topic, e)
 
     async def _check_policy(self, topic: str, compact: bool) -> str | None:
         conf = await self._admin.topic_config(topic, ["cleanup.policy"])
@@ -78,3 +95,17 @@ class TopicManager:
             )
             return f"topic {topic} has cleanup.policy={policy}: a compacted topic refuses records without key"
         return None
+
+
+def _transient(error: KafkaError) -> bool:
+    """Worth retrying: anything but an error answer the broker marks as final."""
+    return not isinstance(error, BrokerResponseError) or bool(error.retriable)
+
+
+def _unusable(topic: str, error: KafkaError) -> TopicInfo:
+    collides = isinstance(error, InvalidTopicError) and "collides" in str(error)
+    reason = f"topic {topic} cannot be created or described: {error}"
+    if not collides:  # a collision is no failure: the worker takes the hashed name (and logs it)
+        log.error("topic refused by Kafka; its records go to the dead-letter topic",
+                  extra={"topic": topic, "error": str(error)[:500]})
+    return TopicInfo(0, 0, reason, collides)

@@ -21,25 +21,28 @@ from pathlib import Path
 from typing import Any
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from aiokafka.errors import KafkaError
 from aiokafka.partitioner import murmur2
 
-from demux.batches import DIRECT_APPEND, NO_HEADERS
+from demux.batches import DIRECT_APPEND, NO_HEADERS, new_batch
 from demux.config import DemuxConfig
 from demux.fetch import SourceRecord
 from demux.metrics import DemuxMetrics
-from demux.rekey import OutRecord, Rekeyed, Rekeyer, RekeyError
+from demux.rekey import OutRecord, Rekeyed, Rekeyer, RekeyError, unknown_row
 from demux.state import StateStore
-from demux.topics import TopicManager
-from walbus.contract import ContractError
+from demux.topics import TopicInfo, TopicManager
+from walbus.contract import ContractError, check_key, decode_event
+from walbus.kafka import DEFAULT_MAX_MESSAGE_BYTES, RECORD_OVERHEAD_BYTES, record_fits
 from walbus.ktable import read_ktable_raw
 
 log = logging.getLogger("walbus.demux")
 
-# aiokafka's default request limit is 1 MiB; a batch holds at most this much.
-MAX_BATCH_BYTES = 1_000_000
-# A single record above this cannot be produced with the default broker limits.
-MAX_RECORD_BYTES = 1_000_000
-DLQ_VALUE_LIMIT = 900_000
+# A record batch holds at most this much (less when its topic's max.message.bytes is
+# smaller); a larger record, if its topic takes it, gets a batch of its own.
+BATCH_BYTES = 1_000_000
+# Records above this leave the fast path: the general one checks them against their
+# topic's max.message.bytes (walbus creates its topics with DEFAULT_MAX_MESSAGE_BYTES).
+FAST_RECORD_BYTES = 1_000_000
 # Source records read again before the committed offset on open, to learn the last position.
 LOOK_BACK = 1000
 # Records re-keyed between two turns of the event loop. aiokafka fetches a partition
@@ -103,7 +106,7 @@ class PartitionWorker:
         self._futures: list[tuple[asyncio.Future[Any], int]] = []
         # (topic, partition) -> offset after the last record we committed there.
         self._written: dict[tuple[str, int], int] = {}
-        self._stats: Counter[tuple[str, str]] = Counter()
+        self._stats: Counter[tuple[str, ...]] = Counter()
         # Per-table counts of the open transaction (plain dicts: cheapest per record).
         self._produced: dict[str, int] = {}
         self._tombstones: dict[str, int] = {}
@@ -126,7 +129,9 @@ class PartitionWorker:
             **self.client_kwargs,
             transactional_id=self.txn_id,
             transaction_timeout_ms=self.config.transaction_timeout_ms,
-            max_batch_size=MAX_BATCH_BYTES,
+            max_batch_size=BATCH_BYTES,
+            # Only send() checks it (the demux sends batches); the limit of walbus's topics.
+            max_request_size=DEFAULT_MAX_MESSAGE_BYTES,
             linger_ms=0,
             request_timeout_ms=30000,
         )
@@ -240,32 +245,30 @@ class PartitionWorker:
             while i < end:
                 m = messages[i]
                 offset = m.offset
-                # None is possible: valid_key below is False for it, and key is used only then.
-                key: bytes = m.key  # type: ignore[assignment]
-                # Event keys are fixed-width upper-case hex: byte order is position order.
-                valid_key = key is not None and len(key) == 25 and key[16] == 45  # b"-"
+                key, value = m.key, m.value
                 if offset < skip_below:
-                    # Only learn the highest position seen.
-                    if valid_key and (last_key is None or key > last_key):
+                    # Only learn the highest position seen, from events at their own position.
+                    if key is not None and (last_key is None or key > last_key) and _at_position(key, value):
                         last_key = key
                     i += 1
                     continue
-                if valid_key:
-                    if skip_replayed and last_key is not None and key <= last_key:
-                        # The producer is at-least-once: after its restart it sends again the
-                        # transactions after its last confirmed commit. Same position, same event.
-                        replayed += 1
-                        done += 1
-                        next_offset = offset + 1
-                        i += 1
-                        continue
-                    last_key = key
-                value = m.value
-                hit = fast(value) if value is not None else None
+                # Positions move only on events whose key is their own (commit_lsn, seq) in the
+                # contract's fixed-width form (fast() checks it), where byte order is position order.
+                if key is None or value is None:
+                    return i
+                hit = fast(value, key)
                 if hit is None:
                     return i
+                if skip_replayed and last_key is not None and key <= last_key:
+                    # The producer is at-least-once: after its restart it sends again the
+                    # transactions after its last confirmed commit. Same position, same event.
+                    replayed += 1
+                    done += 1
+                    next_offset = offset + 1
+                    i += 1
+                    continue
                 table, topic, out_key, out_value, needs_state = hit
-                if out_value is not None and len(out_value) > MAX_RECORD_BYTES:
+                if out_value is not None and len(out_value) > FAST_RECORD_BYTES:
                     return i
                 if topic is cur_topic:  # one table per topic: same batch, same store decision
                     batch, keep = cur_batch, cur_keep
@@ -292,6 +295,7 @@ class PartitionWorker:
                     produced[table] = produced.get(table, 0) + 1
                 if keep:
                     pending[(table, out_key)] = out_value
+                last_key = key
                 next_offset = offset + 1
                 done += 1
                 i += 1
@@ -303,44 +307,65 @@ class PartitionWorker:
             self._replayed += replayed
 
     async def _process_one(self, m: SourceRecord) -> None:
-        """The general path for one record (its position is already checked by _fast_run)."""
-        store = self.store
-        assert store is not None
-        stats = self._stats
-        produced, tombstones = self._produced, self._tombstones
-        offset = m.offset
-        value = m.value
+        """The general path for one record. Whatever makes its output impossible sends it to the DLQ."""
+        offset, key, value = m.offset, m.key, m.value
+        failure: tuple[str, str] | None = None  # (error, dead-letter reason)
         try:
             if value is None:
                 raise ContractError("record has no value")
-            out = self.rekeyer.rekey_value(value, store)
-            if out.needs_state and out.table not in store.tracked:
-                out = await self._rekey_with_state(value, out)
-        except (ContractError, RekeyError) as e:
+            out = self.rekeyer.rekey_record(key, value, self.store)  # type: ignore[arg-type]
+        except ContractError as e:
+            # Not an event, or not at the position its key says: it moves no position.
             await self._dead_letter(m, str(e), "contract")
             self._advance(offset)
             return
+        except RekeyError as e:  # a valid event at its position, that cannot be re-keyed
+            out, failure = Rekeyed(), (str(e), "contract")
         except Exception as e:  # a bug must not stall the stream on one record
             log.exception("re-keying failed", extra={"partition": self.tp.partition, "offset": offset})
             await self._dead_letter(m, f"internal error: {type(e).__name__}: {e}", "internal")
             self._advance(offset)
             return
-        table = out.table
-        if out.no_pk:
-            info = await self.topics.ensure(out.records[0].topic, compact=False)
-            if info.unusable is not None:
-                await self._dead_letter(m, info.unusable, "topic")
-                self._advance(offset)
-                return
-            stats[("no_pk", table)] += 1
-            self._warn_once("no_pk", table, offset)
-        records = out.records
-        too_big = [r for r in records if r.value is not None and len(r.value) > MAX_RECORD_BYTES]
-        if too_big:
-            size = _size(too_big[0])
-            await self._dead_letter(m, f"output record of {size} bytes is over {MAX_RECORD_BYTES}", "size")
+        assert key is not None and value is not None  # rekey_record checked them
+        if self.config.skip_replayed and self.last_key is not None and key <= self.last_key:
+            self._replayed += 1  # see _fast_run
             self._advance(offset)
             return
+        self.last_key = key
+        if failure is None:
+            failure = await self._produce(out, value, offset)
+        if failure is not None:
+            await self._dead_letter(m, *failure)
+        self._advance(offset)
+
+    async def _produce(self, out: Rekeyed, value: bytes, offset: int) -> tuple[str, str] | None:
+        """Write one event's output; (error, reason) when it cannot be written (then nothing is)."""
+        store = self.store
+        assert store is not None
+        if out.records:
+            info = await self._topic_of(out)
+            if info.unusable is not None:
+                self._unwritten(out, info.unusable, "topic")
+                return info.unusable, "topic"
+        try:
+            if out.needs_state and out.table not in store.tracked:
+                out = await self._rekey_with_state(value, out)
+        except (ContractError, RekeyError) as e:
+            return str(e), "contract"
+        except (KafkaError, OSError, TimeoutError):
+            raise  # transient (reading the table's topic): the worker reopens and tries again
+        except Exception as e:
+            log.exception("re-keying failed", extra={"partition": self.tp.partition, "offset": offset})
+            return f"internal error: {type(e).__name__}: {e}", "internal"
+        table, records = out.table, out.records
+        if out.no_pk:
+            self._stats[("no_pk", table)] += 1
+            self._warn_once("no_pk", table, offset)
+        error = self._too_large(records)
+        if error is not None:
+            self._unwritten(out, error, "size")
+            return error, "size"
+        produced, tombstones = self._produced, self._tombstones
         for rec in records:
             await self._append(rec)
             if rec.value is None:
@@ -350,9 +375,53 @@ class PartitionWorker:
         if out.changes:
             store.apply(out.changes)
         if out.unfilled:
-            stats[("unfilled", table)] += len(out.unfilled)
+            self._stats[("unfilled", table)] += len(out.unfilled)
             self._warn_once("unfilled", table, offset, out.unfilled)
-        self._advance(offset)
+        return None
+
+    async def _topic_of(self, out: Rekeyed) -> TopicInfo:
+        """The topic of the event's records (all its table's); a colliding name is traded for the hashed one."""
+        first = out.records[0]
+        info = await self.topics.ensure(first.topic, compact=first.compact)
+        if info.collides:
+            topic = self.rekeyer.use_hashed_topic(out.table)
+            for rec in out.records:
+                rec.topic = topic
+            if ("hashed", out.table) not in _WARNED:
+                _WARNED.add(("hashed", out.table))
+                log.info("table's topic name collides with an existing topic's (Kafka: '.' = '_'); "
+                         "it uses its hash-suffixed name",
+                         extra={"table": out.table, "topic": topic, "colliding_topic": first.topic})
+            info = await self.topics.ensure(topic, compact=first.compact)
+        return info
+
+    def _too_large(self, records: list[OutRecord]) -> str | None:
+        """Why one of the records exceeds its topic's max.message.bytes (None: all fit)."""
+        for rec in records:
+            info = self.topics.cached(rec.topic)
+            assert info is not None
+            if not record_fits(info.max_bytes, rec.key, rec.value):
+                size = len(rec.key or b"") + len(rec.value or b"")
+                return (f"output record of {size} bytes does not fit topic {rec.topic} "
+                        f"(max.message.bytes={info.max_bytes})")
+        return None
+
+    def _unwritten(self, out: Rekeyed, error: str, reason: str) -> None:
+        """An event's output cannot be written: say so loudly, and keep the store equal to the topic.
+
+        The topic keeps the keys' old rows, which are no longer the table's: the store
+        marks them unknown, so that a later update that leaves a TOAST value unchanged
+        goes to the DLQ too instead of publishing the old value as current.
+        """
+        assert self.store is not None
+        table = out.table
+        self.store.apply((t, k, unknown_row(error)) for t, k, _ in out.changes)
+        self._stats[("unwritten", table, reason)] += 1
+        log.error(
+            "event's output cannot be written; the source record goes to the dead-letter topic",
+            extra={"partition": self.tp.partition, "table": table, "reason": reason, "error": error[:500],
+                   "keys": [k[:200].decode(errors="replace") for _, k, _ in out.changes[:5]]},
+        )
 
     async def _ensure_txn(self) -> None:
         if not self.in_txn:
@@ -395,7 +464,9 @@ class PartitionWorker:
         self.txn_records += 1
 
     async def _append(self, rec: OutRecord, headers: list[tuple[str, bytes]] | None = None) -> None:
-        info = self.topics.cached(rec.topic) or await self.topics.ensure(rec.topic, compact=rec.compact)
+        """Into its partition's open batch; the topic is known to be usable and the record to fit it."""
+        info = self.topics.cached(rec.topic)
+        assert info is not None and info.unusable is None
         if rec.key is None:
             # Keyless rows of one table stay in one partition, in source order.
             part = self.tp.partition % info.partitions
@@ -406,16 +477,12 @@ class PartitionWorker:
         slot = (rec.topic, part)
         batch = self._batches.get(slot)
         if batch is None:
-            batch = self._batches[slot] = self._new_batch()
+            batch = self._batches[slot] = _new_batch(info)
         if batch.append(timestamp=None, key=rec.key, value=rec.value, headers=headers or []) is None:
             await self._send(slot, batch)
-            batch = self._batches[slot] = self._new_batch()
-            # The first record always fits an empty batch (sizes are checked before).
+            batch = self._batches[slot] = _new_batch(info)
+            # An empty batch takes any record (the topic's limit is checked before).
             batch.append(timestamp=None, key=rec.key, value=rec.value, headers=headers or [])
-
-    def _new_batch(self) -> Any:
-        assert self.producer is not None
-        return self.producer.create_batch()
 
     async def _send(self, slot: tuple[str, int], batch: Any) -> None:
         assert self.producer is not None
@@ -436,25 +503,34 @@ class PartitionWorker:
         self._batches.clear()
 
     async def _dead_letter(self, m: SourceRecord, error: str, reason: str) -> None:
-        value = m.value
+        """The source record, whole, to the DLQ; cut (and said so) only when the DLQ topic cannot take it."""
+        dlq = self.config.dlq
+        info = await self.topics.ensure(dlq, compact=False)
+        if info.unusable is not None:  # nowhere to put the record: fail and retry, never skip it
+            raise RuntimeError(f"dead-letter topic unusable: {info.unusable}")
+        key, value = m.key, m.value
         headers = [
             ("walbus.error", error.encode()[:4000]),
             ("walbus.source.topic", self.tp.topic.encode()),
             ("walbus.source.partition", str(self.tp.partition).encode()),
             ("walbus.source.offset", str(m.offset).encode()),
         ]
-        if value is not None and len(value) > DLQ_VALUE_LIMIT:
-            headers.append(("walbus.value.truncated", str(len(value)).encode()))
-            value = value[:DLQ_VALUE_LIMIT]
-        key = m.key[:DLQ_VALUE_LIMIT // 10] if m.key is not None else None
+        header_bytes = sum(len(k) + len(v) for k, v in headers) + 200  # + the cut headers below
+        if not record_fits(info.max_bytes, key, value, header_bytes):
+            size = len(key or b"") + len(value or b"")
+            headers.append(("walbus.value.truncated", str(len(value or b"")).encode()))
+            headers.append(("walbus.value.cut", f"source record of {size} bytes is over the dead-letter "
+                            f"topic's max.message.bytes={info.max_bytes}".encode()))
+            key = key[:1000] if key is not None else None
+            room = info.max_bytes - RECORD_OVERHEAD_BYTES - header_bytes - len(key or b"")
+            value = (value or b"")[:max(0, room)]
         if key is None and value is None:
             value = b""
-        rec = OutRecord(self.config.dlq, key, value, "", compact=False)
-        await self._append(rec, headers)
+        await self._append(OutRecord(dlq, key, value, "", compact=False), headers)
         self._stats[("dead_letter", reason)] += 1
         log.warning(
             "record sent to the dead-letter topic",
-            extra={"partition": self.tp.partition, "offset": m.offset, "error": error[:500], "dlq": self.config.dlq},
+            extra={"partition": self.tp.partition, "offset": m.offset, "error": error[:500], "dlq": dlq},
         )
 
     # -- committing --------------------------------------------------------------
@@ -512,13 +588,15 @@ class PartitionWorker:
             m.tombstones.labels(table).inc(n)
         self._produced.clear()
         self._tombstones.clear()
-        for (kind, label), n in self._stats.items():
+        for (kind, *labels), n in self._stats.items():
             if kind == "dead_letter":
-                m.dead_letters.labels(label).inc(n)
+                m.dead_letters.labels(*labels).inc(n)
             elif kind == "no_pk":
-                m.no_pk_events.labels(label).inc(n)
+                m.no_pk_events.labels(*labels).inc(n)
             elif kind == "unfilled":
-                m.unfilled_columns.labels(label).inc(n)
+                m.unfilled_columns.labels(*labels).inc(n)
+            elif kind == "unwritten":
+                m.unwritten_outputs.labels(*labels).inc(n)
         self._stats.clear()
         self.txn_records = 0
 
@@ -603,5 +681,17 @@ def _retrieve(fut: asyncio.Future[Any]) -> None:
         fut.exception()
 
 
-def _size(rec: OutRecord) -> int:
-    return (len(rec.key) if rec.key else 0) + (len(rec.value) if rec.value else 0)
+def _new_batch(info: TopicInfo) -> Any:
+    """An empty record batch for a topic: within its max.message.bytes (a first record always fits)."""
+    return new_batch(min(BATCH_BYTES, info.max_bytes - RECORD_OVERHEAD_BYTES))
+
+
+def _at_position(key: bytes, value: bytes | None) -> bool:
+    """Whether a record is a valid event whose key is its own position."""
+    try:
+        if value is None:
+            return False
+        check_key(key, decode_event(value))
+        return True
+    except ContractError:
+        return False

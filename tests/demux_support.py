@@ -26,7 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from demux.rekey import Rekeyer, strip_meta
 from walbus.contract import decode_event, encode_event, event_key
 from walbus.dev.processes import free_port
-from walbus.kafka import KafkaAdmin, TopicSpec
+from walbus.kafka import DEFAULT_MAX_MESSAGE_BYTES, KafkaAdmin, TopicSpec
 from walbus.ktable import topic_partitions
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -40,7 +40,8 @@ async def create_topic(bootstrap: str, name: str, partitions: int = 1, configs: 
 
 async def produce(bootstrap: str, topic: str, records: Iterable[tuple[int, bytes | None, bytes | None]]) -> None:
     """(partition, key, value) records, acknowledged before returning."""
-    producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all", enable_idempotence=True, linger_ms=5)
+    producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all", enable_idempotence=True, linger_ms=5,
+                                max_request_size=DEFAULT_MAX_MESSAGE_BYTES)  # large rows' records
     await producer.start()
     try:
         futs = [await producer.send(topic, value=v, key=k, partition=p) for p, k, v in records]

@@ -305,3 +305,93 @@ def test_fast_path_follows_a_table_whose_columns_change() -> None:
         b'"types":["int4"]', b'"types":["int4","int4"]').replace(b'"values":[7]', b'"values":[7,8]')
     hit = rk.fast(twice)
     assert hit is not None and (hit[2], hit[3]) == out(twice) and hit[2] == b'{"id":8}'
+
+
+def _insert(commit_lsn: int = 2, seq: int = 0, table: str = "public.t", **row: Any) -> bytes:
+    return encode_event(lsn=1, commit_lsn=commit_lsn, seq=seq, xid=3, operation="insert", table=table, timestamp=TS,
+                        pk=["id"], new=image(**row), identity=None)
+
+
+@pytest.mark.parametrize("warm", [False, True])
+def test_misaligned_row_lists_are_contract_errors(warm: bool) -> None:
+    """columns/types/values of different lengths: never a row built from misaligned lists."""
+    from walbus.contract import ContractError
+
+    rk = Rekeyer(prefix="w", database="d")
+    if warm:  # the fast path knows the table's shape (same columns and types bytes)
+        assert rk.fast(_insert(id=1, a="x")) is not None
+    bad = orjson.loads(_insert(id=2, a="y"))
+    bad["values"] = [2, "y", 7]
+    raw = orjson.dumps(bad)
+    assert rk.fast(raw) is None
+    with pytest.raises(ContractError, match="differ in length"):
+        rk.rekey_value(raw, DictState())
+    with pytest.raises(ContractError, match="differ in length"):
+        rk.rekey_record(b"0000000000000002-00000000", raw, DictState())
+
+
+def test_record_key_must_be_the_event_position() -> None:
+    from walbus.contract import ContractError
+
+    rk = Rekeyer(prefix="w", database="d")
+    raw = _insert(commit_lsn=0x1A2B, seq=3, id=1)
+    good = b"0000000000001A2B-00000003"
+    assert rk.fast(raw, good) is not None and rk.rekey_record(good, raw, DictState()).records
+    for key in (b"FFFFFFFFFFFFFFFF-FFFFFFFF", b"0000000000001a2b-00000003", b"1A2B-3", b""):
+        assert rk.fast(raw, key) is None
+        with pytest.raises(ContractError, match=r"not the event's position|not a walbus event key"):
+            rk.rekey_record(key, raw, DictState())
+    with pytest.raises(ContractError):
+        rk.rekey_record(None, raw, DictState())
+
+
+def test_unusual_table_names_never_escape_the_fast_path() -> None:
+    """A malformed table name is the contract's error (DLQ), not an exception out of the fast path."""
+    from walbus.contract import ContractError
+
+    rk = Rekeyer(prefix="w", database="d")
+    raw = _insert(table='a"b.c', id=1)
+    assert rk.fast(raw) is None
+    with pytest.raises(ContractError):
+        rk.rekey_value(raw, DictState())
+    delete = encode_event(lsn=1, commit_lsn=2, seq=0, xid=3, operation="delete", table='a"b.c', timestamp=TS,
+                          pk=["id"], new=None, identity=image(id=1))
+    assert rk.fast(delete) is None
+    # A prefix that leaves no room for any table name: no topic, a RekeyError.
+    long = Rekeyer(prefix="p" * 240, database="d")
+    assert long.fast(_insert(table="public.t", id=1)) is None
+    with pytest.raises(RekeyError, match="no topic name"):
+        long.rekey_value(_insert(table="public.t", id=1), DictState())
+
+
+def test_hashed_topic_replaces_a_colliding_name() -> None:
+    from walbus.contract import table_topic
+
+    rk = Rekeyer(prefix="w", database="d")
+    raw = _insert(table="public.c_d", id=1, n=2)
+    hit = rk.fast(raw)
+    assert hit is not None and hit[1] == "w.d.public.c_d"
+    hashed = rk.use_hashed_topic("public.c_d")
+    assert hashed == table_topic("w", "d", "public", "c_d", hashed=True) != "w.d.public.c_d"
+    hit = rk.fast(raw)
+    assert hit is not None and hit[1] == hashed
+    assert rk.rekey_value(raw, DictState()).records[0].topic == hashed
+
+
+def test_unchanged_value_of_an_unknown_row_is_a_rekey_error(rk: Rekeyer) -> None:
+    """A key whose last output could not be written: filling from the store would publish a stale value."""
+    from demux.rekey import unknown_row
+
+    state = DictState()
+    run(rk, state, event("insert", new=image(transaction_id=1, doc="old", n=1)))
+    key = b'{"transaction_id":1}'
+    state.rows[("public.transactions", key)] = unknown_row("too large")
+    upd = event("update", new=image(transaction_id=1, n=2), unchanged=["doc"], commit_lsn=0x16B374D900)
+    with pytest.raises(RekeyError, match="unknown: too large"):
+        rk.rekey(upd, state)
+    # A full row (nothing to fill) is fine, and so is a delete record (identity only).
+    full = rk.rekey(event("update", new=image(transaction_id=1, doc="new", n=3)), state)
+    assert val(full.records[0])["doc"] == "new"
+    deleter = Rekeyer(prefix="walbus", database="shop", emit_delete_records=True)
+    deleted = deleter.rekey(event("delete", identity=image(transaction_id=1)), state)
+    assert {k: v for k, v in val(deleted.records[0]).items() if k not in META_FIELDS} == {"transaction_id": 1}
