@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
-import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -295,12 +294,6 @@ def refused_values(draw: st.DrawFn) -> bytes:
                         new=None if op == "delete" else img, identity=img if op != "insert" else None)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "demux/rekey.py Rekeyer.fast raises ContractError (from topic_for -> split_table) instead of "
-    "returning None for a table name decode_event refuses, e.g. an insert of table 'a\"b.c' or "
-    "'public.a.b' (what the producer writes today for table a.b); demux/worker.py _fast_run calls "
-    "fast() outside _process_one's try, so the worker fails, reopens at the committed offset and "
-    "meets the record again: the partition stalls instead of dead-lettering it"))
 @given(refused_values())
 def test_fast_path_never_raises_on_what_the_contract_refuses(raw: bytes) -> None:
     rk = Rekeyer(prefix="w", database="d")
