@@ -37,7 +37,10 @@ class DemuxConfig(KafkaOptions):
     txn_max_records: int = option(20000, help="commit the Kafka transaction after this many source records")
     txn_max_ms: int = option(200, help="... or after this many milliseconds, whichever comes first")
     topic_partitions: int = option(1, help="partitions of the per-table topics created by the demux")
-    topic_replication_factor: int = option(1, help="replication factor of the topics created by the demux")
+    topic_replication_factor: int | None = option(
+        None, help="replication factor of the topics created by the demux (default: 3 with min.insync.replicas=2 "
+        "on a cluster of 3+ brokers, else 1)"
+    )
     min_compaction_lag_ms: int | None = option(None, help="min.compaction.lag.ms of created per-table topics")
     delete_retention_ms: int | None = option(None, help="delete.retention.ms of created per-table topics (tombstone lifetime)")
     segment_ms: int | None = option(None, help="segment.ms of created per-table topics")
@@ -51,7 +54,7 @@ class DemuxConfig(KafkaOptions):
             raise ConfigError("--source-topic must not be empty")
         for name in ("txn_max_records", "txn_max_ms", "topic_partitions", "topic_replication_factor",
                      "session_timeout_ms", "transaction_timeout_ms"):
-            if getattr(self, name) <= 0:
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
                 flag = "--" + name.replace("_", "-")
                 raise ConfigError(f"{flag} must be a positive integer, got {getattr(self, name)}")
         for name in ("min_compaction_lag_ms", "delete_retention_ms", "segment_ms"):
