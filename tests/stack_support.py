@@ -5,12 +5,20 @@ from __future__ import annotations
 import asyncio
 import time
 from pathlib import Path
+from typing import Any
 
 import psycopg
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.conn import create_conn
 
-from tests.demux_support import DemuxProc, demux_args, read_records, wait_caught_up, wait_for_log
+from tests.demux_support import (
+    DemuxProc,
+    demux_args,
+    produce,
+    read_records,
+    wait_caught_up,
+    wait_for_log,
+)
 from tests.fix_pipeline import running_producer
 from walbus.ktable import read_ktable
 
@@ -70,23 +78,28 @@ def _select_all(dsn: str) -> dict[int, str]:
         return {int(r[0]): str(r[1]) for r in conn.execute("SELECT id, v FROM items").fetchall()}
 
 
-async def producer_demux_roundtrip(pg_dsn: str, bootstrap: str, source: str, tmp_path: Path) -> str:
+async def producer_demux_roundtrip(
+    pg_dsn: str, bootstrap: str, source: str, tmp_path: Path, *, junk: bool = False, **producer_options: Any
+) -> str:
     """PostgreSQL -> `walbus produce` -> `walbus demux` -> per-table topic equal to SELECT *.
 
-    ``bootstrap`` is handed to both services as given (a multi-host list, say). Returns the
-    per-table topic.
+    ``bootstrap`` is handed to both services as given (a multi-host list, say). ``junk``: one
+    record that is no event goes into the source topic too (to the dead-letter topic, then).
+    Returns the per-table topic.
     """
     with psycopg.connect(pg_dsn, autocommit=True) as conn:
         conn.execute("CREATE TABLE items (id int PRIMARY KEY, v text NOT NULL)")
     table_topic = f"{source}.public.items"
     group = f"walbus-demux.{source}"
     proc = DemuxProc(demux_args(bootstrap, source, tmp_path / "state"), tmp_path / "demux.log")
-    async with running_producer(pg_dsn, bootstrap, topic=source):
+    async with running_producer(pg_dsn, bootstrap, topic=source, **producer_options):
         with psycopg.connect(pg_dsn, autocommit=True) as conn:
             for i in range(50):
                 conn.execute("INSERT INTO items VALUES (%s, %s)", (i, f"v{i}"))
             conn.execute("UPDATE items SET v = v || '!' WHERE id % 3 = 0")
             conn.execute("DELETE FROM items WHERE id % 5 = 0")
+        if junk:
+            await produce(bootstrap, source, [(0, b"not-a-key", b"{not json")])
         proc.start()
         await wait_for_log(proc, "partition opened", within=90)
         expected = _select_all(pg_dsn)
