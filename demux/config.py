@@ -18,6 +18,12 @@ class DemuxConfig(KafkaOptions):
     group_id: str | None = option(
         None, help="consumer group (default walbus-demux.<source-topic>); also names the transactional ids"
     )
+    group_instance_id: str | None = option(
+        None,
+        help="static group membership (KIP-345): a name stable across restarts and unique to this process in the "
+        "group (a StatefulSet pod name, say). A demux restarted under the same name gets its partitions back at "
+        "once instead of after --session-timeout-ms; one stopped for good hands them over only after it",
+    )
     topic_prefix: str = option("walbus", help="per-table topics are <prefix>.<database>.<schema>.<table>")
     database: str | None = option(
         None, help="database name in the per-table topic names (default: the source topic without '<prefix>.')"
@@ -61,6 +67,8 @@ class DemuxConfig(KafkaOptions):
             v = getattr(self, name)
             if v is not None and v < 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 0, got {v}")
+        if self.group_instance_id is not None and not self.group_instance_id.strip():
+            raise ConfigError("--group-instance-id must not be empty (leave it unset for dynamic membership)")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise ConfigError(f"--metrics-port must be a TCP port, got {self.metrics_port}")
 
