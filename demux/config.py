@@ -23,6 +23,12 @@ class DemuxConfig(KafkaOptions):
     group_id: str | None = option(
         None, help="consumer group (default walbus-demux.<source-topic>); also names the transactional ids"
     )
+    group_instance_id: str | None = option(
+        None,
+        help="static group membership (KIP-345): a name stable across restarts and unique to this process in the "
+        "group (a StatefulSet pod name, say). A demux restarted under the same name gets its partitions back at "
+        "once instead of after --session-timeout-ms; one stopped for good hands them over only after it",
+    )
     topic_prefix: str = option("walbus", help="per-table topics are <prefix>.<database>.<schema>.<table>")
     database: str | None = option(
         None, help="database name in the per-table topic names (default: the source topic without '<prefix>.')"
@@ -42,7 +48,10 @@ class DemuxConfig(KafkaOptions):
     txn_max_records: int = option(20000, help="commit the Kafka transaction after this many source records")
     txn_max_ms: int = option(200, help="... or after this many milliseconds, whichever comes first")
     topic_partitions: int = option(1, help="partitions of the per-table topics created by the demux")
-    topic_replication_factor: int = option(1, help="replication factor of the topics created by the demux")
+    topic_replication_factor: int | None = option(
+        None, help="replication factor of the topics created by the demux (default: 3 with min.insync.replicas=2 "
+        "on a cluster of 3+ brokers, else 1)"
+    )
     min_compaction_lag_ms: int | None = option(None, help="min.compaction.lag.ms of created per-table topics")
     delete_retention_ms: int | None = option(None, help="delete.retention.ms of created per-table topics (tombstone lifetime)")
     segment_ms: int | None = option(None, help="segment.ms of created per-table topics")
@@ -56,7 +65,7 @@ class DemuxConfig(KafkaOptions):
             raise ConfigError("--source-topic must not be empty")
         for name in ("txn_max_records", "txn_max_ms", "topic_partitions", "topic_replication_factor",
                      "session_timeout_ms", "transaction_timeout_ms"):
-            if getattr(self, name) <= 0:
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
                 flag = "--" + name.replace("_", "-")
                 raise ConfigError(f"{flag} must be a positive integer, got {getattr(self, name)}")
         for name in ("min_compaction_lag_ms", "delete_retention_ms", "segment_ms"):
@@ -68,6 +77,8 @@ class DemuxConfig(KafkaOptions):
             if not _TOPIC_NAME.match(name) or len(name) > MAX_TOPIC_LENGTH:
                 raise ConfigError(f"{flag} must be a Kafka topic name ([A-Za-z0-9._-], at most "
                                   f"{MAX_TOPIC_LENGTH} characters), got {name!r}")
+        if self.group_instance_id is not None and not self.group_instance_id.strip():
+            raise ConfigError("--group-instance-id must not be empty (leave it unset for dynamic membership)")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise ConfigError(f"--metrics-port must be a TCP port, got {self.metrics_port}")
 

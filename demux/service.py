@@ -169,6 +169,10 @@ class Demux:
         consumer = AIOKafkaConsumer(
             **self.client_kwargs,
             group_id=cfg.group,
+            # Static membership: a restart under the same name takes over its old member's
+            # partitions at once. Fencing is unchanged: it is the per-partition transactional
+            # producers' InitProducerId (see above), not the group generation.
+            group_instance_id=cfg.group_instance_id,
             enable_auto_commit=False,
             auto_offset_reset="earliest",
             isolation_level="read_committed",

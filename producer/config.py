@@ -37,7 +37,9 @@ class ProducerConfig(KafkaOptions):
     topic: str | None = option(None, help="database topic (default <topic-prefix>.<database>)")
     topic_prefix: str = option("walbus", help="prefix of the default topic name")
     partitions: int = option(1, help="partitions of the database topic when it is created (1: one total order)")
-    replication_factor: int = option(1, help="replication factor of the topics when created")
+    replication_factor: int | None = option(
+        None, help="replication factor of the topics when created (default: 3 with min.insync.replicas=2 on a cluster of 3+ brokers, else 1)"
+    )
     tables: list[str] = option([], help="include list: schema.table patterns (fnmatch), comma-separated")
     exclude_tables: list[str] = option([], help="exclude list: schema.table patterns")
     exclude_columns: list[str] = option([], help="schema.table.column patterns left out of events")
@@ -88,6 +90,6 @@ def load(argv: Sequence[str] | None) -> ProducerConfig:
     _ = cfg.database  # validates the DSN now
     if cfg.slot is not None and not _SLOT_NAME.match(cfg.slot):
         raise ConfigError(f"--slot {cfg.slot!r}: a slot name has 1 to 63 lower-case letters, digits and underscores")
-    if cfg.partitions < 1 or cfg.replication_factor < 1:
+    if cfg.partitions < 1 or (cfg.replication_factor is not None and cfg.replication_factor < 1):
         raise ConfigError("--partitions and --replication-factor must be at least 1")
     return cfg

@@ -35,7 +35,7 @@ def progress_topic(topic: str) -> str:
 class OffsetStore:
     """The progress document of one slot: :meth:`load` once at start, :meth:`save` as it changes."""
 
-    def __init__(self, client_kwargs: dict[str, Any], topic: str, slot: str, *, replication_factor: int = 1) -> None:
+    def __init__(self, client_kwargs: dict[str, Any], topic: str, slot: str, *, replication_factor: int | None = None) -> None:
         self._kwargs = client_kwargs
         self.topic = progress_topic(topic)
         self.slot = slot

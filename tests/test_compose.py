@@ -55,3 +55,9 @@ def test_prometheus_scrapes_the_metrics_ports() -> None:
     for name in ("producer", "demux"):
         port = services[name]["environment"]["WALBUS_METRICS_PORT"]
         assert f"{name}:{port}" in targets
+
+
+def test_compose_runs_the_local_stacks_kafka_version() -> None:
+    from walbus.dev.kafka import KAFKA_VERSION
+
+    assert compose()["services"]["kafka"]["image"] == f"apache/kafka:{KAFKA_VERSION}"

@@ -26,6 +26,15 @@ pytestmark = pytest.mark.integration
 
 OPENED = "partition opened"
 
+# Every fault test runs with dynamic group membership and with static membership
+# (--group-instance-id, KIP-345): a restarted static member takes its partitions over at
+# once, and the fencing must hold all the same.
+MEMBERSHIPS = pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+
+
+def _instance(static: bool, name: str) -> tuple[str, ...]:
+    return ("--group-instance-id", name) if static else ()
+
 
 async def _assert_tables(bootstrap: str, source: str, workload: Workload) -> None:
     """KTable of each per-table topic == the workload's final tables."""
@@ -35,14 +44,15 @@ async def _assert_tables(bootstrap: str, source: str, workload: Workload) -> Non
         assert stripped == rows, f"{table}: {len(stripped)} rows in the KTable, {len(rows)} expected"
 
 
-async def test_kill9_restart_exactly_once(kafka_bootstrap: str, unique_name: str, tmp_path: Path) -> None:
+@MEMBERSHIPS
+async def test_kill9_restart_exactly_once(kafka_bootstrap: str, unique_name: str, tmp_path: Path, static: bool) -> None:
     source = f"walbus.{unique_name}"
     await create_topic(kafka_bootstrap, source)
     workload = Workload(seed=4)
     feeder = Feeder(kafka_bootstrap, source, workload)
     # Long transactions (1 s) while the feed goes on: a kill almost always hits an open one.
     args = demux_args(kafka_bootstrap, source, tmp_path / "state", "--txn-max-ms", "1000",
-                      "--txn-max-records", "3000")
+                      "--txn-max-records", "3000", *_instance(static, "demux-1"))
     rnd = random.Random(7)
     proc = DemuxProc(args, tmp_path / "demux.log").start()
     feeder.start(180, max_size=150, pause=0.05, big=5000)
@@ -63,7 +73,10 @@ async def test_kill9_restart_exactly_once(kafka_bootstrap: str, unique_name: str
     await _assert_tables(kafka_bootstrap, source, workload)
 
 
-async def test_rebalance_zombie_and_kill_mid_transaction(kafka_bootstrap: str, unique_name: str, tmp_path: Path) -> None:
+@MEMBERSHIPS
+async def test_rebalance_zombie_and_kill_mid_transaction(
+    kafka_bootstrap: str, unique_name: str, tmp_path: Path, static: bool
+) -> None:
     """Two demux processes in one group over a 2-partition database topic (one partition per table group).
 
     1. A alone owns both partitions; B joins: rebalance while transactions are open.
@@ -80,11 +93,11 @@ async def test_rebalance_zombie_and_kill_mid_transaction(kafka_bootstrap: str, u
     group = f"rebalance-{unique_name}"
     args = [*demux_args(kafka_bootstrap, source, tmp_path / "state", "--txn-max-ms", "1000",
                         "--txn-max-records", "3000", group=group)]
-    a = DemuxProc(args, tmp_path / "a.log").start()
+    a = DemuxProc([*args, *_instance(static, "demux-a")], tmp_path / "a.log").start()
     feeder.start(220, max_size=120, pause=0.05)
     await wait_for_log(a, OPENED, count=2)
     await asyncio.sleep(0.8)
-    b = DemuxProc(args, tmp_path / "b.log").start()
+    b = DemuxProc([*args, *_instance(static, "demux-b")], tmp_path / "b.log").start()
     await wait_for_log(b, OPENED, count=1)
     await wait_for_log(a, OPENED, count=3)  # A reopened one partition after the rebalance
     await asyncio.sleep(0.8)

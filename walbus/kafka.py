@@ -78,11 +78,32 @@ class KafkaOptions:
         return kw
 
 
+# walbus's own topics on a cluster of this many brokers or more: replicated 3 times, and an
+# acks=all write needs 2 in-sync replicas, so one broker may be down (or restarting) and no
+# acknowledged record is on one disk only.
+REPLICATED_CLUSTER_BROKERS = 3
+REPLICATED_FACTOR = 3
+REPLICATED_MIN_INSYNC = 2
+
+
+def default_replication_factor(brokers: int) -> int:
+    """The replication factor of a topic walbus creates when none is given."""
+    return REPLICATED_FACTOR if brokers >= REPLICATED_CLUSTER_BROKERS else 1
+
+
+def replication_configs(replication_factor: int) -> tuple[tuple[str, str], ...]:
+    """Topic configs that go with a replication factor: min.insync.replicas=2 from RF 3 on."""
+    if replication_factor >= REPLICATED_FACTOR:
+        return (("min.insync.replicas", str(REPLICATED_MIN_INSYNC)),)
+    return ()
+
+
 @dataclass(frozen=True)
 class TopicSpec:
     name: str
     partitions: int = 1
-    replication_factor: int = 1
+    # None: picked from the cluster's size (default_replication_factor).
+    replication_factor: int | None = None
     configs: tuple[tuple[str, str], ...] = ()
 
 
@@ -118,13 +139,18 @@ class KafkaAdmin:
         await self._wait_until_described(spec.name)
         return created
 
+    async def broker_count(self) -> int:
+        """How many brokers the cluster has now (from its metadata)."""
+        cluster = await self._admin.describe_cluster()
+        return len(cluster["brokers"])
+
     async def _create(self, spec: TopicSpec) -> bool:
-        new = NewTopic(
-            name=spec.name,
-            num_partitions=spec.partitions,
-            replication_factor=spec.replication_factor,
-            topic_configs=dict(spec.configs),
-        )
+        rf = spec.replication_factor
+        if rf is None:
+            rf = default_replication_factor(await self.broker_count())
+        # The spec's own configs win over the defaults that go with the replication factor.
+        configs = dict(replication_configs(rf)) | dict(spec.configs)
+        new = NewTopic(name=spec.name, num_partitions=spec.partitions, replication_factor=rf, topic_configs=configs)
         try:
             resp = await self._admin.create_topics([new])
         except TopicAlreadyExistsError:
@@ -132,7 +158,7 @@ class KafkaAdmin:
         for entry in resp.topic_errors:
             code = entry[1]
             if code == 0:
-                log.info("created topic", extra={"topic": spec.name, "partitions": spec.partitions})
+                log.info("created topic", extra={"topic": spec.name, "partitions": spec.partitions, "replication_factor": rf})
                 return True
             err = for_code(code)
             if err is TopicAlreadyExistsError:

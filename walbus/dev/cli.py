@@ -8,6 +8,7 @@ import shlex
 from collections.abc import Sequence
 from pathlib import Path
 
+from walbus.dev.kafka import BROKER_COUNTS, KAFKA_VERSION
 from walbus.dev.stack import LocalStack, default_state_dir
 
 
@@ -15,19 +16,31 @@ def main(argv: Sequence[str]) -> int:
     parser = argparse.ArgumentParser(prog="walbus dev", description="The local PostgreSQL + Kafka stack.")
     parser.add_argument("--state-dir", type=Path, default=None, help="where data, logs and PIDs live (env WALBUS_STATE_DIR; default ./.walbus)")
     sub = parser.add_subparsers(dest="action", required=True)
-    sub.add_parser("up", help="start PostgreSQL and Kafka (reuses a running stack)")
+    up = sub.add_parser("up", help="start PostgreSQL and Kafka (reuses a running stack)")
+    up.add_argument(
+        "--kafka-version", default=None,
+        help=f"Apache Kafka version of a new stack, fetched from Maven Central (default {KAFKA_VERSION}; 3.9.1 works too)",
+    )
+    up.add_argument(
+        "--brokers", type=int, default=None, choices=BROKER_COUNTS,
+        help="Kafka nodes of a new stack: 1, or 3 (each broker and controller: a quorum of 3)",
+    )
     down = sub.add_parser("down", help="stop both by their recorded PIDs")
     down.add_argument("--purge", action="store_true", help="also delete the state directory")
     sub.add_parser("status", help="what runs where (JSON)")
     sub.add_parser("env", help="print `export WALBUS_...` lines for the shell")
     args = parser.parse_args(argv)
-    stack = LocalStack.load(args.state_dir or default_state_dir())
+    if args.action == "up":
+        stack = LocalStack.load(args.state_dir or default_state_dir(), kafka_version=args.kafka_version, brokers=args.brokers)
+    else:
+        stack = LocalStack.load(args.state_dir or default_state_dir())
     if args.action == "up":
         was_running = stack.postgres.running() and stack.kafka.running()
         print(f"walbus dev: {'reusing' if was_running else 'starting'} the local stack in {stack.state_dir}", flush=True)
         stack.up()
         print(f"  postgres  {stack.postgres.dsn}  (pid {stack.postgres.pid})")
-        print(f"  kafka     {stack.kafka.bootstrap}  (pid {stack.kafka.pid})")
+        pids = ", ".join(str(n.pid) for n in stack.kafka.nodes)
+        print(f"  kafka     {stack.kafka.bootstrap}  (Apache Kafka {stack.kafka.version}, pid {pids})")
         print("  `eval $(walbus dev env)` points the other commands at it")
     elif args.action == "down":
         stopped = stack.down(purge=args.purge)

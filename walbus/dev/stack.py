@@ -1,4 +1,4 @@
-"""The local stack: one PostgreSQL and one Kafka broker, recorded in ``<state>/stack.json``."""
+"""The local stack: one PostgreSQL and a Kafka cluster (1 or 3 nodes), recorded in ``<state>/stack.json``."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from walbus.dev.kafka import KafkaInstance
+from walbus.dev.kafka import BROKER_COUNTS, KAFKA_3_VERSION, KAFKA_VERSION, KafkaCluster
 from walbus.dev.postgres import PostgresInstance, wal2json_installed
 from walbus.dev.processes import StackError, free_port
 
@@ -24,46 +24,60 @@ def default_state_dir() -> Path:
 class LocalStack:
     state_dir: Path
     postgres: PostgresInstance
-    kafka: KafkaInstance
+    kafka: KafkaCluster
 
     @property
     def record(self) -> Path:
         return self.state_dir / "stack.json"
 
     @classmethod
-    def load(cls, state_dir: Path | None = None) -> LocalStack:
-        """The stack recorded in ``state_dir``, or a new one with free ports."""
+    def load(cls, state_dir: Path | None = None, *, kafka_version: str | None = None, brokers: int | None = None) -> LocalStack:
+        """The stack recorded in ``state_dir``, or a new one with free ports.
+
+        ``kafka_version`` and ``brokers`` choose a new stack's Kafka; for a recorded stack
+        they must match what it was created with (its data was formatted for that).
+        """
         state_dir = (state_dir or default_state_dir()).resolve()
         record = state_dir / "stack.json"
-        if record.exists():
-            try:
-                data: dict[str, Any] = json.loads(record.read_text())
-                pg, kf = data["postgres"], data["kafka"]
-                return cls(
-                    state_dir,
-                    PostgresInstance(state_dir, int(pg["port"]), pg.get("pid")),
-                    KafkaInstance(state_dir, int(kf["port"]), int(kf["controller_port"]), kf.get("pid")),
-                )
-            except (ValueError, KeyError, TypeError) as e:
-                raise StackError(
-                    f"{record} is unreadable ({e}): the state directory looks corrupt; "
-                    f"remove {state_dir} (or run `walbus dev down --purge`) and retry"
-                ) from None
-        return cls(
-            state_dir,
-            PostgresInstance(state_dir, free_port()),
-            KafkaInstance(state_dir, free_port(), free_port()),
-        )
+        if not record.exists():
+            n = brokers or 1
+            if n not in BROKER_COUNTS:
+                raise StackError(f"--brokers must be one of {', '.join(map(str, BROKER_COUNTS))}, got {n}")
+            ports = [(free_port(), free_port()) for _ in range(n)]
+            return cls(state_dir, PostgresInstance(state_dir, free_port()), KafkaCluster.create(state_dir, ports, kafka_version or KAFKA_VERSION))
+        try:
+            data: dict[str, Any] = json.loads(record.read_text())
+            pg = data["postgres"]
+            stack = cls(state_dir, PostgresInstance(state_dir, int(pg["port"]), pg.get("pid")), _load_kafka(state_dir, data["kafka"]))
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise StackError(
+                f"{record} is unreadable ({e}): the state directory looks corrupt; "
+                f"remove {state_dir} (or run `walbus dev down --purge`) and retry"
+            ) from None
+        kafka = stack.kafka
+        if (kafka_version and kafka_version != kafka.version) or (brokers and brokers != len(kafka.nodes)):
+            raise StackError(
+                f"the stack in {state_dir} runs Kafka {kafka.version} on {len(kafka.nodes)} node(s); "
+                f"to change that, `walbus dev down --purge` it first or use another --state-dir"
+            )
+        return stack
 
     def save(self) -> None:
         self.state_dir.mkdir(parents=True, exist_ok=True)
+        first = self.kafka.nodes[0]
         data = {
             "postgres": {"port": self.postgres.port, "pid": self.postgres.pid, "dsn": self.postgres.dsn},
             "kafka": {
-                "port": self.kafka.port,
-                "controller_port": self.kafka.controller_port,
-                "pid": self.kafka.pid,
+                # Node 1 at the top level, as before multi-node stacks: older readers still work.
+                "port": first.port,
+                "controller_port": first.controller_port,
+                "pid": first.pid,
                 "bootstrap": self.kafka.bootstrap,
+                "version": self.kafka.version,
+                "nodes": [
+                    {"node_id": n.node_id, "port": n.port, "controller_port": n.controller_port, "pid": n.pid}
+                    for n in self.kafka.nodes
+                ],
             },
         }
         tmp = self.record.with_suffix(".tmp")
@@ -86,19 +100,23 @@ class LocalStack:
 
         if not self.postgres.running() and port_in_use(self.postgres.port):
             self.postgres.port = free_port()
-        if not self.kafka.running():
-            if port_in_use(self.kafka.port):
-                self.kafka.port = free_port()
-            if port_in_use(self.kafka.controller_port):
-                self.kafka.controller_port = free_port()
+        if not any(n.running() for n in self.kafka.nodes):
+            # All nodes at once: the quorum's voters name every node's controller port.
+            ports = [(n.port, n.controller_port) for n in self.kafka.nodes]
+            if any(port_in_use(p) for pair in ports for p in pair):
+                ports = [(free_port(), free_port()) for _ in ports]
+                fresh = KafkaCluster.create(self.state_dir, ports, self.kafka.version)
+                self.kafka = fresh
 
     def down(self, *, purge: bool = False) -> list[str]:
         stopped = []
-        if self.kafka.stop():
-            stopped.append(f"kafka (pid {self.kafka.pid})")
+        pids = self.kafka.stop()
+        if pids:
+            stopped.append(f"kafka (pid {', '.join(map(str, pids))})")
         if self.postgres.stop():
             stopped.append(f"postgres (pid {self.postgres.pid})")
-        self.kafka.pid = None
+        for node in self.kafka.nodes:
+            node.pid = None
         self.postgres.pid = None
         if purge:
             shutil.rmtree(self.state_dir, ignore_errors=True)
@@ -121,9 +139,26 @@ class LocalStack:
                 "running": self.kafka.running(),
                 "pid": self.kafka.pid,
                 "bootstrap": self.kafka.bootstrap,
+                "version": self.kafka.version,
                 "log": str(self.kafka.logfile),
+                "nodes": [
+                    {"node_id": n.node_id, "running": n.running(), "pid": n.pid, "bootstrap": n.bootstrap, "log": str(n.logfile)}
+                    for n in self.kafka.nodes
+                ],
             },
         }
 
     def env(self) -> dict[str, str]:
         return {"WALBUS_PG_DSN": self.postgres.dsn, "WALBUS_KAFKA_BOOTSTRAP": self.kafka.bootstrap}
+
+
+def _load_kafka(state_dir: Path, kf: dict[str, Any]) -> KafkaCluster:
+    # A record without a version is from before 4.x: its data was formatted by 3.9.1.
+    version = str(kf.get("version") or KAFKA_3_VERSION)
+    nodes = kf.get("nodes") or [{"node_id": 1, "port": kf["port"], "controller_port": kf["controller_port"], "pid": kf.get("pid")}]
+    cluster = KafkaCluster.create(state_dir, [(int(n["port"]), int(n["controller_port"])) for n in nodes], version)
+    for node, recorded in zip(cluster.nodes, nodes, strict=True):
+        if int(recorded["node_id"]) != node.node_id:
+            raise ValueError(f"kafka node ids out of order: {[n['node_id'] for n in nodes]}")
+        node.pid = recorded.get("pid")
+    return cluster
