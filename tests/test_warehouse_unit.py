@@ -190,3 +190,7 @@ def test_check_record_applies_the_contract() -> None:
     assert check_record(event_key(16, 2), None) == ("record without a value", None)
     assert "not JSON" in (check_record(event_key(16, 2), b"{nope")[0] or "")
     assert "version" in (check_record(event_key(16, 2), good.replace(b'"v":1', b'"v":2'))[0] or "")
+    # a null column name cannot key a row (a map of column -> value): a contract error too
+    assert "must be strings" in (check_record(event_key(16, 2), value("public.t", ["id", None], [1, 2]))[0] or "")  # type: ignore[list-item]
+    # a column named twice is legal (the last value wins, as in the demux)
+    assert check_record(event_key(16, 2), value("public.t", ["id", "id"], [1, 2])) == (None, "public.t")

@@ -204,7 +204,13 @@ def _image(obj: dict[str, Any], where: str) -> RowImage:
         raise ContractError(f"{where}: columns, types and values must be lists")
     if not len(columns) == len(types) == len(values):
         raise ContractError(f"{where}: columns, types and values differ in length")
+    if not _strings(columns) or not _strings(types):
+        raise ContractError(f"{where}: column and type names must be strings")
     return RowImage(tuple(columns), tuple(types), tuple(values))
+
+
+def _strings(items: list[Any]) -> bool:
+    return all(isinstance(i, str) for i in items)
 
 
 def _int_field(obj: dict[str, Any], name: str) -> int:
@@ -236,16 +242,16 @@ def decode_event(value: bytes | str) -> ChangeEvent:
     if not isinstance(timestamp, str):
         raise ContractError("field 'timestamp' must be a string")
     pk = obj.get("pk", [])
-    if not isinstance(pk, list):
-        raise ContractError("field 'pk' must be a list")
+    if not isinstance(pk, list) or not _strings(pk):
+        raise ContractError("field 'pk' must be a list of strings")
     new = _image(obj, "row") if "columns" in obj else None
     if new is None and operation in ("insert", "update", "read"):
         raise ContractError(f"{operation} event without columns/types/values")
     ident = obj.get("identity")
     identity = _image(ident, "identity") if ident is not None else None
     unchanged = obj.get("unchanged", [])
-    if not isinstance(unchanged, list):
-        raise ContractError("field 'unchanged' must be a list")
+    if not isinstance(unchanged, list) or not _strings(unchanged):
+        raise ContractError("field 'unchanged' must be a list of strings")
     return ChangeEvent(
         lsn=_int_field(obj, "lsn"),
         commit_lsn=_int_field(obj, "commit_lsn"),
