@@ -158,6 +158,7 @@ _VIEW_PAIRS = [
 
 def test_view_names_are_distinct_for_distinct_tables() -> None:
     names = [layout.table_paths("/wh", "t", s, t).view(k) for s, t in _VIEW_PAIRS for k in ("", "all", "history")]
+    names += [layout.QUARANTINE_VIEW, layout.table_paths("/wh", "t", "walbus", "quarantine").view("")]
     assert len(set(names)) == len(names), sorted(n for n in names if names.count(n) > 1)
 
 

@@ -80,13 +80,17 @@ def test_any_table_and_column_name_loads(spark: Any, kafka_bootstrap: str, uniqu
         assert stored["v"] == f"{schema}|{table}"
 
 
+def _value(commit_lsn: int, columns: list[Any], values: list[Any]) -> bytes:
+    return encode_event(
+        lsn=commit_lsn - 1, commit_lsn=commit_lsn, seq=0, xid=7, operation="insert", table="public.t",
+        timestamp="2024-01-02T03:04:05.123456+00:00", pk=["id"],
+        new={"columns": columns, "types": ["int4", "text", "text"][: len(columns)], "values": values}, identity=None,
+    )
+
+
 def _bad_value() -> bytes:
     # lengths of columns, types and values differ: not a contract-v1 event
-    return encode_event(
-        lsn=0x1F00, commit_lsn=0x2000, seq=0, xid=7, operation="insert", table="public.t",
-        timestamp="2024-01-02T03:04:05.123456+00:00", pk=["id"],
-        new={"columns": ["id", "a"], "types": ["int4", "text"], "values": [2, "y", 7]}, identity=None,
-    )
+    return _value(0x2000, ["id", "a"], [2, "y", 7])
 
 
 def test_invalid_record_fails_the_load_or_is_quarantined(
@@ -102,6 +106,8 @@ def test_invalid_record_fails_the_load_or_is_quarantined(
     produce_records(kafka_bootstrap, unique_name, [
         (event_key(0x1000, 0), good[0]), (event_key(0x2000, 0), _bad_value()), (event_key(0x3000, 0), good[1]),
         (event_key(0x4000, 0), good[1]),  # a valid value under another event's key
+        (event_key(0x5000, 0), _value(0x5000, ["id", "a", "a"], [5, "first", "last"])),  # legal: the last wins
+        (event_key(0x6000, 0), _value(0x6000, ["id", None], [6, "x"])),  # a null column name
     ])
     paths = table_paths(tmp_path, unique_name, table)
     with pytest.raises(LoadError, match=rf"record at {unique_name} partition 0 offset 1: .*differ in length"):
@@ -109,19 +115,21 @@ def test_invalid_record_fails_the_load_or_is_quarantined(
     assert not DeltaTable.isDeltaTable(spark, paths.history)  # nothing written
 
     result = load(spark, kafka_bootstrap, unique_name, tmp_path, skip_invalid=True)
-    assert result.quarantined == 2
-    assert [(r["id"], r["a"]) for r in rows(spark, paths.history)] == [(1, "x"), (3, "z")]
+    assert result.quarantined == 3
+    assert [(r["id"], r["a"]) for r in rows(spark, paths.history)] == [(1, "x"), (3, "z"), (5, "last")]
     _, quarantined = run_sql(
         spark, str(tmp_path), unique_name,
         "SELECT kafka_topic, kafka_partition, kafka_offset, kafka_key, kafka_value, reason, load_id "
-        "FROM walbus_quarantine ORDER BY kafka_offset", 10,
+        "FROM _walbus_quarantine ORDER BY kafka_offset", 10,
     )
     assert [(r["kafka_topic"], r["kafka_partition"], r["kafka_offset"], bytes(r["kafka_key"]), bytes(r["kafka_value"]))
             for r in quarantined] == [
         (unique_name, 0, 1, event_key(0x2000, 0), _bad_value()),
         (unique_name, 0, 3, event_key(0x4000, 0), good[1]),
+        (unique_name, 0, 5, event_key(0x6000, 0), _value(0x6000, ["id", None], [6, "x"])),
     ]
     assert "differ in length" in quarantined[0]["reason"] and "position" in quarantined[1]["reason"]
+    assert "must be strings" in quarantined[2]["reason"]
     assert load(spark, kafka_bootstrap, unique_name, tmp_path).lines() == ["no new events"]
 
 

@@ -37,7 +37,7 @@ _PLAIN_TABLE = re.compile(r"[A-Za-z0-9_]+")
 
 LOADS_DIR: Final = "_walbus_loads"
 QUARANTINE_DIR: Final = "_walbus_quarantine"
-QUARANTINE_VIEW: Final = "walbus_quarantine"
+QUARANTINE_VIEW: Final = "_walbus_quarantine"  # no table view: plain ones start alphanumeric, others hold a dot
 
 
 def escape_segment(name: str) -> str:

@@ -27,7 +27,7 @@ def topics(spark: SparkSession, warehouse: str) -> list[str]:
 def register_views(spark: SparkSession, warehouse: str, topic: str | None = None) -> list[str]:
     """Register each table's live-rows, ``_all`` and ``_history`` views (names in
     :mod:`warehouse.layout`) for ``topic`` (default: the only topic), and
-    ``walbus_quarantine`` when the topic has quarantined records."""
+    ``_walbus_quarantine`` when the topic has quarantined records."""
     from delta.tables import DeltaTable
 
     if topic is None:
