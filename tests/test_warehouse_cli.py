@@ -107,3 +107,5 @@ def test_cli_reports_failures_clearly(tmp_path: Path, kafka_bootstrap: str, uniq
     assert f"topic {unique_name!r} does not exist" in done.stderr.decode()
     usage = subprocess.run(_cli("load"), capture_output=True, timeout=60)
     assert usage.returncode == 2 and b"--topic" in usage.stderr
+    helped = subprocess.run(_cli("load", "--help"), capture_output=True, timeout=60)
+    assert helped.returncode == 0 and b"--skip-invalid" in helped.stdout
