@@ -88,7 +88,8 @@ def load_main(argv: Sequence[str]) -> int:
 
     kafka = KafkaOptions(**{f.name: getattr(config, f.name) for f in dataclasses.fields(KafkaOptions)})
     spec = LoadSpec(
-        kafka, config.topic, config.warehouse, tuple(config.tables), config.numeric_scale, config.skip_invalid
+        kafka, config.topic, config.warehouse, tuple(config.tables), config.numeric_scale,
+        skip_invalid=config.skip_invalid,
     )
     spark = _session(config)
     try:

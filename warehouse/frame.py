@@ -14,6 +14,9 @@ pg_raw_values      map<str,str>     exact text of values the Spark type cannot h
 =================  ===============  ===============================================
 
 ``(pg_commit_lsn, pg_seq)`` is an event's position: unique, in commit order.
+
+History tables of a table with a primary key add ``_walbus_prev_<key>`` per key column (see
+:func:`prev_fields`); the current table has ``_walbus_deleted`` instead.
 """
 
 from __future__ import annotations
