@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from tests.warehouse_helpers import Txn, produce
+from tests.warehouse_helpers import Txn, produce, table_paths
 from warehouse import layout
 
 pytestmark = [pytest.mark.spark, pytest.mark.integration]
@@ -46,7 +46,7 @@ def _events() -> list[bytes]:
 def _committed_tables(warehouse: Path, topic: str) -> int:
     """Tables whose history has committed data (Delta version 1: the append after the create)."""
     return sum(
-        Path(layout.table_paths(str(warehouse), topic, t).history, "_delta_log", f"{1:020d}.json").exists()
+        Path(table_paths(warehouse, topic, t).history, "_delta_log", f"{1:020d}.json").exists()
         for t in TABLES
     )
 
@@ -107,3 +107,5 @@ def test_cli_reports_failures_clearly(tmp_path: Path, kafka_bootstrap: str, uniq
     assert f"topic {unique_name!r} does not exist" in done.stderr.decode()
     usage = subprocess.run(_cli("load"), capture_output=True, timeout=60)
     assert usage.returncode == 2 and b"--topic" in usage.stderr
+    helped = subprocess.run(_cli("load", "--help"), capture_output=True, timeout=60)
+    assert helped.returncode == 0 and b"--skip-invalid" in helped.stdout

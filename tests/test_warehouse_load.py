@@ -7,8 +7,7 @@ from typing import Any
 
 import pytest
 
-from tests.warehouse_helpers import Txn, kafka_options, produce
-from warehouse import layout
+from tests.warehouse_helpers import Txn, kafka_options, produce, table_paths
 from warehouse.job import LoadSpec, run_load
 
 pytestmark = [pytest.mark.spark, pytest.mark.integration]
@@ -26,12 +25,12 @@ def load(spark: Any, bootstrap: str, topic: str, warehouse: Path, **kw: Any) -> 
 
 
 def history(spark: Any, warehouse: Path, topic: str, table: str = TX) -> list[Any]:
-    path = layout.table_paths(str(warehouse), topic, table).history
+    path = table_paths(warehouse, topic, table).history
     return spark.read.format("delta").load(path).orderBy("pg_commit_lsn", "pg_seq").collect()
 
 
 def current(spark: Any, warehouse: Path, topic: str, table: str = TX, *, live: bool = True) -> list[Any]:
-    path = layout.table_paths(str(warehouse), topic, table).current
+    path = table_paths(warehouse, topic, table).current
     df = spark.read.format("delta").load(path)
     if live:
         df = df.where("NOT _walbus_deleted")
@@ -65,7 +64,7 @@ def test_pgkafka_transactions_example(spark: Any, kafka_bootstrap: str, unique_n
 def _versions(spark: Any, warehouse: Path, topic: str, table: str = TX) -> tuple[int, int]:
     from delta.tables import DeltaTable
 
-    paths = layout.table_paths(str(warehouse), topic, table)
+    paths = table_paths(warehouse, topic, table)
     return tuple(  # type: ignore[return-value]
         int(DeltaTable.forPath(spark, p).history(1).first()["version"]) for p in (paths.history, paths.current)
     )
@@ -136,10 +135,10 @@ def test_schema_evolution_no_pk_table_and_incompatible_change(
     produce(kafka_bootstrap, unique_name, first)
     r1 = load(spark, kafka_bootstrap, unique_name, tmp_path)
     assert "no primary key: history only" in r1.tables[log_table].line()
-    assert not layout.table_paths(str(tmp_path), unique_name, log_table).current or True
+    assert not table_paths(tmp_path, unique_name, log_table).current or True
     from delta.tables import DeltaTable
 
-    assert not DeltaTable.isDeltaTable(spark, layout.table_paths(str(tmp_path), unique_name, log_table).current)
+    assert not DeltaTable.isDeltaTable(spark, table_paths(tmp_path, unique_name, log_table).current)
     # column c added, then b dropped
     second = (
         Txn(0x2000).insert(t, pk, item(2, a=("text", "y"), b=("int4", 2), c=("numeric", "1.50"))).events

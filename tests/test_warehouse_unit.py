@@ -117,18 +117,49 @@ def test_plan_refuses_metadata_name_clash() -> None:
         plan("s.t", None, [("pg_lsn", "int4")], reserved={"pg_lsn"}, numeric_scale=10)
 
 
-@pytest.mark.parametrize("name", ["public.transactions", "Weird Schema.tab/le.x", "ünï.cödé"])
-def test_table_dir_names_round_trip(name: str) -> None:
-    segment = layout.table_dir_name(name)
-    assert re.fullmatch(r"[A-Za-z0-9_~.-]+", segment)
-    assert layout.table_from_dir_name(segment) == name
+@pytest.mark.parametrize(
+    ("schema", "table"),
+    [("public", "transactions"), ("Weird Schema", "tab/le.x"), ("ünï", "cödé"), ("a.b", "c"), ("a", "b.c")],
+)
+def test_table_dir_names_round_trip(schema: str, table: str) -> None:
+    segment = layout.table_dir_name(schema, table)
+    assert re.fullmatch(r"[A-Za-z0-9_~-]+\.[A-Za-z0-9_~-]+", segment)
+    assert layout.table_from_dir_name(segment) == (schema, table)
+
+
+def test_table_dir_names_are_distinct_where_dots_are() -> None:
+    # "a.b"."c" and "a"."b.c" were one directory when the event's name was split at its first dot
+    assert layout.table_dir_name("a.b", "c") != layout.table_dir_name("a", "b.c")
+    assert layout.table_from_dir_name(layout.LOADS_DIR) is None
+    assert layout.table_from_dir_name(layout.QUARANTINE_DIR) is None
 
 
 def test_paths_and_view_names() -> None:
-    paths = layout.table_paths("s3a://bucket/wh/", "walbus.shop", "public.transactions")
+    paths = layout.table_paths("s3a://bucket/wh/", "walbus.shop", "public", "transactions")
     assert paths.history == "s3a://bucket/wh/walbus~2Eshop/public.transactions/history"
     assert paths.current.endswith("/public.transactions/current")
-    assert paths.view_base == "public_transactions"
+    assert [paths.view(k) for k in ("", "all", "history")] == [
+        "public_transactions", "public_transactions_all", "public_transactions_history"
+    ]
+    odd = layout.table_paths("/wh", "walbus.shop", "public", "Order Items")
+    assert [odd.view(k) for k in ("", "all", "history")] == [
+        "public.Order Items", "public.Order Items.all", "public.Order Items.history"
+    ]
+
+
+# pairs whose views shared a name before: spaces and underscores, the split of schema and
+# table at an underscore, a table named like another's _history view, dots in either part
+_VIEW_PAIRS = [
+    ("public", "a b"), ("public", "a_b"), ("sales_eu", "orders"), ("sales", "eu_orders"),
+    ("s", "t"), ("s", "t_history"), ("s", "t_all"), ("s", "t.history"), ("s.t", "history"),
+    ("s", "t.all"), ("a.b", "c"), ("a", "b.c"), ("a_b", "c"), ("a", "b_c"), ("public", "ö"),
+]
+
+
+def test_view_names_are_distinct_for_distinct_tables() -> None:
+    names = [layout.table_paths("/wh", "t", s, t).view(k) for s, t in _VIEW_PAIRS for k in ("", "all", "history")]
+    names += [layout.QUARANTINE_VIEW, layout.table_paths("/wh", "t", "walbus", "quarantine").view("")]
+    assert len(set(names)) == len(names), sorted(n for n in names if names.count(n) > 1)
 
 
 def test_packages_match_installed_pyspark() -> None:
@@ -137,3 +168,30 @@ def test_packages_match_installed_pyspark() -> None:
     delta, kafka = packages()
     assert kafka.endswith(":" + pyspark.__version__)
     assert delta.startswith("io.delta:delta-spark_")
+
+
+def test_check_record_applies_the_contract() -> None:
+    from walbus.contract import encode_event, event_key
+    from warehouse.read import check_record
+
+    def value(table: str, columns: list[str], values: list[object]) -> bytes:
+        new = {"columns": columns, "types": ["int4"] * len(columns), "values": values}
+        return encode_event(lsn=1, commit_lsn=16, seq=2, xid=3, operation="insert", table=table,
+                            timestamp="2024-01-02T03:04:05+00:00", pk=["id"], new=new, identity=None)
+
+    good = value("public.t", ["id"], [1])
+    assert check_record(event_key(16, 2), good) == (None, "public.t")
+    # another spelling of the same pair loads as the same table
+    assert check_record(event_key(16, 2), value('"public"."a b"', ["id"], [1])) == (None, "public.a b")
+    assert check_record(event_key(16, 2), value('"a.b".c', ["id"], [1])) == (None, '"a.b".c')
+    reason, table = check_record(event_key(16, 2), value("public.t", ["id", "a"], [2, "y", 7]))
+    assert table is None and reason is not None and "differ in length" in reason
+    assert check_record(event_key(16, 3), good)[0] is not None  # key and value disagree
+    assert check_record(None, good)[0] is not None
+    assert check_record(event_key(16, 2), None) == ("record without a value", None)
+    assert "not JSON" in (check_record(event_key(16, 2), b"{nope")[0] or "")
+    assert "version" in (check_record(event_key(16, 2), good.replace(b'"v":1', b'"v":2'))[0] or "")
+    # a null column name cannot key a row (a map of column -> value): a contract error too
+    assert "must be strings" in (check_record(event_key(16, 2), value("public.t", ["id", None], [1, 2]))[0] or "")  # type: ignore[list-item]
+    # a column named twice is legal (the last value wins, as in the demux)
+    assert check_record(event_key(16, 2), value("public.t", ["id", "id"], [1, 2])) == (None, "public.t")

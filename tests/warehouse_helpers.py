@@ -9,8 +9,9 @@ from typing import Any
 
 from aiokafka import AIOKafkaProducer
 
-from walbus.contract import encode_event, event_key
+from walbus.contract import encode_event, event_key, split_table
 from walbus.kafka import KafkaAdmin, KafkaOptions, TopicSpec
+from warehouse import layout
 
 
 async def _produce(bootstrap: str, topic: str, records: Sequence[tuple[bytes, bytes]], partitions: int) -> None:
@@ -34,6 +35,11 @@ def produce(bootstrap: str, topic: str, events: Iterable[bytes], partitions: int
         obj = orjson.loads(value)
         records.append((event_key(obj["commit_lsn"], obj["seq"]), value))
     asyncio.run(_produce(bootstrap, topic, records, partitions))
+
+
+def produce_records(bootstrap: str, topic: str, records: Sequence[tuple[bytes, bytes]]) -> None:
+    """Send (key, value) records as they are, valid or not, to partition 0 of ``topic``."""
+    asyncio.run(_produce(bootstrap, topic, records, 1))
 
 
 @dataclass
@@ -91,3 +97,8 @@ def image(row: dict[str, tuple[str, Any]]) -> dict[str, list[Any]]:
 
 def kafka_options(bootstrap: str) -> KafkaOptions:
     return KafkaOptions(kafka_bootstrap=bootstrap)
+
+
+def table_paths(warehouse: object, topic: str, table: str) -> layout.TablePaths:
+    """The paths of the table named ``table`` in the events (``schema.table``, qualify_table's form)."""
+    return layout.table_paths(str(warehouse), topic, *split_table(table))

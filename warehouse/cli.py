@@ -54,6 +54,11 @@ class LoadConfig(SparkOptions, KafkaOptions):
     warehouse: str = option(help="warehouse root: a directory or a Hadoop filesystem URI (s3a://, hdfs://, …)")
     tables: list[str] = option([], help="only these tables: schema.table patterns (* wildcards), comma-separated")
     numeric_scale: int = option(NUMERIC_SCALE, help="scale of decimal(38, s) for new numeric columns")
+    skip_invalid: bool = option(
+        False,
+        help="quarantine records that are not contract-v1 events (<warehouse>/<topic>/_walbus_quarantine) "
+        "and load the rest; default: such a record fails the load",
+    )
 
 
 @dataclass(kw_only=True)
@@ -82,7 +87,10 @@ def load_main(argv: Sequence[str]) -> int:
     from warehouse.read import TopicError
 
     kafka = KafkaOptions(**{f.name: getattr(config, f.name) for f in dataclasses.fields(KafkaOptions)})
-    spec = LoadSpec(kafka, config.topic, config.warehouse, tuple(config.tables), config.numeric_scale)
+    spec = LoadSpec(
+        kafka, config.topic, config.warehouse, tuple(config.tables), config.numeric_scale,
+        skip_invalid=config.skip_invalid,
+    )
     spark = _session(config)
     try:
         result = run_load(spark, spec)

@@ -27,7 +27,7 @@ from pyspark.sql import functions as F
 from pyspark.sql.types import BooleanType, StructField
 
 from warehouse.frame import DELETED, META_FIELDS, POSITION, prev_name
-from warehouse.schema import SourceColumn, quote, sql_string, table_properties
+from warehouse.schema import SourceColumn, qcol, quote, sql_string, table_properties
 from warehouse.txn import Txn, last_commit_metrics
 
 TRUNCATED_PROPERTY: Final = "walbus.truncatedAt"
@@ -78,25 +78,25 @@ def latest_actions(rows: DataFrame, pk: Sequence[str], columns: Sequence[SourceC
     meta = [f.name for f in META_FIELDS]
     source = [c.name for c in columns]
     changes = rows.where(F.col("pg_operation") != "truncate")
-    upserts = changes.select(*meta, *source, (F.col("pg_operation") == "delete").alias(DELETED))
+    upserts = changes.select(*meta, *[qcol(c) for c in source], (F.col("pg_operation") == "delete").alias(DELETED))
     same_key = F.expr(" AND ".join(f"({quote(k)} <=> {quote(prev_name(k))})" for k in pk))
     moved = changes.where((F.col("pg_operation") == "update") & ~same_key).select(
         *meta,
-        *[F.col(prev_name(c)).alias(c) if c in pk else F.lit(None).cast(rows.schema[c].dataType).alias(c) for c in source],
+        *[qcol(prev_name(c)).alias(c) if c in pk else F.lit(None).cast(rows.schema[c].dataType).alias(c) for c in source],
         F.lit(True).alias(DELETED),
     )
     actions = upserts.unionByName(moved).where(" AND ".join(f"{quote(k)} IS NOT NULL" for k in pk))
     others = [c for c in actions.columns if c not in pk]
-    latest = actions.groupBy(*[F.col(k) for k in pk]).agg(
-        F.max_by(F.struct(*[F.col(c) for c in others]), F.struct(*[F.col(c) for c in POSITION])).alias("a")
+    latest = actions.groupBy(*[qcol(k) for k in pk]).agg(
+        F.max_by(F.struct(*[qcol(c) for c in others]), F.struct(*[F.col(c) for c in POSITION])).alias("a")
     )
-    return latest.select(*pk, *[F.col("a")[c].alias(c) for c in others])
+    return latest.select(*[qcol(k) for k in pk], *[F.col("a")[c].alias(c) for c in others])
 
 
 def _source_stats(source: DataFrame, first_key: str) -> tuple[tuple[Any, Any] | None, int]:
     """(key range of the first key column if orderable, number of tombstones) in one job."""
     row = source.agg(
-        F.min(first_key).alias("lo"), F.max(first_key).alias("hi"), F.count_if(F.col(DELETED)).alias("d")
+        F.min(qcol(first_key)).alias("lo"), F.max(qcol(first_key)).alias("hi"), F.count_if(F.col(DELETED)).alias("d")
     ).first()
     if row is None:
         return None, 0
@@ -176,5 +176,5 @@ def _apply_truncate(spark: SparkSession, path: str, position: tuple[int, int]) -
     )
     metrics = last_commit_metrics(spark, path)
     value = f"{position[0]}:{position[1]}"
-    spark.sql(f"ALTER TABLE delta.`{path}` SET TBLPROPERTIES ('{TRUNCATED_PROPERTY}' = {sql_string(value)})")
+    spark.sql(f"ALTER TABLE delta.{quote(path)} SET TBLPROPERTIES ('{TRUNCATED_PROPERTY}' = {sql_string(value)})")
     return int(metrics.get("numUpdatedRows", 0))

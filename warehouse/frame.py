@@ -14,6 +14,9 @@ pg_raw_values      map<str,str>     exact text of values the Spark type cannot h
 =================  ===============  ===============================================
 
 ``(pg_commit_lsn, pg_seq)`` is an event's position: unique, in commit order.
+
+History tables of a table with a primary key add ``_walbus_prev_<key>`` per key column (see
+:func:`prev_fields`); the current table has ``_walbus_deleted`` instead.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from pyspark.sql.types import (
     TimestampType,
 )
 
-from warehouse.schema import SourceColumn
+from warehouse.schema import SourceColumn, qcol
 from warehouse.types import convert
 
 LSN_TYPE: Final = DecimalType(20, 0)
@@ -52,11 +55,18 @@ META_FIELDS: Final = (
 META_NAMES: Final = frozenset(f.name for f in META_FIELDS)
 DELETED: Final = "_walbus_deleted"  # tombstone flag of the current table
 POSITION: Final = ("pg_commit_lsn", "pg_seq")
-PREV_PREFIX: Final = "_walbus_prev_"  # the old key of an update (its identity), current only
+PREV_PREFIX: Final = "_walbus_prev_"  # the row's key before the event (history, and within a load)
 
 
 def prev_name(key: str) -> str:
     return PREV_PREFIX + key
+
+
+def prev_fields(columns: Sequence[SourceColumn], pk: Sequence[str]) -> tuple[StructField, ...]:
+    """History's ``_walbus_prev_<key>`` columns: the key the row had before the event (the
+    new key but on a key-changing update), so that history alone replays the table."""
+    types = {c.name: c.spark for c in columns}
+    return tuple(StructField(prev_name(k), types[k], True) for k in pk if k in types)
 
 
 def typed_rows(events: DataFrame, columns: Sequence[SourceColumn], pk: Sequence[str]) -> DataFrame:
@@ -101,5 +111,7 @@ def typed_rows(events: DataFrame, columns: Sequence[SourceColumn], pk: Sequence[
     )
 
 
-def table_columns(columns: Sequence[SourceColumn]) -> list[str]:
-    return [f.name for f in META_FIELDS] + [c.name for c in columns]
+def table_columns(columns: Sequence[SourceColumn], pk: Sequence[str] = ()) -> list[Column]:
+    """The columns of a table, in order; with ``pk`` those of the history (old key included)."""
+    names = [f.name for f in META_FIELDS] + [c.name for c in columns] + [f.name for f in prev_fields(columns, pk)]
+    return [qcol(n) for n in names]

@@ -25,11 +25,13 @@ class HistoryResult:
 
 
 def write_history(
-    spark: SparkSession, path: str, rows: DataFrame, columns: list[SourceColumn], txn: Txn
+    spark: SparkSession, path: str, rows: DataFrame, columns: list[SourceColumn], pk: list[str], txn: Txn
 ) -> HistoryResult:
+    """Append the load's new events; with a primary key each row keeps the key it had before
+    the event (``_walbus_prev_<key>``), so a key-changing update says which row it moved."""
     if txn.applied(spark, path):
         return HistoryResult(0, True)
-    rows = rows.select(*table_columns(columns)).dropDuplicates(list(POSITION))
+    rows = rows.select(*table_columns(columns, pk)).dropDuplicates(list(POSITION))
     bounds = rows.agg(F.min("pg_commit_lsn").alias("lo"), F.max("pg_commit_lsn").alias("hi")).first()
     if bounds is None or bounds["lo"] is None:
         return HistoryResult(0, False)

@@ -17,14 +17,25 @@ from pyspark import StorageLevel
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
+from walbus.contract import split_table
 from walbus.kafka import KafkaOptions
 from warehouse import layout, loads
 from warehouse.current import CURRENT_EXTRA_FIELDS, CURRENT_PROPERTIES, merge_current
-from warehouse.frame import DELETED, META_FIELDS, META_NAMES, POSITION, prev_name, typed_rows
+from warehouse.frame import (
+    DELETED,
+    META_FIELDS,
+    META_NAMES,
+    POSITION,
+    prev_fields,
+    prev_name,
+    typed_rows,
+)
 from warehouse.history import write_history
 from warehouse.read import (
+    INVALID,
     Offsets,
     check_no_gap,
+    checked,
     describe_invalid,
     invalid_events,
     parse_events,
@@ -67,6 +78,7 @@ class LoadSpec:
     warehouse: str
     tables: Sequence[str] = ()  # fnmatch patterns on schema.table; empty: all
     numeric_scale: int = NUMERIC_SCALE
+    skip_invalid: bool = False  # quarantine records that are not contract-v1 events
 
 
 @dataclass
@@ -108,11 +120,15 @@ class LoadResult:
     tables: dict[str, TableSummary] = field(default_factory=dict)
     seconds: float = 0.0
     phases: dict[str, float] = field(default_factory=dict)  # read+parse+meta of each load
+    quarantined: int = 0  # invalid records written to the quarantine table (--skip-invalid)
 
     def lines(self) -> list[str]:
         if not self.batches:
             return ["no new events"]
-        return [self.tables[t].line() for t in sorted(self.tables)]
+        lines = [self.tables[t].line() for t in sorted(self.tables)]
+        if self.quarantined:
+            lines.append(f"{self.quarantined} invalid records quarantined in {layout.QUARANTINE_DIR}")
+        return lines
 
 
 def _selected(table: str, patterns: Sequence[str]) -> bool:
@@ -196,16 +212,19 @@ def _run_batch(
     events = parse_events(raw).persist(StorageLevel.MEMORY_AND_DISK)
     started = time.monotonic()
     try:
-        bad = events.where(invalid_events(events)).select("kafka_partition", "kafka_offset").first()
-        if bad is not None:
-            raise LoadError(
-                f"record at {spec.topic} {describe_invalid(bad)} is not a walbus contract-v1 event; "
-                "nothing of this load was written"
-            )
         txn = Txn(f"walbus:{spec.topic}", load.batch_id, replay)
+        bad = events.where(invalid_events()).select("kafka_partition", "kafka_offset", INVALID).first()
+        if bad is not None:
+            if not spec.skip_invalid:
+                raise LoadError(
+                    f"{describe_invalid(spec.topic, bad)}: not a walbus contract-v1 event; nothing of "
+                    "this load was written (--skip-invalid quarantines such records and loads the rest)"
+                )
+            result.quarantined += _quarantine(spark, spec, load, txn, bad)
+        valid = events.where(~invalid_events()) if bad is not None else events
         failures: list[str] = []
         batch_events = 0
-        metas = sorted(_table_meta(events), key=lambda r: r["table"])  # reads the slice
+        metas = sorted(_table_meta(valid), key=lambda r: r["table"])  # reads the slice
         result.phases["read"] = round(result.phases.get("read", 0.0) + time.monotonic() - started, 3)
         for meta in metas:
             table = meta["table"]
@@ -214,7 +233,7 @@ def _run_batch(
             batch_events += int(meta["events"])
             summary = result.tables.setdefault(table, TableSummary(table))
             try:
-                _load_table(spark, spec, events.where(F.col("table") == table), meta, txn, summary)
+                _load_table(spark, spec, valid.where(F.col("table") == table), meta, txn, summary)
             except SchemaChangeError as e:
                 summary.error = str(e)
                 failures.append(str(e))
@@ -236,6 +255,41 @@ def _run_batch(
         events.unpersist()
 
 
+def _quarantine(spark: SparkSession, spec: LoadSpec, load: loads.Load, txn: Txn, first: Any) -> int:
+    """Append the load's invalid records to the topic's quarantine table (once per load)."""
+    path = layout.quarantine_path(spec.warehouse, spec.topic)
+    raw = read_slice(spark, spec.kafka, spec.topic, load.start, load.end)
+    check = checked(raw)
+    bad = raw.select(
+        F.col("topic").alias("kafka_topic"),
+        F.col("partition").alias("kafka_partition"),
+        F.col("offset").alias("kafka_offset"),
+        F.col("key").alias("kafka_key"),
+        F.col("value").alias("kafka_value"),
+        check["reason"].alias("reason"),
+        F.lit(load.batch_id).cast("bigint").alias("load_id"),
+        F.current_timestamp().alias("quarantined_at"),
+    ).where(F.col("reason").isNotNull())
+    count = bad.count()
+    log.error(
+        "invalid records quarantined",
+        extra={
+            "topic": spec.topic, "batch": load.batch_id, "records": count, "quarantine": path,
+            "first": describe_invalid(spec.topic, first),
+        },
+    )
+    if not txn.applied(spark, path):
+        (
+            bad.orderBy("kafka_partition", "kafka_offset")
+            .write.format("delta")
+            .mode("append")
+            .option("txnAppId", txn.app_id)
+            .option("txnVersion", txn.batch_id)
+            .save(path)
+        )
+    return count
+
+
 def _incoming_pairs(meta: Any) -> list[tuple[str, str]]:
     latest = list(meta["latest_columns"] or [])
     pairs = [(p["c"], p["t"]) for p in meta["pairs"] or []]
@@ -253,14 +307,15 @@ def _load_table(
 ) -> None:
     started = time.monotonic()
     table = meta["table"]
-    paths = layout.table_paths(spec.warehouse, spec.topic, table)
+    paths = layout.table_paths(spec.warehouse, spec.topic, *split_table(table))
     pk: list[str] = list(meta["pk"] or [])
     summary.events += int(meta["events"])
     summary.history_only = not pk
     existing = None
     if table_exists(spark, paths.history):
         fields = spark.read.format("delta").load(paths.history).schema.fields
-        existing = existing_columns(fields, table_properties(spark, paths.history), set(META_NAMES))
+        meta_names = {*META_NAMES, *(prev_name(k) for k in pk)}
+        existing = existing_columns(fields, table_properties(spark, paths.history), meta_names)
     reserved = {*META_NAMES, DELETED, *(prev_name(k) for k in pk)}
     schema_plan: SchemaPlan = plan(
         table, existing, _incoming_pairs(meta), reserved=reserved, numeric_scale=spec.numeric_scale
@@ -270,7 +325,8 @@ def _load_table(
         missing = [k for k in pk if k not in {c.name for c in schema_plan.columns}]
         if missing:
             raise SchemaChangeError(f"{table}: primary-key column(s) {missing} missing from the events")
-    ensure_table(spark, paths.history, META_FIELDS, schema_plan, HISTORY_PROPERTIES)
+    history_meta = [*META_FIELDS, *prev_fields(schema_plan.columns, pk)]
+    ensure_table(spark, paths.history, history_meta, schema_plan, HISTORY_PROPERTIES)
     if pk:
         ensure_table(
             spark,
@@ -289,7 +345,7 @@ def _load_table(
     rows = rows.persist(StorageLevel.MEMORY_AND_DISK)
     try:
         started = time.monotonic()
-        history = write_history(spark, paths.history, rows, columns, txn)
+        history = write_history(spark, paths.history, rows, columns, pk, txn)
         summary.timed("history", started)
         summary.history_rows += history.written
         summary.already_loaded = history.skipped

@@ -10,27 +10,49 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
 
 import orjson
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
 
+from walbus.contract import (
+    FIELD_ORDER,
+    ContractError,
+    check_key,
+    decode_event,
+    qualify_table,
+    split_table,
+)
 from walbus.kafka import KafkaAdmin, KafkaOptions
+from warehouse.schema import quote
 
 Offsets = dict[int, int]  # partition -> offset
 
-# The contract-v1 envelope. ``values`` as array<string>: Spark's JSON reader hands a string
-# field the raw JSON text of a non-string value (2000 -> "2000", true -> "true"), so every
-# value survives parsing exactly and the pg type decides how to read it (warehouse.types).
-ENVELOPE_SCHEMA = (
-    "v int, lsn decimal(20,0), commit_lsn decimal(20,0), seq bigint, xid bigint, "
-    "operation string, `table` string, timestamp string, pk array<string>, "
-    "columns array<string>, types array<string>, values array<string>, "
-    "identity struct<columns: array<string>, types: array<string>, values: array<string>>, "
-    "unchanged array<string>"
-)
+# The Spark types of the contract-v1 fields (walbus.contract.FIELD_ORDER: a field added to
+# the contract fails here until it is given a type). ``values`` as array<string>: Spark's
+# JSON reader hands a string field the raw JSON text of a non-string value (2000 -> "2000",
+# true -> "true"), so every value survives parsing exactly and the pg type decides how to
+# read it (warehouse.types). Validity is decided by the contract itself (check_record).
+_FIELD_TYPES: Final = {
+    "v": "int",
+    "lsn": "decimal(20,0)",
+    "commit_lsn": "decimal(20,0)",
+    "seq": "bigint",
+    "xid": "bigint",
+    "operation": "string",
+    "table": "string",
+    "timestamp": "string",
+    "pk": "array<string>",
+    "columns": "array<string>",
+    "types": "array<string>",
+    "values": "array<string>",
+    "identity": "struct<columns: array<string>, types: array<string>, values: array<string>>",
+    "unchanged": "array<string>",
+}
+ENVELOPE_SCHEMA: Final = ", ".join(f"{quote(name)} {_FIELD_TYPES[name]}" for name in FIELD_ORDER)
+INVALID: Final = "invalid_reason"  # why a record is not a contract-v1 event; null if it is
 
 
 class TopicError(RuntimeError):
@@ -139,27 +161,52 @@ def read_slice(
     )
 
 
+def check_record(key: bytes | None, value: bytes | None) -> tuple[str | None, str | None]:
+    """(why the record is not a contract-v1 event, or None; its table as qualify_table spells it).
+
+    The contract's own checks (decode_event, check_key): the warehouse accepts exactly what
+    every other consumer accepts.
+    """
+    if value is None:
+        return "record without a value", None
+    try:
+        event = decode_event(bytes(value))
+        check_key(bytes(key) if key is not None else None, event)
+    except (ContractError, ValueError, TypeError) as e:
+        return str(e) or type(e).__name__, None
+    return None, qualify_table(*split_table(event.table))
+
+
+def checked(raw: DataFrame) -> Column:
+    """The struct (reason, table) of :func:`check_record` for Kafka rows."""
+    check = F.udf(check_record, "struct<reason: string, table: string>")  # needs a session: not at import
+    return check(raw["key"], raw["value"])
+
+
 def parse_events(raw: DataFrame) -> DataFrame:
-    """Kafka rows -> one row per event (envelope fields at top level, plus partition/offset)."""
+    """Kafka rows -> one row per event: partition/offset, :data:`INVALID`, envelope fields.
+
+    ``table`` is respelled by :func:`walbus.contract.qualify_table`, so two spellings of one
+    (schema, table) pair load as one table.
+    """
     event = F.from_json(F.col("value").cast("string"), ENVELOPE_SCHEMA)
-    return raw.select(
-        F.col("partition").alias("kafka_partition"),
-        F.col("offset").alias("kafka_offset"),
-        event.alias("e"),
-    ).select("kafka_partition", "kafka_offset", "e.*")
-
-
-def invalid_events(events: DataFrame) -> Column:
-    """Rows that do not follow contract v1 (unparseable or of another version)."""
     return (
-        F.col("v").isNull()
-        | (F.col("v") != 1)
-        | F.col("commit_lsn").isNull()
-        | F.col("seq").isNull()
-        | F.col("table").isNull()
-        | ~F.col("operation").isin("insert", "update", "delete", "truncate", "read")
+        raw.select(
+            F.col("partition").alias("kafka_partition"),
+            F.col("offset").alias("kafka_offset"),
+            checked(raw).alias("c"),
+            event.alias("e"),
+        )
+        .select("kafka_partition", "kafka_offset", F.col("c.reason").alias(INVALID), F.col("c.table").alias("_t"), "e.*")
+        .withColumn("table", F.col("_t"))
+        .drop("_t")
     )
 
 
-def describe_invalid(row: Any) -> str:
-    return f"partition {row['kafka_partition']} offset {row['kafka_offset']}"
+def invalid_events() -> Column:
+    """Rows that are not contract-v1 events (see :func:`check_record`)."""
+    return F.col(INVALID).isNotNull()
+
+
+def describe_invalid(topic: str, row: Any) -> str:
+    return f"record at {topic} partition {row['kafka_partition']} offset {row['kafka_offset']}: {row[INVALID]}"

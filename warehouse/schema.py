@@ -17,7 +17,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import orjson
-from pyspark.sql import SparkSession
+from pyspark.sql import Column, SparkSession
+from pyspark.sql import functions as F
 from pyspark.sql.types import DataType, StructField, StructType
 
 from warehouse.types import compatible, describe, spark_type
@@ -110,12 +111,18 @@ def existing_columns(fields: Iterable[StructField], properties: Mapping[str, str
 
 
 def table_properties(spark: SparkSession, path: str) -> dict[str, str]:
-    rows = spark.sql(f"SHOW TBLPROPERTIES delta.`{path}`").collect()
+    rows = spark.sql(f"SHOW TBLPROPERTIES delta.{quote(path)}").collect()
     return {r["key"]: r["value"] for r in rows}
 
 
 def quote(name: str) -> str:
+    """A Spark SQL identifier for any name: backticks, inner backticks doubled."""
     return "`" + name.replace("`", "``") + "`"
+
+
+def qcol(name: str) -> Column:
+    """The column named ``name`` exactly (``F.col`` alone reads dots as struct fields)."""
+    return F.col(quote(name))
 
 
 def table_exists(spark: SparkSession, path: str) -> bool:
@@ -148,14 +155,16 @@ def ensure_table(
         builder.execute()
         return
     current = {f.name for f in spark.read.format("delta").load(path).schema.fields}
-    missing = [c for c in schema_plan.columns if c.name not in current]
+    # metadata fields too: a table written by an older walbus lacks the newer ones
+    wanted = [*meta_fields, *(StructField(c.name, c.spark, True) for c in schema_plan.columns)]
+    missing = [f for f in wanted if f.name not in current]
     if missing:
-        cols = ", ".join(f"{quote(c.name)} {c.spark.simpleString()}" for c in missing)
-        spark.sql(f"ALTER TABLE delta.`{path}` ADD COLUMNS ({cols})")
+        cols = ", ".join(f"{quote(f.name)} {f.dataType.simpleString()}" for f in missing)
+        spark.sql(f"ALTER TABLE delta.{quote(path)} ADD COLUMNS ({cols})")
     old = table_properties(spark, path)
     if any(old.get(k) != v for k, v in props.items()):
         assignments = ", ".join(f"'{k}' = {sql_string(v)}" for k, v in props.items())
-        spark.sql(f"ALTER TABLE delta.`{path}` SET TBLPROPERTIES ({assignments})")
+        spark.sql(f"ALTER TABLE delta.{quote(path)} SET TBLPROPERTIES ({assignments})")
 
 
 def sql_string(value: str) -> str:

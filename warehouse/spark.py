@@ -45,6 +45,9 @@ def base_conf(*, shuffle_partitions: int = 4) -> dict[str, str]:
         "spark.sql.session.timeZone": "UTC",
         # PostgreSQL identifiers are case-sensitive ("Amount" and amount are two columns).
         "spark.sql.caseSensitive": "true",
+        # a column named twice in one event keeps its last value (as the demux does), not a
+        # failed load
+        "spark.sql.mapKeyDedupPolicy": "LAST_WIN",
         "spark.sql.shuffle.partitions": str(shuffle_partitions),
         # Delta reconstructs its snapshot with this many tasks (50 by default): far too many
         # for small tables on a few cores.

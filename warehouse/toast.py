@@ -1,14 +1,20 @@
 """Unchanged TOAST values: fill the columns an update did not send from the row's previous
 version, so history and current rows are complete.
 
-Previous version of an event's row = the latest earlier event of the same key in this load,
-else the current table's row (as it was before this load). Within a key, a run of updates
-is a *segment* that starts at an insert, a delete or an update that changed the key (a
-"rename"); a value not sent is the last one sent earlier in its segment, and otherwise:
+Previous version of an event's row = the newest version before it by (commit_lsn, seq),
+in this load or in the current table (as it was before this load). Within a key, a run of
+updates is a *segment* that starts at an insert, a delete or an update that changed the key
+(a "rename"). A value not sent is the newest of:
 
-* segment without a start in this load -> the current table's row of that key;
-* segment starting at a rename -> the old key's value just before the rename (looked up
-  the same way, in the old key's segment, else the current table's row of the old key).
+* the last one sent earlier in its segment in this load;
+* the current table's row of that key, when it is older than the event and newer than the
+  segment's start (a load may hold a re-sent old insert of a key whose newer versions are
+  already in the table: duplicates are whole transactions, re-sent from any point);
+* for a segment starting at a rename: the old key's value just before the rename (looked
+  up the same way, in the old key's segment and the current table's row of the old key).
+
+A segment without a start in this load takes the current table's row when nothing else is
+found.
 
 Known limit: a rename whose old key's segment itself began with a rename in the same load,
 with the column unchanged all along, has no value to carry (null; ``pg_unchanged`` names
@@ -24,22 +30,51 @@ from pyspark.sql import Column, DataFrame, SparkSession, Window
 from pyspark.sql import functions as F
 
 from warehouse.frame import POSITION, prev_name
+from warehouse.schema import qcol, quote
 
 _PROBE = "_walbus_probe"
+_RENAME = "_walbus_rename"
 _SEG = "_walbus_segment"
 _SEG_RENAME = "_walbus_segment_rename"
+_NEEDS_TABLE = "_walbus_needs_table"
+
+# Per unchanged column (by its index: names may hold any character), struct<p: position, v>:
+# the last value sent in the segment, the current table's, the value at each row, and the
+# old key's just before a rename.
+def _last_col(i: int) -> str:
+    return f"_walbus_last_{i}"
+
+
+def _table_col(i: int) -> str:
+    return f"_walbus_table_{i}"
+
+
+def _val_col(i: int) -> str:
+    return f"_walbus_val_{i}"
+
+
+def _probe_col(i: int) -> str:
+    return f"_walbus_probe_{i}"
 
 
 def _last(col: Column, window: object) -> Column:
     return F.last(col, ignorenulls=True).over(window)  # type: ignore[arg-type]
 
 
-def _q(name: str) -> str:
-    return "`" + name.replace("`", "``") + "`"
-
-
 def _pos() -> Column:
     return F.struct(*[F.col(c) for c in POSITION])
+
+
+def _newest(i: int, *more: Column) -> Column:
+    """The newest known value of column ``i`` before the row (struct<p, v>, or null).
+
+    The table's row counts when it is older than the row and newer than the segment's start;
+    a segment that does not start in this load falls back on the table's row whatever its age.
+    """
+    table = F.col(_table_col(i))
+    in_segment = F.col(_SEG).isNull() | (table["p"] > F.col(_SEG))
+    eligible = F.when(in_segment & (table["p"] < _pos()), table)
+    return F.coalesce(F.greatest(F.col(_last_col(i)), eligible, *more), F.when(F.col(_SEG).isNull(), table))
 
 
 def resolve_unchanged(
@@ -53,54 +88,56 @@ def resolve_unchanged(
     if not unchanged or not pk:
         return rows
     columns = rows.columns
-    same_key = F.expr(" AND ".join(f"({_q(k)} <=> {_q(prev_name(k))})" for k in pk))
+    keys = [qcol(k) for k in pk]
+    same_key = F.expr(" AND ".join(f"({quote(k)} <=> {quote(prev_name(k))})" for k in pk))
     is_rename = (F.col("pg_operation") == "update") & ~same_key
-    events = rows.withColumn(_PROBE, F.lit(False)).withColumn("_walbus_rename", is_rename)
+    events = rows.withColumn(_PROBE, F.lit(False)).withColumn(_RENAME, is_rename)
     # probes: one per rename, at the rename's position, in the *old* key's partition
-    probes = events.where(F.col("_walbus_rename")).select(
-        *[F.col(prev_name(k)).alias(k) for k in pk],
+    probes = events.where(F.col(_RENAME)).select(
+        *[qcol(prev_name(k)).alias(k) for k in pk],
         *POSITION,
         F.lit("probe").alias("pg_operation"),
         F.lit(True).alias(_PROBE),
-        F.lit(False).alias("_walbus_rename"),
+        F.lit(False).alias(_RENAME),
     )
     both = events.unionByName(probes, allowMissingColumns=True)
-    by_key = Window.partitionBy(*pk).orderBy(*POSITION).rowsBetween(Window.unboundedPreceding, Window.currentRow)
-    starts = F.col("pg_operation").isin("insert", "read", "delete") | F.col("_walbus_rename")
-    both = both.withColumn(_SEG, _last(F.when(starts & ~F.col(_PROBE), _pos()), by_key)).withColumn(
-        _SEG_RENAME, _last(F.when(starts & ~F.col(_PROBE), F.col("_walbus_rename")), by_key)
+    by_key = Window.partitionBy(*keys).orderBy(*POSITION).rowsBetween(Window.unboundedPreceding, Window.currentRow)
+    starts = (F.col("pg_operation").isin("insert", "read", "delete") | F.col(_RENAME)) & ~F.col(_PROBE)
+    both = both.withColumn(_SEG, _last(F.when(starts, _pos()), by_key)).withColumn(
+        _SEG_RENAME, _last(F.when(starts, F.col(_RENAME)), by_key)
     )
-    by_segment = Window.partitionBy(*pk, _SEG).orderBy(*POSITION).rowsBetween(Window.unboundedPreceding, Window.currentRow)
-    for c in unchanged:
-        sent = ~F.col(_PROBE) & ~F.coalesce(F.array_contains("pg_unchanged", c), F.lit(False))
-        both = both.withColumn(f"_walbus_last_{c}", _last(F.when(sent, F.struct(F.col(c).alias("v"))), by_segment))
-    # the current table's values, for segments that do not start in this load
-    needs_table = F.lit(False)
-    for c in unchanged:
-        needs_table = needs_table | (F.col(f"_walbus_last_{c}").isNull() & F.col(_SEG).isNull())
-    flagged = both.withColumn("_walbus_needs_table", needs_table)
+    by_segment = Window.partitionBy(*keys, F.col(_SEG)).orderBy(*POSITION).rowsBetween(
+        Window.unboundedPreceding, Window.currentRow
+    )
+    not_sent = [F.coalesce(F.array_contains("pg_unchanged", c), F.lit(False)) for c in unchanged]
+    for i, c in enumerate(unchanged):
+        sent_value = F.when(~F.col(_PROBE) & ~not_sent[i], F.struct(_pos().alias("p"), qcol(c).alias("v")))
+        both = both.withColumn(_last_col(i), _last(sent_value, by_segment))
+    # the current table's values, for the rows that need a value and the probes
+    needs_table = F.col(_PROBE)
+    for flag in not_sent:
+        needs_table = needs_table | flag
+    flagged = both.withColumn(_NEEDS_TABLE, needs_table)
+    value_types = [f"struct<p: struct<pg_commit_lsn: decimal(20,0), pg_seq: int>, v: {rows.schema[c].dataType.simpleString()}>" for c in unchanged]
     if current_path is not None:
         table = spark.read.format("delta").load(current_path).select(
-            *pk, *[F.struct(F.col(c).alias("v")).alias(f"_walbus_table_{c}") for c in unchanged]
+            *keys, *[F.struct(_pos().alias("p"), qcol(c).alias("v")).alias(_table_col(i)) for i, c in enumerate(unchanged)]
         )
-        wanted = flagged.where("_walbus_needs_table")
-        looked_up = wanted.join(table, list(pk), "left")
-        rest = flagged.where(~F.col("_walbus_needs_table"))
-        for c in unchanged:
-            rest = rest.withColumn(f"_walbus_table_{c}", F.lit(None).cast(table.schema[f"_walbus_table_{c}"].dataType))
+        looked_up = flagged.where(F.col(_NEEDS_TABLE)).join(table, list(pk), "left")
+        rest = flagged.where(~F.col(_NEEDS_TABLE))
+        for i in range(len(unchanged)):
+            rest = rest.withColumn(_table_col(i), F.lit(None).cast(table.schema[_table_col(i)].dataType))
         flagged = looked_up.unionByName(rest)
     else:
-        for c in unchanged:
-            flagged = flagged.withColumn(f"_walbus_table_{c}", F.lit(None).cast(f"struct<v: {rows.schema[c].dataType.simpleString()}>"))
+        for i in range(len(unchanged)):
+            flagged = flagged.withColumn(_table_col(i), F.lit(None).cast(value_types[i]))
     # value of each column at each row, before renames are followed
     local = flagged
-    for c in unchanged:
-        local = local.withColumn(
-            f"_walbus_val_{c}", F.coalesce(F.col(f"_walbus_last_{c}"), F.col(f"_walbus_table_{c}"))
-        )
+    for i in range(len(unchanged)):
+        local = local.withColumn(_val_col(i), _newest(i))
     probe_values = local.where(F.col(_PROBE)).select(
         _pos().alias("_walbus_probe_pos"),
-        *[F.col(f"_walbus_val_{c}").alias(f"_walbus_probe_{c}") for c in unchanged],
+        *[F.col(_val_col(i)).alias(_probe_col(i)) for i in range(len(unchanged))],
     )
     events_done = local.where(~F.col(_PROBE))
     joined = events_done.join(
@@ -109,13 +146,8 @@ def resolve_unchanged(
         "left",
     )
     out = joined
-    for c in unchanged:
-        value = F.coalesce(
-            F.col(f"_walbus_last_{c}"),
-            F.when(F.col(_SEG_RENAME) == F.lit(True), F.col(f"_walbus_probe_{c}")),
-            F.when(F.col(_SEG).isNull(), F.col(f"_walbus_table_{c}")),
-        )
+    for i, c in enumerate(unchanged):
+        from_rename = F.when(F.col(_SEG_RENAME) == F.lit(True), F.col(_probe_col(i)))
         # columns sent by the event keep their own value (null included)
-        sent = ~F.coalesce(F.array_contains("pg_unchanged", c), F.lit(False))
-        out = out.withColumn(c, F.when(sent, F.col(c)).otherwise(value["v"]))
-    return out.select(*columns)
+        out = out.withColumn(c, F.when(~not_sent[i], qcol(c)).otherwise(_newest(i, from_rename)["v"]))
+    return out.select(*[qcol(c) for c in columns])

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from pyspark.sql import SparkSession
+from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
 from warehouse import layout
 from warehouse.frame import DELETED
+from warehouse.schema import quote
 from warehouse.txn import jvm
 
 
@@ -24,8 +25,9 @@ def topics(spark: SparkSession, warehouse: str) -> list[str]:
 
 
 def register_views(spark: SparkSession, warehouse: str, topic: str | None = None) -> list[str]:
-    """Register ``<schema>_<table>_history``, ``<schema>_<table>`` (live rows) and
-    ``<schema>_<table>_all`` for every table of ``topic`` (default: the only topic)."""
+    """Register each table's live-rows, ``_all`` and ``_history`` views (names in
+    :mod:`warehouse.layout`) for ``topic`` (default: the only topic), and
+    ``_walbus_quarantine`` when the topic has quarantined records."""
     from delta.tables import DeltaTable
 
     if topic is None:
@@ -35,16 +37,26 @@ def register_views(spark: SparkSession, warehouse: str, topic: str | None = None
         topic = found[0]
     root = layout.topic_root(warehouse, topic)
     names: list[str] = []
+    quarantine = layout.quarantine_path(warehouse, topic)
+    if DeltaTable.isDeltaTable(spark, quarantine):
+        spark.read.format("delta").load(quarantine).createOrReplaceTempView(layout.QUARANTINE_VIEW)
+        names.append(layout.QUARANTINE_VIEW)
     for segment in _list_dirs(spark, root):
-        if segment == layout.LOADS_DIR:
+        pair = layout.table_from_dir_name(segment)
+        if pair is None:  # _walbus_loads, _walbus_quarantine
             continue
-        paths = layout.table_paths(warehouse, topic, layout.table_from_dir_name(segment))
+        paths = layout.table_paths(warehouse, topic, *pair)
         if DeltaTable.isDeltaTable(spark, paths.history):
-            spark.read.format("delta").load(paths.history).createOrReplaceTempView(paths.view_base + "_history")
-            names.append(paths.view_base + "_history")
+            _view(spark.read.format("delta").load(paths.history), paths.view("history"))
+            names.append(paths.view("history"))
         if DeltaTable.isDeltaTable(spark, paths.current):
             current = spark.read.format("delta").load(paths.current)
-            current.createOrReplaceTempView(paths.view_base + "_all")
-            current.where(~F.col(DELETED)).drop(DELETED).createOrReplaceTempView(paths.view_base)
-            names += [paths.view_base + "_all", paths.view_base]
+            _view(current, paths.view("all"))
+            _view(current.where(~F.col(DELETED)).drop(DELETED), paths.view(""))
+            names += [paths.view("all"), paths.view("")]
     return names
+
+
+def _view(frame: DataFrame, name: str) -> None:
+    # the name is parsed as an identifier: quoted, any table's name is one part
+    frame.createOrReplaceTempView(quote(name))
