@@ -212,7 +212,7 @@ def _image(obj: dict[str, Any], where: str) -> RowImage:
 def _check_names(names: list[Any], where: str) -> None:
     # Names become dict keys and JSON object keys downstream: a number there is the record's fault.
     if not all(isinstance(n, str) for n in names):
-        raise ContractError(f"{where}: every name must be a string")
+        raise ContractError(f"{where}: names must be strings")
 
 
 def _int_field(obj: dict[str, Any], name: str, bits: int = 64) -> int:
