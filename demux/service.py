@@ -57,7 +57,12 @@ from collections.abc import Sequence
 from typing import Any
 
 from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
-from aiokafka.errors import KafkaError, ProducerFenced
+from aiokafka.errors import (
+    KafkaError,
+    MessageSizeTooLargeError,
+    ProducerFenced,
+    RecordTooLargeError,
+)
 from prometheus_client import CollectorRegistry
 
 from demux.config import DemuxConfig, parse_config
@@ -275,6 +280,10 @@ class Demux:
         backoff = self._failures.setdefault(tp, Backoff(initial=1.0, maximum=60.0))
         backoff.failures += 1
         delay = backoff.next_delay()
+        if isinstance(error, MessageSizeTooLargeError | RecordTooLargeError) and self._topics is not None:
+            # A topic's max.message.bytes was lowered after it was read: read the limits again,
+            # so the reopened worker sends what no longer fits to the DLQ instead of failing again.
+            self._topics.forget()
         if isinstance(error, ProducerFenced):
             # Another process owns the partition now; our consumer learns it at the
             # next heartbeat and the revoke callback drops the partition. Wait that long.

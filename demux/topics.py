@@ -45,6 +45,11 @@ class TopicManager:
     def cached(self, topic: str) -> TopicInfo | None:
         return self._known.get(topic)
 
+    def forget(self) -> None:
+        """Drop what is cached: the next record of each topic reads its settings again
+        (a broker refused a batch as too large, so a limit changed since it was read)."""
+        self._known.clear()
+
     async def ensure(self, topic: str, *, compact: bool) -> TopicInfo:
         info = self._known.get(topic)
         if info is not None:

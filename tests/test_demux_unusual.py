@@ -24,7 +24,7 @@ from tests.demux_support import (  # _reap_demux_processes: autouse fixture
     wait_caught_up,
 )
 from walbus.contract import qualify_table, table_topic
-from walbus.kafka import DEFAULT_MAX_MESSAGE_BYTES
+from walbus.kafka import DEFAULT_MAX_MESSAGE_BYTES, KafkaAdmin
 
 pytestmark = pytest.mark.integration
 
@@ -220,3 +220,28 @@ async def test_postgres_tables_with_names_that_are_not_topic_safe(
         assert _rows(await read_records(kafka_bootstrap, topic)) == [
             (b'{"id":%d}' % i, {"id": i, "note": f"row {i}"}), (b'{"id":%d}' % i, {"id": i, "note": f"new {i}"})]
     assert f"{source}.dlq" not in await list_topics(kafka_bootstrap)
+
+
+async def test_a_limit_lowered_while_running_sends_what_no_longer_fits_to_the_dlq(
+    kafka_bootstrap: str, unique_name: str, tmp_path: Path
+) -> None:
+    """The demux reads a topic's limit once; when an operator lowers it, the broker's refusal must
+    not make the worker reopen forever: the limit is read again and the record dead-lettered."""
+    source = f"walbus.{unique_name}"
+    await create_topic(kafka_bootstrap, source, configs={"max.message.bytes": str(DEFAULT_MAX_MESSAGE_BYTES)})
+    first = ev(0x100, 0, "insert", "public.nums", ["id"], new={"id": 1, "n": 1}, types=INTS)
+    await produce(kafka_bootstrap, source, [(0, *first)])
+    proc = DemuxProc(demux_args(kafka_bootstrap, source, tmp_path / "state"), tmp_path / "demux.log").start()
+    try:
+        await wait_caught_up(kafka_bootstrap, f"walbus-demux.{source}", source, procs=[proc])
+        async with KafkaAdmin(client_kwargs={"bootstrap_servers": kafka_bootstrap}) as admin:
+            await admin.alter_topic_config(f"{source}.public.nums", {"max.message.bytes": "50000"})
+        big = ev(0x200, 0, "insert", "public.nums", ["id"], new={"id": 2, "n": 2, "body": _text(100_000, 4)},
+                 types={**INTS, "body": "text"})
+        after = ev(0x300, 0, "insert", "public.nums", ["id"], new={"id": 3, "n": 3}, types=INTS)
+        await produce(kafka_bootstrap, source, [(0, *big), (0, *after)])
+        await wait_caught_up(kafka_bootstrap, f"walbus-demux.{source}", source, procs=[proc])
+    finally:
+        assert proc.stop() == 0, proc.log_tail()
+    assert [r.key for r in await read_records(kafka_bootstrap, f"{source}.public.nums")] == [b'{"id":1}', b'{"id":3}']
+    assert [(r.key, r.value) for r in await read_records(kafka_bootstrap, f"{source}.dlq")] == [big]

@@ -16,6 +16,7 @@ from psycopg.conninfo import make_conninfo
 
 from tests.fix_pipeline import read_topic, running_producer
 from walbus.config import ConfigError
+from walbus.kafka import KafkaAdmin
 
 pytestmark = pytest.mark.integration
 
@@ -239,16 +240,8 @@ async def test_row_above_the_topic_limit_fails_fast_with_a_clear_error(pg_dsn: s
 
 async def lower_topic_limit(kafka_bootstrap: str, topic: str, limit: int) -> None:
     """Set ``max.message.bytes`` behind a running producer's back (it keeps the limit it read)."""
-    from aiokafka.admin import AIOKafkaAdminClient
-    from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
-
-    admin = AIOKafkaAdminClient(bootstrap_servers=kafka_bootstrap)
-    await admin.start()
-    try:
-        for resp in await admin.alter_configs([ConfigResource(ConfigResourceType.TOPIC, topic, {"max.message.bytes": str(limit)})]):
-            assert all(code == 0 for code, *_ in resp.resources), resp
-    finally:
-        await admin.close()
+    async with KafkaAdmin(client_kwargs={"bootstrap_servers": kafka_bootstrap}) as admin:
+        await admin.alter_topic_config(topic, {"max.message.bytes": str(limit)})
 
 
 async def test_a_fault_repeating_at_one_position_gives_up_after_the_retry_attempts(

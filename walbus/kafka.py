@@ -193,6 +193,14 @@ class KafkaAdmin:
                     out[entry[0]] = entry[1]
         return out
 
+    async def alter_topic_config(self, topic: str, configs: dict[str, str]) -> None:
+        """Set topic configs (incrementally: others keep their values)."""
+        res = ConfigResource(ConfigResourceType.TOPIC, topic, configs)
+        for resp in await self._admin.alter_configs([res]):
+            for code, message, *_ in resp.resources:
+                if code:
+                    raise for_code(code)(f"altering topic {topic}: {message}")
+
     async def max_message_bytes(self, topic: str) -> int:
         """The topic's ``max.message.bytes`` (the broker's default when the topic sets none)."""
         value = (await self.topic_config(topic, ["max.message.bytes"])).get("max.message.bytes")
