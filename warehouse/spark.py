@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import os
+import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -79,6 +80,9 @@ def build_session(
         settings["spark.driver.host"] = "127.0.0.1"
         settings["spark.driver.bindAddress"] = "127.0.0.1"
         os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+        # local Python workers run this interpreter (and so see walbus and its dependencies),
+        # not whatever `python3` the PATH finds first
+        os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     settings.update(conf or {})
     for key, value in settings.items():
         builder = builder.config(key, value)
