@@ -55,6 +55,11 @@ class DemuxMetrics:
             "walbus_demux_state_table_loads", "Tables loaded into the last-row store from their topics", ["table"],
             registry=registry,
         )
+        self.open_transaction_records = Gauge(
+            "walbus_demux_open_transaction_records",
+            "Records of the open transaction the broker has acknowledged (0 once it commits or aborts)",
+            ["partition"], registry=registry,
+        )
         self.assigned_partitions = Gauge(
             "walbus_demux_assigned_partitions", "Source partitions owned by this process", registry=registry
         )

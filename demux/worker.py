@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections import Counter
@@ -111,6 +112,9 @@ class PartitionWorker:
         self._produced: dict[str, int] = {}
         self._tombstones: dict[str, int] = {}
         self._partition_label = str(tp.partition)
+        # Bumped when a transaction ends: acknowledgements of an ended one no longer count.
+        self._txn_serial = 0
+        self._open_records = metrics.open_transaction_records.labels(self._partition_label)
 
     @property
     def txn_id(self) -> str:
@@ -490,6 +494,7 @@ class PartitionWorker:
         count = batch.record_count()
         fut = await self.producer.send_batch(batch, slot[0], partition=slot[1])
         fut.add_done_callback(_retrieve)
+        fut.add_done_callback(functools.partial(self._acknowledged, self._txn_serial, count))
         self._futures.append((fut, count))
 
     async def send_batches(self) -> None:
@@ -501,6 +506,15 @@ class PartitionWorker:
         for slot, batch in list(self._batches.items()):
             await self._send(slot, batch)
         self._batches.clear()
+
+    def _acknowledged(self, serial: int, count: int, fut: asyncio.Future[Any]) -> None:
+        if serial == self._txn_serial and not fut.cancelled() and fut.exception() is None:
+            self._open_records.inc(count)
+
+    def _end_txn_records(self) -> None:
+        """The open transaction's records no longer count as open (it commits or aborts)."""
+        self._txn_serial += 1
+        self._open_records.set(0)
 
     async def _dead_letter(self, m: SourceRecord, error: str, reason: str) -> None:
         """The source record, whole, to the DLQ; cut (and said so) only when the DLQ topic cannot take it."""
@@ -554,6 +568,7 @@ class PartitionWorker:
         if not self.in_txn:
             return
         await self.send_batches()
+        self._end_txn_records()  # from here on the transaction may be committed
         futures, self._futures = self._futures, []
         started = time.monotonic()
         if futures:
@@ -641,6 +656,7 @@ class PartitionWorker:
             log.warning("abort failed", extra={"partition": self.tp.partition, "error": repr(e)})
 
     def _discard(self) -> None:
+        self._end_txn_records()
         self._batches.clear()
         self._futures.clear()
         self._stats.clear()

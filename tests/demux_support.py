@@ -31,6 +31,7 @@ from walbus.ktable import topic_partitions
 
 ROOT = Path(__file__).resolve().parent.parent
 TS = "2024-05-01T12:00:00.000001+00:00"
+OPEN_TXN_RECORDS = "walbus_demux_open_transaction_records{"
 
 
 async def create_topic(bootstrap: str, name: str, partitions: int = 1, configs: dict[str, str] | None = None) -> None:
@@ -408,6 +409,23 @@ async def wait_for_log(proc: DemuxProc, msg: str, count: int = 1, within: float 
             return
         await asyncio.sleep(0.1)
     raise AssertionError(f"no {msg!r} x{count} in the demux log:\n{proc.log_tail()}")
+
+
+async def wait_open_transaction(proc: DemuxProc, within: float = 60) -> None:
+    """Until the broker has acknowledged records of a transaction the demux has not begun to commit.
+
+    A fault injected right after this finds a transaction open (unless the process is
+    descheduled past the transaction's due time first): its records are on the broker
+    and, killed, it can only be aborted.
+    """
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        proc.check_alive()
+        with contextlib.suppress(OSError):  # the metrics endpoint is not up yet
+            if sum(v for k, v in proc.metrics().items() if k.startswith(OPEN_TXN_RECORDS)) > 0:
+                return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"no open transaction with records in {within} s:\n{proc.log_tail()}")
 
 
 async def assert_exactly_once(bootstrap: str, source: str, values: list[bytes], *,

@@ -63,12 +63,28 @@ async def offsets_in_transaction(bootstrap: str, topic: str, group: str) -> dict
             await producer.send_offsets_to_transaction({TopicPartition(topic, 0): 7}, group)
     finally:
         await producer.stop()
+    return await _committed_when_visible(bootstrap, topic, group)
+
+
+async def _committed_when_visible(bootstrap: str, topic: str, group: str, within: float = 60) -> dict[int, int]:
+    """Partition 0's committed offset once there is one ({} if none shows up in time).
+
+    EndTxn is answered once the coordinator has logged PrepareCommit; the commit markers,
+    which make transactional offsets visible to OffsetFetch, are written after that. And
+    aiokafka's OffsetFetch (v3) cannot ask to wait for them (require_stable is v7+).
+    """
     consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, group_id=group, enable_auto_commit=False)
     await consumer.start()
     try:
         tp = TopicPartition(topic, 0)
-        committed = await consumer.committed(tp)
-        return {} if committed is None else {0: committed}
+        deadline = time.monotonic() + within
+        while True:
+            committed = await consumer.committed(tp)
+            if committed is not None:
+                return {0: committed}
+            if time.monotonic() > deadline:
+                return {}
+            await asyncio.sleep(0.2)
     finally:
         await consumer.stop()
 

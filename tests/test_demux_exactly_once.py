@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-import random
 import signal
 from pathlib import Path
 
@@ -19,6 +17,7 @@ from tests.demux_support import (  # _reap_demux_processes: autouse fixture
     demux_args,
     wait_caught_up,
     wait_for_log,
+    wait_open_transaction,
 )
 from walbus.ktable import read_ktable
 
@@ -50,16 +49,15 @@ async def test_kill9_restart_exactly_once(kafka_bootstrap: str, unique_name: str
     await create_topic(kafka_bootstrap, source)
     workload = Workload(seed=4)
     feeder = Feeder(kafka_bootstrap, source, workload)
-    # Long transactions (1 s) while the feed goes on: a kill almost always hits an open one.
+    # Long transactions (1 s) while the feed goes on; each kill waits for one with records on the broker.
     args = demux_args(kafka_bootstrap, source, tmp_path / "state", "--txn-max-ms", "1000",
                       "--txn-max-records", "3000", *_instance(static, "demux-1"))
-    rnd = random.Random(7)
     proc = DemuxProc(args, tmp_path / "demux.log").start()
     feeder.start(180, max_size=150, pause=0.05, big=5000)
     kills = 3
     for n in range(kills):
         await wait_for_log(proc, OPENED, count=n + 1)
-        await asyncio.sleep(rnd.uniform(0.5, 1.5))
+        await wait_open_transaction(proc)
         proc.kill9()
         proc.start()  # same log file: the restarted process appends
     # The last restart must be up before "caught up" means anything: the killed process
@@ -96,18 +94,18 @@ async def test_rebalance_zombie_and_kill_mid_transaction(
     a = DemuxProc([*args, *_instance(static, "demux-a")], tmp_path / "a.log").start()
     feeder.start(220, max_size=120, pause=0.05)
     await wait_for_log(a, OPENED, count=2)
-    await asyncio.sleep(0.8)
+    await wait_open_transaction(a)
     b = DemuxProc([*args, *_instance(static, "demux-b")], tmp_path / "b.log").start()
     await wait_for_log(b, OPENED, count=1)
     await wait_for_log(a, OPENED, count=3)  # A reopened one partition after the rebalance
-    await asyncio.sleep(0.8)
+    await wait_open_transaction(a)
 
     assert a.proc is not None
     a.proc.send_signal(signal.SIGSTOP)
     await wait_for_log(b, OPENED, count=3, within=60)  # B took over A's partition
     a.proc.send_signal(signal.SIGCONT)
     await wait_for_log(a, OPENED, count=4, within=60)  # A rejoined and got a partition back
-    await asyncio.sleep(0.8)
+    await wait_open_transaction(b)
 
     b.kill9()
     await wait_for_log(a, OPENED, count=5, within=60)  # A owns both partitions again
