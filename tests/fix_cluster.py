@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import shutil
 import signal
 import tempfile
@@ -30,6 +31,9 @@ from walbus.dev.processes import free_port, stop_pid
 from walbus.kafka import KafkaAdmin
 
 NODES = 3
+
+# Each fault and recovery, with its time: what a failing run's captured log shows.
+log = logging.getLogger("tests.fix_cluster")
 
 
 @dataclass(frozen=True)
@@ -57,6 +61,7 @@ class Cluster:
         """SIGKILL the node's JVM and reap it: a crash, no controlled shutdown."""
         node = self.node(node_id)
         assert node.pid is not None and node.running(), f"kafka node {node_id} is not running"
+        log.info("kill -9 of kafka node %d (pid %d)", node_id, node.pid)
         stop_pid(node.pid, node.marker, sig=signal.SIGKILL, timeout=30)
         node.pid = None
 
@@ -64,12 +69,16 @@ class Cluster:
         """SIGTERM: a controlled shutdown (leadership handed over first), waited for."""
         node = self.node(node_id)
         assert node.running(), f"kafka node {node_id} is not running"
+        log.info("stopping kafka node %d", node_id)
         node.stop()
         node.pid = None
+        log.info("kafka node %d stopped", node_id)
 
     def start(self, node_id: int, timeout: float = 120.0) -> None:
         """Start a stopped node on its old data and ports; returns once it answers metadata requests."""
+        log.info("starting kafka node %d", node_id)
         self.node(node_id).start(timeout)
+        log.info("kafka node %d answers", node_id)
 
     async def akill9(self, node_id: int) -> None:
         await asyncio.to_thread(self.kill9, node_id)
@@ -124,6 +133,7 @@ class Cluster:
         while True:
             leader = await self.leader(topic, partition, within=within)
             if leader != node_id:
+                log.info("%s-%d: leader moved from node %d to %d", topic, partition, node_id, leader)
                 return leader
             assert time.monotonic() < deadline, f"{topic}-{partition} still led by the dead node {node_id}"
             await asyncio.sleep(0.5)
@@ -142,6 +152,7 @@ class Cluster:
                 error = None
                 lagging = {tp: s for tp, s in states.items() if s.leader <= 0 or set(s.isr) != set(s.replicas)}
                 if not lagging:  # a fresh cluster has no topics: in sync too
+                    log.info("every partition in sync (%d)", len(states))
                     return
             await asyncio.sleep(1.0)
         raise AssertionError(
