@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -16,10 +17,22 @@ from pathlib import Path
 
 import pytest
 
+from tests.fix_cluster import three_node_cluster
 from tests.stack_support import producer_demux_roundtrip
 from walbus.kafka import KafkaAdmin, TopicSpec
 
 pytestmark = pytest.mark.integration
+
+
+def test_stopping_the_cluster_shuts_every_node_down_cleanly() -> None:
+    """`walbus dev down` on 3 nodes: none is killed. Stopped one after the other, the last node's
+    controlled shutdown waited for a controller quorum the first two had taken away, until
+    SIGKILL 60 s later. (First in the module: its cluster is not up next to the module's.)"""
+    with three_node_cluster() as cluster:
+        nodes = cluster.kafka.nodes
+    codes = [n._proc.returncode if n._proc is not None else None for n in nodes]
+    assert None not in codes, codes
+    assert -signal.SIGKILL not in codes, f"exit codes {codes}: a node was killed instead of shut down"
 
 
 @pytest.fixture(scope="module")

@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import os
 import shutil
+import signal
 import subprocess
 import time
 import uuid
@@ -280,6 +282,12 @@ class KafkaInstance:
             return False
         return stop_pid(self.pid, self.marker, timeout=60)
 
+    def signal_stop(self) -> None:
+        """SIGTERM without waiting (the start of a shutdown; :meth:`stop` waits for it)."""
+        if self.pid is not None and self.running():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGTERM)
+
 
 def new_cluster_id() -> str:
     """A random KRaft cluster id. Never one that starts with '-': the storage tool would take
@@ -341,8 +349,18 @@ class KafkaCluster:
             node.wait_ready(timeout)
 
     def stop(self) -> list[int]:
-        """Stop every node; the PIDs of those that were running."""
-        return [n.pid for n in self.nodes if n.pid is not None and n.stop()]
+        """Stop every node; the PIDs of those that were running.
+
+        All nodes are signalled before any is waited for: stopped one after the other, the
+        last one's controlled shutdown waits for a controller quorum that is already gone
+        (until SIGKILL, a minute later).
+        """
+        running = [n for n in self.nodes if n.pid is not None and n.running()]
+        for node in running:
+            node.signal_stop()
+        for node in running:
+            node.stop()
+        return [n.pid for n in running if n.pid is not None]
 
 
 async def broker_answers(bootstrap: str, timeout: float = 3.0) -> bool:

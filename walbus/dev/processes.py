@@ -62,13 +62,14 @@ def pid_alive(pid: int, marker: str) -> bool:
 def stop_pid(pid: int, marker: str, *, sig: int = signal.SIGTERM, timeout: float = 30.0) -> bool:
     """Stop a process we started, by its recorded PID. Returns True if it was running."""
     if not pid_alive(pid, marker):
+        _reap(pid, gone=True)  # a child that exited on its own (or on an earlier signal) is a zombie until then
         return False
     with contextlib.suppress(ProcessLookupError):
         os.kill(pid, sig)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if not pid_alive(pid, marker):
-            _reap(pid)
+            _reap(pid, gone=True)
             return True
         _reap(pid)
         time.sleep(0.1)
@@ -78,15 +79,18 @@ def stop_pid(pid: int, marker: str, *, sig: int = signal.SIGTERM, timeout: float
         if not pid_alive(pid, marker):
             break
         time.sleep(0.1)
-    _reap(pid)
+    _reap(pid, gone=True)
     return True
 
 
-def _reap(pid: int) -> None:
-    # A child of this very process would otherwise linger as a zombie.
+def _reap(pid: int, *, gone: bool = False) -> None:
+    # A child of this very process would otherwise linger as a zombie. ``gone``: it was seen
+    # exiting (its command line empties a moment before it turns zombie), so wait for that.
     proc = _CHILDREN.get(pid)
     if proc is not None:
-        if proc.poll() is not None:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(5 if gone else 0)
+        if proc.returncode is not None:
             del _CHILDREN[pid]
         return
     with contextlib.suppress(ChildProcessError, OSError):
