@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 
 from tests.prop_support import identifiers, image, json_values, raw_event, type_names
 from walbus.contract import (
+    FIELD_BITS,
     ContractError,
     check_key,
     decode_event,
@@ -37,6 +38,10 @@ WEIRD = [
     "[]", '["a"]', "[1]", '["a",null]', '[["a"]]', "{}", '{"a":1}', str(2**31), str(2**32 - 1), str(2**32),
     str(2**63), str(2**64 - 1), str(2**64), "1" + "0" * 41, "1.0000000000000000000001", '"insert"',
     '"public.t"', '"2024-01-01"',
+]
+NUMBERS = [
+    "1.0", "0.0", "-0", "-1", "1e2", "1E0", "15.5", '"7"', "true", str(2**32), str(2**32 - 1), str(2**63),
+    str(2**64 - 1), str(2**64), "1" + "0" * 41, "7.0000000000000000000001",
 ]
 TABLES = [
     "public.t", "a.b.c", '"a.b".c', 'a."b.c"', '"a"b".c', 'a."b', ".x", "x.", '"".x', 'x.""', '"""".x', 'a"b.c',
@@ -83,7 +88,7 @@ def mutated_records(draw: st.DrawFn) -> Record:
     assert key is not None and value is not None
     fields = _fields(value)
     names = [*list(fields), "columns", "types", "values", "identity", "unchanged", "pk"]
-    how = draw(st.sampled_from(["key", "junk", "set", "drop", "duplicate", "table", "misalign", "identity", "text"]))
+    how = draw(st.sampled_from(["key", "junk", "set", "int", "drop", "duplicate", "table", "misalign", "identity", "text"]))
     if how == "key":
         commit_lsn, seq = parse_event_key(key)
         other = draw(st.sampled_from([
@@ -97,6 +102,8 @@ def mutated_records(draw: st.DrawFn) -> Record:
         return key, draw(st.sampled_from([b" \n\t" + value + b"\r\n ", value + b" x", value + b",{}", value + b"}"]))
     if how == "set":
         fields[draw(st.sampled_from(names))] = draw(st.sampled_from(WEIRD))
+    elif how == "int":  # numbers that are no integer, or out of range, where the contract wants one
+        fields[draw(st.sampled_from(sorted(FIELD_BITS)))] = draw(st.sampled_from(NUMBERS))
     elif how == "drop":
         fields.pop(draw(st.sampled_from(list(fields))))
     elif how == "duplicate":  # the last of two wins, in orjson as in Spark
