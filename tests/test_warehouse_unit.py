@@ -169,29 +169,3 @@ def test_packages_match_installed_pyspark() -> None:
     assert kafka.endswith(":" + pyspark.__version__)
     assert delta.startswith("io.delta:delta-spark_")
 
-
-def test_check_record_applies_the_contract() -> None:
-    from walbus.contract import encode_event, event_key
-    from warehouse.read import check_record
-
-    def value(table: str, columns: list[str], values: list[object]) -> bytes:
-        new = {"columns": columns, "types": ["int4"] * len(columns), "values": values}
-        return encode_event(lsn=1, commit_lsn=16, seq=2, xid=3, operation="insert", table=table,
-                            timestamp="2024-01-02T03:04:05+00:00", pk=["id"], new=new, identity=None)
-
-    good = value("public.t", ["id"], [1])
-    assert check_record(event_key(16, 2), good) == (None, "public.t")
-    # another spelling of the same pair loads as the same table
-    assert check_record(event_key(16, 2), value('"public"."a b"', ["id"], [1])) == (None, "public.a b")
-    assert check_record(event_key(16, 2), value('"a.b".c', ["id"], [1])) == (None, '"a.b".c')
-    reason, table = check_record(event_key(16, 2), value("public.t", ["id", "a"], [2, "y", 7]))
-    assert table is None and reason is not None and "differ in length" in reason
-    assert check_record(event_key(16, 3), good)[0] is not None  # key and value disagree
-    assert check_record(None, good)[0] is not None
-    assert check_record(event_key(16, 2), None) == ("record without a value", None)
-    assert "not JSON" in (check_record(event_key(16, 2), b"{nope")[0] or "")
-    assert "version" in (check_record(event_key(16, 2), good.replace(b'"v":1', b'"v":2'))[0] or "")
-    # a null column name cannot key a row (a map of column -> value): a contract error too
-    assert "must be strings" in (check_record(event_key(16, 2), value("public.t", ["id", None], [1, 2]))[0] or "")  # type: ignore[list-item]
-    # a column named twice is legal (the last value wins, as in the demux)
-    assert check_record(event_key(16, 2), value("public.t", ["id", "id"], [1, 2])) == (None, "public.t")

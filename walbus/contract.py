@@ -14,7 +14,7 @@ from __future__ import annotations
 import hashlib
 import re
 from dataclasses import dataclass, field
-from typing import Any, Final, Literal
+from typing import Any, Final, Literal, cast
 
 import orjson
 
@@ -22,6 +22,7 @@ CONTRACT_VERSION: Final = 1
 
 Operation = Literal["insert", "update", "delete", "truncate", "read"]
 OPERATIONS: Final[frozenset[str]] = frozenset({"insert", "update", "delete", "truncate", "read"})
+ROW_OPERATIONS: Final[frozenset[str]] = frozenset({"insert", "update", "read"})  # carry columns/types/values
 
 FIELD_ORDER: Final = (
     "v",
@@ -40,8 +41,14 @@ FIELD_ORDER: Final = (
     "unchanged",
 )
 
+# The integer fields and their widths: the key's fixed width holds 64-bit LSNs and 32-bit seqs.
+FIELD_BITS: Final = {"lsn": 64, "commit_lsn": 64, "seq": 32, "xid": 64}
+KEY_FORMAT: Final = "%016X-%08X"  # (commit_lsn, seq)
+KEY_PATTERN: Final = "[0-9A-F]{16}-[0-9A-F]{8}"  # the whole key, no anchors ($ takes a final newline)
+
 _LSN_TEXT = re.compile(r"^([0-9A-Fa-f]{1,8})/([0-9A-Fa-f]{1,8})$")
-_KEY_TEXT = re.compile(rb"^[0-9A-F]{16}-[0-9A-F]{8}$")
+_KEY_TEXT = re.compile(KEY_PATTERN.encode())
+_KEY_BYTES_FORMAT: Final = KEY_FORMAT.encode()
 
 
 class ContractError(ValueError):
@@ -69,12 +76,12 @@ class Lsn(int):
 
 def event_key(commit_lsn: int, seq: int) -> bytes:
     """The database-topic key of an event: fixed width, sorts in event order."""
-    return b"%016X-%08X" % (commit_lsn, seq)
+    return _KEY_BYTES_FORMAT % (commit_lsn, seq)
 
 
 def parse_event_key(key: bytes) -> tuple[int, int]:
     """Inverse of :func:`event_key`."""
-    if _KEY_TEXT.match(key) is None:
+    if _KEY_TEXT.fullmatch(key) is None:
         raise ContractError(f"not a walbus event key: {key[:40]!r}")
     return int(key[:16], 16), int(key[17:], 16)
 
@@ -215,11 +222,11 @@ def _check_names(names: list[Any], where: str) -> None:
         raise ContractError(f"{where}: names must be strings")
 
 
-def _int_field(obj: dict[str, Any], name: str, bits: int = 64) -> int:
-    v = obj.get(name)
+def _int_field(obj: dict[str, Any], name: str) -> int:
+    v, bits = obj.get(name), FIELD_BITS[name]
     if not isinstance(v, int) or isinstance(v, bool):
         raise ContractError(f"field {name!r} must be an integer, got {v!r}")
-    if not 0 <= v < 1 << bits:  # the key's fixed width holds 64-bit LSNs and 32-bit seqs
+    if not 0 <= v < 1 << bits:
         raise ContractError(f"field {name!r} is out of range: {v}")
     return v
 
@@ -236,7 +243,7 @@ def decode_event(value: bytes | str) -> ChangeEvent:
     if version != CONTRACT_VERSION:
         raise ContractError(f"unknown contract version {version!r} (this build reads v{CONTRACT_VERSION})")
     operation = obj.get("operation")
-    if operation not in OPERATIONS:
+    if not isinstance(operation, str) or operation not in OPERATIONS:  # a list is not hashable
         raise ContractError(f"unknown operation {operation!r}")
     table = obj.get("table")
     if not isinstance(table, str):
@@ -250,7 +257,7 @@ def decode_event(value: bytes | str) -> ChangeEvent:
         raise ContractError("field 'pk' must be a list")
     _check_names(pk, "pk")
     new = _image(obj, "row") if "columns" in obj else None
-    if new is None and operation in ("insert", "update", "read"):
+    if new is None and operation in ROW_OPERATIONS:
         raise ContractError(f"{operation} event without columns/types/values")
     ident = obj.get("identity")
     identity = _image(ident, "identity") if ident is not None else None
@@ -261,9 +268,9 @@ def decode_event(value: bytes | str) -> ChangeEvent:
     return ChangeEvent(
         lsn=_int_field(obj, "lsn"),
         commit_lsn=_int_field(obj, "commit_lsn"),
-        seq=_int_field(obj, "seq", bits=32),
+        seq=_int_field(obj, "seq"),
         xid=_int_field(obj, "xid"),
-        operation=operation,
+        operation=cast(Operation, operation),
         table=table,
         timestamp=timestamp,
         pk=tuple(pk),

@@ -259,14 +259,13 @@ def _quarantine(spark: SparkSession, spec: LoadSpec, load: loads.Load, txn: Txn,
     """Append the load's invalid records to the topic's quarantine table (once per load)."""
     path = layout.quarantine_path(spec.warehouse, spec.topic)
     raw = read_slice(spark, spec.kafka, spec.topic, load.start, load.end)
-    check = checked(raw)
-    bad = raw.select(
+    bad = checked(raw).select(
         F.col("topic").alias("kafka_topic"),
         F.col("partition").alias("kafka_partition"),
         F.col("offset").alias("kafka_offset"),
         F.col("key").alias("kafka_key"),
         F.col("value").alias("kafka_value"),
-        check["reason"].alias("reason"),
+        F.col(INVALID).alias("reason"),
         F.lit(load.batch_id).cast("bigint").alias("load_id"),
         F.current_timestamp().alias("quarantined_at"),
     ).where(F.col("reason").isNotNull())
