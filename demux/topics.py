@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from aiokafka.errors import BrokerResponseError, InvalidTopicError, KafkaError
 
 from demux.config import DemuxConfig
-from walbus.kafka import KafkaAdmin, TopicSpec
+from walbus.kafka import METADATA_WAIT_S, KafkaAdmin, TopicSpec
 from walbus.retry import Backoff
 
 log = logging.getLogger("walbus.demux.topics")
@@ -74,8 +74,8 @@ class TopicManager:
             try:
                 created = await self._admin.ensure_topic(spec)
                 unusable = None if created else await self._check_policy(topic, compact)
-                partitions = await self._admin.partitions(topic)  # described: ensure_topic waited
-                max_bytes = await self._admin.max_message_bytes(topic)
+                partitions = await self._admin.partitions(topic, wait=METADATA_WAIT_S)
+                max_bytes = await self._admin.max_message_bytes(topic, wait=METADATA_WAIT_S)
                 return TopicInfo(partitions, max_bytes, unusable)
             except KafkaError as e:
                 if _transient(e):

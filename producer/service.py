@@ -37,7 +37,13 @@ from producer.sink import KafkaSink, SinkError
 from producer.snapshot import InitialSnapshot, SnapshotAborted
 from walbus.config import ConfigError, describe
 from walbus.contract import Lsn, split_table
-from walbus.kafka import DEFAULT_MAX_MESSAGE_BYTES, KafkaAdmin, TopicSpec, wait_for_broker
+from walbus.kafka import (
+    DEFAULT_MAX_MESSAGE_BYTES,
+    METADATA_WAIT_S,
+    KafkaAdmin,
+    TopicSpec,
+    wait_for_broker,
+)
 from walbus.logs import setup_logging
 from walbus.metrics import new_registry, serve_metrics
 from walbus.retry import Backoff
@@ -98,9 +104,9 @@ class Producer:
             await admin.ensure_topic(TopicSpec(cfg.topic_name, cfg.partitions, cfg.replication_factor, limit))
             if cfg.transaction_metadata:
                 await admin.ensure_topic(TopicSpec(f"{cfg.topic_name}.transaction", 1, cfg.replication_factor, limit))
-            self._partitions = await admin.partitions(cfg.topic_name)
+            self._partitions = await admin.partitions(cfg.topic_name, wait=METADATA_WAIT_S)
             # An existing topic keeps its own limit: records are checked against what it takes.
-            self._max_message_bytes = await admin.max_message_bytes(cfg.topic_name)
+            self._max_message_bytes = await admin.max_message_bytes(cfg.topic_name, wait=METADATA_WAIT_S)
 
     # -- running ------------------------------------------------------------------------------
 

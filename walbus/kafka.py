@@ -5,8 +5,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import ssl
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
@@ -22,10 +23,14 @@ from aiokafka.errors import (
 from walbus.config import ConfigError, option
 
 log = logging.getLogger("walbus.kafka")
+_T = TypeVar("_T")
 
 # The largest record walbus creates its topics for (their max.message.bytes, docs/contract.md):
 # large enough for rows with big TOAST values; the broker default (1 MB) is not.
 DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+# How long a service keeps asking about a topic it just created or found while the broker it
+# asks does not know it yet (on a cluster, metadata reaches each broker in its own time).
+METADATA_WAIT_S = 30.0
 # Kafka's default when a topic sets nothing (the broker's message.max.bytes).
 BROKER_DEFAULT_MAX_MESSAGE_BYTES = 1048588
 # What a one-record batch adds to key, value and headers (v2 batch header and record framing),
@@ -189,6 +194,8 @@ class KafkaAdmin:
         out: dict[str, str] = {}
         for resp in responses:
             for resource in resp.resources:
+                if resource[0]:  # e.g. a broker that does not know the topic yet: no silent defaults
+                    raise for_code(resource[0])(f"describing topic {topic}: {resource[1]}")
                 for entry in resource[4]:
                     out[entry[0]] = entry[1]
         return out
@@ -201,15 +208,32 @@ class KafkaAdmin:
                 if code:
                     raise for_code(code)(f"altering topic {topic}: {message}")
 
-    async def max_message_bytes(self, topic: str) -> int:
-        """The topic's ``max.message.bytes`` (the broker's default when the topic sets none)."""
-        value = (await self.topic_config(topic, ["max.message.bytes"])).get("max.message.bytes")
+    async def max_message_bytes(self, topic: str, *, wait: float = 0.0) -> int:
+        """The topic's ``max.message.bytes`` (the broker's default when the topic sets none);
+        ``wait`` as in :meth:`partitions`."""
+        conf = await self._until_known(lambda: self.topic_config(topic, ["max.message.bytes"]), wait)
+        value = conf.get("max.message.bytes")
         try:
             return int(value) if value is not None else BROKER_DEFAULT_MAX_MESSAGE_BYTES
         except ValueError:
             return BROKER_DEFAULT_MAX_MESSAGE_BYTES
 
-    async def partitions(self, topic: str) -> int:
+    async def partitions(self, topic: str, *, wait: float = 0.0) -> int:
+        """The topic's partition count. ``wait``: seconds to keep asking while the broker asked
+        does not know the topic yet (a new topic reaches each broker's metadata in its own time)."""
+        return await self._until_known(lambda: self._partitions(topic), wait)
+
+    async def _until_known(self, call: Callable[[], Awaitable[_T]], wait: float) -> _T:
+        deadline = asyncio.get_running_loop().time() + wait
+        while True:
+            try:
+                return await call()
+            except (UnknownTopicOrPartitionError, LeaderNotAvailableError):
+                if asyncio.get_running_loop().time() >= deadline:
+                    raise
+                await asyncio.sleep(0.1)
+
+    async def _partitions(self, topic: str) -> int:
         desc = await self._admin.describe_topics([topic])
         for t in desc:
             if t["topic"] == topic:
