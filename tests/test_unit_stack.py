@@ -65,3 +65,14 @@ def test_replication_defaults_follow_the_cluster_size() -> None:
     assert [default_replication_factor(n) for n in (1, 2, 3, 5)] == [1, 1, 3, 3]
     assert replication_configs(1) == ()
     assert replication_configs(3) == (("min.insync.replicas", "2"),)
+
+
+def test_free_ports_are_outside_the_ephemeral_range_and_handed_out_once() -> None:
+    """A port from the ephemeral range can be taken by any outgoing connection before the
+    service meant to listen binds it (a demux's metrics port: 'Address already in use')."""
+    from walbus.dev.processes import _ephemeral_range, free_port
+
+    low, high = _ephemeral_range()
+    ports = [free_port() for _ in range(50)]
+    assert len(set(ports)) == len(ports)
+    assert all(not low <= p <= high for p in ports)

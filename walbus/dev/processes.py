@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -29,8 +30,39 @@ class StackError(Exception):
     """A problem with the local stack, told in words the user can act on."""
 
 
+# Ports handed out by this process: a port is given once, even before its user binds it.
+_HANDED_OUT: set[int] = set()
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    """A free loopback port below the kernel's ephemeral range.
+
+    A port taken from the ephemeral range (bind to 0) can be handed by the kernel to any
+    outgoing connection (a Kafka client's, say) before the service meant to listen on it binds
+    it: "Address already in use". Ports below the range are never used that way.
+    """
+    low, _ = _ephemeral_range()
+    floor = 10000 if low > 12000 else 1024
+    for _ in range(200):
+        port = random.randint(floor, low - 1)
+        if port in _HANDED_OUT:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _HANDED_OUT.add(port)
+        return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # a crowded machine: any port
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
 
