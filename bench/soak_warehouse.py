@@ -14,6 +14,7 @@ from typing import Any
 
 import orjson
 
+from walbus.contract import split_table
 from walbus.logs import setup_logging
 
 METADATA_PREFIXES = ("pg_", "_walbus")
@@ -35,7 +36,7 @@ def main(warehouse: str, topic: str, tables: list[str]) -> None:
     spark = build_session(master="local[1]", conf={"spark.driver.memory": "1g"}, shuffle_partitions=2)
     try:
         for table in tables:
-            paths = layout.table_paths(warehouse, topic, table)
+            paths = layout.table_paths(warehouse, topic, *split_table(table))
             out: dict[str, Any] = {"table": table, "rows": None, "history": 0, "history_positions": 0}
             if DeltaTable.isDeltaTable(spark, paths.history):
                 history = spark.read.format("delta").load(paths.history)
