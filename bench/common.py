@@ -59,7 +59,7 @@ def services() -> Iterator[tuple[str, str]]:
         finally:
             asyncio.run(delete_topics_matching(bootstrap, lambda t: t.startswith("bench") and t not in before))
         return
-    from walbus.dev import LocalStack
+    from walbus.app.dev import LocalStack
 
     state = Path(tempfile.mkdtemp(prefix="walbus-bench-"))
     stack = LocalStack.load(state)

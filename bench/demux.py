@@ -317,7 +317,7 @@ async def run_demux_processes(bootstrap: str, topic: str, partitions: int, prefi
     tps = [TopicPartition(topic, p) for p in range(partitions)]
     procs = [
         await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "walbus.cli", "demux", "--kafka-bootstrap", bootstrap, "--source-topic", topic,
+            sys.executable, "-m", "walbus.app.cli", "demux", "--kafka-bootstrap", bootstrap, "--source-topic", topic,
             "--group-id", group, "--topic-prefix", prefix, "--database", "bench", "--state-dir", f"{state}/{i}",
             "--txn-max-records", str(txn_max_records),
             # The broker's minimum (group.min.session.timeout.ms); heartbeats every 2 s, so

@@ -40,7 +40,7 @@ from bench.demux import events
 
 def _start_demux(bootstrap: str, topic: str, group: str, state: Path, log: Path, instance: str | None,
                  session_timeout_ms: int) -> subprocess.Popen[bytes]:
-    args = [sys.executable, "-m", "walbus.cli", "demux", "--kafka-bootstrap", bootstrap, "--source-topic", topic,
+    args = [sys.executable, "-m", "walbus.app.cli", "demux", "--kafka-bootstrap", bootstrap, "--source-topic", topic,
             "--topic-prefix", f"bench-{group}", "--database", "bench", "--group-id", group, "--state-dir", str(state),
             "--session-timeout-ms", str(session_timeout_ms)]
     if instance:

@@ -98,7 +98,7 @@ def run_producer(dsn: str, bootstrap: str, slot: str, plugin: str, topic: str, e
     args = [sys.executable]
     if profile is not None:
         args += ["-m", "cProfile", "-o", str(profile)]
-    args += ["-m", "walbus.cli", "produce", "--pg-dsn", dsn, "--kafka-bootstrap", bootstrap, "--slot", slot, "--plugin", plugin,
+    args += ["-m", "walbus.app.cli", "produce", "--pg-dsn", dsn, "--kafka-bootstrap", bootstrap, "--slot", slot, "--plugin", plugin,
              "--topic", topic, "--publication", "walbus_bench", "--heartbeat-interval", "0.2", "--log-level", "warning"]
     proc = subprocess.Popen(args, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
     try:
@@ -168,7 +168,7 @@ def latency(dsn: str, bootstrap: str, rate: int, seconds: float) -> None:
     with scratch_database(dsn, "bench_latency") as db:
         with psycopg.connect(db, autocommit=True) as conn:
             conn.execute(W1_DDL)
-        args = [sys.executable, "-m", "walbus.cli", "produce", "--pg-dsn", db, "--kafka-bootstrap", bootstrap, "--topic", topic, "--log-level", "warning"]
+        args = [sys.executable, "-m", "walbus.app.cli", "produce", "--pg-dsn", db, "--kafka-bootstrap", bootstrap, "--topic", topic, "--log-level", "warning"]
         proc = subprocess.Popen(args, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
         try:
             while True:

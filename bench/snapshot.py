@@ -67,7 +67,7 @@ def psycopg_ceiling(dsn: str) -> float:
 
 def snapshot_run(dsn: str, bootstrap: str, name: str, workers: int, log: Path) -> tuple[float, float, int]:
     args = [
-        sys.executable, "-m", "walbus.cli", "produce", "--pg-dsn", dsn, "--kafka-bootstrap", bootstrap,
+        sys.executable, "-m", "walbus.app.cli", "produce", "--pg-dsn", dsn, "--kafka-bootstrap", bootstrap,
         "--topic", name, "--slot", name, "--snapshot-mode", "initial_only", "--snapshot-workers", str(workers),
         "--drop-slot-on-exit",
     ]

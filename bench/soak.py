@@ -282,7 +282,7 @@ class Stack:
 
     maintenance_dsn: str
     bootstrap: str
-    owned: Any | None = None  # walbus.dev.LocalStack
+    owned: Any | None = None  # walbus.app.dev.LocalStack
 
 
 @contextlib.contextmanager
@@ -291,7 +291,7 @@ def stack_for(brokers: int, workdir: Path) -> Iterator[Stack]:
     if dsn and bootstrap:
         yield Stack(dsn, bootstrap)
         return
-    from walbus.dev import LocalStack
+    from walbus.app.dev import LocalStack
 
     stack = LocalStack.load(workdir / "stack", brokers=brokers)
     try:
@@ -326,10 +326,10 @@ class Soak:
     def services(self, db_dsn: str, effects_dsn: str) -> list[Service]:
         py, logs, boot = sys.executable, self.workdir / "logs", self.stack.bootstrap
         logs.mkdir(parents=True, exist_ok=True)
-        producer = Service("producer", [py, "-m", "walbus.cli", "produce", "--pg-dsn", db_dsn, "--kafka-bootstrap", boot,
+        producer = Service("producer", [py, "-m", "walbus.app.cli", "produce", "--pg-dsn", db_dsn, "--kafka-bootstrap", boot,
                                         "--partitions", str(PARTITIONS), "--retry-max-delay", "5"], logs / "producer.log")
         demuxes = [
-            Service(f"demux-{i}", [py, "-m", "walbus.cli", "demux", "--kafka-bootstrap", boot, "--source-topic", self.topic,
+            Service(f"demux-{i}", [py, "-m", "walbus.app.cli", "demux", "--kafka-bootstrap", boot, "--source-topic", self.topic,
                                    "--group-id", self.demux_group, "--group-instance-id", f"demux-{i}",
                                    "--state-dir", str(self.workdir / f"demux-{i}")], logs / f"demux-{i}.log")
             for i in range(2)
@@ -339,7 +339,7 @@ class Soak:
         return [producer, *demuxes, feed]
 
     def loader(self) -> WarehouseLoader:
-        args = [sys.executable, "-m", "walbus.cli", "warehouse", "load", "--kafka-bootstrap", self.stack.bootstrap,
+        args = [sys.executable, "-m", "walbus.app.cli", "warehouse", "load", "--kafka-bootstrap", self.stack.bootstrap,
                 "--topic", self.topic, "--warehouse", str(self.workdir / "warehouse"), "--master", "local[1]",
                 "--shuffle-partitions", "2"]
         return WarehouseLoader(args, self.workdir / "logs" / "warehouse.log", self.args.warehouse_every)
@@ -472,7 +472,7 @@ class Soak:
                                 "down_s": round(down, 1)}, "broker")
 
     def restart_postgres(self) -> float:
-        from walbus.dev.postgres import _run_as, find_bindir
+        from walbus.app.dev.postgres import _run_as, find_bindir
 
         pg = self.stack.owned.postgres  # type: ignore[union-attr]
         started = time.monotonic()
@@ -710,7 +710,7 @@ async def _leader_or_none(probe: Probe, partition: int) -> int | None:
 
 
 def _reap_and_restart(node: Any) -> None:
-    from walbus.dev.processes import _reap
+    from walbus.app.dev.processes import _reap
 
     if node.pid is not None:
         _reap(node.pid)

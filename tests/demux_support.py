@@ -24,8 +24,8 @@ from aiokafka.errors import KafkaError
 from prometheus_client.parser import text_string_to_metric_families
 
 from demux.rekey import Rekeyer, strip_meta
+from walbus.app.dev.processes import free_port
 from walbus.contract import decode_event, encode_event, event_key
-from walbus.dev.processes import free_port
 from walbus.kafka import DEFAULT_MAX_MESSAGE_BYTES, KafkaAdmin, TopicSpec
 from walbus.ktable import topic_partitions
 
@@ -155,7 +155,7 @@ class DemuxProc:
         env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
         self._log = self.log_path.open("ab")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "walbus.cli", "demux", *self.args, "--metrics-port", str(self.metrics_port)],
+            [sys.executable, "-m", "walbus.app.cli", "demux", *self.args, "--metrics-port", str(self.metrics_port)],
             cwd=ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT,
         )
         return self

@@ -2,7 +2,7 @@
 
 Reusable outside pytest (the soak): :func:`three_node_cluster` is a plain context manager
 and :class:`Cluster` has the fault helpers; the ``kafka_cluster`` fixture wraps them for a
-test module. The nodes are walbus's own local-stack nodes (``walbus.dev.kafka``) in a
+test module. The nodes are walbus's own local-stack nodes (``walbus.app.dev.kafka``) in a
 temporary state directory; PostgreSQL stays whatever the tests already use.
 
 Starting a node waits for it with ``asyncio.run`` (``KafkaInstance.wait_ready``): from a
@@ -26,8 +26,8 @@ from typing import Any
 import pytest
 from aiokafka.errors import KafkaError
 
-from walbus.dev.kafka import KafkaCluster, KafkaInstance
-from walbus.dev.processes import free_port, stop_pid
+from walbus.app.dev.kafka import KafkaCluster, KafkaInstance
+from walbus.app.dev.processes import free_port, stop_pid
 from walbus.kafka import KafkaAdmin
 
 NODES = 3

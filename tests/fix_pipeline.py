@@ -88,7 +88,7 @@ def walbus_process(args: Sequence[str], *, env: dict[str, str] | None = None, lo
             full_env.pop(key, None)  # the test's own flags decide
     out = log.open("ab") if log else subprocess.DEVNULL
     try:
-        return subprocess.Popen([sys.executable, "-m", "walbus.cli", *args], env=full_env, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
+        return subprocess.Popen([sys.executable, "-m", "walbus.app.cli", *args], env=full_env, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
     finally:
         if log:
             out.close()  # type: ignore[union-attr]

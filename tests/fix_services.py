@@ -85,7 +85,7 @@ def _testcontainers() -> Iterator[Services]:
 
 @contextlib.contextmanager
 def _local_stack() -> Iterator[Services]:
-    from walbus.dev import LocalStack
+    from walbus.app.dev import LocalStack
 
     state = Path(tempfile.mkdtemp(prefix="walbus-test-"))
     stack = LocalStack.load(state)

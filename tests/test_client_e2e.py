@@ -105,7 +105,7 @@ async def test_feed_and_tail_from_postgres(pg_dsn: str, kafka_bootstrap: str, un
 
     # walbus tail: the same events as JSON lines.
     tail = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "walbus.cli", "tail", "--kafka-bootstrap", kafka_bootstrap, "--topic", unique_name,
+        sys.executable, "-m", "walbus.app.cli", "tail", "--kafka-bootstrap", kafka_bootstrap, "--topic", unique_name,
         "--table", "transactions", "--operation", "insert", "--operation", "delete", "--from-beginning", "--until-end",
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, cwd=ROOT,
     )
@@ -118,7 +118,7 @@ async def test_feed_and_tail_from_postgres(pg_dsn: str, kafka_bootstrap: str, un
 
     limited = await asyncio.to_thread(
         subprocess.run,
-        [sys.executable, "-m", "walbus.cli", "tail", "--kafka-bootstrap", kafka_bootstrap, "--topic", unique_name,
+        [sys.executable, "-m", "walbus.app.cli", "tail", "--kafka-bootstrap", kafka_bootstrap, "--topic", unique_name,
          "--from-beginning", "--max-events", "3"],
         capture_output=True, text=True, timeout=60, cwd=ROOT,
     )

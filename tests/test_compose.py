@@ -10,7 +10,7 @@ import yaml
 
 from demux.config import DemuxConfig
 from producer.config import ProducerConfig
-from walbus.cli import COMMANDS
+from walbus.app.cli import COMMANDS
 from walbus.config import env_name
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -58,6 +58,6 @@ def test_prometheus_scrapes_the_metrics_ports() -> None:
 
 
 def test_compose_runs_the_local_stacks_kafka_version() -> None:
-    from walbus.dev.kafka import KAFKA_VERSION
+    from walbus.app.dev.kafka import KAFKA_VERSION
 
     assert compose()["services"]["kafka"]["image"] == f"apache/kafka:{KAFKA_VERSION}"

@@ -16,7 +16,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.spark]
 def test_demo_runs_the_whole_pipeline(services: Services) -> None:
     env = {"PATH": "/usr/bin:/bin:/usr/local/bin", "PYTHONPATH": str(ROOT), "HOME": str(__import__("pathlib").Path.home()),
            "WALBUS_PG_DSN": services.pg_dsn, "WALBUS_KAFKA_BOOTSTRAP": services.kafka_bootstrap}
-    res = subprocess.run([sys.executable, "-m", "walbus.cli", "demo", "--rows", "20"], capture_output=True, text=True,
+    res = subprocess.run([sys.executable, "-m", "walbus.app.cli", "demo", "--rows", "20"], capture_output=True, text=True,
                          timeout=600, cwd=ROOT, env=env)
     out = res.stdout
     assert res.returncode == 0, out[-3000:] + res.stderr[-3000:]

@@ -196,7 +196,7 @@ def test_config_errors_exit_2(tmp_path: Path) -> None:
          "SASL"),
     ]
     for argv, needle in cases:
-        res = subprocess.run([sys.executable, "-m", "walbus.cli", "demux", *argv], cwd=ROOT, env=env,
+        res = subprocess.run([sys.executable, "-m", "walbus.app.cli", "demux", *argv], cwd=ROOT, env=env,
                              capture_output=True, timeout=60)
         assert res.returncode == 2, res.stderr
         assert needle in res.stderr.decode()

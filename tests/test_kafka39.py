@@ -21,8 +21,8 @@ from tests.stack_support import (
     producer_demux_roundtrip,
     transactional_commit_and_abort,
 )
-from walbus.dev.kafka import KAFKA_3_VERSION, KafkaInstance
-from walbus.dev.processes import free_port
+from walbus.app.dev.kafka import KAFKA_3_VERSION, KafkaInstance
+from walbus.app.dev.processes import free_port
 
 pytestmark = pytest.mark.integration
 

@@ -249,7 +249,7 @@ async def test_filters_exclude_and_mask_columns(pg_dsn: str, kafka_bootstrap: st
 
 def _produce_cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "walbus.cli", "produce", *args], capture_output=True, text=True, timeout=60, cwd=ROOT,
+        [sys.executable, "-m", "walbus.app.cli", "produce", *args], capture_output=True, text=True, timeout=60, cwd=ROOT,
         env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)},
     )
 

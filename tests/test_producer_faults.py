@@ -14,8 +14,8 @@ import psycopg
 import pytest
 
 from tests.fix_pipeline import kill9, read_topic, running_producer, walbus_process
-from walbus.dev.kafka import KafkaInstance
-from walbus.dev.processes import free_port
+from walbus.app.dev.kafka import KafkaInstance
+from walbus.app.dev.processes import free_port
 
 pytestmark = pytest.mark.integration
 

@@ -16,8 +16,8 @@ from aiokafka import AIOKafkaProducer
 
 from tests.fix_pipeline import read_topic
 from tests.fix_services import Services
-from walbus.dev.kafka import KafkaInstance
-from walbus.dev.processes import free_port, pid_alive
+from walbus.app.dev.kafka import KafkaInstance
+from walbus.app.dev.processes import free_port, pid_alive
 from walbus.kafka import KafkaAdmin, TopicSpec
 
 pytestmark = pytest.mark.integration
@@ -131,7 +131,7 @@ async def test_log_compaction_keeps_latest_value_per_key(services: Services, uni
 
 def test_dev_cli_up_status_down_twice() -> None:
     state = Path(tempfile.mkdtemp(prefix="walbus-cli-"))
-    walbus = [sys.executable, "-m", "walbus.cli", "dev", "--state-dir", str(state)]
+    walbus = [sys.executable, "-m", "walbus.app.cli", "dev", "--state-dir", str(state)]
     pids: list[str] = []
     for _ in range(2):
         up = subprocess.run([*walbus, "up"], capture_output=True, text=True, timeout=180)
@@ -158,7 +158,7 @@ def test_dev_cli_up_status_down_twice() -> None:
 def test_dev_cli_corrupt_state_is_a_clear_error(tmp_path: Path) -> None:
     (tmp_path / "stack.json").write_text("{not json")
     res = subprocess.run(
-        [sys.executable, "-m", "walbus.cli", "dev", "--state-dir", str(tmp_path), "up"],
+        [sys.executable, "-m", "walbus.app.cli", "dev", "--state-dir", str(tmp_path), "up"],
         capture_output=True, text=True, timeout=60,
     )
     assert res.returncode == 2

@@ -39,7 +39,7 @@ def test_stopping_the_cluster_shuts_every_node_down_cleanly() -> None:
 def cluster() -> Iterator[str]:
     """The 3-node stack's bootstrap list."""
     state = Path(tempfile.mkdtemp(prefix="walbus-cluster-"))
-    walbus = [sys.executable, "-m", "walbus.cli", "dev", "--state-dir", str(state)]
+    walbus = [sys.executable, "-m", "walbus.app.cli", "dev", "--state-dir", str(state)]
     try:
         up = subprocess.run([*walbus, "up", "--brokers", "3"], capture_output=True, text=True, timeout=300)
         assert up.returncode == 0, up.stdout + up.stderr

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from walbus.app.tail import _merge_repeated
 from walbus.client import EventFilter, table_key
 from walbus.client.positions import (
     decode_legacy_metadata,
@@ -13,7 +14,6 @@ from walbus.client.positions import (
     position_of_key,
 )
 from walbus.contract import event_key, qualify_table
-from walbus.tail import _merge_repeated
 
 
 def test_filter_patterns_and_operations() -> None:

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from walbus.dev.kafka import KAFKA_3_VERSION, KAFKA_VERSION, major, new_cluster_id
-from walbus.dev.processes import StackError
-from walbus.dev.stack import LocalStack
+from walbus.app.dev.kafka import KAFKA_3_VERSION, KAFKA_VERSION, major, new_cluster_id
+from walbus.app.dev.processes import StackError
+from walbus.app.dev.stack import LocalStack
 from walbus.kafka import default_replication_factor, replication_configs
 
 
@@ -70,7 +70,7 @@ def test_replication_defaults_follow_the_cluster_size() -> None:
 def test_free_ports_are_outside_the_ephemeral_range_and_handed_out_once() -> None:
     """A port from the ephemeral range can be taken by any outgoing connection before the
     service meant to listen binds it (a demux's metrics port: 'Address already in use')."""
-    from walbus.dev.processes import _ephemeral_range, free_port
+    from walbus.app.dev.processes import _ephemeral_range, free_port
 
     low, high = _ephemeral_range()
     ports = [free_port() for _ in range(50)]

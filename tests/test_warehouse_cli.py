@@ -22,7 +22,7 @@ PER_TABLE = 200
 
 
 def _cli(*args: str) -> list[str]:
-    return [sys.executable, "-m", "walbus.cli", "warehouse", *args]
+    return [sys.executable, "-m", "walbus.app.cli", "warehouse", *args]
 
 
 def _events() -> list[bytes]:

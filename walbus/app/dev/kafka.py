@@ -27,7 +27,7 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from walbus.dev.processes import StackError, pid_alive, port_in_use, spawn, stop_pid, tail
+from walbus.app.dev.processes import StackError, pid_alive, port_in_use, spawn, stop_pid, tail
 
 KAFKA_VERSION = "4.4.0"
 # The last 3.x line: what the local stack ran before 4.x, kept working and tested.

@@ -79,7 +79,7 @@ def endpoints(state_dir: Path | None) -> Iterator[tuple[str, str]]:
         print(f"  using WALBUS_PG_DSN / WALBUS_KAFKA_BOOTSTRAP ({bootstrap})")
         yield dsn, bootstrap
         return
-    from walbus.dev import LocalStack, default_state_dir
+    from walbus.app.dev import LocalStack, default_state_dir
 
     stack = LocalStack.load(state_dir or default_state_dir())
     was_running = stack.postgres.running() and stack.kafka.running()

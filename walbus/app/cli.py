@@ -7,8 +7,8 @@ import logging
 import sys
 from collections.abc import Callable, Sequence
 
+from walbus.app.dev.processes import StackError
 from walbus.config import ConfigError
-from walbus.dev.processes import StackError
 from walbus.logs import redact_dsn
 
 USAGE = """usage: walbus <command> [options]
@@ -27,12 +27,12 @@ commands:
 
 # Each command's module, imported only when it runs: `walbus dev` must not pay for Spark.
 COMMANDS = {
-    "dev": "walbus.dev.cli",
+    "dev": "walbus.app.dev.cli",
     "produce": "producer.service",
     "demux": "demux.service",
     "warehouse": "warehouse.cli",
-    "tail": "walbus.tail",
-    "demo": "walbus.demo",
+    "tail": "walbus.app.tail",
+    "demo": "walbus.app.demo",
 }
 
 

@@ -8,8 +8,8 @@ import shlex
 from collections.abc import Sequence
 from pathlib import Path
 
-from walbus.dev.kafka import BROKER_COUNTS, KAFKA_VERSION
-from walbus.dev.stack import LocalStack, default_state_dir
+from walbus.app.dev.kafka import BROKER_COUNTS, KAFKA_VERSION
+from walbus.app.dev.stack import LocalStack, default_state_dir
 
 
 def main(argv: Sequence[str]) -> int:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import psycopg
 
-from walbus.dev.processes import StackError, pid_alive, port_in_use, spawn, stop_pid, tail
+from walbus.app.dev.processes import StackError, pid_alive, port_in_use, spawn, stop_pid, tail
 
 SUPERUSER = "postgres"
 INSTALL_HINT = "install PostgreSQL's server, e.g. `apt-get install postgresql-15 postgresql-15-wal2json`"

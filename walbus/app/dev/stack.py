@@ -9,9 +9,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from walbus.dev.kafka import BROKER_COUNTS, KAFKA_3_VERSION, KAFKA_VERSION, KafkaCluster
-from walbus.dev.postgres import PostgresInstance, wal2json_installed
-from walbus.dev.processes import StackError, free_port
+from walbus.app.dev.kafka import BROKER_COUNTS, KAFKA_3_VERSION, KAFKA_VERSION, KafkaCluster
+from walbus.app.dev.postgres import PostgresInstance, wal2json_installed
+from walbus.app.dev.processes import StackError, free_port
 
 DEFAULT_STATE_DIR = Path(".walbus")
 
@@ -96,7 +96,7 @@ class LocalStack:
 
     def _reassign_ports_if_taken(self) -> None:
         # A stopped stack whose recorded port was taken meanwhile may move: nothing else points at it.
-        from walbus.dev.processes import port_in_use
+        from walbus.app.dev.processes import port_in_use
 
         if not self.postgres.running() and port_in_use(self.postgres.port):
             self.postgres.port = free_port()
