@@ -358,10 +358,19 @@ class Soak:
         line = {"fault": len(self.fault_lines) + 1, "at_s": round(time.monotonic() - self.started, 1), **line}
         self.fault_lines.append(line)
 
+    def recovery_timeout(self, service: str) -> float:
+        """How long a stage may take to recover. The warehouse is a batch stage: it recovers when
+        a whole load (Spark start-up included) has finished, and a later fault may kill that
+        rerun too, so it gets two load intervals."""
+        if service == "warehouse":
+            return max(RECOVERY_TIMEOUT_S, 2 * self.args.warehouse_every)
+        return RECOVERY_TIMEOUT_S
+
     async def watch(self, line: dict[str, Any], service: str, check: Callable[[], Awaitable[bool]]) -> None:
-        took = await wait_for(check, RECOVERY_TIMEOUT_S)
+        timeout = self.recovery_timeout(service)
+        took = await wait_for(check, timeout)
         if took is None:
-            self.violations.append(f"{service} did not recover within {RECOVERY_TIMEOUT_S:.0f} s after fault {line['fault']}")
+            self.violations.append(f"{service} did not recover within {timeout:.0f} s after fault {line['fault']}")
         else:
             self.recoveries.setdefault(service, []).append(took)
         emit(**line, recovery_s=None if took is None else round(took, 2))

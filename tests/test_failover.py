@@ -291,3 +291,36 @@ async def test_rolling_restart_of_all_brokers_under_write_load(
             await cluster.wait_in_sync()
         await asyncio.sleep(PHASE / 2)
         await finish_and_check(p, writer)
+
+
+async def test_warehouse_reads_topic_bounds_while_a_partition_leader_is_dead(
+    kafka_cluster: Cluster, unique_name: str
+) -> None:
+    """A warehouse load fixes its slice from the topic's offsets: a dead partition leader is a
+    transient fault it waits out (the soak's load died with NodeNotReadyError instead)."""
+    from aiokafka import AIOKafkaProducer
+
+    from walbus.kafka import KafkaAdmin, KafkaOptions, TopicSpec
+    from warehouse.read import topic_bounds
+
+    cluster = kafka_cluster
+    topic = f"walbus.{unique_name}"
+    kw = {"bootstrap_servers": cluster.bootstrap}
+    async with KafkaAdmin(client_kwargs=kw) as admin:
+        await admin.ensure_topic(TopicSpec(topic, partitions=PARTITIONS))
+    producer = AIOKafkaProducer(**kw, acks="all")
+    await producer.start()
+    try:
+        for i in range(10):
+            await producer.send_and_wait(topic, b"v", key=b"k%d" % i, partition=i % PARTITIONS)
+    finally:
+        await producer.stop()
+    leader = await cluster.leader(topic, 0)
+    await cluster.akill9(leader)
+    try:
+        bounds = await asyncio.to_thread(topic_bounds, KafkaOptions(kafka_bootstrap=cluster.bootstrap), topic)
+        assert bounds.latest == {0: 5, 1: 5}
+        assert bounds.earliest == {0: 0, 1: 0}
+    finally:
+        await cluster.astart(leader)
+        await cluster.wait_in_sync()

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import ssl
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 from aiokafka.errors import (
@@ -31,6 +33,9 @@ DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 # How long a service keeps asking about a topic it just created or found while the broker it
 # asks does not know it yet (on a cluster, metadata reaches each broker in its own time).
 METADATA_WAIT_S = 30.0
+# How long a one-shot reader (a warehouse load) keeps retrying a transient fault, e.g. a partition
+# whose leader just died: the cluster elects a new one within a broker session timeout (~9 s).
+OFFSETS_WAIT_S = 120.0
 # Kafka's default when a topic sets nothing (the broker's message.max.bytes).
 BROKER_DEFAULT_MAX_MESSAGE_BYTES = 1048588
 # What a one-record batch adds to key, value and headers (v2 batch header and record framing),
@@ -264,3 +269,44 @@ async def wait_for_broker(client_kwargs: dict[str, Any], *, attempts: int = 0, m
             delay = min(delay * 2, max_delay)
         finally:
             await admin.close()
+
+
+Offsets = dict[int, int]  # partition -> offset
+
+
+async def topic_offsets(
+    client_kwargs: dict[str, Any], topic: str, *, within: float = OFFSETS_WAIT_S
+) -> tuple[Offsets, Offsets]:
+    """Each partition's earliest and end offset of ``topic``.
+
+    A retriable fault (a dead partition leader, a broker not ready, a connection lost) is
+    retried with jittered backoff for ``within`` seconds, each time with a new client, so
+    that fresh metadata finds the partition's new leader; other errors are raised at once."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within
+    attempt = 0
+    while True:
+        try:
+            return await _topic_offsets(client_kwargs, topic)
+        except KafkaError as e:
+            attempt += 1
+            if not e.retriable or loop.time() >= deadline:
+                raise
+            delay = random.uniform(0.5, 1.0) * min(0.25 * 2**attempt, 5.0)
+            log.warning("reading topic offsets failed, retrying",
+                        extra={"topic": topic, "error": repr(e), "attempt": attempt, "retry_in_s": round(delay, 2)})
+            await asyncio.sleep(delay)
+
+
+async def _topic_offsets(client_kwargs: dict[str, Any], topic: str) -> tuple[Offsets, Offsets]:
+    async with KafkaAdmin(client_kwargs=client_kwargs) as admin:
+        count = await admin.partitions(topic, wait=METADATA_WAIT_S)
+    consumer = AIOKafkaConsumer(**client_kwargs, enable_auto_commit=False)
+    await consumer.start()
+    try:
+        tps = [TopicPartition(topic, p) for p in range(count)]
+        earliest = await consumer.beginning_offsets(tps)
+        latest = await consumer.end_offsets(tps)
+        return ({tp.partition: int(o) for tp, o in earliest.items()}, {tp.partition: int(o) for tp, o in latest.items()})
+    finally:
+        await consumer.stop()

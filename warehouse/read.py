@@ -14,7 +14,6 @@ from decimal import Decimal
 from typing import Any, Final
 
 import orjson
-from aiokafka import AIOKafkaConsumer, TopicPartition
 from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
 
@@ -26,7 +25,7 @@ from walbus.contract import (
     OPERATIONS,
     ROW_OPERATIONS,
 )
-from walbus.kafka import KafkaAdmin, KafkaOptions
+from walbus.kafka import KafkaAdmin, KafkaOptions, topic_offsets
 from warehouse.schema import quote
 
 Offsets = dict[int, int]  # partition -> offset
@@ -70,22 +69,12 @@ class TopicBounds:
 
 
 async def _bounds(options: KafkaOptions, topic: str) -> TopicBounds:
-    async with KafkaAdmin(client_kwargs=options.kafka_client_kwargs()) as admin:
+    client_kwargs = options.kafka_client_kwargs()
+    async with KafkaAdmin(client_kwargs=client_kwargs) as admin:
         if topic not in await admin.list_topics():
             raise TopicError(f"topic {topic!r} does not exist on {options.kafka_bootstrap}")
-        count = await admin.partitions(topic)
-    consumer = AIOKafkaConsumer(**options.kafka_client_kwargs(), enable_auto_commit=False)
-    await consumer.start()
-    try:
-        tps = [TopicPartition(topic, p) for p in range(count)]
-        earliest = await consumer.beginning_offsets(tps)
-        latest = await consumer.end_offsets(tps)
-        return TopicBounds(
-            {tp.partition: int(o) for tp, o in earliest.items()},
-            {tp.partition: int(o) for tp, o in latest.items()},
-        )
-    finally:
-        await consumer.stop()
+    earliest, latest = await topic_offsets(client_kwargs, topic)
+    return TopicBounds(earliest, latest)
 
 
 def topic_bounds(options: KafkaOptions, topic: str) -> TopicBounds:
