@@ -11,10 +11,12 @@
 ::
 
     import asyncio
+    import os
     from walbus.client import Feed, Table
 
     async def main() -> None:
-        async with Feed("walbus.shop", group_id="notify", bootstrap_servers="localhost:9092",
+        bootstrap = os.environ["WALBUS_KAFKA_BOOTSTRAP"]
+        async with Feed("walbus.shop", group_id="notify", bootstrap_servers=bootstrap,
                         tables=["public.transactions"], operations=["insert"]) as feed:
             async for event in feed:
                 print(event.table, event.operation, event.row())

@@ -212,7 +212,11 @@ class Feed:
             isolation_level="read_committed",
             **self._consumer_options,
         )
-        await consumer.start()
+        try:
+            await consumer.start()
+        except BaseException:
+            await consumer.stop()  # a failed start leaves its client's connections open
+            raise
         self._consumer = consumer
         try:
             if self.group_id is not None:

@@ -1,0 +1,37 @@
+"""Feed.start() against an address where no broker listens: the error, and nothing left open."""
+
+from __future__ import annotations
+
+import gc
+import socket
+
+import pytest
+from aiokafka import AIOKafkaConsumer
+from aiokafka.errors import KafkaConnectionError
+
+from walbus.client import Feed
+
+
+def _unused_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _open_consumers(bootstrap: str) -> list[AIOKafkaConsumer]:
+    gc.collect()
+    return [
+        o
+        for o in gc.get_objects()
+        if isinstance(o, AIOKafkaConsumer) and not o._closed and o._client._bootstrap_servers == bootstrap
+    ]
+
+
+@pytest.mark.parametrize("group_id", [None, "g"])
+async def test_start_does_not_leak_its_consumer_when_the_broker_is_unreachable(group_id: str | None) -> None:
+    bootstrap = f"127.0.0.1:{_unused_port()}"
+    feed = Feed("walbus.nowhere", group_id=group_id, bootstrap_servers=bootstrap)
+    with pytest.raises(KafkaConnectionError):
+        await feed.start()
+    assert _open_consumers(bootstrap) == []
+    await feed.stop()  # a no-op: nothing was started
