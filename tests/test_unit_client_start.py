@@ -35,3 +35,24 @@ async def test_start_does_not_leak_its_consumer_when_the_broker_is_unreachable(g
         await feed.start()
     assert _open_consumers(bootstrap) == []
     await feed.stop()  # a no-op: nothing was started
+
+
+def test_start_forms() -> None:
+    from datetime import UTC, datetime
+
+    from walbus.client.start import parse_start, start_floor
+    from walbus.contract import Lsn
+
+    assert parse_start("latest") == "latest" and parse_start("earliest") == "earliest"
+    assert parse_start("16/B374D848") == Lsn.parse("16/B374D848")
+    assert parse_start(5) == 5 and isinstance(parse_start(5), Lsn)
+    moment = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
+    assert parse_start(moment) == moment
+    assert parse_start("2026-01-02T03:04:05+00:00") == moment
+    for bad in ["newest", "2026-01-02T03:04:05", -1, True, datetime(2026, 1, 2)]:
+        with pytest.raises(ValueError):
+            parse_start(bad)  # type: ignore[arg-type]
+    assert start_floor(Lsn(0x10)) == (0xF, 0xFFFFFFFF)
+    assert start_floor(Lsn(0)) is None and start_floor("latest") is None
+    with pytest.raises(ValueError):
+        Feed("t", bootstrap_servers="x:1", start="newest")

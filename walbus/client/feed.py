@@ -22,6 +22,7 @@ import logging
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from datetime import datetime
 from types import TracebackType
 from typing import Any, Literal
 
@@ -42,6 +43,7 @@ from walbus.client.positions import (
     newest,
     valid_event,
 )
+from walbus.client.start import Start, StartAt, parse_start, start_floor
 from walbus.contract import ChangeEvent, ContractError, event_key
 
 log = logging.getLogger("walbus.client.feed")
@@ -75,6 +77,7 @@ class FeedStats:
     duplicates_skipped: int = 0
     filtered: int = 0
     invalid_skipped: int = 0
+    before_start: int = 0  # below an LSN ``start``
     commits: int = 0
 
 
@@ -117,6 +120,7 @@ class _Rebalance(ConsumerRebalanceListener):  # type: ignore[misc]
 
     async def on_partitions_assigned(self, assigned: Iterable[TopicPartition]) -> None:
         self._feed._on_assigned(list(assigned))
+        await self._feed._start_fresh_partitions(list(assigned))
 
 
 class Feed:
@@ -137,7 +141,13 @@ class Feed:
         tables: fnmatch patterns on ``schema.table`` (no dot: the table in any schema); a name
             with a dot or quote is quoted as in the event (``public."a.b"``).
         operations: ``insert``, ``update``, ``delete``, ``truncate``, ``read``; empty = all.
-        from_beginning: where a group without committed offsets (or a group-less feed) starts.
+        start: where a group without committed offsets (or a group-less feed) starts:
+            ``"latest"`` (default: only changes from now on, like binding a new queue),
+            ``"earliest"``, a commit LSN (``Lsn``, int or ``"16/B374D848"``: events with
+            ``commit_lsn >= lsn``) or an aware ``datetime`` (records written since). A group's
+            start is committed when it first gets a partition, so a restart before its first
+            event does not move it. A group with committed offsets ignores ``start``.
+        from_beginning: the older form: ``True`` is ``start="earliest"``, ``False`` ``"latest"``.
         commit_interval: seconds between offset commits while events keep coming; the feed
             also commits whenever it has to wait for new records, and on stop.
         resume_after: for exactly-once effects: returns the last position your handler stored
@@ -161,7 +171,8 @@ class Feed:
         client_kwargs: Mapping[str, Any] | None = None,
         tables: Iterable[str] = (),
         operations: Iterable[str] = (),
-        from_beginning: bool = True,
+        start: StartAt = "latest",
+        from_beginning: bool | None = None,
         commit_interval: float = 1.0,
         resume_after: ResumeAfter | None = None,
         transaction_linger: float = 0.5,
@@ -175,7 +186,12 @@ class Feed:
         self.filter = EventFilter(tables, operations)
         self.stats = FeedStats()
         self._kwargs = _client_kwargs(bootstrap_servers, client_kwargs)
-        self._from_beginning = from_beginning
+        if from_beginning is not None:
+            start = "earliest" if from_beginning else "latest"
+        self._start: Start = parse_start(start)
+        self._floor = start_floor(self._start)
+        self._fresh: set[TopicPartition] = set()  # assigned without a committed offset
+        self._first_assignment = asyncio.Event()
         self._commit_interval = commit_interval
         self._resume_after = resume_after
         self._linger = transaction_linger
@@ -208,30 +224,31 @@ class Feed:
             **self._kwargs,
             group_id=self.group_id,
             enable_auto_commit=False,
-            auto_offset_reset="earliest" if self._from_beginning else "latest",
+            auto_offset_reset="latest" if self._start == "latest" else "earliest",
             isolation_level="read_committed",
             **self._consumer_options,
         )
-        try:
-            await consumer.start()
-        except BaseException:
-            await consumer.stop()  # a failed start leaves its client's connections open
-            raise
         self._consumer = consumer
+        self._first_assignment = asyncio.Event()
         try:
             if self.group_id is not None:
                 self._admin = AIOKafkaAdminClient(**self._kwargs)
                 await self._admin.start()
+                # Subscribed before start(): start() then returns once the group assigned
+                # partitions, and the first assignment has committed a new group's start, so
+                # "latest" means "from when start() returned".
                 consumer.subscribe([self.topic], listener=_Rebalance(self))
+                await consumer.start()
+                await self._first_assignment.wait()
             else:
+                await consumer.start()
                 tps = await topic_partitions(self._kwargs, self.topic)
                 consumer.assign(tps)
-                if self._from_beginning:
-                    await consumer.seek_to_beginning(*tps)
-                else:
-                    await consumer.seek_to_end(*tps)
+                for tp, offset in (await self._start_offsets(tps)).items():
+                    consumer.seek(tp, offset)
+                self._fresh.update(tps)
         except BaseException:
-            await self._close_clients()
+            await self._close_clients()  # a failed start leaves the clients' connections open
             raise
         self._last_commit = asyncio.get_running_loop().time()
 
@@ -412,7 +429,10 @@ class Feed:
             return None
         position = event.position
         if state.seen is not None and position <= state.seen:
-            self.stats.duplicates_skipped += 1
+            if self._floor is not None and position <= self._floor:
+                self.stats.before_start += 1
+            else:
+                self.stats.duplicates_skipped += 1
             return None
         state.seen = position
         wanted = self.filter.wants(event.table, event.operation)
@@ -488,7 +508,8 @@ class Feed:
             # A rebalance may have happened while we were asking: keep only what still holds.
             if tp not in assigned or self._epochs.get(tp, 0) != epochs[tp] or tp in self._parts:
                 continue
-            seen = newest(stored.get(tp), resumed.get(tp), self._delivered.get(tp))
+            floor = self._floor if tp in self._fresh else None
+            seen = newest(stored.get(tp), resumed.get(tp), self._delivered.get(tp), floor)
             self._parts[tp] = _PartitionState(epoch=epochs[tp], seen=seen, end_offset=ends.get(tp))
             log.debug("partition assigned", extra={"topic": tp.topic, "partition": tp.partition, "resume_after": seen})
 
@@ -579,6 +600,52 @@ class Feed:
             log.warning("commit on revoke failed", extra={"error": str(e)})
         for tp in revoked:
             self._parts.pop(tp, None)
+
+    async def _start_offsets(self, tps: list[TopicPartition]) -> dict[TopicPartition, int]:
+        """Where each partition starts for ``self._start`` (an LSN start reads from the
+        beginning and skips below its floor: keys are ordered, offsets do not know LSNs)."""
+        consumer = self._consumer
+        assert consumer is not None
+        start = self._start
+        if start == "latest":
+            return dict(await consumer.end_offsets(tps))
+        if isinstance(start, datetime):
+            found = await consumer.offsets_for_times({tp: int(start.timestamp() * 1000) for tp in tps})
+            ends = await consumer.end_offsets(tps)
+            return {tp: found[tp].offset if found.get(tp) is not None else ends[tp] for tp in tps}
+        return dict(await consumer.beginning_offsets(tps))
+
+    async def _start_fresh_partitions(self, assigned: list[TopicPartition]) -> None:
+        """Seek partitions the group never committed to the start, and commit it there.
+
+        Committing at once makes the start durable, like a queue binding: without it, a member
+        that stopped before its first commit would start at ``latest`` again and miss what
+        happened in between."""
+        try:
+            await self._commit_start(assigned)
+        finally:
+            self._first_assignment.set()
+
+    async def _commit_start(self, assigned: list[TopicPartition]) -> None:
+        consumer, admin = self._consumer, self._admin
+        if consumer is None or admin is None or self.group_id is None or not assigned:
+            return
+        try:
+            committed = await admin.list_consumer_group_offsets(self.group_id, partitions=assigned)
+            fresh = [tp for tp in assigned if committed.get(tp) is None or committed[tp].offset < 0]
+            if not fresh:
+                return
+            offsets = await self._start_offsets(fresh)
+            for tp, offset in offsets.items():
+                consumer.seek(tp, offset)
+            self._fresh.update(fresh)
+            await consumer.commit({tp: (offset, encode_metadata(self._floor)) for tp, offset in offsets.items()})
+            log.info(
+                "new group: starting partitions",
+                extra={"group": self.group_id, "topic": self.topic, "start": str(self._start), "offsets": {tp.partition: o for tp, o in offsets.items()}},
+            )
+        except KafkaError as e:  # the listener must not fail the rebalance; auto_offset_reset still applies
+            log.warning("could not set the group's start position", extra={"group": self.group_id, "error": str(e)})
 
     def _on_assigned(self, assigned: list[TopicPartition]) -> None:
         for tp in assigned:
