@@ -91,7 +91,7 @@ async def test_a_group_stopped_before_its_first_event_keeps_its_lsn_start(kafka_
     await feed.stop()
     # Restarted with the default start: the group's committed start still holds.
     async with Feed(unique_name, group_id=group, bootstrap_servers=kafka_bootstrap, until_end=True) as feed:
-        assert await _positions(feed) == [c.position for c in new]
+        assert await _positions(feed) == [c.position for c in old + new if c.commit_lsn >= new[0].commit_lsn]
 
 
 async def test_a_time_starts_at_records_written_since(kafka_bootstrap: str, unique_name: str) -> None:

@@ -24,26 +24,42 @@
     asyncio.run(main())
 """
 
+from walbus.client.deadletters import (
+    DeadLetter,
+    dead_letter_topic,
+    list_dead_letters,
+    replay_dead_letters,
+)
+from walbus.client.event import FeedEvent
 from walbus.client.feed import Feed, FeedStats, ResumeAfter, Transaction
 from walbus.client.filters import EventFilter
 from walbus.client.positions import Position
+from walbus.client.retrying import RetryPolicy
+from walbus.client.start import StartAt
 from walbus.client.table import InvalidTableRecord, Row, Table, TableChange, TableError, table_key
 from walbus.contract import ChangeEvent, Lsn, RowImage
 
 __all__ = [
     "ChangeEvent",
+    "DeadLetter",
     "EventFilter",
     "Feed",
+    "FeedEvent",
     "FeedStats",
     "InvalidTableRecord",
     "Lsn",
     "Position",
     "ResumeAfter",
+    "RetryPolicy",
     "Row",
     "RowImage",
+    "StartAt",
     "Table",
     "TableChange",
     "TableError",
     "Transaction",
+    "dead_letter_topic",
+    "list_dead_letters",
+    "replay_dead_letters",
     "table_key",
 ]

@@ -18,7 +18,10 @@ Delivery guarantees (see docs/client.md):
 from __future__ import annotations
 
 import asyncio
+import heapq
+import itertools
 import logging
+import re
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -33,8 +36,18 @@ from prometheus_client import CollectorRegistry
 
 from walbus.client._connect import client_kwargs as _client_kwargs
 from walbus.client._connect import read_records, topic_partitions
+from walbus.client.deadletters import (
+    DeadLetterWriter,
+    Origin,
+    dead_letter_headers,
+    error_text,
+    origin_of,
+    replay_topic,
+)
+from walbus.client.event import FeedEvent, feed_event
 from walbus.client.filters import EventFilter
 from walbus.client.metrics import client_metrics
+from walbus.client.parallel import Dispatcher
 from walbus.client.positions import (
     Position,
     decode_legacy_metadata,
@@ -43,6 +56,7 @@ from walbus.client.positions import (
     newest,
     valid_event,
 )
+from walbus.client.retrying import RetryPolicy
 from walbus.client.start import Start, StartAt, parse_start, start_floor
 from walbus.contract import ChangeEvent, ContractError, event_key
 
@@ -79,6 +93,8 @@ class FeedStats:
     invalid_skipped: int = 0
     before_start: int = 0  # below an LSN ``start``
     commits: int = 0
+    retries: int = 0  # nacked deliveries handed out again
+    dead_letters: int = 0
 
 
 class _Stopped(Exception):
@@ -93,6 +109,30 @@ class _Record:
     position: Position
     event: ChangeEvent
     wanted: bool
+    msg: Any = None  # the Kafka record: key, value and headers for a dead letter
+
+
+@dataclass(eq=False, slots=True)
+class _Delivery:
+    """One event in the caller's hands, until it is acked, retried or dead-lettered."""
+
+    feed: Feed
+    rec: _Record
+    attempt: int = 1
+    outcome: Literal["pending", "acked", "retry", "dead"] = "pending"
+    error: str = ""
+
+    @property
+    def settled(self) -> bool:
+        return self.outcome != "pending"
+
+    def ack(self) -> None:
+        if self.outcome == "pending":
+            self.feed._acked(self)
+
+    def nack(self, retry_in: float | None, error: BaseException | str | None) -> None:
+        if self.outcome == "pending":
+            self.feed._nacked(self, retry_in, error)
 
 
 # Per partition: (assignment epoch, offset after the last record read, highest position read).
@@ -108,7 +148,9 @@ class _PartitionState:
     done_position: Position | None = None
     committed: tuple[int, Position | None] | None = None
     end_offset: int | None = None  # until_end: where this partition ended when assigned
+    replay: bool = False  # the group's replay topic: dead letters sent back, no duplicate check
     buffer: deque[Any] = field(default_factory=deque)
+    inflight: deque[_Delivery] = field(default_factory=deque)  # delivered, in offset order
 
 
 class _Rebalance(ConsumerRebalanceListener):  # type: ignore[misc]
@@ -159,6 +201,12 @@ class Feed:
         strict: raise :class:`~walbus.contract.ContractError` on a record that is not a valid
             v1 event keyed by its own position, instead of logging and skipping it.
         consumer_options: extra ``AIOKafkaConsumer`` options (e.g. ``session_timeout_ms``).
+        auto_ack: ack an event the caller did not settle when it asks for the next one (or
+            leaves the loop with ``break``). With ``False`` every event needs ``event.ack()``
+            or ``event.nack()``; offsets commit up to the highest contiguous acked position.
+        retry: how often a nacked event (or one whose ``run`` handler raised) is retried, and
+            how long apart, before it goes to the dead-letter topic ``<topic>.<group>.dlq``.
+        dead_letters: create and use the group's dead-letter and replay topics (groups only).
         metrics_registry: where the client's Prometheus counters live (default: the global one).
     """
 
@@ -180,6 +228,9 @@ class Feed:
         strict: bool = False,
         consumer_options: Mapping[str, Any] | None = None,
         metrics_registry: CollectorRegistry | None = None,
+        auto_ack: bool = True,
+        retry: RetryPolicy | None = None,
+        dead_letters: bool = True,
     ) -> None:
         self.topic = topic
         self.group_id = group_id
@@ -212,6 +263,17 @@ class Feed:
         self._mode: Literal["events", "transactions"] | None = None
         self._last_commit = 0.0
         self._stopping = False
+        self._auto_ack = auto_ack
+        self._retry = retry or RetryPolicy()
+        self._last: _Delivery | None = None  # the event handed out last (auto-ack)
+        self._retries: list[tuple[float, int, _Delivery]] = []  # heap by due time
+        self._retry_order = itertools.count()
+        self._dead: deque[_Delivery] = deque()  # exhausted, to write to the dead-letter topic
+        self._dlq: DeadLetterWriter | None = None
+        self._replay_topic: str | None = None
+        if group_id is not None and dead_letters:
+            self._dlq = DeadLetterWriter(self._kwargs, topic, group_id)
+            self._replay_topic = replay_topic(topic, group_id)
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -234,10 +296,14 @@ class Feed:
             if self.group_id is not None:
                 self._admin = AIOKafkaAdminClient(**self._kwargs)
                 await self._admin.start()
+                # A pattern, so that the group's replay topic is picked up when a replay creates
+                # it (on the consumer's next metadata refresh, metadata_max_age_ms).
+                names = [self.topic] if self._replay_topic is None else [self.topic, self._replay_topic]
+                pattern = "^(" + "|".join(re.escape(n) for n in names) + ")$"
                 # Subscribed before start(): start() then returns once the group assigned
                 # partitions, and the first assignment has committed a new group's start, so
                 # "latest" means "from when start() returned".
-                consumer.subscribe([self.topic], listener=_Rebalance(self))
+                consumer.subscribe(pattern=pattern, listener=_Rebalance(self))
                 await consumer.start()
                 await self._first_assignment.wait()
             else:
@@ -266,10 +332,17 @@ class Feed:
         consumer, admin = self._consumer, self._admin
         self._consumer = self._admin = None
         self._parts.clear()
-        if consumer is not None:
-            await consumer.stop()
-        if admin is not None:
-            await admin.close()
+        self._retries.clear()
+        self._dead.clear()
+        self._last = None
+        try:
+            if consumer is not None:
+                await consumer.stop()
+            if admin is not None:
+                await admin.close()
+        finally:
+            if self._dlq is not None:
+                await self._dlq.close()
 
     async def __aenter__(self) -> Feed:
         await self.start()
@@ -293,13 +366,25 @@ class Feed:
     def __aiter__(self) -> Feed:
         return self
 
-    async def __anext__(self) -> ChangeEvent:
+    async def __anext__(self) -> FeedEvent:
         self._use_mode("events")
         self._finish_current()
-        await self._maybe_commit()
+        return await self._next_event()
+
+    async def _next_event(self) -> FeedEvent:
+        """The next event: a due retry, else the next wanted record (nothing is auto-acked)."""
+        loop = asyncio.get_running_loop()
         while True:
+            await self._write_dead_letters()
+            await self._maybe_commit()
+            retried = self._due_retry(loop.time())
+            if retried is not None:
+                self.stats.retries += 1
+                self._last = retried
+                return feed_event(retried.rec.event, retried.attempt, retried)
+            wait = self._retries[0][0] - loop.time() if self._retries else None
             try:
-                rec = await self._read(None)
+                rec = await self._read(None if wait is None else max(wait, 0.001))
             except _Stopped:
                 raise StopAsyncIteration from None
             if rec is None:
@@ -307,9 +392,120 @@ class Feed:
             if not rec.wanted:
                 self.stats.filtered += 1
                 continue
-            self._current = self._marks()
+            delivery = _Delivery(self, rec)
+            self._parts[rec.tp].inflight.append(delivery)
             self._note_delivered([rec])
-            return rec.event
+            self._last = delivery
+            return feed_event(rec.event, 1, delivery)
+
+    async def run(self, handler: Callable[[FeedEvent], Awaitable[None]], *, concurrency: int = 1) -> None:
+        """Call ``handler`` for every event until the feed ends (``until_end``) or is cancelled.
+
+        An event is acked when ``handler`` returns (unless it settled the event itself). When it
+        raises, the event is retried in place after the retry policy's delay (later events of
+        the same key wait; other keys go on), and after the last attempt it goes to the
+        dead-letter topic: a poison event never stops the feed. ``concurrency`` handlers run at
+        once, events of one key (table and primary key) one after the other, in order; see
+        docs/client.md for the exact guarantee.
+        """
+        self._use_mode("events")
+        dispatcher = Dispatcher(self, handler, concurrency)
+        try:
+            await dispatcher.run()
+        finally:
+            self._last = None  # run() acks what it handled; auto-ack must not ack the rest
+
+    async def handle(self, event: FeedEvent, handler: Callable[[FeedEvent], Awaitable[None]]) -> None:
+        """Run ``handler`` on ``event`` with the retry policy; ack, or dead-letter when exhausted."""
+        delivery = event._settler
+        assert isinstance(delivery, _Delivery), "handle() takes events this feed delivered"
+        while True:
+            try:
+                await handler(event)
+            except Exception as e:
+                self._log_failure(delivery, e)
+                if delivery.settled:
+                    return  # the handler acked or nacked it itself before raising
+                if self._retry.exhausted(delivery.attempt):
+                    delivery.error = error_text(e)
+                    await self._dead_letter(delivery)
+                    return
+                self.stats.retries += 1
+                self._metrics.retries.labels(self.topic, self.group_id or "").inc()
+                await asyncio.sleep(self._retry.delay(delivery.attempt))
+                delivery.attempt += 1
+                event = feed_event(delivery.rec.event, delivery.attempt, delivery)
+                continue
+            event.ack()
+            return
+
+    # -- acknowledgement, retries, dead letters -------------------------------------------
+
+    def _acked(self, delivery: _Delivery) -> None:
+        delivery.outcome = "acked"
+        rec = delivery.rec
+        state = self._parts.get(rec.tp)
+        if state is None or state.epoch != rec.epoch:
+            return  # revoked meanwhile: the new owner takes it from the last commit
+        inflight = state.inflight
+        while inflight and inflight[0].outcome == "acked":
+            done = inflight.popleft().rec
+            if state.done_offset is None or done.offset + 1 > state.done_offset:
+                state.done_offset, state.done_position = done.offset + 1, newest(state.done_position, done.position)
+
+    def _nacked(self, delivery: _Delivery, retry_in: float | None, error: BaseException | str | None) -> None:
+        delivery.error = error_text(error if error is not None else "nacked")
+        if self._retry.exhausted(delivery.attempt):
+            delivery.outcome = "dead"
+            self._dead.append(delivery)
+            return
+        delivery.outcome = "retry"
+        delay = self._retry.delay(delivery.attempt) if retry_in is None else max(retry_in, 0.0)
+        due = asyncio.get_running_loop().time() + delay
+        heapq.heappush(self._retries, (due, next(self._retry_order), delivery))
+        self._metrics.retries.labels(self.topic, self.group_id or "").inc()
+
+    def _due_retry(self, now: float) -> _Delivery | None:
+        while self._retries and self._retries[0][0] <= now:
+            delivery = heapq.heappop(self._retries)[2]
+            if self._valid(delivery.rec):  # else revoked: the new owner reads it again
+                delivery.attempt += 1
+                delivery.outcome = "pending"
+                return delivery
+        return None
+
+    def _log_failure(self, delivery: _Delivery, error: BaseException) -> None:
+        rec = delivery.rec
+        log.warning(
+            "handler failed",
+            extra={"topic": rec.tp.topic, "partition": rec.tp.partition, "offset": rec.offset, "group": self.group_id,
+                   "key": rec.event.key.decode(), "attempt": delivery.attempt, "error": error_text(error)},
+        )
+
+    async def _write_dead_letters(self) -> None:
+        while self._dead:
+            await self._dead_letter(self._dead.popleft())
+
+    async def _dead_letter(self, delivery: _Delivery) -> None:
+        """Write an exhausted event to the group's dead-letter topic, then ack it: the feed goes on."""
+        rec = delivery.rec
+        origin = origin_of(list(rec.msg.headers or ())) if rec.msg is not None and self._is_replay(rec.tp) else None
+        origin = origin or Origin(rec.tp.topic, rec.tp.partition, rec.offset)
+        fields = {"topic": rec.tp.topic, "partition": rec.tp.partition, "offset": rec.offset, "group": self.group_id,
+                  "key": rec.event.key.decode(), "attempts": delivery.attempt, "error": delivery.error}
+        if self._dlq is None or self.group_id is None:
+            log.error("dropping an event whose retries are used up (no consumer group, no dead-letter topic)", extra=fields)
+        else:
+            headers = dead_letter_headers(error=delivery.error, attempts=delivery.attempt, group=self.group_id, origin=origin)
+            await self._dlq.write(rec.msg.key if rec.msg is not None else rec.event.key, rec.msg.value if rec.msg is not None else rec.event.to_json(), headers)
+            log.error("event sent to the dead-letter topic", extra={**fields, "dead_letter_topic": self._dlq.topic})
+        self.stats.dead_letters += 1
+        self._metrics.dead_letters.labels(self.topic, self.group_id or "").inc()
+        delivery.outcome = "pending"
+        delivery.ack()
+
+    def _is_replay(self, tp: TopicPartition) -> bool:
+        return self._replay_topic is not None and tp.topic == self._replay_topic
 
     def transactions(self) -> AsyncIterator[Transaction]:
         """Iterate over whole transactions instead of single events.
@@ -428,6 +624,8 @@ class Feed:
             self._skip_invalid(msg, e)
             return None
         position = event.position
+        if state.replay:
+            return _Record(tp, state.epoch, msg.offset, position, event, self.filter.wants(event.table, event.operation), msg)
         if state.seen is not None and position <= state.seen:
             if self._floor is not None and position <= self._floor:
                 self.stats.before_start += 1
@@ -436,7 +634,7 @@ class Feed:
             return None
         state.seen = position
         wanted = self.filter.wants(event.table, event.operation)
-        return _Record(tp, state.epoch, msg.offset, position, event, wanted)
+        return _Record(tp, state.epoch, msg.offset, position, event, wanted, msg)
 
     def _skip_invalid(self, msg: Any, error: ContractError) -> None:
         # Skipped for good (its offset is committed with the next ones), but never silently.
@@ -501,6 +699,8 @@ class Feed:
         resumed: dict[TopicPartition, Position | None] = {}
         if self._resume_after is not None:
             for tp in new:
+                if self._is_replay(tp):
+                    continue
                 resumed[tp] = await self._resume_after(tp.topic, tp.partition)
         ends: dict[TopicPartition, int] = await consumer.end_offsets(new) if self._until_end else {}
         assigned = consumer.assignment()
@@ -508,14 +708,15 @@ class Feed:
             # A rebalance may have happened while we were asking: keep only what still holds.
             if tp not in assigned or self._epochs.get(tp, 0) != epochs[tp] or tp in self._parts:
                 continue
-            floor = self._floor if tp in self._fresh else None
-            seen = newest(stored.get(tp), resumed.get(tp), self._delivered.get(tp), floor)
-            self._parts[tp] = _PartitionState(epoch=epochs[tp], seen=seen, end_offset=ends.get(tp))
+            replay = self._is_replay(tp)
+            floor = self._floor if tp in self._fresh and not replay else None
+            seen = None if replay else newest(stored.get(tp), resumed.get(tp), self._delivered.get(tp), floor)
+            self._parts[tp] = _PartitionState(epoch=epochs[tp], seen=seen, end_offset=ends.get(tp), replay=replay)
             log.debug("partition assigned", extra={"topic": tp.topic, "partition": tp.partition, "resume_after": seen})
 
     async def _at_end(self) -> bool:
         consumer = self._consumer
-        if consumer is None or not self._parts:
+        if consumer is None or not self._parts or self._retries or self._dead:
             return False
         for tp, state in self._parts.items():
             if state.buffer or state.end_offset is None:
@@ -527,8 +728,11 @@ class Feed:
     # -- progress and commits ----------------------------------------------------------------
 
     def _marks(self) -> _Marks:
+        # A partition with events in the caller's hands moves only by their acks.
         return {
-            tp: (s.epoch, s.read_offset, s.seen) for tp, s in self._parts.items() if s.read_offset is not None
+            tp: (s.epoch, s.read_offset, s.seen)
+            for tp, s in self._parts.items()
+            if s.read_offset is not None and not s.inflight
         }
 
     def _apply_done(self, marks: _Marks) -> None:
@@ -543,6 +747,9 @@ class Feed:
         if self._current is not None:
             self._apply_done(self._current)
             self._current = None
+        last, self._last = self._last, None
+        if last is not None and self._auto_ack and last.outcome == "pending":
+            last.ack()
 
     def _mark_read_done(self) -> None:
         """Nothing is in the caller's hands: every record read so far is finished."""
@@ -607,6 +814,8 @@ class Feed:
         consumer = self._consumer
         assert consumer is not None
         start = self._start
+        if not tps:
+            return {}
         if start == "latest":
             return dict(await consumer.end_offsets(tps))
         if isinstance(start, datetime):
@@ -635,7 +844,11 @@ class Feed:
             fresh = [tp for tp in assigned if committed.get(tp) is None or committed[tp].offset < 0]
             if not fresh:
                 return
-            offsets = await self._start_offsets(fresh)
+            # The replay topic holds only what was sent back to this group: all of it is new.
+            replays = [tp for tp in fresh if self._is_replay(tp)]
+            offsets = await self._start_offsets([tp for tp in fresh if tp not in replays])
+            if replays:
+                offsets.update(await consumer.beginning_offsets(replays))
             for tp, offset in offsets.items():
                 consumer.seek(tp, offset)
             self._fresh.update(fresh)
