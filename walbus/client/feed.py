@@ -243,6 +243,7 @@ class Feed:
         self._floor = start_floor(self._start)
         self._fresh: set[TopicPartition] = set()  # assigned without a committed offset
         self._first_assignment = asyncio.Event()
+        self._unloaded = True  # the assignment may hold partitions without a _PartitionState
         self._commit_interval = commit_interval
         self._resume_after = resume_after
         self._linger = transaction_linger
@@ -292,6 +293,7 @@ class Feed:
         )
         self._consumer = consumer
         self._first_assignment = asyncio.Event()
+        self._unloaded = True  # the assignment may hold partitions without a _PartitionState
         try:
             if self.group_id is not None:
                 self._admin = AIOKafkaAdminClient(**self._kwargs)
@@ -375,14 +377,17 @@ class Feed:
         """The next event: a due retry, else the next wanted record (nothing is auto-acked)."""
         loop = asyncio.get_running_loop()
         while True:
-            await self._write_dead_letters()
-            await self._maybe_commit()
-            retried = self._due_retry(loop.time())
+            if self._dead:
+                await self._write_dead_letters()
+            now = loop.time()
+            if now - self._last_commit >= self._commit_interval:
+                await self._maybe_commit()
+            retried = self._due_retry(now) if self._retries else None
             if retried is not None:
                 self.stats.retries += 1
                 self._last = retried
                 return feed_event(retried.rec.event, retried.attempt, retried)
-            wait = self._retries[0][0] - loop.time() if self._retries else None
+            wait = self._retries[0][0] - now if self._retries else None
             try:
                 rec = await self._read(None if wait is None else max(wait, 0.001))
             except _Stopped:
@@ -576,7 +581,8 @@ class Feed:
         while True:
             if self._stopping:
                 raise _Stopped
-            await self._load_new_partitions()
+            if self._unloaded:
+                await self._load_new_partitions()
             msg = self._pop_next()
             if msg is not None:
                 rec = self._accept(msg)
@@ -596,7 +602,7 @@ class Feed:
                 batches = await consumer.getmany(timeout_ms=max(1, int(min(wait, 1.0) * 1000)))
             except ConsumerStoppedError:
                 raise _Stopped from None
-            if batches:
+            if batches and self._unloaded:
                 await self._load_new_partitions()
             for tp, msgs in batches.items():
                 state = self._parts.get(tp)
@@ -688,6 +694,7 @@ class Feed:
             return
         new = [tp for tp in consumer.assignment() if tp not in self._parts]
         if not new:
+            self._unloaded = False
             return
         epochs = {tp: self._epochs.get(tp, 0) for tp in new}
         stored: dict[TopicPartition, Position | None] = {}
@@ -757,8 +764,11 @@ class Feed:
             self._apply_done(self._marks())
 
     def _note_delivered(self, records: list[_Record]) -> None:
+        delivered = self._delivered
         for r in records:
-            self._delivered[r.tp] = newest(self._delivered.get(r.tp), r.position) or r.position
+            known = delivered.get(r.tp)
+            if known is None or r.position > known:
+                delivered[r.tp] = r.position
         self.stats.delivered += len(records)
 
     def _valid(self, rec: _Record) -> bool:
@@ -861,6 +871,7 @@ class Feed:
             log.warning("could not set the group's start position", extra={"group": self.group_id, "error": str(e)})
 
     def _on_assigned(self, assigned: list[TopicPartition]) -> None:
+        self._unloaded = True
         for tp in assigned:
             self._epochs[tp] = self._epochs.get(tp, 0) + 1
             self._parts.pop(tp, None)
