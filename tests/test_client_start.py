@@ -106,3 +106,21 @@ async def test_a_time_starts_at_records_written_since(kafka_bootstrap: str, uniq
         assert await _positions(feed) == [c.position for c in new]
     async with Feed(unique_name, start=since.isoformat(), bootstrap_servers=kafka_bootstrap, until_end=True) as feed:
         assert await _positions(feed) == [c.position for c in new]
+
+
+async def test_a_group_feed_started_before_its_topic_exists(kafka_bootstrap: str, unique_name: str) -> None:
+    """A service may start before its source: it waits for the topic, then reads from its start."""
+    changes = workload(random.Random(17), 5, TABLES)
+    feed = Feed(unique_name, group_id=unique_name + "-g", start="earliest", bootstrap_servers=kafka_bootstrap)
+    starting = asyncio.create_task(feed.start())
+    await asyncio.sleep(1.5)  # let it look for the topic first
+    assert not starting.done()
+    await create_topic(kafka_bootstrap, unique_name)
+    await produce(kafka_bootstrap, unique_name, [c.record() for c in changes])
+    try:
+        async with asyncio.timeout(60):
+            await starting
+            got = [(await anext(feed)).position for _ in changes]
+    finally:
+        await feed.stop()
+    assert got == [c.position for c in changes]

@@ -298,6 +298,9 @@ class Feed:
             if self.group_id is not None:
                 self._admin = AIOKafkaAdminClient(**self._kwargs)
                 await self._admin.start()
+                # A pattern subscription learns new topics only every metadata_max_age_ms:
+                # wait for the database topic here, as a group-less feed does.
+                await topic_partitions(self._kwargs, self.topic)
                 # A pattern, so that the group's replay topic is picked up when a replay creates
                 # it (on the consumer's next metadata refresh, metadata_max_age_ms).
                 names = [self.topic] if self._replay_topic is None else [self.topic, self._replay_topic]
