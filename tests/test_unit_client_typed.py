@@ -29,6 +29,8 @@ CASES: list[tuple[str, Any, Any]] = [
     ("bool", True, True),
     ("numeric", "123456789012345678901234567890.12", Decimal("123456789012345678901234567890.12")),
     ("numeric", "12.50", Decimal("12.50")),
+    ("numeric(12,2)", "12.50", Decimal("12.50")),  # a type name with its modifier
+    ("_numeric(5,1)", "{1.5}", [Decimal("1.5")]),
     ("numeric", "NaN", Decimal("NaN")),
     ("bytea", "\\x00ff", b"\x00\xff"),
     ("bytea", "a\\000\\\\b", b"a\x00\\b"),

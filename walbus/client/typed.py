@@ -21,7 +21,7 @@ A value Python's type cannot hold stays the PostgreSQL text: ``infinity``/``-inf
 and timestamps, years before 1 or after 9999 (``BC``), ``24:00:00``. A value masked with
 ``--mask-columns`` (``"****"``) stays ``"****"``. Type modifiers (``numeric(12,2)``,
 ``varchar(10)``, ``timestamp(3)``) change nothing here: the text already carries the scale and
-precision of each value.
+precision of each value; a type name written with its modifier is read by its name.
 """
 
 from __future__ import annotations
@@ -115,6 +115,7 @@ def typed_value(type_name: str, value: Any) -> Any:
     """The Python value of one column value of type ``type_name`` (a ``pg_type.typname``)."""
     if value is None or not isinstance(value, str) or value == MASK:
         return value  # JSON null, and ints, floats, bools the contract already sends typed
+    type_name = type_name.split("(", 1)[0]  # a type with its modifier, numeric(12,2): the name decides
     if type_name.startswith("_"):
         return parse_array(value, lambda t: _scalar(type_name[1:], t))
     return _scalar(type_name, value)
