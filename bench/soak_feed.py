@@ -49,6 +49,7 @@ async def main(topic: str, group: str, dsn: str, bootstrap: str, partitions: int
 
         feed = Feed(
             topic,
+            start="earliest",
             group_id=group,
             bootstrap_servers=bootstrap,
             resume_after=resume_after,

@@ -5,9 +5,10 @@ notification used to do, without the other service publishing anything.
     walbus produce &
     python examples/notify_service.py          # one JSON line per new transaction
 
-It subscribes to the database topic as the consumer group ``notify-service``: a restarted
-service goes on where it stopped, skips events the producer wrote twice, and its offsets
-are committed only after ``notify`` returned.
+It subscribes to the database topic as the consumer group ``notify-service``. Its first
+run starts at the latest event (``start="latest"``, the default: like binding a new queue,
+no old history); a restarted service goes on where it stopped, skips events the producer
+wrote twice, and its offsets are committed only after ``notify`` returned.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ async def main(argv: list[str]) -> int:
         tables=["public.transactions"],
         operations=["insert"],
     ) as feed:
+        print("listening", file=sys.stderr, flush=True)
         async for event in feed:
             await notify(event)
             handled += 1

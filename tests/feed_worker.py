@@ -32,6 +32,7 @@ async def main(topic: str, group: str, dsn: str, bootstrap: str, until_end: bool
 
         feed = Feed(
             topic,
+            start="earliest",
             group_id=group,
             bootstrap_servers=bootstrap,
             tables=TABLES,

@@ -89,7 +89,7 @@ async def test_feed_and_tail_from_postgres(pg_dsn: str, kafka_bootstrap: str, un
     expected = [[e for e in t if e[0] in wanted] for t in txns]
     expected = [t for t in expected if t]
     group = unique_name + "-g"
-    async with Feed(unique_name, group_id=group, bootstrap_servers=kafka_bootstrap, tables=["transactions", "users"], until_end=True) as feed:
+    async with Feed(unique_name, start="earliest", group_id=group, bootstrap_servers=kafka_bootstrap, tables=["transactions", "users"], until_end=True) as feed:
         got: list[Transaction] = [t async for t in feed.transactions()]
     shape = [
         [(e.table, e.operation, _key(e.row(), e.identity.as_dict() if e.identity else None, e.table)) for e in t.events]
@@ -134,10 +134,20 @@ async def test_notify_service_example(pg_dsn: str, kafka_bootstrap: str) -> None
         conn.execute(SCHEMA)
     database = conninfo_to_dict(pg_dsn)["dbname"]
     async with running_producer(pg_dsn, kafka_bootstrap):
+        # History from before the service's first run, in the topic before it starts: not printed.
+        with psycopg.connect(pg_dsn, autocommit=True) as conn:
+            conn.execute("INSERT INTO transactions VALUES (99, 99, 99)")
+        async with Feed(f"walbus.{database}", bootstrap_servers=kafka_bootstrap, start="earliest") as feed:
+            async with asyncio.timeout(60):
+                await anext(aiter(feed))
         service = await asyncio.create_subprocess_exec(
             sys.executable, str(ROOT / "examples" / "notify_service.py"), "--max-events", "3",
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=_example_env(pg_dsn, kafka_bootstrap),
         )
+        assert service.stderr is not None
+        async with asyncio.timeout(60):
+            while b"listening" not in await service.stderr.readline():
+                pass
         with psycopg.connect(pg_dsn, autocommit=True) as conn:
             conn.execute("INSERT INTO transactions VALUES (54441, 36036, 2000)")
             conn.execute("UPDATE transactions SET amount = 2500 WHERE transaction_id = 54441")

@@ -34,20 +34,20 @@ async def test_order_and_filters(kafka_bootstrap: str, unique_name: str) -> None
     await create_topic(kafka_bootstrap, unique_name)
     await produce(kafka_bootstrap, unique_name, [c.record() for c in changes])
 
-    async with Feed(unique_name, bootstrap_servers=kafka_bootstrap, until_end=True) as feed:
+    async with Feed(unique_name, start="earliest", bootstrap_servers=kafka_bootstrap, until_end=True) as feed:
         every = [e async for e in feed]
     assert [e.position for e in every] == [c.position for c in changes]
     assert feed.stats.delivered == len(changes)
 
     expected = [c for c in changes if c.table.endswith(".transactions") and c.operation in ("insert", "delete")]
     async with Feed(
-        unique_name, bootstrap_servers=kafka_bootstrap, tables=["transactions"], operations=["insert", "delete"], until_end=True
+        unique_name, start="earliest", bootstrap_servers=kafka_bootstrap, tables=["transactions"], operations=["insert", "delete"], until_end=True
     ) as feed:
         some = [e async for e in feed]
     assert [(e.position, e.table, e.operation) for e in some] == [(c.position, c.table, c.operation) for c in expected]
     assert some[0].row() == expected[0].row
 
-    async with Feed(unique_name, bootstrap_servers=kafka_bootstrap, tables=["audit.*", "public.u*"], until_end=True) as feed:
+    async with Feed(unique_name, start="earliest", bootstrap_servers=kafka_bootstrap, tables=["audit.*", "public.u*"], until_end=True) as feed:
         tables = {e.table async for e in feed}
     assert tables == {"audit.log", "public.users"}
 
@@ -60,12 +60,12 @@ async def test_group_skips_duplicates_after_restart(kafka_bootstrap: str, unique
     await produce(kafka_bootstrap, unique_name, [c.record() for c in first])
     group = unique_name + "-g"
     seen: list[tuple[int, int]] = []
-    async with Feed(unique_name, group_id=group, bootstrap_servers=kafka_bootstrap) as feed:
+    async with Feed(unique_name, start="earliest", group_id=group, bootstrap_servers=kafka_bootstrap) as feed:
         seen += [e.position for e in await _collect(feed, len(first))]
     # A re-send of the last 25 events (and a duplicate inside the new ones), then new events.
     dup = [c.record() for c in first[-25:]]
     await produce(kafka_bootstrap, unique_name, dup + [c.record() for c in second[:5]] + dup[:3] + [c.record() for c in second[5:]])
-    async with Feed(unique_name, group_id=group, bootstrap_servers=kafka_bootstrap, until_end=True) as feed:
+    async with Feed(unique_name, start="earliest", group_id=group, bootstrap_servers=kafka_bootstrap, until_end=True) as feed:
         seen += [e.position for e in feed_events] if (feed_events := [e async for e in feed]) else []
     assert seen == [c.position for c in changes]
     assert feed.stats.duplicates_skipped == 28
@@ -77,11 +77,11 @@ async def test_handler_exception_means_redelivery(kafka_bootstrap: str, unique_n
     await produce(kafka_bootstrap, unique_name, [c.record() for c in changes])
     group = unique_name + "-g"
     with pytest.raises(RuntimeError):
-        async with Feed(unique_name, group_id=group, bootstrap_servers=kafka_bootstrap) as feed:
+        async with Feed(unique_name, start="earliest", group_id=group, bootstrap_servers=kafka_bootstrap) as feed:
             async for event in feed:
                 if event.position == changes[5].position:
                     raise RuntimeError("handler failed")
-    async with Feed(unique_name, group_id=group, bootstrap_servers=kafka_bootstrap, until_end=True) as feed:
+    async with Feed(unique_name, start="earliest", group_id=group, bootstrap_servers=kafka_bootstrap, until_end=True) as feed:
         rest = [e.position async for e in feed]
     assert rest == [c.position for c in changes[5:]]
 
@@ -98,7 +98,7 @@ async def test_transactions(kafka_bootstrap: str, unique_name: str) -> None:
     await produce(kafka_bootstrap, unique_name, records)
     group = unique_name + "-g"
     txns: list[Transaction] = []
-    feed = Feed(unique_name, group_id=group, bootstrap_servers=kafka_bootstrap, tables=["public.*"], transaction_linger=0.3, until_end=True)
+    feed = Feed(unique_name, start="earliest", group_id=group, bootstrap_servers=kafka_bootstrap, tables=["public.*"], transaction_linger=0.3, until_end=True)
     async with feed:
         async for txn in feed.transactions():
             txns.append(txn)
@@ -111,7 +111,7 @@ async def test_transactions(kafka_bootstrap: str, unique_name: str) -> None:
         assert [e.position for e in t.events] == [c.position for c in expected[t.commit_lsn]]
         assert t.tables <= {"public.transactions", "public.users"}
     # Everything is committed: the group has nothing left.
-    async with Feed(unique_name, group_id=group, bootstrap_servers=kafka_bootstrap, until_end=True) as feed:
+    async with Feed(unique_name, start="earliest", group_id=group, bootstrap_servers=kafka_bootstrap, until_end=True) as feed:
         assert [e async for e in feed] == []
 
 
@@ -144,17 +144,17 @@ async def test_invalid_records_move_no_position(kafka_bootstrap: str, unique_nam
     await create_topic(kafka_bootstrap, unique_name)
     await produce(kafka_bootstrap, unique_name, [c.record() for c in first] + bad + [c.record() for c in second[:5]])
     group = unique_name + "-g"
-    async with Feed(unique_name, group_id=group, bootstrap_servers=kafka_bootstrap, until_end=True) as feed:
+    async with Feed(unique_name, start="earliest", group_id=group, bootstrap_servers=kafka_bootstrap, until_end=True) as feed:
         got = [e.position async for e in feed]
     assert got == [c.position for c in first + second[:5]]
     assert feed.stats.invalid_skipped == len(bad) and feed.stats.duplicates_skipped == 0
     assert _invalid_count(unique_name) == len(bad)
     # The group's stored position is the last valid event's: a restart is not poisoned either.
     await produce(kafka_bootstrap, unique_name, [c.record() for c in second[5:]])
-    async with Feed(unique_name, group_id=group, bootstrap_servers=kafka_bootstrap, until_end=True) as feed:
+    async with Feed(unique_name, start="earliest", group_id=group, bootstrap_servers=kafka_bootstrap, until_end=True) as feed:
         assert [e.position async for e in feed] == [c.position for c in second[5:]]
     # transactions() skips them the same way.
-    async with Feed(unique_name, bootstrap_servers=kafka_bootstrap, transaction_linger=0.2, until_end=True) as feed:
+    async with Feed(unique_name, start="earliest", bootstrap_servers=kafka_bootstrap, transaction_linger=0.2, until_end=True) as feed:
         txns = [t async for t in feed.transactions()]
     assert [e.position for t in txns for e in t.events] == [c.position for c in changes]
     assert all(e.row() is None or set(e.row() or {}) == {"id", "v"} for t in txns for e in t.events)
@@ -179,14 +179,14 @@ async def test_a_poisoned_stored_position_is_ignored(kafka_bootstrap: str, uniqu
         finally:
             await committer.stop()
 
-    async with Feed(unique_name, group_id=poisoned, bootstrap_servers=kafka_bootstrap, until_end=True) as feed:
+    async with Feed(unique_name, start="earliest", group_id=poisoned, bootstrap_servers=kafka_bootstrap, until_end=True) as feed:
         got = [e.position async for e in feed]
     # The mark is gone, so the re-send after the committed offset comes through once.
     assert got == [c.position for c in first[-3:] + second]
     ignored = REGISTRY.get_sample_value("walbus_client_stored_positions_ignored_total", {"topic": unique_name})
     assert ignored == 1
 
-    async with Feed(unique_name, group_id=sound, bootstrap_servers=kafka_bootstrap, until_end=True) as feed:
+    async with Feed(unique_name, start="earliest", group_id=sound, bootstrap_servers=kafka_bootstrap, until_end=True) as feed:
         got = [e.position async for e in feed]
     assert got == [c.position for c in second]
     assert feed.stats.duplicates_skipped == 3 and feed.stats.invalid_skipped == 1

@@ -122,7 +122,7 @@ async def test_unusual_names_end_to_end(
         try:
             await asyncio.to_thread(_workload, pg_dsn, big)
             events = []
-            async with asyncio.timeout(180), Feed(source, bootstrap_servers=kafka_bootstrap) as feed:
+            async with asyncio.timeout(180), Feed(source, bootstrap_servers=kafka_bootstrap, start="earliest") as feed:
                 async for event in feed:
                     events.append(event)
                     if event.table == "public.done":
@@ -130,7 +130,7 @@ async def test_unusual_names_end_to_end(
             last_commit = events[-1].commit_lsn
             positions = [e.position for e in events]
             assert len(set(positions)) == len(positions)
-            async with Feed(source, bootstrap_servers=kafka_bootstrap, tables=[quoted], until_end=True) as feed:
+            async with Feed(source, bootstrap_servers=kafka_bootstrap, start="earliest", tables=[quoted], until_end=True) as feed:
                 only = [e async for e in feed]
             assert [e.position for e in only] == [e.position for e in events if e.table == quoted]
             assert len(only) == 6  # five inserts and one update

@@ -19,6 +19,8 @@ commands:
   demux                    re-key the database topic into compacted per-table topics
   warehouse load|sql       load history and current-state tables with Spark
   tail                     print a database topic's events as JSON lines
+  dead-letters list|replay a consumer group's dead letters: show them, or send them back
+  groups                   consumer groups on walbus topics, with their lag
   demo                     run the whole pipeline on the local stack
 
 `walbus <command> --help` for the options of one command.
@@ -32,6 +34,8 @@ COMMANDS = {
     "demux": "demux.service",
     "warehouse": "warehouse.cli",
     "tail": "walbus.app.tail",
+    "dead-letters": "walbus.client.deadletters_command",
+    "groups": "walbus.client.groups_command",
     "demo": "walbus.app.demo",
 }
 

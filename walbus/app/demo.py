@@ -179,7 +179,7 @@ async def pipeline(dsn: str, database: str, bootstrap: str, rows: int, warehouse
         step(4, total, f"the database topic {topic} (the first 12 events, in commit order)")
         shown = 0
         last_commit = 0
-        async with Feed(topic, bootstrap_servers=bootstrap) as feed:
+        async with Feed(topic, bootstrap_servers=bootstrap, start="earliest") as feed:
             async with asyncio.timeout(120):
                 async for event in feed:
                     last_commit = max(last_commit, event.commit_lsn)

@@ -18,10 +18,14 @@ Delivery guarantees (see docs/client.md):
 from __future__ import annotations
 
 import asyncio
+import heapq
+import itertools
 import logging
+import re
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from datetime import datetime
 from types import TracebackType
 from typing import Any, Literal
 
@@ -32,8 +36,18 @@ from prometheus_client import CollectorRegistry
 
 from walbus.client._connect import client_kwargs as _client_kwargs
 from walbus.client._connect import read_records, topic_partitions
+from walbus.client.deadletters import (
+    DeadLetterWriter,
+    Origin,
+    dead_letter_headers,
+    error_text,
+    origin_of,
+    replay_topic,
+)
+from walbus.client.event import FeedEvent, feed_event
 from walbus.client.filters import EventFilter
 from walbus.client.metrics import client_metrics
+from walbus.client.parallel import Dispatcher
 from walbus.client.positions import (
     Position,
     decode_legacy_metadata,
@@ -42,6 +56,8 @@ from walbus.client.positions import (
     newest,
     valid_event,
 )
+from walbus.client.retrying import RetryPolicy
+from walbus.client.start import Start, StartAt, parse_start, start_floor
 from walbus.contract import ChangeEvent, ContractError, event_key
 
 log = logging.getLogger("walbus.client.feed")
@@ -75,7 +91,10 @@ class FeedStats:
     duplicates_skipped: int = 0
     filtered: int = 0
     invalid_skipped: int = 0
+    before_start: int = 0  # below an LSN ``start``
     commits: int = 0
+    retries: int = 0  # nacked deliveries handed out again
+    dead_letters: int = 0
 
 
 class _Stopped(Exception):
@@ -90,6 +109,30 @@ class _Record:
     position: Position
     event: ChangeEvent
     wanted: bool
+    msg: Any = None  # the Kafka record: key, value and headers for a dead letter
+
+
+@dataclass(eq=False, slots=True)
+class _Delivery:
+    """One event in the caller's hands, until it is acked, retried or dead-lettered."""
+
+    feed: Feed
+    rec: _Record
+    attempt: int = 1
+    outcome: Literal["pending", "acked", "retry", "dead"] = "pending"
+    error: str = ""
+
+    @property
+    def settled(self) -> bool:
+        return self.outcome != "pending"
+
+    def ack(self) -> None:
+        if self.outcome == "pending":
+            self.feed._acked(self)
+
+    def nack(self, retry_in: float | None, error: BaseException | str | None) -> None:
+        if self.outcome == "pending":
+            self.feed._nacked(self, retry_in, error)
 
 
 # Per partition: (assignment epoch, offset after the last record read, highest position read).
@@ -105,7 +148,9 @@ class _PartitionState:
     done_position: Position | None = None
     committed: tuple[int, Position | None] | None = None
     end_offset: int | None = None  # until_end: where this partition ended when assigned
+    replay: bool = False  # the group's replay topic: dead letters sent back, no duplicate check
     buffer: deque[Any] = field(default_factory=deque)
+    inflight: deque[_Delivery] = field(default_factory=deque)  # delivered, in offset order
 
 
 class _Rebalance(ConsumerRebalanceListener):  # type: ignore[misc]
@@ -117,6 +162,7 @@ class _Rebalance(ConsumerRebalanceListener):  # type: ignore[misc]
 
     async def on_partitions_assigned(self, assigned: Iterable[TopicPartition]) -> None:
         self._feed._on_assigned(list(assigned))
+        await self._feed._start_fresh_partitions(list(assigned))
 
 
 class Feed:
@@ -137,7 +183,13 @@ class Feed:
         tables: fnmatch patterns on ``schema.table`` (no dot: the table in any schema); a name
             with a dot or quote is quoted as in the event (``public."a.b"``).
         operations: ``insert``, ``update``, ``delete``, ``truncate``, ``read``; empty = all.
-        from_beginning: where a group without committed offsets (or a group-less feed) starts.
+        start: where a group without committed offsets (or a group-less feed) starts:
+            ``"latest"`` (default: only changes from now on, like binding a new queue),
+            ``"earliest"``, a commit LSN (``Lsn``, int or ``"16/B374D848"``: events with
+            ``commit_lsn >= lsn``) or an aware ``datetime`` (records written since). A group's
+            start is committed when it first gets a partition, so a restart before its first
+            event does not move it. A group with committed offsets ignores ``start``.
+        from_beginning: the older form: ``True`` is ``start="earliest"``, ``False`` ``"latest"``.
         commit_interval: seconds between offset commits while events keep coming; the feed
             also commits whenever it has to wait for new records, and on stop.
         resume_after: for exactly-once effects: returns the last position your handler stored
@@ -149,6 +201,12 @@ class Feed:
         strict: raise :class:`~walbus.contract.ContractError` on a record that is not a valid
             v1 event keyed by its own position, instead of logging and skipping it.
         consumer_options: extra ``AIOKafkaConsumer`` options (e.g. ``session_timeout_ms``).
+        auto_ack: ack an event the caller did not settle when it asks for the next one (or
+            leaves the loop with ``break``). With ``False`` every event needs ``event.ack()``
+            or ``event.nack()``; offsets commit up to the highest contiguous acked position.
+        retry: how often a nacked event (or one whose ``run`` handler raised) is retried, and
+            how long apart, before it goes to the dead-letter topic ``<topic>.<group>.dlq``.
+        dead_letters: create and use the group's dead-letter and replay topics (groups only).
         metrics_registry: where the client's Prometheus counters live (default: the global one).
     """
 
@@ -161,7 +219,8 @@ class Feed:
         client_kwargs: Mapping[str, Any] | None = None,
         tables: Iterable[str] = (),
         operations: Iterable[str] = (),
-        from_beginning: bool = True,
+        start: StartAt = "latest",
+        from_beginning: bool | None = None,
         commit_interval: float = 1.0,
         resume_after: ResumeAfter | None = None,
         transaction_linger: float = 0.5,
@@ -169,13 +228,22 @@ class Feed:
         strict: bool = False,
         consumer_options: Mapping[str, Any] | None = None,
         metrics_registry: CollectorRegistry | None = None,
+        auto_ack: bool = True,
+        retry: RetryPolicy | None = None,
+        dead_letters: bool = True,
     ) -> None:
         self.topic = topic
         self.group_id = group_id
         self.filter = EventFilter(tables, operations)
         self.stats = FeedStats()
         self._kwargs = _client_kwargs(bootstrap_servers, client_kwargs)
-        self._from_beginning = from_beginning
+        if from_beginning is not None:
+            start = "earliest" if from_beginning else "latest"
+        self._start: Start = parse_start(start)
+        self._floor = start_floor(self._start)
+        self._fresh: set[TopicPartition] = set()  # assigned without a committed offset
+        self._first_assignment = asyncio.Event()
+        self._unloaded = True  # the assignment may hold partitions without a _PartitionState
         self._commit_interval = commit_interval
         self._resume_after = resume_after
         self._linger = transaction_linger
@@ -196,6 +264,17 @@ class Feed:
         self._mode: Literal["events", "transactions"] | None = None
         self._last_commit = 0.0
         self._stopping = False
+        self._auto_ack = auto_ack
+        self._retry = retry or RetryPolicy()
+        self._last: _Delivery | None = None  # the event handed out last (auto-ack)
+        self._retries: list[tuple[float, int, _Delivery]] = []  # heap by due time
+        self._retry_order = itertools.count()
+        self._dead: deque[_Delivery] = deque()  # exhausted, to write to the dead-letter topic
+        self._dlq: DeadLetterWriter | None = None
+        self._replay_topic: str | None = None
+        if group_id is not None and dead_letters:
+            self._dlq = DeadLetterWriter(self._kwargs, topic, group_id)
+            self._replay_topic = replay_topic(topic, group_id)
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -208,26 +287,39 @@ class Feed:
             **self._kwargs,
             group_id=self.group_id,
             enable_auto_commit=False,
-            auto_offset_reset="earliest" if self._from_beginning else "latest",
+            auto_offset_reset="latest" if self._start == "latest" else "earliest",
             isolation_level="read_committed",
             **self._consumer_options,
         )
-        await consumer.start()
         self._consumer = consumer
+        self._first_assignment = asyncio.Event()
+        self._unloaded = True  # the assignment may hold partitions without a _PartitionState
         try:
             if self.group_id is not None:
                 self._admin = AIOKafkaAdminClient(**self._kwargs)
                 await self._admin.start()
-                consumer.subscribe([self.topic], listener=_Rebalance(self))
+                # A pattern subscription learns new topics only every metadata_max_age_ms:
+                # wait for the database topic here, as a group-less feed does.
+                await topic_partitions(self._kwargs, self.topic)
+                # A pattern, so that the group's replay topic is picked up when a replay creates
+                # it (on the consumer's next metadata refresh, metadata_max_age_ms).
+                names = [self.topic] if self._replay_topic is None else [self.topic, self._replay_topic]
+                pattern = "^(" + "|".join(re.escape(n) for n in names) + ")$"
+                # Subscribed before start(): start() then returns once the group assigned
+                # partitions, and the first assignment has committed a new group's start, so
+                # "latest" means "from when start() returned".
+                consumer.subscribe(pattern=pattern, listener=_Rebalance(self))
+                await consumer.start()
+                await self._first_assignment.wait()
             else:
+                await consumer.start()
                 tps = await topic_partitions(self._kwargs, self.topic)
                 consumer.assign(tps)
-                if self._from_beginning:
-                    await consumer.seek_to_beginning(*tps)
-                else:
-                    await consumer.seek_to_end(*tps)
+                for tp, offset in (await self._start_offsets(tps)).items():
+                    consumer.seek(tp, offset)
+                self._fresh.update(tps)
         except BaseException:
-            await self._close_clients()
+            await self._close_clients()  # a failed start leaves the clients' connections open
             raise
         self._last_commit = asyncio.get_running_loop().time()
 
@@ -245,10 +337,17 @@ class Feed:
         consumer, admin = self._consumer, self._admin
         self._consumer = self._admin = None
         self._parts.clear()
-        if consumer is not None:
-            await consumer.stop()
-        if admin is not None:
-            await admin.close()
+        self._retries.clear()
+        self._dead.clear()
+        self._last = None
+        try:
+            if consumer is not None:
+                await consumer.stop()
+            if admin is not None:
+                await admin.close()
+        finally:
+            if self._dlq is not None:
+                await self._dlq.close()
 
     async def __aenter__(self) -> Feed:
         await self.start()
@@ -272,13 +371,28 @@ class Feed:
     def __aiter__(self) -> Feed:
         return self
 
-    async def __anext__(self) -> ChangeEvent:
+    async def __anext__(self) -> FeedEvent:
         self._use_mode("events")
         self._finish_current()
-        await self._maybe_commit()
+        return await self._next_event()
+
+    async def _next_event(self) -> FeedEvent:
+        """The next event: a due retry, else the next wanted record (nothing is auto-acked)."""
+        loop = asyncio.get_running_loop()
         while True:
+            if self._dead:
+                await self._write_dead_letters()
+            now = loop.time()
+            if now - self._last_commit >= self._commit_interval:
+                await self._maybe_commit()
+            retried = self._due_retry(now) if self._retries else None
+            if retried is not None:
+                self.stats.retries += 1
+                self._last = retried
+                return feed_event(retried.rec.event, retried.attempt, retried)
+            wait = self._retries[0][0] - now if self._retries else None
             try:
-                rec = await self._read(None)
+                rec = await self._read(None if wait is None else max(wait, 0.001))
             except _Stopped:
                 raise StopAsyncIteration from None
             if rec is None:
@@ -286,9 +400,120 @@ class Feed:
             if not rec.wanted:
                 self.stats.filtered += 1
                 continue
-            self._current = self._marks()
+            delivery = _Delivery(self, rec)
+            self._parts[rec.tp].inflight.append(delivery)
             self._note_delivered([rec])
-            return rec.event
+            self._last = delivery
+            return feed_event(rec.event, 1, delivery)
+
+    async def run(self, handler: Callable[[FeedEvent], Awaitable[None]], *, concurrency: int = 1) -> None:
+        """Call ``handler`` for every event until the feed ends (``until_end``) or is cancelled.
+
+        An event is acked when ``handler`` returns (unless it settled the event itself). When it
+        raises, the event is retried in place after the retry policy's delay (later events of
+        the same key wait; other keys go on), and after the last attempt it goes to the
+        dead-letter topic: a poison event never stops the feed. ``concurrency`` handlers run at
+        once, events of one key (table and primary key) one after the other, in order; see
+        docs/client.md for the exact guarantee.
+        """
+        self._use_mode("events")
+        dispatcher = Dispatcher(self, handler, concurrency)
+        try:
+            await dispatcher.run()
+        finally:
+            self._last = None  # run() acks what it handled; auto-ack must not ack the rest
+
+    async def handle(self, event: FeedEvent, handler: Callable[[FeedEvent], Awaitable[None]]) -> None:
+        """Run ``handler`` on ``event`` with the retry policy; ack, or dead-letter when exhausted."""
+        delivery = event._settler
+        assert isinstance(delivery, _Delivery), "handle() takes events this feed delivered"
+        while True:
+            try:
+                await handler(event)
+            except Exception as e:
+                self._log_failure(delivery, e)
+                if delivery.settled:
+                    return  # the handler acked or nacked it itself before raising
+                if self._retry.exhausted(delivery.attempt):
+                    delivery.error = error_text(e)
+                    await self._dead_letter(delivery)
+                    return
+                self.stats.retries += 1
+                self._metrics.retries.labels(self.topic, self.group_id or "").inc()
+                await asyncio.sleep(self._retry.delay(delivery.attempt))
+                delivery.attempt += 1
+                event = feed_event(delivery.rec.event, delivery.attempt, delivery)
+                continue
+            event.ack()
+            return
+
+    # -- acknowledgement, retries, dead letters -------------------------------------------
+
+    def _acked(self, delivery: _Delivery) -> None:
+        delivery.outcome = "acked"
+        rec = delivery.rec
+        state = self._parts.get(rec.tp)
+        if state is None or state.epoch != rec.epoch:
+            return  # revoked meanwhile: the new owner takes it from the last commit
+        inflight = state.inflight
+        while inflight and inflight[0].outcome == "acked":
+            done = inflight.popleft().rec
+            if state.done_offset is None or done.offset + 1 > state.done_offset:
+                state.done_offset, state.done_position = done.offset + 1, newest(state.done_position, done.position)
+
+    def _nacked(self, delivery: _Delivery, retry_in: float | None, error: BaseException | str | None) -> None:
+        delivery.error = error_text(error if error is not None else "nacked")
+        if self._retry.exhausted(delivery.attempt):
+            delivery.outcome = "dead"
+            self._dead.append(delivery)
+            return
+        delivery.outcome = "retry"
+        delay = self._retry.delay(delivery.attempt) if retry_in is None else max(retry_in, 0.0)
+        due = asyncio.get_running_loop().time() + delay
+        heapq.heappush(self._retries, (due, next(self._retry_order), delivery))
+        self._metrics.retries.labels(self.topic, self.group_id or "").inc()
+
+    def _due_retry(self, now: float) -> _Delivery | None:
+        while self._retries and self._retries[0][0] <= now:
+            delivery = heapq.heappop(self._retries)[2]
+            if self._valid(delivery.rec):  # else revoked: the new owner reads it again
+                delivery.attempt += 1
+                delivery.outcome = "pending"
+                return delivery
+        return None
+
+    def _log_failure(self, delivery: _Delivery, error: BaseException) -> None:
+        rec = delivery.rec
+        log.warning(
+            "handler failed",
+            extra={"topic": rec.tp.topic, "partition": rec.tp.partition, "offset": rec.offset, "group": self.group_id,
+                   "key": rec.event.key.decode(), "attempt": delivery.attempt, "error": error_text(error)},
+        )
+
+    async def _write_dead_letters(self) -> None:
+        while self._dead:
+            await self._dead_letter(self._dead.popleft())
+
+    async def _dead_letter(self, delivery: _Delivery) -> None:
+        """Write an exhausted event to the group's dead-letter topic, then ack it: the feed goes on."""
+        rec = delivery.rec
+        origin = origin_of(list(rec.msg.headers or ())) if rec.msg is not None and self._is_replay(rec.tp) else None
+        origin = origin or Origin(rec.tp.topic, rec.tp.partition, rec.offset)
+        fields = {"topic": rec.tp.topic, "partition": rec.tp.partition, "offset": rec.offset, "group": self.group_id,
+                  "key": rec.event.key.decode(), "attempts": delivery.attempt, "error": delivery.error}
+        if self._dlq is None or self.group_id is None:
+            log.error("dropping an event whose retries are used up (no consumer group, no dead-letter topic)", extra=fields)
+        else:
+            headers = dead_letter_headers(error=delivery.error, attempts=delivery.attempt, group=self.group_id, origin=origin)
+            await self._dlq.write(rec.msg.key if rec.msg is not None else rec.event.key, rec.msg.value if rec.msg is not None else rec.event.to_json(), headers)
+            log.error("event sent to the dead-letter topic", extra={**fields, "dead_letter_topic": self._dlq.topic})
+        self.stats.dead_letters += 1
+        self._metrics.dead_letters.labels(self.topic, self.group_id or "").inc()
+        delivery.outcome = "pending"
+        delivery.ack()
+
+    def _is_replay(self, tp: TopicPartition) -> bool:
+        return self._replay_topic is not None and tp.topic == self._replay_topic
 
     def transactions(self) -> AsyncIterator[Transaction]:
         """Iterate over whole transactions instead of single events.
@@ -359,7 +584,8 @@ class Feed:
         while True:
             if self._stopping:
                 raise _Stopped
-            await self._load_new_partitions()
+            if self._unloaded:
+                await self._load_new_partitions()
             msg = self._pop_next()
             if msg is not None:
                 rec = self._accept(msg)
@@ -379,7 +605,7 @@ class Feed:
                 batches = await consumer.getmany(timeout_ms=max(1, int(min(wait, 1.0) * 1000)))
             except ConsumerStoppedError:
                 raise _Stopped from None
-            if batches:
+            if batches and self._unloaded:
                 await self._load_new_partitions()
             for tp, msgs in batches.items():
                 state = self._parts.get(tp)
@@ -407,12 +633,17 @@ class Feed:
             self._skip_invalid(msg, e)
             return None
         position = event.position
+        if state.replay:
+            return _Record(tp, state.epoch, msg.offset, position, event, self.filter.wants(event.table, event.operation), msg)
         if state.seen is not None and position <= state.seen:
-            self.stats.duplicates_skipped += 1
+            if self._floor is not None and position <= self._floor:
+                self.stats.before_start += 1
+            else:
+                self.stats.duplicates_skipped += 1
             return None
         state.seen = position
         wanted = self.filter.wants(event.table, event.operation)
-        return _Record(tp, state.epoch, msg.offset, position, event, wanted)
+        return _Record(tp, state.epoch, msg.offset, position, event, wanted, msg)
 
     def _skip_invalid(self, msg: Any, error: ContractError) -> None:
         # Skipped for good (its offset is committed with the next ones), but never silently.
@@ -466,6 +697,7 @@ class Feed:
             return
         new = [tp for tp in consumer.assignment() if tp not in self._parts]
         if not new:
+            self._unloaded = False
             return
         epochs = {tp: self._epochs.get(tp, 0) for tp in new}
         stored: dict[TopicPartition, Position | None] = {}
@@ -477,6 +709,8 @@ class Feed:
         resumed: dict[TopicPartition, Position | None] = {}
         if self._resume_after is not None:
             for tp in new:
+                if self._is_replay(tp):
+                    continue
                 resumed[tp] = await self._resume_after(tp.topic, tp.partition)
         ends: dict[TopicPartition, int] = await consumer.end_offsets(new) if self._until_end else {}
         assigned = consumer.assignment()
@@ -484,13 +718,15 @@ class Feed:
             # A rebalance may have happened while we were asking: keep only what still holds.
             if tp not in assigned or self._epochs.get(tp, 0) != epochs[tp] or tp in self._parts:
                 continue
-            seen = newest(stored.get(tp), resumed.get(tp), self._delivered.get(tp))
-            self._parts[tp] = _PartitionState(epoch=epochs[tp], seen=seen, end_offset=ends.get(tp))
+            replay = self._is_replay(tp)
+            floor = self._floor if tp in self._fresh and not replay else None
+            seen = None if replay else newest(stored.get(tp), resumed.get(tp), self._delivered.get(tp), floor)
+            self._parts[tp] = _PartitionState(epoch=epochs[tp], seen=seen, end_offset=ends.get(tp), replay=replay)
             log.debug("partition assigned", extra={"topic": tp.topic, "partition": tp.partition, "resume_after": seen})
 
     async def _at_end(self) -> bool:
         consumer = self._consumer
-        if consumer is None or not self._parts:
+        if consumer is None or not self._parts or self._retries or self._dead:
             return False
         for tp, state in self._parts.items():
             if state.buffer or state.end_offset is None:
@@ -502,8 +738,11 @@ class Feed:
     # -- progress and commits ----------------------------------------------------------------
 
     def _marks(self) -> _Marks:
+        # A partition with events in the caller's hands moves only by their acks.
         return {
-            tp: (s.epoch, s.read_offset, s.seen) for tp, s in self._parts.items() if s.read_offset is not None
+            tp: (s.epoch, s.read_offset, s.seen)
+            for tp, s in self._parts.items()
+            if s.read_offset is not None and not s.inflight
         }
 
     def _apply_done(self, marks: _Marks) -> None:
@@ -518,6 +757,9 @@ class Feed:
         if self._current is not None:
             self._apply_done(self._current)
             self._current = None
+        last, self._last = self._last, None
+        if last is not None and self._auto_ack and last.outcome == "pending":
+            last.ack()
 
     def _mark_read_done(self) -> None:
         """Nothing is in the caller's hands: every record read so far is finished."""
@@ -525,8 +767,11 @@ class Feed:
             self._apply_done(self._marks())
 
     def _note_delivered(self, records: list[_Record]) -> None:
+        delivered = self._delivered
         for r in records:
-            self._delivered[r.tp] = newest(self._delivered.get(r.tp), r.position) or r.position
+            known = delivered.get(r.tp)
+            if known is None or r.position > known:
+                delivered[r.tp] = r.position
         self.stats.delivered += len(records)
 
     def _valid(self, rec: _Record) -> bool:
@@ -576,7 +821,60 @@ class Feed:
         for tp in revoked:
             self._parts.pop(tp, None)
 
+    async def _start_offsets(self, tps: list[TopicPartition]) -> dict[TopicPartition, int]:
+        """Where each partition starts for ``self._start`` (an LSN start reads from the
+        beginning and skips below its floor: keys are ordered, offsets do not know LSNs)."""
+        consumer = self._consumer
+        assert consumer is not None
+        start = self._start
+        if not tps:
+            return {}
+        if start == "latest":
+            return dict(await consumer.end_offsets(tps))
+        if isinstance(start, datetime):
+            found = await consumer.offsets_for_times({tp: int(start.timestamp() * 1000) for tp in tps})
+            ends = await consumer.end_offsets(tps)
+            return {tp: found[tp].offset if found.get(tp) is not None else ends[tp] for tp in tps}
+        return dict(await consumer.beginning_offsets(tps))
+
+    async def _start_fresh_partitions(self, assigned: list[TopicPartition]) -> None:
+        """Seek partitions the group never committed to the start, and commit it there.
+
+        Committing at once makes the start durable, like a queue binding: without it, a member
+        that stopped before its first commit would start at ``latest`` again and miss what
+        happened in between."""
+        try:
+            await self._commit_start(assigned)
+        finally:
+            self._first_assignment.set()
+
+    async def _commit_start(self, assigned: list[TopicPartition]) -> None:
+        consumer, admin = self._consumer, self._admin
+        if consumer is None or admin is None or self.group_id is None or not assigned:
+            return
+        try:
+            committed = await admin.list_consumer_group_offsets(self.group_id, partitions=assigned)
+            fresh = [tp for tp in assigned if committed.get(tp) is None or committed[tp].offset < 0]
+            if not fresh:
+                return
+            # The replay topic holds only what was sent back to this group: all of it is new.
+            replays = [tp for tp in fresh if self._is_replay(tp)]
+            offsets = await self._start_offsets([tp for tp in fresh if tp not in replays])
+            if replays:
+                offsets.update(await consumer.beginning_offsets(replays))
+            for tp, offset in offsets.items():
+                consumer.seek(tp, offset)
+            self._fresh.update(fresh)
+            await consumer.commit({tp: (offset, encode_metadata(self._floor)) for tp, offset in offsets.items()})
+            log.info(
+                "new group: starting partitions",
+                extra={"group": self.group_id, "topic": self.topic, "start": str(self._start), "offsets": {tp.partition: o for tp, o in offsets.items()}},
+            )
+        except KafkaError as e:  # the listener must not fail the rebalance; auto_offset_reset still applies
+            log.warning("could not set the group's start position", extra={"group": self.group_id, "error": str(e)})
+
     def _on_assigned(self, assigned: list[TopicPartition]) -> None:
+        self._unloaded = True
         for tp in assigned:
             self._epochs[tp] = self._epochs.get(tp, 0) + 1
             self._parts.pop(tp, None)

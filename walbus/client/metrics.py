@@ -21,6 +21,18 @@ class ClientMetrics:
             ["topic"],
             registry=registry,
         )
+        self.retries = Counter(
+            "walbus_client_retries",
+            "Events handed to their handler again after a nack or a handler error",
+            ["topic", "group"],
+            registry=registry,
+        )
+        self.dead_letters = Counter(
+            "walbus_client_dead_letters",
+            "Events sent to the group's dead-letter topic after their last attempt",
+            ["topic", "group"],
+            registry=registry,
+        )
 
 
 _by_registry: weakref.WeakKeyDictionary[CollectorRegistry, ClientMetrics] = weakref.WeakKeyDictionary()

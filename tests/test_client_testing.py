@@ -1,0 +1,28 @@
+"""walbus.client.testing as a service team would use it: a few lines against the real pipeline."""
+
+from __future__ import annotations
+
+from decimal import Decimal
+from typing import TYPE_CHECKING
+
+import pytest
+
+if TYPE_CHECKING:
+    from walbus.client.testing import Pipeline
+
+pytest_plugins = ["walbus.client.testing"]  # the walbus_pipeline fixture
+pytestmark = pytest.mark.integration
+
+
+async def test_a_subscriber_sees_typed_rows(walbus_pipeline: Pipeline) -> None:
+    walbus_pipeline.execute(
+        "CREATE TABLE orders (id int PRIMARY KEY, total numeric(12,2), tags text[])",
+        "INSERT INTO orders VALUES (1, 12.5, '{a,\"b c\"}')",
+        "UPDATE orders SET total = 13 WHERE id = 1",
+    )
+    async with walbus_pipeline.feed(group_id="notify", tables=["public.orders"]) as feed:
+        inserted, updated = await walbus_pipeline.events(feed, 2)
+    assert inserted.operation == "insert" and updated.operation == "update"
+    assert inserted.row() == {"id": 1, "total": "12.50", "tags": '{a,"b c"}'}
+    assert inserted.typed_row() == {"id": 1, "total": Decimal("12.50"), "tags": ["a", "b c"]}
+    assert updated.typed_row() == {"id": 1, "total": Decimal("13.00"), "tags": ["a", "b c"]}

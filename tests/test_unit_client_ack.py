@@ -1,0 +1,55 @@
+"""Pure logic of acknowledgement and parallel delivery: retry delays, order keys, lanes."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from walbus.client import RetryPolicy
+from walbus.client.event import feed_event
+from walbus.client.parallel import lane_of, order_key
+from walbus.contract import ChangeEvent, RowImage
+
+
+def test_retry_delays_grow_are_capped_and_jittered() -> None:
+    policy = RetryPolicy(attempts=6, initial=1.0, maximum=8.0, jitter=0.5)
+    rng = random.Random(1)
+    for attempt, base in [(1, 1.0), (2, 2.0), (3, 4.0), (4, 8.0), (5, 8.0)]:
+        delays = {policy.delay(attempt, rng) for _ in range(50)}
+        assert all(base * 0.5 <= d <= base * 1.5 for d in delays)
+        assert len(delays) > 1  # jitter: not all the same
+    assert RetryPolicy(jitter=0.0).delay(3) == 4.0
+    assert not policy.exhausted(5) and policy.exhausted(6)
+    for bad in [{"attempts": 0}, {"initial": 5.0, "maximum": 1.0}, {"jitter": 2.0}]:
+        with pytest.raises(ValueError):
+            RetryPolicy(**bad)  # type: ignore[arg-type]
+
+
+def _event(op: str, table: str = "public.t", pk: tuple[str, ...] = ("id",), new: dict[str, int] | None = None, old: dict[str, int] | None = None) -> ChangeEvent:
+    def image(d: dict[str, int] | None) -> RowImage | None:
+        return None if d is None else RowImage(tuple(d), ("int4",) * len(d), tuple(d.values()))
+
+    return ChangeEvent(1, 2, 0, 3, op, table, "t", pk, image(new), image(old))  # type: ignore[arg-type]
+
+
+def test_order_keys() -> None:
+    key = order_key(feed_event(_event("insert", new={"id": 1, "a": 5}), 1, None))
+    assert key == ("public.t", 1)
+    assert order_key(feed_event(_event("update", new={"id": 1, "a": 6}, old={"id": 1}), 1, None)) == key
+    assert order_key(feed_event(_event("delete", old={"id": 1}), 1, None)) == key
+    assert order_key(feed_event(_event("insert", table="public.u", new={"id": 1}), 1, None)) != key
+    # A key change and a truncate are barriers; a table without a primary key is one key.
+    assert order_key(feed_event(_event("update", new={"id": 2}, old={"id": 1}), 1, None)) is None
+    assert order_key(feed_event(_event("truncate"), 1, None)) is None
+    assert order_key(feed_event(_event("insert", pk=(), new={"a": 1}), 1, None)) == ("public.t",)
+    composite = order_key(feed_event(_event("insert", pk=("a", "b"), new={"b": 2, "a": 1}), 1, None))
+    assert composite == ("public.t", 1, 2)
+
+
+def test_lanes_are_stable_and_spread() -> None:
+    keys = [("public.t", i) for i in range(1000)]
+    lanes = [lane_of(k, 8) for k in keys]
+    assert lanes == [lane_of(k, 8) for k in keys]
+    assert set(lanes) == set(range(8))
+    assert 0 <= lane_of(("t", [1, 2]), 8) < 8  # an unhashable value falls back to its text

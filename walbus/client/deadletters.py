@@ -1,0 +1,221 @@
+"""A consumer group's dead letters: events its handler failed on after every retry.
+
+They go to ``<topic>.<group>.dlq`` (the group's name escaped as a topic-name part), as the
+original record (same key and value) with headers that say why and from where:
+
+``walbus-error`` (the exception, ``Type: message``), ``walbus-attempts``, ``walbus-group``,
+``walbus-topic``, ``walbus-partition``, ``walbus-offset`` (the original record's position in
+the database topic) and ``walbus-failed-at`` (ISO 8601, UTC).
+
+``replay`` copies the dead letters not replayed yet to ``<topic>.<group>.replay``, which a
+``Feed`` of that group reads besides the database topic (without its duplicate check: a
+replayed event is old on purpose). The topics are created on first use; a running member
+sees a new replay topic at its consumer's next metadata refresh (``metadata_max_age_ms``,
+5 minutes by default) or restart. How far a group's dead letters were replayed is the
+committed offset of the consumer group ``<group>.dlq-replay`` on the dead-letter topic.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from aiokafka.errors import KafkaError
+
+from walbus.contract import escape_topic_part
+from walbus.kafka import KafkaAdmin, TopicSpec
+from walbus.retry import Backoff
+
+log = logging.getLogger("walbus.client.deadletters")
+
+H_ERROR = "walbus-error"
+H_ATTEMPTS = "walbus-attempts"
+H_GROUP = "walbus-group"
+H_TOPIC = "walbus-topic"
+H_PARTITION = "walbus-partition"
+H_OFFSET = "walbus-offset"
+H_FAILED_AT = "walbus-failed-at"
+
+_MAX_ERROR_CHARS = 2000
+
+
+def dead_letter_topic(topic: str, group: str) -> str:
+    return f"{topic}.{escape_topic_part(group)}.dlq"
+
+
+def replay_topic(topic: str, group: str) -> str:
+    return f"{topic}.{escape_topic_part(group)}.replay"
+
+
+def replay_group(group: str) -> str:
+    return f"{group}.dlq-replay"
+
+
+@dataclass(frozen=True, slots=True)
+class Origin:
+    """Where a record came from in the database topic."""
+
+    topic: str
+    partition: int
+    offset: int
+
+
+@dataclass(frozen=True, slots=True)
+class DeadLetter:
+    """One record of a dead-letter topic, with its headers decoded."""
+
+    offset: int  # in the dead-letter topic
+    key: bytes | None
+    value: bytes | None
+    error: str
+    attempts: int
+    origin: Origin | None
+    failed_at: str
+
+    def to_json_obj(self) -> dict[str, Any]:
+        return {
+            "offset": self.offset,
+            "key": self.key.decode("ascii", "replace") if self.key is not None else None,
+            "error": self.error,
+            "attempts": self.attempts,
+            "origin": None if self.origin is None else {"topic": self.origin.topic, "partition": self.origin.partition, "offset": self.origin.offset},
+            "failed_at": self.failed_at,
+        }
+
+
+def error_text(error: BaseException | str) -> str:
+    text = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
+    return text[:_MAX_ERROR_CHARS]
+
+
+def dead_letter_headers(*, error: str, attempts: int, group: str, origin: Origin) -> list[tuple[str, bytes]]:
+    return [
+        (H_ERROR, error.encode("utf-8", "replace")),
+        (H_ATTEMPTS, str(attempts).encode()),
+        (H_GROUP, group.encode()),
+        (H_TOPIC, origin.topic.encode()),
+        (H_PARTITION, str(origin.partition).encode()),
+        (H_OFFSET, str(origin.offset).encode()),
+        (H_FAILED_AT, datetime.now(UTC).isoformat().encode()),
+    ]
+
+
+def origin_of(headers: Sequence[tuple[str, bytes]]) -> Origin | None:
+    """The original position a dead or replayed record carries in its headers."""
+    h = dict(headers)
+    try:
+        return Origin(h[H_TOPIC].decode(), int(h[H_PARTITION]), int(h[H_OFFSET]))
+    except (KeyError, ValueError, UnicodeDecodeError):
+        return None
+
+
+def _decode(msg: Any) -> DeadLetter:
+    h = {k: v for k, v in (msg.headers or ())}
+    try:
+        attempts = int(h.get(H_ATTEMPTS, b"0"))
+    except ValueError:
+        attempts = 0
+    return DeadLetter(
+        offset=msg.offset,
+        key=msg.key,
+        value=msg.value,
+        error=h.get(H_ERROR, b"").decode("utf-8", "replace"),
+        attempts=attempts,
+        origin=origin_of(list(msg.headers or ())),
+        failed_at=h.get(H_FAILED_AT, b"").decode("utf-8", "replace"),
+    )
+
+
+class DeadLetterWriter:
+    """Writes a group's dead letters; creates the topics on first use, retries until written."""
+
+    def __init__(self, client_kwargs: Mapping[str, Any], topic: str, group: str) -> None:
+        self._kwargs = dict(client_kwargs)
+        self.topic = dead_letter_topic(topic, group)
+        self.group = group
+        self._producer: AIOKafkaProducer | None = None
+
+    async def write(self, key: bytes | None, value: bytes | None, headers: list[tuple[str, bytes]]) -> None:
+        """Send one dead letter; transient faults are retried with backoff (never dropped)."""
+        backoff = Backoff(initial=0.5, maximum=30.0)
+        while True:
+            try:
+                if self._producer is None:
+                    async with KafkaAdmin(client_kwargs=self._kwargs) as admin:
+                        await admin.ensure_topic(TopicSpec(self.topic))
+                    producer = AIOKafkaProducer(**self._kwargs, acks="all", enable_idempotence=True)
+                    try:
+                        await producer.start()
+                    except BaseException:
+                        await producer.stop()
+                        raise
+                    self._producer = producer
+                await self._producer.send_and_wait(self.topic, key=key, value=value, headers=headers)
+                return
+            except KafkaError as e:
+                await backoff.wait(log, f"writing a dead letter to {self.topic}", e)
+
+    async def close(self) -> None:
+        producer, self._producer = self._producer, None
+        if producer is not None:
+            await producer.stop()
+
+
+async def _read_all(kwargs: Mapping[str, Any], topic: str, *, group: str | None = None) -> tuple[list[Any], AIOKafkaConsumer]:
+    consumer = AIOKafkaConsumer(**kwargs, group_id=group, enable_auto_commit=False, auto_offset_reset="earliest", isolation_level="read_committed")
+    try:
+        await consumer.start()
+        tp = TopicPartition(topic, 0)
+        consumer.assign([tp])
+        end = (await consumer.end_offsets([tp]))[tp]
+        out: list[Any] = []
+        while await consumer.position(tp) < end:
+            batches = await consumer.getmany(tp, timeout_ms=1000)
+            out += [m for m in batches.get(tp, []) if m.offset < end]
+        return out, consumer
+    except BaseException:
+        await consumer.stop()
+        raise
+
+
+async def list_dead_letters(client_kwargs: Mapping[str, Any], topic: str, group: str) -> list[DeadLetter]:
+    """Every dead letter of ``group`` on ``topic`` (empty if it never had one)."""
+    async with KafkaAdmin(client_kwargs=dict(client_kwargs)) as admin:
+        if dead_letter_topic(topic, group) not in await admin.list_topics():
+            return []
+    msgs, consumer = await _read_all(client_kwargs, dead_letter_topic(topic, group))
+    await consumer.stop()
+    return [_decode(m) for m in msgs]
+
+
+async def replay_dead_letters(client_kwargs: Mapping[str, Any], topic: str, group: str) -> list[DeadLetter]:
+    """Send the dead letters not replayed yet back to the group (its replay topic); returns them.
+
+    The replay group's offset is committed after the copies are written: a replay that fails
+    half-way is done again, and the feed may see those events twice."""
+    dlq = dead_letter_topic(topic, group)
+    async with KafkaAdmin(client_kwargs=dict(client_kwargs)) as admin:
+        if dlq not in await admin.list_topics():
+            return []
+    msgs, consumer = await _read_all(client_kwargs, dlq, group=replay_group(group))
+    try:
+        if not msgs:
+            return []
+        async with KafkaAdmin(client_kwargs=dict(client_kwargs)) as admin:
+            await admin.ensure_topic(TopicSpec(replay_topic(topic, group)))
+        producer = AIOKafkaProducer(**client_kwargs, acks="all", enable_idempotence=True)
+        await producer.start()
+        try:
+            for m in msgs:
+                await producer.send(replay_topic(topic, group), key=m.key, value=m.value, headers=list(m.headers or ()))
+            await producer.flush()
+        finally:
+            await producer.stop()
+        await consumer.commit({TopicPartition(dlq, 0): msgs[-1].offset + 1})
+        return [_decode(m) for m in msgs]
+    finally:
+        await consumer.stop()

@@ -1,0 +1,115 @@
+"""``Feed.run(handler, concurrency=N)``: N handlers at once, each key's events in order.
+
+An event's *order key* is its table and primary-key values. Events are spread over N lanes by
+the hash of their key; each lane is one task handling its events one after the other, so two
+events of one key are handled in the order the feed delivered them (commit order), and a retry
+holds back its lane (the later events of its key, and of the keys that share the lane) until it
+succeeded or was dead-lettered. Events with no key of their own are *barriers*, handled alone
+after every lane drained: a truncate, and an update that changed the primary key (it follows
+the old key's events and precedes the new key's). A table without a primary key is one key.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Hashable
+from typing import TYPE_CHECKING
+
+from walbus.client.event import FeedEvent
+
+if TYPE_CHECKING:
+    from walbus.client.feed import Feed
+
+LANE_DEPTH = 64  # events queued per lane: the feed reads ahead at most N * LANE_DEPTH events
+
+Handler = Callable[[FeedEvent], Awaitable[None]]
+
+
+def order_key(event: FeedEvent) -> Hashable | None:
+    """The key whose events must stay in order; None for a barrier."""
+    if event.operation == "truncate":
+        return None
+    key = event.key_values()
+    if key is None:
+        return (event.table,)
+    ident = event.identity
+    if event.operation == "update" and ident is not None:
+        old = {c: v for c, v in zip(ident.columns, ident.values, strict=True) if c in key}
+        if len(old) == len(key) and old != key:
+            return None
+    return (event.table, *key.values())
+
+
+def lane_of(key: Hashable, lanes: int) -> int:
+    try:
+        return hash(key) % lanes
+    except TypeError:  # a key value that is not hashable (never from contract v1): its text
+        return hash(repr(key)) % lanes
+
+
+class Dispatcher:
+    def __init__(self, feed: Feed, handler: Handler, concurrency: int) -> None:
+        if concurrency < 1:
+            raise ValueError("concurrency must be at least 1")
+        self._feed = feed
+        self._handler = handler
+        self._lanes: list[asyncio.Queue[FeedEvent]] = [asyncio.Queue(LANE_DEPTH) for _ in range(concurrency)]
+        self._workers: list[asyncio.Task[None]] = []
+
+    async def run(self) -> None:
+        feed = self._feed
+        if len(self._lanes) == 1:
+            while True:
+                try:
+                    event = await feed._next_event()
+                except StopAsyncIteration:
+                    return
+                await feed.handle(event, self._handler)
+        self._workers = [asyncio.create_task(self._work(q)) for q in self._lanes]
+        try:
+            while True:
+                try:
+                    event = await feed._next_event()
+                except StopAsyncIteration:
+                    break
+                key = order_key(event)
+                if key is None:
+                    await self._drain()
+                    await feed.handle(event, self._handler)
+                else:
+                    await self._put(self._lanes[lane_of(key, len(self._lanes))], event)
+            await self._drain()
+        finally:
+            for w in self._workers:
+                w.cancel()
+            await asyncio.gather(*self._workers, return_exceptions=True)
+
+    async def _work(self, lane: asyncio.Queue[FeedEvent]) -> None:
+        while True:
+            event = await lane.get()
+            try:
+                await self._feed.handle(event, self._handler)
+            finally:
+                lane.task_done()
+
+    async def _until(self, waiting: Awaitable[object]) -> None:
+        """Await ``waiting``, but raise at once if a lane's task died (never wait on it forever)."""
+        task = asyncio.ensure_future(waiting)
+        try:
+            done, _ = await asyncio.wait([task, *self._workers], return_when=asyncio.FIRST_COMPLETED)
+            for w in self._workers:
+                if w in done:
+                    w.result()  # raises its error
+                    raise RuntimeError("a feed worker stopped")
+            await task
+        finally:
+            task.cancel()
+
+    async def _put(self, lane: asyncio.Queue[FeedEvent], event: FeedEvent) -> None:
+        if not lane.full():
+            lane.put_nowait(event)
+            return
+        await self._until(lane.put(event))
+
+    async def _drain(self) -> None:
+        await self._until(asyncio.gather(*(q.join() for q in self._lanes)))
