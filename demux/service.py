@@ -74,7 +74,7 @@ from demux.worker import PartitionWorker
 from walbus.config import describe
 from walbus.kafka import KafkaAdmin, wait_for_broker
 from walbus.logs import setup_logging
-from walbus.metrics import new_registry, serve_metrics
+from walbus.metrics import new_registry, sample, serve_metrics
 from walbus.retry import Backoff
 
 log = logging.getLogger("walbus.demux")
@@ -356,7 +356,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     tune_gc()
     registry = new_registry()
     config.kafka_client_kwargs()  # raises ConfigError on incomplete security options, before any I/O
-    server = serve_metrics(config.metrics_port, registry)
+    # Ready while it owns source partitions to consume.
+    server = serve_metrics(
+        config.metrics_port, registry, addr=config.metrics_addr,
+        ready=lambda: (sample(registry, "walbus_demux_assigned_partitions") or 0) > 0,
+    )
     try:
         asyncio.run(run_demux(config, registry=registry))
     finally:
