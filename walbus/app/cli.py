@@ -19,9 +19,10 @@ commands:
   demux                    re-key the database topic into compacted per-table topics
   warehouse load|sql       load history and current-state tables with Spark
   tail                     print a database topic's events as JSON lines
+  status                   where the data is: slot lag, topic offsets, group lag, warehouse
   demo                     run the whole pipeline on the local stack
 
-`walbus <command> --help` for the options of one command.
+`walbus <command> --help` for the options of one command; `walbus --version`.
 """
 
 
@@ -32,6 +33,7 @@ COMMANDS = {
     "demux": "demux.service",
     "warehouse": "warehouse.cli",
     "tail": "walbus.app.tail",
+    "status": "walbus.app.status",
     "demo": "walbus.app.demo",
 }
 
@@ -42,11 +44,27 @@ def _load(command: str) -> Callable[[Sequence[str]], int]:
     return entry
 
 
+def version() -> str:
+    """The installed distribution's version (the source tree's when run uninstalled)."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
+
+    try:
+        return dist_version("walbus")
+    except PackageNotFoundError:
+        from walbus import __version__
+
+        return __version__
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] in ("-h", "--help", "help"):
         print(USAGE)
         return 0 if args else 2
+    if args[0] in ("-V", "--version"):
+        print(f"walbus {version()}")
+        return 0
     if args[0] not in COMMANDS:
         print(f"walbus: unknown command {args[0]!r}\n\n{USAGE}", file=sys.stderr)
         return 2
