@@ -167,10 +167,11 @@ class Demux:
     async def run(self) -> None:
         cfg = self.config
         log.info("demux starting", extra={"config": describe(cfg)})
-        await wait_for_broker(self.client_kwargs)
+        if not await wait_for_broker(self.client_kwargs, stop=self._stop):
+            return  # stopped (SIGTERM) before Kafka answered
         self._admin = KafkaAdmin(client_kwargs=self.client_kwargs)
         await self._start_with_retry(self._admin.start, "admin client")
-        self._topics = TopicManager(self._admin, cfg)
+        self._topics = TopicManager(self._admin, cfg, stop=self._stop)
         consumer = AIOKafkaConsumer(
             **self.client_kwargs,
             group_id=cfg.group,
@@ -207,7 +208,7 @@ class Demux:
             except (KafkaError, OSError) as e:
                 if self._stop.is_set():
                     raise
-                await backoff.wait(log, f"starting the {what}", e)
+                await backoff.wait(log, f"starting the {what}", e, stop=self._stop)
 
     async def _loop(self, consumer: AIOKafkaConsumer) -> None:
         getmany_backoff = Backoff(initial=0.5, maximum=30.0)

@@ -243,24 +243,27 @@ class KafkaAdmin:
         raise UnknownTopicOrPartitionError(f"topic {topic}")
 
 
-async def wait_for_broker(client_kwargs: dict[str, Any], *, attempts: int = 0, max_delay: float = 60.0) -> None:
-    """Retry until the brokers answer (attempts=0: forever), with exponential backoff from 1 s."""
-    delay = 1.0
-    n = 0
-    while True:
-        n += 1
+async def wait_for_broker(
+    client_kwargs: dict[str, Any], *, attempts: int = 0, max_delay: float = 60.0, stop: asyncio.Event | None = None
+) -> bool:
+    """Retry until the brokers answer (attempts=0: forever), with backoff and jitter from 1 s.
+
+    Returns True once they answer, False when ``stop`` was set first (SIGTERM while waiting)."""
+    from walbus.retry import Backoff
+
+    backoff = Backoff(maximum=max_delay)
+    while stop is None or not stop.is_set():
         admin = KafkaAdmin(client_kwargs=client_kwargs, request_timeout_ms=10000)
         try:
             await admin.start()
             await admin.list_topics()
-            return
+            return True
         except (KafkaConnectionError, KafkaError, OSError) as e:
-            if attempts and n >= attempts:
+            if attempts and backoff.failures + 1 >= attempts:
                 raise KafkaConnectionError(
-                    f"Kafka at {client_kwargs.get('bootstrap_servers')} did not answer after {n} attempts: {e}"
+                    f"Kafka at {client_kwargs.get('bootstrap_servers')} did not answer after {backoff.failures + 1} attempts: {e}"
                 ) from e
-            log.warning("kafka not reachable, retrying", extra={"error": str(e), "retry_in_s": delay})
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, max_delay)
+            await backoff.wait(log, "reaching kafka", e, stop=stop)
         finally:
             await admin.close()
+    return False
