@@ -131,7 +131,7 @@ def ensure_publication(
         conn.execute(statement)
     except psycopg.errors.InsufficientPrivilege as e:
         # FOR ALL TABLES needs a superuser: owning the tables is not enough.
-        who = "a superuser" if all_tables else "the owner of every listed table"
+        who = "a superuser" if all_tables else "the owner of every listed table (with CREATE on the database)"
         raise ConfigError(
             f"cannot create publication {name}: {str(e).strip()}. Have {who} run "
             f"{statement.as_string(conn)}" + (", or capture a table list (--tables) whose owner creates it" if all_tables else "")

@@ -98,7 +98,8 @@ def test_no_fixed_passwords_and_the_producer_is_not_the_superuser() -> None:
         dsn = services[name]["environment"]["WALBUS_PG_DSN"]
         assert dsn.startswith("postgresql://walbus_producer:${WALBUS_PRODUCER_PASSWORD:?"), dsn
     init = (ROOT / "deploy" / "postgres-init" / "10-walbus-producer-role.sh").read_text()
-    assert "CREATE ROLE walbus_producer WITH LOGIN REPLICATION" in init and "SUPERUSER" not in init
+    assert "CREATE ROLE :\"role\" WITH LOGIN REPLICATION" in init and "SUPERUSER" not in init
+    assert "WALBUS_PRODUCER_ROLE:-walbus_producer" in init
     assert "./deploy/postgres-init:/docker-entrypoint-initdb.d:ro" in services["postgres"]["volumes"]
 
 
