@@ -160,7 +160,8 @@ class PostgresInstance:
         write_private(self.password_file, secrets.token_hex(16))
         pwfile = self.state_dir / "pg" / ".initdb.pw"
         write_private(pwfile, self.password_file.read_text())
-        _chown_tree(pwfile, user)
+        if user is not None:
+            os.chown(pwfile, pwd.getpwnam(user).pw_uid, pwd.getpwnam(user).pw_gid)
         try:
             res = subprocess.run(initdb_command(bindir, self.datadir, pwfile), capture_output=True, text=True, **as_user(user))
         finally:
