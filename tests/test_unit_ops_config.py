@@ -89,3 +89,31 @@ def test_help_shows_defaults_choices_and_env_vars(capsys: pytest.CaptureFixture[
     assert "choices: debug, info, warning, error" in text
     assert "env: WALBUS_DEMUX_GROUP_ID; WALBUS_GROUP_ID deprecated" in text
     assert "default: walbus-demux-state" in text
+
+
+def test_every_duration_states_its_unit() -> None:
+    """Durations are milliseconds when the option ends in _ms (Kafka's own names), else seconds,
+    and then the help says so."""
+    import dataclasses
+
+    from walbus.app.status import StatusConfig
+    from warehouse.cli import SqlConfig
+
+    for cls in (ProducerConfig, DemuxConfig, TailConfig, StatusConfig, LoadConfig, SqlConfig):
+        for f in dataclasses.fields(cls):
+            if f.name.endswith("_ms"):
+                continue
+            if any(word in f.name for word in ("interval", "delay", "timeout", "duration", "_seconds")):
+                assert "seconds" in f.metadata["help"], f"{cls.__name__}.{f.name}: unit not stated"
+
+
+def test_dev_and_demo_help_show_defaults(capsys: pytest.CaptureFixture[str]) -> None:
+    from walbus.app.demo import main as demo
+    from walbus.app.dev.cli import main as dev
+
+    for entry, argv in ((demo, ["--help"]), (dev, ["up", "--help"])):
+        with pytest.raises(SystemExit):
+            entry(argv)
+    text = " ".join(capsys.readouterr().out.split())
+    assert "default: 30" in text  # demo --rows
+    assert "default: 4.4.0" in text or "default 4.4.0" in text  # dev up --kafka-version

@@ -253,8 +253,8 @@ def warehouse(bootstrap: str, topic: str, root: Path) -> None:
 
 def main(argv: Sequence[str]) -> int:
     parser = argparse.ArgumentParser(prog="walbus demo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rows", type=int, default=30, help="rows of the random stream")
-    parser.add_argument("--state-dir", type=Path, default=None, help="the local stack's state directory (default ./.walbus)")
+    parser.add_argument("--rows", type=int, default=30, help="rows of the random stream (default: 30)")
+    parser.add_argument("--state-dir", type=Path, default=None, help="the local stack's state directory (default: WALBUS_DEV_STATE_DIR or ./.walbus); removed at the end when the demo created it")
     parser.add_argument("--no-warehouse", action="store_true", help="skip the Spark step")
     args = parser.parse_args(argv)
     from walbus.logs import setup_logging

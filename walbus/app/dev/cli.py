@@ -23,11 +23,11 @@ def main(argv: Sequence[str]) -> int:
     up = sub.add_parser("up", parents=[after], help="start PostgreSQL and Kafka (reuses a running stack)")
     up.add_argument(
         "--kafka-version", default=None,
-        help=f"Apache Kafka version of a new stack, fetched from Maven Central (default {KAFKA_VERSION}; 3.9.1 works too)",
+        help=f"Apache Kafka version of a new stack, fetched from Maven Central (default: {KAFKA_VERSION}; 3.9.1 works too)",
     )
     up.add_argument(
         "--brokers", type=int, default=None, choices=BROKER_COUNTS,
-        help="Kafka nodes of a new stack: 1, or 3 (each broker and controller: a quorum of 3)",
+        help="Kafka nodes of a new stack: 1, or 3 (each broker and controller: a quorum of 3; default: 1)",
     )
     down = sub.add_parser("down", parents=[after], help="stop both by their recorded PIDs")
     down.add_argument("--purge", action="store_true", help="also delete the state directory")
