@@ -117,3 +117,13 @@ def test_dev_and_demo_help_show_defaults(capsys: pytest.CaptureFixture[str]) -> 
     text = " ".join(capsys.readouterr().out.split())
     assert "default: 30" in text  # demo --rows
     assert "default: 4.4.0" in text or "default 4.4.0" in text  # dev up --kafka-version
+
+
+def test_version_and_the_status_command_are_listed(capsys: pytest.CaptureFixture[str]) -> None:
+    from walbus import __version__
+    from walbus.app.cli import main as walbus
+
+    assert walbus(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == f"walbus {__version__}"
+    assert walbus(["--help"]) == 0
+    assert "status" in capsys.readouterr().out
