@@ -64,16 +64,16 @@ class StatusConfig(KafkaOptions):
 def render(status: Status, out: TextIO) -> None:
     """The status as short text sections."""
     w = out.write
-    w("slots\n")
+    w("slots\n" + ("" if status.slots else "  (none)\n"))
     for s in status.slots:
         lag = "?" if s.lag_bytes is None else f"{s.lag_bytes} B"
         safe = "" if s.safe_wal_size is None else f", {s.safe_wal_size} B before it is lost"
         w(f"  {s.slot:<30} {'active' if s.active else 'inactive':<8} confirmed {s.confirmed_flush_lsn}  lag {lag}"
           f"  wal_status {s.wal_status}{safe}\n")
-    w("topics (end offsets)\n")
+    w("topics (end offsets)\n" + ("" if status.topics else "  (none)\n"))
     for t in status.topics:
         w(f"  {t.kind:<8} {t.topic:<50} {t.records}\n")
-    w("consumer groups (lag in records)\n")
+    w("consumer groups (lag in records)\n" + ("" if status.groups else "  (none)\n"))
     for g in status.groups:
         w(f"  {g.group:<40} {g.topic:<50} {g.lag}\n")
     if status.warehouse is not None:
