@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from walbus.config import ConfigError, load_config, option
 from walbus.contract import MAX_TOPIC_LENGTH, unescape_topic_part
 from walbus.kafka import DEFAULT_MAX_MESSAGE_BYTES, KafkaOptions
+from walbus.metrics import DEFAULT_METRICS_ADDR
 
 # What Kafka accepts in a topic name (table names are escaped into it; these are taken as given).
 _TOPIC_NAME = re.compile(r"^[A-Za-z0-9._-]+$")
@@ -21,7 +22,8 @@ LOG_LEVELS = ["debug", "info", "warning", "error"]
 class DemuxConfig(KafkaOptions):
     source_topic: str = option(help="the database topic to consume, e.g. walbus.shop")
     group_id: str | None = option(
-        None, help="consumer group (default walbus-demux.<source-topic>); also names the transactional ids"
+        None, help="consumer group (default walbus-demux.<source-topic>); also names the transactional ids",
+        env="legacy",
     )
     group_instance_id: str | None = option(
         None,
@@ -43,7 +45,8 @@ class DemuxConfig(KafkaOptions):
         "at-least-once replays. Turn off after restoring the database to an earlier LSN (PITR)",
     )
     state_dir: str = option(
-        "walbus-demux-state", help="directory of the last-row stores (SQLite, one per source partition)"
+        "walbus-demux-state", help="directory of the last-row stores (SQLite, one per source partition)",
+        env="legacy",
     )
     txn_max_records: int = option(20000, help="commit the Kafka transaction after this many source records")
     txn_max_ms: int = option(200, help="... or after this many milliseconds, whichever comes first")
@@ -57,7 +60,8 @@ class DemuxConfig(KafkaOptions):
     segment_ms: int | None = option(None, help="segment.ms of created per-table topics")
     session_timeout_ms: int = option(10000, help="consumer group session timeout")
     transaction_timeout_ms: int = option(60000, help="Kafka transaction timeout (an orphaned transaction is aborted after it)")
-    metrics_port: int | None = option(None, help="serve Prometheus /metrics on this port")
+    metrics_port: int | None = option(None, help="serve Prometheus /metrics, /healthz and /readyz on this port", env="legacy")
+    metrics_addr: str = option(DEFAULT_METRICS_ADDR, help="address the metrics port binds (0.0.0.0: every interface)")
     log_level: str = option("info", help="log level", choices=LOG_LEVELS)
 
     def __post_init__(self) -> None:

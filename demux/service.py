@@ -74,7 +74,7 @@ from demux.worker import PartitionWorker
 from walbus.config import describe
 from walbus.kafka import KafkaAdmin, wait_for_broker
 from walbus.logs import setup_logging
-from walbus.metrics import new_registry, serve_metrics
+from walbus.metrics import new_registry, sample, serve_metrics
 from walbus.retry import Backoff
 
 log = logging.getLogger("walbus.demux")
@@ -167,10 +167,11 @@ class Demux:
     async def run(self) -> None:
         cfg = self.config
         log.info("demux starting", extra={"config": describe(cfg)})
-        await wait_for_broker(self.client_kwargs)
+        if not await wait_for_broker(self.client_kwargs, stop=self._stop):
+            return  # stopped (SIGTERM) before Kafka answered
         self._admin = KafkaAdmin(client_kwargs=self.client_kwargs)
         await self._start_with_retry(self._admin.start, "admin client")
-        self._topics = TopicManager(self._admin, cfg)
+        self._topics = TopicManager(self._admin, cfg, stop=self._stop)
         consumer = AIOKafkaConsumer(
             **self.client_kwargs,
             group_id=cfg.group,
@@ -207,7 +208,7 @@ class Demux:
             except (KafkaError, OSError) as e:
                 if self._stop.is_set():
                     raise
-                await backoff.wait(log, f"starting the {what}", e)
+                await backoff.wait(log, f"starting the {what}", e, stop=self._stop)
 
     async def _loop(self, consumer: AIOKafkaConsumer) -> None:
         getmany_backoff = Backoff(initial=0.5, maximum=30.0)
@@ -356,7 +357,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     tune_gc()
     registry = new_registry()
     config.kafka_client_kwargs()  # raises ConfigError on incomplete security options, before any I/O
-    server = serve_metrics(config.metrics_port, registry)
+    # Ready while it owns source partitions to consume.
+    server = serve_metrics(
+        config.metrics_port, registry, addr=config.metrics_addr,
+        ready=lambda: (sample(registry, "walbus_demux_assigned_partitions") or 0) > 0,
+    )
     try:
         asyncio.run(run_demux(config, registry=registry))
     finally:

@@ -36,9 +36,10 @@ class TopicInfo:
 
 
 class TopicManager:
-    def __init__(self, admin: KafkaAdmin, config: DemuxConfig) -> None:
+    def __init__(self, admin: KafkaAdmin, config: DemuxConfig, *, stop: asyncio.Event | None = None) -> None:
         self._admin = admin
         self._config = config
+        self._stop = stop  # set on SIGTERM: retries end
         self._known: dict[str, TopicInfo] = {}
         self._lock = asyncio.Lock()
 
@@ -79,7 +80,9 @@ class TopicManager:
                 return TopicInfo(partitions, max_bytes, unusable)
             except KafkaError as e:
                 if _transient(e):
-                    await backoff.wait(log, f"creating/describing topic {topic}", e)
+                    await backoff.wait(log, f"creating/describing topic {topic}", e, stop=self._stop)
+                    if self._stop is not None and self._stop.is_set():
+                        raise
                     continue
                 return _unusable(topic, e)
 

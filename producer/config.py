@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from walbus.config import ConfigError, load_config, option, parse_dsn
 from walbus.contract import database_topic
 from walbus.kafka import KafkaOptions
+from walbus.metrics import DEFAULT_METRICS_ADDR
 
 # PostgreSQL's rule for replication slot names.
 _SLOT_NAME = re.compile(r"^[a-z0-9_]{1,63}$")
@@ -45,7 +46,8 @@ class ProducerConfig(KafkaOptions):
     exclude_columns: list[str] = option([], help="schema.table.column patterns left out of events")
     mask_columns: list[str] = option([], help="schema.table.column patterns whose values are replaced by ****")
     heartbeat_interval: float = option(10.0, help="seconds between status updates that confirm the server's position while captured tables are idle")
-    metrics_port: int = option(0, help="serve Prometheus metrics on this port (0: off)")
+    metrics_port: int = option(0, help="serve Prometheus /metrics, /healthz and /readyz on this port (0: off)", env="legacy")
+    metrics_addr: str = option(DEFAULT_METRICS_ADDR, help="address the metrics port binds (0.0.0.0: every interface)")
     drop_slot_on_exit: bool = option(False, help="drop the replication slot when the producer exits")
     transaction_metadata: bool = option(False, help="emit BEGIN/END records on <topic>.transaction")
     max_batch_bytes: int = option(1 << 20, help="Kafka record batch size in bytes")

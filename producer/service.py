@@ -45,7 +45,7 @@ from walbus.kafka import (
     wait_for_broker,
 )
 from walbus.logs import setup_logging
-from walbus.metrics import new_registry, serve_metrics
+from walbus.metrics import new_registry, sample, serve_metrics
 from walbus.retry import Backoff
 
 log = logging.getLogger("walbus.producer")
@@ -315,7 +315,11 @@ def main(argv: Sequence[str]) -> int:
     cfg = load(argv)
     setup_logging(cfg.log_level)
     producer = Producer(cfg)
-    server = serve_metrics(cfg.metrics_port, producer.registry)
+    # Ready while streaming from the slot (the gauge the stream loop keeps).
+    server = serve_metrics(
+        cfg.metrics_port, producer.registry, addr=cfg.metrics_addr,
+        ready=lambda: sample(producer.registry, "walbus_producer_connected") == 1,
+    )
 
     async def _run() -> None:
         loop = asyncio.get_running_loop()

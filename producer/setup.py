@@ -119,16 +119,23 @@ def ensure_publication(
         check_publication(conn, name, tables)
         log.info("using existing publication", extra={"publication": name})
         return
+    all_tables = not capture.tables and not capture.exclude_tables
+    if not all_tables and not tables:
+        raise ConfigError("--tables/--exclude-tables leave no table to capture")
+    idents = [sql.Identifier(*t) for t in tables]
+    statement = (
+        sql.SQL("CREATE PUBLICATION {} FOR ALL TABLES").format(sql.Identifier(name)) if all_tables
+        else sql.SQL("CREATE PUBLICATION {} FOR TABLE {}").format(sql.Identifier(name), sql.SQL(", ").join(idents))
+    )
     try:
-        if not capture.tables and not capture.exclude_tables:
-            conn.execute(sql.SQL("CREATE PUBLICATION {} FOR ALL TABLES").format(sql.Identifier(name)))
-        else:
-            if not tables:
-                raise ConfigError("--tables/--exclude-tables leave no table to capture")
-            idents = [sql.Identifier(*t) for t in tables]
-            conn.execute(sql.SQL("CREATE PUBLICATION {} FOR TABLE {}").format(sql.Identifier(name), sql.SQL(", ").join(idents)))
+        conn.execute(statement)
     except psycopg.errors.InsufficientPrivilege as e:
-        raise ConfigError(f"cannot create publication {name}: {e}; create it as the tables' owner") from None
+        # FOR ALL TABLES needs a superuser: owning the tables is not enough.
+        who = "a superuser" if all_tables else "the owner of every listed table (with CREATE on the database)"
+        raise ConfigError(
+            f"cannot create publication {name}: {str(e).strip()}. Have {who} run "
+            f"{statement.as_string(conn)}" + (", or capture a table list (--tables) whose owner creates it" if all_tables else "")
+        ) from None
     shown = "ALL" if not (capture.tables or capture.exclude_tables) else [qualify_table(*t) for t in tables]
     log.info("created publication", extra={"publication": name, "tables": shown})
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs what walbus needs on a fresh Debian/Ubuntu machine: PostgreSQL's server and the
-# wal2json plugin, a JDK and Maven (for the local Kafka broker and Spark), and the Python
+# wal2json plugin, a JDK and Maven, Prometheus (promtool) (for the local Kafka broker and Spark), and the Python
 # package with its test extras. Safe to run again: it installs only what is missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -12,6 +12,8 @@ command -v mvn >/dev/null || need+=(maven)
 ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || need+=(postgresql-15)
 ls /usr/lib/postgresql/*/lib/wal2json.so >/dev/null 2>&1 || need+=(postgresql-15-wal2json)
 command -v pg_recvlogical >/dev/null || need+=(postgresql-client-15)
+# promtool checks and unit-tests deploy/walbus-alerts.yml; a real Prometheus scrapes the services in tests
+command -v promtool >/dev/null || need+=(prometheus)
 if [ ${#need[@]} -gt 0 ]; then
   sudo=""
   [ "$(id -u)" -eq 0 ] || sudo="sudo"

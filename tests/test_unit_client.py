@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from walbus.app.tail import _merge_repeated
+from walbus.app.tail import TailConfig
 from walbus.client import EventFilter, table_key
 from walbus.client.positions import (
     decode_legacy_metadata,
@@ -13,6 +13,7 @@ from walbus.client.positions import (
     newest,
     position_of_key,
 )
+from walbus.config import load_config
 from walbus.contract import event_key, qualify_table
 
 
@@ -68,4 +69,5 @@ def test_table_keys() -> None:
 
 def test_tail_merges_repeated_list_flags() -> None:
     argv = ["--topic", "t", "--table", "a", "--table=b", "--operation", "insert", "--max-events", "2"]
-    assert _merge_repeated(argv) == ["--topic", "t", "--max-events", "2", "--table", "a,b", "--operation", "insert"]
+    config = load_config(TailConfig, [*argv, "--kafka-bootstrap", "k:9092"], prog="t", env={}, section="tail")
+    assert (config.table, config.operation, config.max_events) == (["a", "b"], ["insert"], 2)

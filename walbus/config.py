@@ -6,13 +6,21 @@ three sources, flags beating env vars beating the file::
 
     --pg-dsn  ==  WALBUS_PG_DSN  ==  pg-dsn (or pg_dsn) in the --config TOML file
 
-Lists are comma-separated in flags and env vars, arrays in TOML.
+Every option also has a per-command env var, ``WALBUS_<COMMAND>_<OPTION>``
+(``WALBUS_DEMUX_GROUP_ID``), which beats the shared one. An option whose meaning differs
+between commands (a consumer group, a metrics port, a state directory) is declared with
+``env="command"`` (only the per-command name is read) or ``env="legacy"`` (the shared name
+still works, with a deprecation log line): one shell env can then serve every command.
+
+Lists are comma-separated in flags and env vars (or the flag repeated), arrays in TOML;
+``key=value`` lists split only at a comma that starts a new ``key=``, so values may hold commas.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import os
 import re
 import tomllib
@@ -23,6 +31,11 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 ENV_PREFIX = "WALBUS_"
+ENV_SCOPES = ("shared", "command", "legacy")
+# In a key=value list, a comma starts a new item only when a key and '=' follow it.
+_KV_SPLIT = re.compile(r",(?=\s*[A-Za-z_][\w.\-]*=)")
+
+log = logging.getLogger("walbus.config")
 
 T = TypeVar("T")
 
@@ -38,9 +51,20 @@ def option(
     choices: Sequence[str] | None = None,
     secret: bool = False,
     short: str | None = None,
+    env: str = "shared",
+    key_values: bool = False,
 ) -> Any:
-    """Declare a config field. Fields without a default are required."""
-    meta = {"help": help, "choices": tuple(choices) if choices else None, "secret": secret, "short": short}
+    """Declare a config field. Fields without a default are required.
+
+    ``env``: shared (``WALBUS_<OPTION>`` is read by every command), command (only
+    ``WALBUS_<COMMAND>_<OPTION>``) or legacy (the shared name still read, deprecated).
+    ``key_values``: a list of key=value items whose values may hold commas."""
+    if env not in ENV_SCOPES:
+        raise ValueError(f"env must be one of {ENV_SCOPES}")
+    meta = {
+        "help": help, "choices": tuple(choices) if choices else None, "secret": secret, "short": short,
+        "env": env, "key_values": key_values,
+    }
     if isinstance(default, list):
         items = list(default)
         return dataclasses.field(default_factory=lambda: list(items), metadata=meta)
@@ -51,8 +75,16 @@ def flag_name(field_name: str) -> str:
     return "--" + field_name.replace("_", "-")
 
 
-def env_name(field_name: str) -> str:
-    return ENV_PREFIX + field_name.upper()
+def env_name(field_name: str, command: str | None = None) -> str:
+    """``WALBUS_<OPTION>``, or with ``command`` the per-command ``WALBUS_<COMMAND>_<OPTION>``."""
+    middle = command.upper().replace("-", "_") + "_" if command else ""
+    return ENV_PREFIX + middle + field_name.upper()
+
+
+def split_list(text: str, *, key_values: bool = False) -> list[str]:
+    """A flag's or env var's list: comma-separated, blanks dropped."""
+    pieces = _KV_SPLIT.split(text) if key_values else text.split(",")
+    return [p.strip() for p in pieces if p.strip()]
 
 
 def _base_type(tp: Any) -> tuple[Any, bool]:
@@ -65,7 +97,7 @@ def _base_type(tp: Any) -> tuple[Any, bool]:
     return tp, False
 
 
-def _convert(name: str, tp: Any, raw: Any, source: str) -> Any:
+def _convert(name: str, tp: Any, raw: Any, source: str, *, key_values: bool = False) -> Any:
     base, optional = _base_type(tp)
     if raw is None:
         if optional:
@@ -74,7 +106,7 @@ def _convert(name: str, tp: Any, raw: Any, source: str) -> Any:
     try:
         if typing.get_origin(base) is list:
             if isinstance(raw, str):
-                return [p.strip() for p in raw.split(",") if p.strip()]
+                return split_list(raw, key_values=key_values)
             if isinstance(raw, list):
                 return [str(p) for p in raw]
             raise TypeError
@@ -104,12 +136,15 @@ def _convert(name: str, tp: Any, raw: Any, source: str) -> Any:
     raise ConfigError(f"{name}: unsupported option type {tp!r}")
 
 
-def build_parser(cls: type[Any], prog: str, description: str | None = None) -> argparse.ArgumentParser:
+def build_parser(
+    cls: type[Any], prog: str, description: str | None = None, command: str | None = None
+) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=prog,
         description=description,
         argument_default=argparse.SUPPRESS,
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=f"Each option may also be set as {env_name('<option>', command)} in the environment." if command else None,
     )
     parser.add_argument("--config", metavar="FILE", help="TOML file with option keys (env: WALBUS_CONFIG)")
     hints = typing.get_type_hints(cls)
@@ -119,12 +154,39 @@ def build_parser(cls: type[Any], prog: str, description: str | None = None) -> a
         if meta.get("short"):
             names.insert(0, meta["short"])
         base, _ = _base_type(hints[f.name])
-        extra = f" (env: {env_name(f.name)})"
+        text = _help_text(f, command).replace("%", "%%")
         if base is bool:
-            parser.add_argument(*names, dest=f.name, action=argparse.BooleanOptionalAction, help=meta["help"] + extra)
+            parser.add_argument(*names, dest=f.name, action=argparse.BooleanOptionalAction, help=text)
+        elif typing.get_origin(base) is list:
+            # Repeated flags add up (a plain store keeps only the last one).
+            parser.add_argument(*names, dest=f.name, action="append", metavar=f.name.upper(), help=text)
         else:
-            parser.add_argument(*names, dest=f.name, metavar=f.name.upper(), choices=meta.get("choices"), help=meta["help"] + extra)
+            parser.add_argument(*names, dest=f.name, metavar=f.name.upper(), choices=meta.get("choices"), help=text)
     return parser
+
+
+def _help_text(f: dataclasses.Field[Any], command: str | None) -> str:
+    """The option's help with its choices, default and env var(s)."""
+    meta = f.metadata
+    parts = [meta["help"]]
+    if meta.get("choices"):
+        parts.append(f"choices: {', '.join(meta['choices'])}")
+    default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+    if default is dataclasses.MISSING:
+        parts.append("required")
+    elif not meta.get("secret") and default not in (None, [], ""):
+        shown = ",".join(map(str, default)) if isinstance(default, list) else str(default)
+        if isinstance(default, bool):
+            shown = "on" if default else "off"
+        parts.append(f"default: {shown}")
+    scope = meta.get("env", "shared") if command else "shared"
+    if scope == "shared":
+        parts.append(f"env: {env_name(f.name)}")
+    else:
+        parts.append(f"env: {env_name(f.name, command)}")
+        if scope == "legacy":
+            parts.append(f"{env_name(f.name)} deprecated")
+    return f"{parts[0]} ({'; '.join(parts[1:])})"
 
 
 def load_toml(path: Path) -> dict[str, Any]:
@@ -149,10 +211,11 @@ def load_config(
     """Parse ``argv`` (flags), env vars and the TOML file into ``cls``.
 
     ``section``: a TOML table whose keys apply to this service only (``[produce]``);
-    top-level keys apply to every service.
+    top-level keys apply to every service. It also names the per-command env vars
+    (``WALBUS_<SECTION>_<OPTION>``).
     """
     env = os.environ if env is None else env
-    parser = build_parser(cls, prog, description)
+    parser = build_parser(cls, prog, description, section)
     ns = vars(parser.parse_args(argv))
     config_path = ns.pop("config", None) or env.get(ENV_PREFIX + "CONFIG")
     file_values: dict[str, Any] = {}
@@ -163,16 +226,19 @@ def load_config(
             flat.update(doc[section])
         file_values = {k.replace("-", "_"): v for k, v in flat.items()}
     hints = typing.get_type_hints(cls)
-    known = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
     values: dict[str, Any] = {}
-    for name in known:
-        tp = hints[name]
+    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+        name, tp, kv = f.name, hints[f.name], bool(f.metadata.get("key_values"))
+        env_key = _env_key(f, env, section)
         if name in ns:
-            values[name] = _convert(flag_name(name), tp, ns[name], "flag")
-        elif env_name(name) in env:
-            values[name] = _convert(flag_name(name), tp, env[env_name(name)], f"env {env_name(name)}")
+            raw = ns[name]
+            if isinstance(raw, list):  # repeated list flags
+                raw = [item for text in raw for item in split_list(text, key_values=kv)]
+            values[name] = _convert(flag_name(name), tp, raw, "flag", key_values=kv)
+        elif env_key is not None:
+            values[name] = _convert(flag_name(name), tp, env[env_key], f"env {env_key}", key_values=kv)
         elif name in file_values:
-            values[name] = _convert(flag_name(name), tp, file_values[name], f"file {config_path}")
+            values[name] = _convert(flag_name(name), tp, file_values[name], f"file {config_path}", key_values=kv)
     missing = [
         f.name
         for f in dataclasses.fields(cls)  # type: ignore[arg-type]
@@ -189,6 +255,30 @@ def load_config(
         return cls(**values)
     except (TypeError, ValueError) as e:
         raise ConfigError(str(e)) from None
+
+
+def _env_key(f: dataclasses.Field[Any], env: Mapping[str, str], command: str | None) -> str | None:
+    """The env var that sets this option, if any: the per-command one first."""
+    shared = env_name(f.name)
+    if command:
+        own = env_name(f.name, command)
+        if own in env:
+            return own
+        scope = f.metadata.get("env", "shared")
+        if scope == "command":
+            if shared in env:
+                log.warning(
+                    f"{shared} is ignored by `walbus {command}`: its meaning differs between commands; set {own}",
+                    extra={"ignored_env": shared, "use_env": own},
+                )
+            return None
+        if scope == "legacy" and shared in env:
+            log.warning(
+                f"{shared} is deprecated for `walbus {command}`: set {own} (the shared name means something "
+                "else to other commands)",
+                extra={"deprecated_env": shared, "use_env": own},
+            )
+    return shared if shared in env else None
 
 
 # libpq quotes pieces of the connection string in its parse errors, and a piece may be

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import random
 import ssl
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -248,27 +247,30 @@ class KafkaAdmin:
         raise UnknownTopicOrPartitionError(f"topic {topic}")
 
 
-async def wait_for_broker(client_kwargs: dict[str, Any], *, attempts: int = 0, max_delay: float = 60.0) -> None:
-    """Retry until the brokers answer (attempts=0: forever), with exponential backoff from 1 s."""
-    delay = 1.0
-    n = 0
-    while True:
-        n += 1
+async def wait_for_broker(
+    client_kwargs: dict[str, Any], *, attempts: int = 0, max_delay: float = 60.0, stop: asyncio.Event | None = None
+) -> bool:
+    """Retry until the brokers answer (attempts=0: forever), with backoff and jitter from 1 s.
+
+    Returns True once they answer, False when ``stop`` was set first (SIGTERM while waiting)."""
+    from walbus.retry import Backoff
+
+    backoff = Backoff(maximum=max_delay)
+    while stop is None or not stop.is_set():
         admin = KafkaAdmin(client_kwargs=client_kwargs, request_timeout_ms=10000)
         try:
             await admin.start()
             await admin.list_topics()
-            return
+            return True
         except (KafkaConnectionError, KafkaError, OSError) as e:
-            if attempts and n >= attempts:
+            if attempts and backoff.failures + 1 >= attempts:
                 raise KafkaConnectionError(
-                    f"Kafka at {client_kwargs.get('bootstrap_servers')} did not answer after {n} attempts: {e}"
+                    f"Kafka at {client_kwargs.get('bootstrap_servers')} did not answer after {backoff.failures + 1} attempts: {e}"
                 ) from e
-            log.warning("kafka not reachable, retrying", extra={"error": str(e), "retry_in_s": delay})
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, max_delay)
+            await backoff.wait(log, "reaching kafka", e, stop=stop)
         finally:
             await admin.close()
+    return False
 
 
 Offsets = dict[int, int]  # partition -> offset
@@ -282,20 +284,18 @@ async def topic_offsets(
     A retriable fault (a dead partition leader, a broker not ready, a connection lost) is
     retried with jittered backoff for ``within`` seconds, each time with a new client, so
     that fresh metadata finds the partition's new leader; other errors are raised at once."""
+    from walbus.retry import Backoff
+
     loop = asyncio.get_running_loop()
     deadline = loop.time() + within
-    attempt = 0
+    backoff = Backoff(initial=0.25, maximum=5.0)
     while True:
         try:
             return await _topic_offsets(client_kwargs, topic)
         except KafkaError as e:
-            attempt += 1
             if not e.retriable or loop.time() >= deadline:
                 raise
-            delay = random.uniform(0.5, 1.0) * min(0.25 * 2**attempt, 5.0)
-            log.warning("reading topic offsets failed, retrying",
-                        extra={"topic": topic, "error": repr(e), "attempt": attempt, "retry_in_s": round(delay, 2)})
-            await asyncio.sleep(delay)
+            await backoff.wait(log, f"reading the offsets of {topic}", e)
 
 
 async def _topic_offsets(client_kwargs: dict[str, Any], topic: str) -> tuple[Offsets, Offsets]:

@@ -35,7 +35,10 @@ class SparkOptions:
     )
     driver_memory: str = option("1g", help="spark.driver.memory when this command starts the driver")
     shuffle_partitions: int = option(4, help="spark.sql.shuffle.partitions")
-    spark_conf: list[str] = option([], help="extra Spark settings, key=value, comma-separated")
+    spark_conf: list[str] = option(
+        [], help="extra Spark settings, key=value; repeat the flag or separate with commas (a value may hold commas)",
+        key_values=True,
+    )
     log_level: str = option("warning", help="log level", choices=["debug", "info", "warning", "error"])
 
     def spark_settings(self) -> dict[str, str]:

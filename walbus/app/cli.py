@@ -21,9 +21,10 @@ commands:
   tail                     print a database topic's events as JSON lines
   dead-letters list|replay a consumer group's dead letters: show them, or send them back
   groups                   consumer groups on walbus topics, with their lag
+  status                   where the data is: slot lag, topic offsets, group lag, warehouse
   demo                     run the whole pipeline on the local stack
 
-`walbus <command> --help` for the options of one command.
+`walbus <command> --help` for the options of one command; `walbus --version`.
 """
 
 
@@ -36,6 +37,7 @@ COMMANDS = {
     "tail": "walbus.app.tail",
     "dead-letters": "walbus.client.deadletters_command",
     "groups": "walbus.client.groups_command",
+    "status": "walbus.app.status",
     "demo": "walbus.app.demo",
 }
 
@@ -46,11 +48,27 @@ def _load(command: str) -> Callable[[Sequence[str]], int]:
     return entry
 
 
+def version() -> str:
+    """The installed distribution's version (the source tree's when run uninstalled)."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
+
+    try:
+        return dist_version("walbus")
+    except PackageNotFoundError:
+        from walbus import __version__
+
+        return __version__
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] in ("-h", "--help", "help"):
         print(USAGE)
         return 0 if args else 2
+    if args[0] in ("-V", "--version"):
+        print(f"walbus {version()}")
+        return 0
     if args[0] not in COMMANDS:
         print(f"walbus: unknown command {args[0]!r}\n\n{USAGE}", file=sys.stderr)
         return 2

@@ -82,6 +82,7 @@ def endpoints(state_dir: Path | None) -> Iterator[tuple[str, str]]:
     from walbus.app.dev import LocalStack, default_state_dir
 
     stack = LocalStack.load(state_dir or default_state_dir())
+    created = not stack.record.exists()  # a stack of the demo's own: removed with its state at the end
     was_running = stack.postgres.running() and stack.kafka.running()
     with Ticker("local PostgreSQL + Kafka" + (" (running already)" if was_running else " (the first run fetches Kafka's jars)")):
         stack.up()
@@ -89,9 +90,16 @@ def endpoints(state_dir: Path | None) -> Iterator[tuple[str, str]]:
     try:
         yield stack.postgres.dsn, stack.kafka.bootstrap
     finally:
-        if not was_running:
-            stack.down()
-            print("  stopped the local stack")
+        release(stack, was_running=was_running, created=created)
+
+
+def release(stack: Any, *, was_running: bool, created: bool) -> None:
+    """Leave the local stack as the demo found it: a running one runs on, a stopped one is
+    stopped again, and one the demo created is removed with its state directory."""
+    if was_running:
+        return
+    stack.down(purge=created)
+    print("  stopped the local stack" + (f" and removed {stack.state_dir}" if created else ""))
 
 
 def fresh_database(admin_dsn: str, database: str) -> str:
@@ -245,8 +253,8 @@ def warehouse(bootstrap: str, topic: str, root: Path) -> None:
 
 def main(argv: Sequence[str]) -> int:
     parser = argparse.ArgumentParser(prog="walbus demo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rows", type=int, default=30, help="rows of the random stream")
-    parser.add_argument("--state-dir", type=Path, default=None, help="the local stack's state directory (default ./.walbus)")
+    parser.add_argument("--rows", type=int, default=30, help="rows of the random stream (default: 30)")
+    parser.add_argument("--state-dir", type=Path, default=None, help="the local stack's state directory (default: WALBUS_DEV_STATE_DIR or ./.walbus); removed at the end when the demo created it")
     parser.add_argument("--no-warehouse", action="store_true", help="skip the Spark step")
     args = parser.parse_args(argv)
     from walbus.logs import setup_logging

@@ -19,8 +19,6 @@ from walbus.client.filters import EventFilter
 from walbus.config import ConfigError, load_config, option
 from walbus.kafka import KafkaOptions
 
-_LIST_FLAGS = ("--table", "--operation")
-
 
 @dataclass(kw_only=True)
 class TailConfig(KafkaOptions):
@@ -30,23 +28,8 @@ class TailConfig(KafkaOptions):
     from_beginning: bool = option(False, help="start at the oldest event instead of new events only")
     max_events: int = option(0, help="exit after printing this many events (0: no limit)")
     until_end: bool = option(False, help="exit once the events present at start are printed")
-    group_id: str | None = option(None, help="read as this consumer group and commit offsets")
-
-
-def _merge_repeated(argv: Sequence[str]) -> list[str]:
-    """`--table a --table b` -> `--table a,b` (the config loader keeps only the last flag)."""
-    out: list[str] = []
-    merged: dict[str, list[str]] = {}
-    it = iter(argv)
-    for arg in it:
-        name, eq, value = arg.partition("=")
-        if name in _LIST_FLAGS:
-            merged.setdefault(name, []).append(value if eq else next(it, ""))
-        else:
-            out.append(arg)
-    for name, values in merged.items():
-        out += [name, ",".join(v for v in values if v)]
-    return out
+    # Per command only: a shared WALBUS_GROUP_ID would make tail commit another service's offsets.
+    group_id: str | None = option(None, help="read as this consumer group and commit offsets", env="command")
 
 
 async def tail(config: TailConfig, out: TextIO) -> int:
@@ -82,7 +65,7 @@ async def _run(config: TailConfig) -> None:
 
 
 def main(argv: Sequence[str]) -> int:
-    config = load_config(TailConfig, _merge_repeated(argv), prog="walbus tail", description=__doc__, section="tail")
+    config = load_config(TailConfig, argv, prog="walbus tail", description=__doc__, section="tail")
     try:
         EventFilter(config.table, config.operation)
     except ValueError as e:

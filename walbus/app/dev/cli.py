@@ -14,21 +14,25 @@ from walbus.app.dev.stack import LocalStack, default_state_dir
 
 def main(argv: Sequence[str]) -> int:
     parser = argparse.ArgumentParser(prog="walbus dev", description="The local PostgreSQL + Kafka stack.")
-    parser.add_argument("--state-dir", type=Path, default=None, help="where data, logs and PIDs live (env WALBUS_STATE_DIR; default ./.walbus)")
+    state_help = "where data, logs and PIDs live (env WALBUS_DEV_STATE_DIR; default ./.walbus)"
+    parser.add_argument("--state-dir", type=Path, default=None, help=state_help)
+    # Also after the action (`walbus dev up --state-dir DIR`, as the README writes it).
+    after = argparse.ArgumentParser(add_help=False)
+    after.add_argument("--state-dir", type=Path, default=argparse.SUPPRESS, help=state_help)
     sub = parser.add_subparsers(dest="action", required=True)
-    up = sub.add_parser("up", help="start PostgreSQL and Kafka (reuses a running stack)")
+    up = sub.add_parser("up", parents=[after], help="start PostgreSQL and Kafka (reuses a running stack)")
     up.add_argument(
         "--kafka-version", default=None,
-        help=f"Apache Kafka version of a new stack, fetched from Maven Central (default {KAFKA_VERSION}; 3.9.1 works too)",
+        help=f"Apache Kafka version of a new stack, fetched from Maven Central (default: {KAFKA_VERSION}; 3.9.1 works too)",
     )
     up.add_argument(
         "--brokers", type=int, default=None, choices=BROKER_COUNTS,
-        help="Kafka nodes of a new stack: 1, or 3 (each broker and controller: a quorum of 3)",
+        help="Kafka nodes of a new stack: 1, or 3 (each broker and controller: a quorum of 3; default: 1)",
     )
-    down = sub.add_parser("down", help="stop both by their recorded PIDs")
+    down = sub.add_parser("down", parents=[after], help="stop both by their recorded PIDs")
     down.add_argument("--purge", action="store_true", help="also delete the state directory")
-    sub.add_parser("status", help="what runs where (JSON)")
-    sub.add_parser("env", help="print `export WALBUS_...` lines for the shell")
+    sub.add_parser("status", parents=[after], help="what runs where (JSON)")
+    sub.add_parser("env", parents=[after], help="print `export WALBUS_...` lines for the shell (fails when the stack is not running)")
     args = parser.parse_args(argv)
     if args.action == "up":
         stack = LocalStack.load(args.state_dir or default_state_dir(), kafka_version=args.kafka_version, brokers=args.brokers)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import glob
 import os
 import pwd
+import secrets
 import shutil
 import subprocess
 import time
@@ -13,7 +14,15 @@ from pathlib import Path
 
 import psycopg
 
-from walbus.app.dev.processes import StackError, pid_alive, port_in_use, spawn, stop_pid, tail
+from walbus.app.dev.processes import (
+    StackError,
+    as_user,
+    pid_alive,
+    port_in_use,
+    spawn,
+    stop_pid,
+    tail,
+)
 
 SUPERUSER = "postgres"
 INSTALL_HINT = "install PostgreSQL's server, e.g. `apt-get install postgresql-15 postgresql-15-wal2json`"
@@ -60,6 +69,30 @@ def _chown_tree(path: Path, user: str | None) -> None:
             os.chown(os.path.join(root, name), pw.pw_uid, pw.pw_gid)
 
 
+# TCP needs the generated password; the socket (in a directory only the server user and root
+# may enter) trusts whoever can reach it.
+HBA = (
+    "local all all trust\n"
+    "local replication all trust\n"
+    "host all all 127.0.0.1/32 scram-sha-256\n"
+    "host replication all 127.0.0.1/32 scram-sha-256\n"
+)
+
+
+def initdb_command(bindir: Path, datadir: Path, pwfile: Path) -> list[str]:
+    return [
+        str(bindir / "initdb"), "-D", str(datadir), "-U", SUPERUSER, "--auth-local=trust",
+        "--auth-host=scram-sha-256", f"--pwfile={pwfile}", "-E", "UTF8", "--locale=C.UTF-8",
+    ]
+
+
+def write_private(path: Path, text: str) -> None:
+    """Write a file only its owner may read (created 0600, never readable in between)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(text)
+
+
 @dataclass
 class PostgresInstance:
     """A PostgreSQL server in ``<state>/pg``; ``pid`` and ``port`` once started."""
@@ -81,8 +114,15 @@ class PostgresInstance:
         return self.state_dir / "pg" / "postgres.log"
 
     @property
+    def password_file(self) -> Path:
+        """The superuser's generated password (0600; stacks created before it have none)."""
+        return self.state_dir / "postgres.password"
+
+    @property
     def dsn(self) -> str:
-        return f"postgresql://{SUPERUSER}@127.0.0.1:{self.port}/postgres"
+        password = self.password_file.read_text().strip() if self.password_file.exists() else ""
+        credentials = f"{SUPERUSER}:{password}" if password else SUPERUSER  # hex: no URI escaping needed
+        return f"postgresql://{credentials}@127.0.0.1:{self.port}/postgres"
 
     @property
     def socket_dsn(self) -> str:
@@ -111,13 +151,21 @@ class PostgresInstance:
                     )
         self.datadir.mkdir(parents=True, exist_ok=True)
         self.socket_dir.mkdir(parents=True, exist_ok=True)
-        # Parents of the state dir must be traversable by the server user.
-        for p in [self.state_dir, self.state_dir / "pg"]:
-            p.chmod(0o755)
+        # The server user may enter the state dir (not list it) and owns pg/, closed to others.
+        self.state_dir.chmod(0o711 if user else 0o700)
+        (self.state_dir / "pg").chmod(0o700)
         _chown_tree(self.state_dir / "pg", user)
         self.datadir.chmod(0o700)
-        cmd = [str(bindir / "initdb"), "-D", str(self.datadir), "-U", SUPERUSER, "--auth=trust", "-E", "UTF8", "--locale=C.UTF-8"]
-        res = subprocess.run(cmd, capture_output=True, text=True, user=user)
+        self.socket_dir.chmod(0o700)
+        write_private(self.password_file, secrets.token_hex(16))
+        pwfile = self.state_dir / "pg" / ".initdb.pw"
+        write_private(pwfile, self.password_file.read_text())
+        if user is not None:
+            os.chown(pwfile, pwd.getpwnam(user).pw_uid, pwd.getpwnam(user).pw_gid)
+        try:
+            res = subprocess.run(initdb_command(bindir, self.datadir, pwfile), capture_output=True, text=True, **as_user(user))
+        finally:
+            pwfile.unlink(missing_ok=True)
         if res.returncode != 0:
             raise StackError(f"initdb failed ({res.returncode}): {res.stderr.strip() or res.stdout.strip()}")
         conf = self.datadir / "postgresql.conf"
@@ -136,13 +184,7 @@ class PostgresInstance:
                 "logical_decoding_work_mem = 64MB\n"
                 "log_min_messages = warning\n"
             )
-        hba = self.datadir / "pg_hba.conf"
-        hba.write_text(
-            "local all all trust\n"
-            "local replication all trust\n"
-            "host all all 127.0.0.1/32 trust\n"
-            "host replication all 127.0.0.1/32 trust\n"
-        )
+        (self.datadir / "pg_hba.conf").write_text(HBA)
         _chown_tree(self.state_dir / "pg", user)
 
     def start(self, timeout: float = 60.0) -> None:

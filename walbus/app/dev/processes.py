@@ -10,17 +10,28 @@ import socket
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 # Popen objects of the processes this interpreter started: kept so that they are not
 # garbage-collected while running (ResourceWarning) and can be reaped when stopped.
 _CHILDREN: dict[int, subprocess.Popen[bytes]] = {}
 
 
+def as_user(user: str | None) -> dict[str, Any]:
+    """subprocess keyword arguments that run a command as ``user`` with that user's own group
+    only: ``user=`` alone keeps the caller's groups, root's among them."""
+    if user is None:
+        return {}
+    import pwd
+
+    return {"user": user, "group": pwd.getpwnam(user).pw_gid, "extra_groups": []}
+
+
 def spawn(cmd: list[str], *, logfile: Path, user: str | None = None) -> subprocess.Popen[bytes]:
     """Start a long-lived server process in its own session, output appended to ``logfile``."""
     with logfile.open("ab") as log:
         proc = subprocess.Popen(
-            cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True, user=user
+            cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True, **as_user(user)
         )
     _CHILDREN[proc.pid] = proc
     return proc

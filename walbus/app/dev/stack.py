@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 from dataclasses import dataclass
@@ -10,14 +11,27 @@ from pathlib import Path
 from typing import Any
 
 from walbus.app.dev.kafka import BROKER_COUNTS, KAFKA_3_VERSION, KAFKA_VERSION, KafkaCluster
-from walbus.app.dev.postgres import PostgresInstance, wal2json_installed
+from walbus.app.dev.postgres import PostgresInstance, wal2json_installed, write_private
 from walbus.app.dev.processes import StackError, free_port
 
 DEFAULT_STATE_DIR = Path(".walbus")
 
 
 def default_state_dir() -> Path:
-    return Path(os.environ.get("WALBUS_STATE_DIR", str(DEFAULT_STATE_DIR))).resolve()
+    """``WALBUS_DEV_STATE_DIR``, else the deprecated ``WALBUS_STATE_DIR``, else ``./.walbus``."""
+    own = os.environ.get("WALBUS_DEV_STATE_DIR")
+    shared = os.environ.get("WALBUS_STATE_DIR")
+    if not own and shared:
+        logging.getLogger("walbus.dev").warning(
+            "WALBUS_STATE_DIR is deprecated for `walbus dev`: set WALBUS_DEV_STATE_DIR (the demux reads "
+            "WALBUS_DEMUX_STATE_DIR)", extra={"deprecated_env": "WALBUS_STATE_DIR", "use_env": "WALBUS_DEV_STATE_DIR"},
+        )
+    return Path(own or shared or str(DEFAULT_STATE_DIR)).resolve()
+
+
+def make_state_dir(path: Path) -> None:
+    """The state directory, closed to other users (it holds the superuser's password)."""
+    path.mkdir(parents=True, exist_ok=True, mode=0o700)
 
 
 @dataclass
@@ -63,7 +77,7 @@ class LocalStack:
         return stack
 
     def save(self) -> None:
-        self.state_dir.mkdir(parents=True, exist_ok=True)
+        make_state_dir(self.state_dir)
         first = self.kafka.nodes[0]
         data = {
             "postgres": {"port": self.postgres.port, "pid": self.postgres.pid, "dsn": self.postgres.dsn},
@@ -81,12 +95,12 @@ class LocalStack:
             },
         }
         tmp = self.record.with_suffix(".tmp")
-        tmp.write_text(json.dumps(data, indent=2))
+        write_private(tmp, json.dumps(data, indent=2))  # it holds the DSN with the password
         tmp.replace(self.record)
 
     def up(self) -> None:
         """Start whatever is not running yet (idempotent)."""
-        self.state_dir.mkdir(parents=True, exist_ok=True)
+        make_state_dir(self.state_dir)
         self._reassign_ports_if_taken()
         self.postgres.init()
         self.postgres.start()
@@ -149,6 +163,10 @@ class LocalStack:
         }
 
     def env(self) -> dict[str, str]:
+        """The running stack's endpoints as env vars; a StackError when it does not run (printed
+        endpoints of a stopped stack would send every command to a dead port)."""
+        if not (self.postgres.running() and self.kafka.running()):
+            raise StackError(f"no local stack runs in {self.state_dir}: `walbus dev up` first")
         return {"WALBUS_PG_DSN": self.postgres.dsn, "WALBUS_KAFKA_BOOTSTRAP": self.kafka.bootstrap}
 
 

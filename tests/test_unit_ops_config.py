@@ -1,0 +1,129 @@
+"""Per-command env vars, repeated list flags and self-explaining --help (no services)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from demux.config import DemuxConfig
+from producer.config import ProducerConfig
+from walbus.app.tail import TailConfig
+from walbus.config import load_config, split_list
+from warehouse.cli import LoadConfig
+
+DEMUX_ARGS = ["--source-topic", "walbus.shop", "--kafka-bootstrap", "k:9092"]
+
+
+def demux(env: dict[str, str]) -> DemuxConfig:
+    return load_config(DemuxConfig, DEMUX_ARGS, prog="walbus demux", env=env, section="demux")
+
+
+def tail(env: dict[str, str]) -> TailConfig:
+    return load_config(TailConfig, ["--topic", "walbus.shop", "--kafka-bootstrap", "k"], prog="walbus tail", env=env, section="tail")
+
+
+def test_tail_does_not_take_the_demux_group_from_a_shared_env(caplog: pytest.LogCaptureFixture) -> None:
+    # One shell env for both: tail must not read (and commit) as the demux' group.
+    env = {"WALBUS_GROUP_ID": "walbus-demux.walbus.shop"}
+    with caplog.at_level(logging.WARNING, "walbus.config"):
+        assert tail(env).group_id is None
+    assert "WALBUS_TAIL_GROUP_ID" in caplog.text
+    assert tail({**env, "WALBUS_TAIL_GROUP_ID": "debugging"}).group_id == "debugging"
+
+
+def test_the_demux_group_has_its_own_env_var_and_the_old_one_is_deprecated(caplog: pytest.LogCaptureFixture) -> None:
+    assert demux({"WALBUS_DEMUX_GROUP_ID": "g1", "WALBUS_GROUP_ID": "other"}).group_id == "g1"
+    with caplog.at_level(logging.WARNING, "walbus.config"):
+        assert demux({"WALBUS_GROUP_ID": "g2"}).group_id == "g2"
+    assert "deprecated" in caplog.text and "WALBUS_DEMUX_GROUP_ID" in caplog.text
+
+
+def test_state_dir_and_metrics_port_are_per_command() -> None:
+    env = {"WALBUS_DEMUX_STATE_DIR": "/var/lib/walbus", "WALBUS_DEMUX_METRICS_PORT": "9188",
+           "WALBUS_PRODUCE_METRICS_PORT": "9187", "WALBUS_PG_DSN": "dbname=shop", "WALBUS_KAFKA_BOOTSTRAP": "k"}
+    cfg = demux(env)
+    assert (cfg.state_dir, cfg.metrics_port) == ("/var/lib/walbus", 9188)
+    produce = load_config(ProducerConfig, [], prog="walbus produce", env=env, section="produce")
+    assert produce.metrics_port == 9187
+
+
+def test_flags_beat_the_per_command_env_which_beats_the_shared_one() -> None:
+    env = {"WALBUS_TOPIC_PREFIX": "shared", "WALBUS_DEMUX_TOPIC_PREFIX": "own"}
+    assert demux(env).topic_prefix == "own"
+    cfg = load_config(DemuxConfig, [*DEMUX_ARGS, "--topic-prefix", "flag"], prog="d", env=env, section="demux")
+    assert cfg.topic_prefix == "flag"
+
+
+def spark_conf(argv: list[str], env: dict[str, str] | None = None) -> list[str]:
+    base = ["--topic", "walbus.shop", "--warehouse", "/tmp/wh", "--kafka-bootstrap", "k"]
+    cfg = load_config(LoadConfig, [*base, *argv], prog="w", env=env or {}, section="warehouse")
+    return cfg.spark_conf
+
+
+def test_repeated_spark_conf_keeps_every_value() -> None:
+    assert spark_conf(["--spark-conf", "a.b=1", "--spark-conf", "c.d=2"]) == ["a.b=1", "c.d=2"]
+
+
+def test_spark_conf_values_may_hold_commas() -> None:
+    packages = "spark.jars.packages=io.delta:delta-spark_2.13:4.0.0,org.x:y:1.0"
+    assert spark_conf(["--spark-conf", packages, "--spark-conf", "e=f"]) == [packages, "e=f"]
+    assert spark_conf([], {"WALBUS_SPARK_CONF": f"{packages},spark.x=1"}) == [packages, "spark.x=1"]
+    settings = load_config(
+        LoadConfig, ["--topic", "t", "--warehouse", "w", "--kafka-bootstrap", "k", "--spark-conf", packages],
+        prog="w", env={},
+    ).spark_settings()
+    assert settings["spark.jars.packages"] == "io.delta:delta-spark_2.13:4.0.0,org.x:y:1.0"
+
+
+def test_plain_lists_still_split_at_commas() -> None:
+    assert split_list("a, b,,c") == ["a", "b", "c"]
+    assert split_list("k=1,2,j=3", key_values=True) == ["k=1,2", "j=3"]
+
+
+def test_help_shows_defaults_choices_and_env_vars(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        load_config(DemuxConfig, ["--help"], prog="walbus demux", env={}, section="demux")
+    text = " ".join(capsys.readouterr().out.split())
+    assert "default: 20000" in text  # --txn-max-records
+    assert "choices: debug, info, warning, error" in text
+    assert "env: WALBUS_DEMUX_GROUP_ID; WALBUS_GROUP_ID deprecated" in text
+    assert "default: walbus-demux-state" in text
+
+
+def test_every_duration_states_its_unit() -> None:
+    """Durations are milliseconds when the option ends in _ms (Kafka's own names), else seconds,
+    and then the help says so."""
+    import dataclasses
+
+    from walbus.app.status import StatusConfig
+    from warehouse.cli import SqlConfig
+
+    for cls in (ProducerConfig, DemuxConfig, TailConfig, StatusConfig, LoadConfig, SqlConfig):
+        for f in dataclasses.fields(cls):
+            if f.name.endswith("_ms"):
+                continue
+            if any(word in f.name for word in ("interval", "delay", "timeout", "duration", "_seconds")):
+                assert "seconds" in f.metadata["help"], f"{cls.__name__}.{f.name}: unit not stated"
+
+
+def test_dev_and_demo_help_show_defaults(capsys: pytest.CaptureFixture[str]) -> None:
+    from walbus.app.demo import main as demo
+    from walbus.app.dev.cli import main as dev
+
+    for entry, argv in ((demo, ["--help"]), (dev, ["up", "--help"])):
+        with pytest.raises(SystemExit):
+            entry(argv)
+    text = " ".join(capsys.readouterr().out.split())
+    assert "default: 30" in text  # demo --rows
+    assert "default: 4.4.0" in text or "default 4.4.0" in text  # dev up --kafka-version
+
+
+def test_version_and_the_status_command_are_listed(capsys: pytest.CaptureFixture[str]) -> None:
+    from walbus import __version__
+    from walbus.app.cli import main as walbus
+
+    assert walbus(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == f"walbus {__version__}"
+    assert walbus(["--help"]) == 0
+    assert "status" in capsys.readouterr().out

@@ -1,0 +1,309 @@
+"""Where the data is: the slot, the topics, the consumer groups and the warehouse's last load.
+
+Read from the outside (``pg_replication_slots``, Kafka's offsets, the warehouse's load log),
+so it keeps reporting while a service is down: ``walbus status`` prints it, and
+:class:`StatusCollector` exports it to Prometheus on each scrape (the slot's lag must keep
+growing on a dashboard precisely when the producer is not there to report it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import logging
+import re
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import orjson
+from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka.admin import AIOKafkaAdminClient
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+log = logging.getLogger("walbus.status")
+
+# Topics beside a database topic that hold no table's rows (<topic>.<suffix>).
+SIDE_TOPICS = frozenset({"dlq", "progress", "transaction", "heartbeat"})
+# wal_status of pg_replication_slots, worst last: "lost" means the slot can no longer be used.
+WAL_STATUSES = ("reserved", "extended", "unreserved", "lost")
+# The warehouse's load log file names (warehouse/loads.py): <20-digit id>.<state>.json.
+_LOAD_FILE = re.compile(r"^(\d{20})\.(planned|committed)\.json$")
+
+_SLOTS_SQL = """
+SELECT slot_name, plugin, database, active, confirmed_flush_lsn::text, restart_lsn::text,
+       CASE WHEN pg_is_in_recovery() THEN NULL
+            ELSE pg_wal_lsn_diff(pg_current_wal_lsn(), confirmed_flush_lsn)::bigint END,
+       wal_status, safe_wal_size
+FROM pg_replication_slots
+WHERE slot_type = 'logical' AND (%(slot)s::text IS NULL OR slot_name = %(slot)s)
+ORDER BY slot_name
+"""
+
+
+@dataclass(frozen=True)
+class SlotStatus:
+    slot: str
+    plugin: str
+    database: str
+    active: bool
+    confirmed_flush_lsn: str | None
+    restart_lsn: str | None
+    lag_bytes: int | None  # the server's WAL position minus the slot's confirmed one
+    wal_status: str | None
+    safe_wal_size: int | None  # bytes that may still be written before the slot is lost (None: no limit)
+
+
+@dataclass(frozen=True)
+class TopicStatus:
+    topic: str
+    kind: str  # database | table | side
+    end_offsets: dict[int, int]
+
+    @property
+    def records(self) -> int:
+        """The sum of the partitions' end offsets (records ever written, compaction aside)."""
+        return sum(self.end_offsets.values())
+
+
+@dataclass(frozen=True)
+class GroupLag:
+    group: str
+    topic: str
+    lag: int  # end offsets minus committed offsets, summed over the topic's partitions
+    committed: dict[int, int]
+
+
+@dataclass(frozen=True)
+class WarehouseLoad:
+    batch_id: int
+    status: str  # planned | committed
+    end_offsets: dict[int, int]
+    at: str | None  # when it was recorded (ISO 8601, UTC)
+
+    @property
+    def at_seconds(self) -> float | None:
+        return dt.datetime.fromisoformat(self.at).timestamp() if self.at else None
+
+
+@dataclass
+class Status:
+    slots: list[SlotStatus] = field(default_factory=list)
+    topics: list[TopicStatus] = field(default_factory=list)
+    groups: list[GroupLag] = field(default_factory=list)
+    warehouse: WarehouseLoad | None = None
+    warehouse_lag: int | None = None  # database topic records not yet loaded
+    errors: dict[str, str] = field(default_factory=dict)  # part -> why it could not be read
+
+    def as_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        for t in out["topics"]:
+            t["records"] = sum(t["end_offsets"].values())
+        return out
+
+
+# -- PostgreSQL ---------------------------------------------------------------------------------
+
+
+def slot_status(dsn: str, slot: str | None = None) -> list[SlotStatus]:
+    """The logical slots (or the one named), as ``pg_replication_slots`` shows them."""
+    import psycopg
+
+    with psycopg.connect(dsn, autocommit=True, connect_timeout=10) as conn:
+        rows = conn.execute(_SLOTS_SQL, {"slot": slot}).fetchall()
+    return [
+        SlotStatus(
+            slot=r[0], plugin=r[1], database=r[2], active=bool(r[3]), confirmed_flush_lsn=r[4], restart_lsn=r[5],
+            lag_bytes=None if r[6] is None else max(0, int(r[6])), wal_status=r[7],
+            safe_wal_size=None if r[8] is None else int(r[8]),
+        )
+        for r in rows
+    ]
+
+
+# -- Kafka --------------------------------------------------------------------------------------
+
+
+def topic_kind(database_topic: str, topic: str) -> str | None:
+    """database | table | side for a topic of ``database_topic``'s family, else None."""
+    if topic == database_topic:
+        return "database"
+    if not topic.startswith(database_topic + "."):
+        return None
+    return "side" if topic.rsplit(".", 1)[-1] in SIDE_TOPICS else "table"
+
+
+async def kafka_status(client_kwargs: dict[str, Any], database_topic: str) -> tuple[list[TopicStatus], list[GroupLag]]:
+    """End offsets of the database topic and its per-table and side topics, and the lag of
+    every consumer group that committed offsets on any of them."""
+    admin = AIOKafkaAdminClient(**client_kwargs)
+    consumer = AIOKafkaConsumer(**client_kwargs, enable_auto_commit=False)
+    await admin.start()
+    try:
+        await consumer.start()
+        try:
+            topics = await _end_offsets(admin, consumer, database_topic)
+        finally:
+            await consumer.stop()
+        groups = await _group_lags(admin, topics)
+    finally:
+        await admin.close()
+    return topics, groups
+
+
+async def _end_offsets(admin: AIOKafkaAdminClient, consumer: AIOKafkaConsumer, database_topic: str) -> list[TopicStatus]:
+    names = sorted(t for t in await admin.list_topics() if topic_kind(database_topic, t) is not None)
+    if not names:
+        return []
+    partitions = {d["topic"]: sorted(p["partition"] for p in d["partitions"]) for d in await admin.describe_topics(names)}
+    out: list[TopicStatus] = []
+    for name in names:
+        ends = await consumer.end_offsets([TopicPartition(name, p) for p in partitions.get(name, [])])
+        kind = topic_kind(database_topic, name) or "side"
+        out.append(TopicStatus(name, kind, {tp.partition: int(o) for tp, o in sorted(ends.items())}))
+    return out
+
+
+async def _group_lags(admin: AIOKafkaAdminClient, topics: list[TopicStatus]) -> list[GroupLag]:
+    """Kafka cannot list the groups of a topic: every group's offsets are read (16 at a time)."""
+    ends = {t.topic: t.end_offsets for t in topics}
+    limit = asyncio.Semaphore(16)
+
+    async def lags(group_id: str) -> list[GroupLag]:
+        async with limit:
+            offsets = await admin.list_consumer_group_offsets(group_id)
+        committed: dict[str, dict[int, int]] = {}
+        for tp, meta in offsets.items():
+            if tp.topic in ends and meta.offset >= 0:
+                committed.setdefault(tp.topic, {})[tp.partition] = int(meta.offset)
+        return [
+            GroupLag(group_id, topic, sum(max(0, end - parts.get(p, 0)) for p, end in ends[topic].items()),
+                     dict(sorted(parts.items())))
+            for topic, parts in sorted(committed.items())
+        ]
+
+    if not ends:
+        return []
+    groups = sorted(g[0] for g in await admin.list_consumer_groups())
+    return [lag for per_group in await asyncio.gather(*(lags(g) for g in groups)) for lag in per_group]
+
+
+# -- the warehouse ------------------------------------------------------------------------------
+
+
+def last_committed_load(loads_dir: Path) -> WarehouseLoad | None:
+    """The newest *committed* load (what the warehouse tables hold)."""
+    if not loads_dir.is_dir():
+        return None
+    ids = sorted(int(m.group(1)) for e in loads_dir.iterdir() if (m := _LOAD_FILE.match(e.name)) and m.group(2) == "committed")
+    if not ids:
+        return None
+    doc = orjson.loads((loads_dir / f"{ids[-1]:020d}.committed.json").read_bytes())
+    return WarehouseLoad(ids[-1], "committed", {int(p): int(o) for p, o in doc["end"].items()}, doc.get("at"))
+
+
+# -- all of it ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StatusSources:
+    """What to look at; any part left None is not read."""
+
+    pg_dsn: str | None = None
+    slot: str | None = None
+    kafka_client_kwargs: dict[str, Any] | None = None
+    topic: str | None = None
+    warehouse_loads_dir: Path | None = None
+
+
+async def gather(sources: StatusSources) -> Status:
+    """Every part that can be read; a part that cannot is named in ``errors``, not raised."""
+    status = Status()
+    if sources.pg_dsn:
+        try:
+            status.slots = await asyncio.to_thread(slot_status, sources.pg_dsn, sources.slot)
+        except Exception as e:
+            status.errors["postgres"] = _reason(e)
+    if sources.kafka_client_kwargs is not None and sources.topic:
+        try:
+            status.topics, status.groups = await asyncio.wait_for(
+                kafka_status(sources.kafka_client_kwargs, sources.topic), 60
+            )
+        except Exception as e:
+            status.errors["kafka"] = _reason(e)
+    if sources.warehouse_loads_dir is not None:
+        try:
+            status.warehouse = last_committed_load(sources.warehouse_loads_dir)
+        except (OSError, ValueError, KeyError) as e:
+            status.errors["warehouse"] = _reason(e)
+        status.warehouse_lag = _warehouse_lag(status)
+    return status
+
+
+def _warehouse_lag(status: Status) -> int | None:
+    db = next((t for t in status.topics if t.kind == "database"), None)
+    if db is None:
+        return None
+    loaded = status.warehouse.end_offsets if status.warehouse else {}
+    return sum(max(0, end - loaded.get(p, 0)) for p, end in db.end_offsets.items())
+
+
+def _reason(e: BaseException) -> str:
+    from walbus.logs import redact_dsn
+
+    text = redact_dsn(str(e).strip())
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
+# -- Prometheus ---------------------------------------------------------------------------------
+
+
+class StatusCollector(Collector):
+    """Reads :func:`gather` on each scrape and exports it as ``walbus_status_*`` gauges."""
+
+    def __init__(self, sources: StatusSources) -> None:
+        self.sources = sources
+
+    def describe(self) -> list[Any]:
+        return []  # collected on demand: nothing is read at registration
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        status = asyncio.run(gather(self.sources))
+        yield from status_metrics(status)
+
+
+def status_metrics(status: Status) -> Iterator[GaugeMetricFamily]:
+    """The status as gauges (names in deploy/walbus-alerts.yml and the dashboard)."""
+    lag = GaugeMetricFamily("walbus_slot_lag_bytes", "Server WAL position minus the slot's confirmed_flush_lsn (from pg_replication_slots)", labels=["slot", "database"])
+    safe = GaugeMetricFamily("walbus_slot_safe_wal_size_bytes", "WAL that may still be written before the slot is lost (max_slot_wal_keep_size)", labels=["slot"])
+    wal = GaugeMetricFamily("walbus_slot_wal_status", "1 for the slot's wal_status (reserved, extended, unreserved, lost)", labels=["slot", "wal_status"])
+    active = GaugeMetricFamily("walbus_slot_active", "1 while a client (the producer) streams from the slot", labels=["slot"])
+    for s in status.slots:
+        if s.lag_bytes is not None:
+            lag.add_metric([s.slot, s.database], s.lag_bytes)
+        if s.safe_wal_size is not None:
+            safe.add_metric([s.slot], s.safe_wal_size)
+        for state in WAL_STATUSES:
+            wal.add_metric([s.slot, state], 1.0 if s.wal_status == state else 0.0)
+        active.add_metric([s.slot], 1.0 if s.active else 0.0)
+    yield from (lag, safe, wal, active)
+    ends = GaugeMetricFamily("walbus_topic_end_offset", "Sum of the topic's partition end offsets", labels=["topic", "kind"])
+    for t in status.topics:
+        ends.add_metric([t.topic, t.kind], t.records)
+    yield ends
+    groups = GaugeMetricFamily("walbus_consumer_group_lag", "End offsets minus the group's committed offsets", labels=["group", "topic"])
+    for g in status.groups:
+        groups.add_metric([g.group, g.topic], g.lag)
+    yield groups
+    if status.warehouse is not None and status.warehouse.at_seconds is not None:
+        yield GaugeMetricFamily(
+            "walbus_warehouse_last_load_timestamp_seconds", "When the warehouse last committed a load", value=status.warehouse.at_seconds
+        )
+    if status.warehouse_lag is not None:
+        yield GaugeMetricFamily("walbus_warehouse_lag_records", "Database topic records not yet loaded into the warehouse", value=status.warehouse_lag)
+    errors = GaugeMetricFamily("walbus_status_read_errors", "1 when a part could not be read on this scrape", labels=["part"])
+    for part in ("postgres", "kafka", "warehouse"):
+        errors.add_metric([part], 1.0 if part in status.errors else 0.0)
+    yield errors
