@@ -36,6 +36,6 @@ class RetryPolicy:
 
     def delay(self, attempt: int, rng: random.Random | None = None) -> float:
         """Seconds to wait after delivery number ``attempt`` failed."""
-        base = Backoff(initial=self.initial, maximum=self.maximum, failures=attempt).next_delay()
+        base = Backoff(initial=self.initial, maximum=self.maximum, failures=attempt).step()
         factor = 1.0 + self.jitter * (2.0 * (rng or random).random() - 1.0)
         return base * factor
