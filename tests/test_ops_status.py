@@ -92,7 +92,9 @@ async def test_status_shows_where_the_data_is(pg_dsn: str, kafka_bootstrap: str,
     assert topics[topic]["kind"] == "database" and topics[topic]["records"] == 5
     assert topics[f"{topic}.public.t"]["kind"] == "table" and topics[f"{topic}.dlq"]["kind"] == "side"
     groups = [g for g in doc["groups"] if g["group"] == scene["group"]]  # type: ignore[attr-defined]
-    assert groups == [{"group": scene["group"], "topic": topic, "lag": 3, "committed": {"0": 2}}]
+    assert [(g["topic"], g["lag_records"]) for g in groups] == [(topic, 3)]
+    assert [(p["partition"], p["committed"], p["end"]) for p in groups[0]["partitions"]] == [(0, 2, 5)]
+    assert groups[0]["lag_seconds"] >= 0
     assert doc["warehouse"]["batch_id"] == 0 and doc["warehouse_lag"] == 1  # type: ignore[index]
     assert doc["errors"] == {}
 

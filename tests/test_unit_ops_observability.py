@@ -14,9 +14,10 @@ from prometheus_client import CollectorRegistry
 
 from demux.metrics import DemuxMetrics
 from producer.metrics import ProducerMetrics, SnapshotMetrics
+from walbus.client.groups import GroupLag, PartitionLag
 from walbus.client.metrics import ClientMetrics
 from walbus.metrics import new_registry
-from walbus.status import GroupLag, SlotStatus, Status, TopicStatus, WarehouseLoad, status_metrics
+from walbus.status import SlotStatus, Status, TopicStatus, WarehouseLoad, status_metrics
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 _METRIC = re.compile(r"\bwalbus_[a-z0-9_]+")
@@ -32,7 +33,7 @@ def full_status() -> Status:
     return Status(
         slots=[SlotStatus("walbus_shop", "pgoutput", "shop", False, "0/16B3748", "0/16B3710", 4096, "extended", 1 << 30)],
         topics=[TopicStatus("walbus.shop", "database", {0: 10, 1: 5}), TopicStatus("walbus.shop.public.t", "table", {0: 7})],
-        groups=[GroupLag("billing", "walbus.shop", 3, {0: 9, 1: 3})],
+        groups=[GroupLag("billing", "walbus.shop", (PartitionLag(0, 9, 10, 1, 0.5), PartitionLag(1, 3, 5, 2, 4.0)))],
         warehouse=WarehouseLoad(4, "committed", {0: 8, 1: 5}, "2026-01-01T00:00:00+00:00"),
         warehouse_lag=2,
     )

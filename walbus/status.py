@@ -23,6 +23,8 @@ from aiokafka.admin import AIOKafkaAdminClient
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from walbus.client.groups import GroupLag, group_lags
+
 log = logging.getLogger("walbus.status")
 
 # Topics beside a database topic that hold no table's rows (<topic>.<suffix>).
@@ -69,14 +71,6 @@ class TopicStatus:
 
 
 @dataclass(frozen=True)
-class GroupLag:
-    group: str
-    topic: str
-    lag: int  # end offsets minus committed offsets, summed over the topic's partitions
-    committed: dict[int, int]
-
-
-@dataclass(frozen=True)
 class WarehouseLoad:
     batch_id: int
     status: str  # planned | committed
@@ -101,6 +95,7 @@ class Status:
         out = asdict(self)
         for t in out["topics"]:
             t["records"] = sum(t["end_offsets"].values())
+        out["groups"] = [g.to_json_obj() for g in self.groups]
         return out
 
 
@@ -147,9 +142,9 @@ async def kafka_status(client_kwargs: dict[str, Any], database_topic: str) -> tu
             topics = await _end_offsets(admin, consumer, database_topic)
         finally:
             await consumer.stop()
-        groups = await _group_lags(admin, topics)
     finally:
         await admin.close()
+    groups = await group_lags(client_kwargs, topics=[t.topic for t in topics]) if topics else []
     return topics, groups
 
 
@@ -164,30 +159,6 @@ async def _end_offsets(admin: AIOKafkaAdminClient, consumer: AIOKafkaConsumer, d
         kind = topic_kind(database_topic, name) or "side"
         out.append(TopicStatus(name, kind, {tp.partition: int(o) for tp, o in sorted(ends.items())}))
     return out
-
-
-async def _group_lags(admin: AIOKafkaAdminClient, topics: list[TopicStatus]) -> list[GroupLag]:
-    """Kafka cannot list the groups of a topic: every group's offsets are read (16 at a time)."""
-    ends = {t.topic: t.end_offsets for t in topics}
-    limit = asyncio.Semaphore(16)
-
-    async def lags(group_id: str) -> list[GroupLag]:
-        async with limit:
-            offsets = await admin.list_consumer_group_offsets(group_id)
-        committed: dict[str, dict[int, int]] = {}
-        for tp, meta in offsets.items():
-            if tp.topic in ends and meta.offset >= 0:
-                committed.setdefault(tp.topic, {})[tp.partition] = int(meta.offset)
-        return [
-            GroupLag(group_id, topic, sum(max(0, end - parts.get(p, 0)) for p, end in ends[topic].items()),
-                     dict(sorted(parts.items())))
-            for topic, parts in sorted(committed.items())
-        ]
-
-    if not ends:
-        return []
-    groups = sorted(g[0] for g in await admin.list_consumer_groups())
-    return [lag for per_group in await asyncio.gather(*(lags(g) for g in groups)) for lag in per_group]
 
 
 # -- the warehouse ------------------------------------------------------------------------------
@@ -295,8 +266,13 @@ def status_metrics(status: Status) -> Iterator[GaugeMetricFamily]:
     yield ends
     groups = GaugeMetricFamily("walbus_consumer_group_lag", "End offsets minus the group's committed offsets", labels=["group", "topic"])
     for g in status.groups:
-        groups.add_metric([g.group, g.topic], g.lag)
+        groups.add_metric([g.group, g.topic], g.records)
     yield groups
+    ages = GaugeMetricFamily("walbus_consumer_group_lag_seconds", "Age of the oldest record a group has not consumed yet",
+                             labels=["group", "topic"])
+    for g in status.groups:
+        ages.add_metric([g.group, g.topic], g.seconds)
+    yield ages
     if status.warehouse is not None and status.warehouse.at_seconds is not None:
         yield GaugeMetricFamily(
             "walbus_warehouse_last_load_timestamp_seconds", "When the warehouse last committed a load", value=status.warehouse.at_seconds

@@ -35,8 +35,8 @@ COMMANDS = {
     "demux": "demux.service",
     "warehouse": "warehouse.cli",
     "tail": "walbus.app.tail",
-    "dead-letters": "walbus.client.deadletters_command",
-    "groups": "walbus.client.groups_command",
+    "dead-letters": "walbus.app.deadletters",
+    "groups": "walbus.app.groups",
     "status": "walbus.app.status",
     "demo": "walbus.app.demo",
 }

@@ -73,9 +73,9 @@ def render(status: Status, out: TextIO) -> None:
     w("topics (end offsets)\n" + ("" if status.topics else "  (none)\n"))
     for t in status.topics:
         w(f"  {t.kind:<8} {t.topic:<50} {t.records}\n")
-    w("consumer groups (lag in records)\n" + ("" if status.groups else "  (none)\n"))
+    w("consumer groups (lag in records, seconds)\n" + ("" if status.groups else "  (none)\n"))
     for g in status.groups:
-        w(f"  {g.group:<40} {g.topic:<50} {g.lag}\n")
+        w(f"  {g.group:<40} {g.topic:<50} {g.records} {g.seconds:.1f}\n")
     if status.warehouse is not None:
         wh = status.warehouse
         w(f"warehouse\n  load {wh.batch_id} committed at {wh.at}, {status.warehouse_lag} records of the database topic not loaded\n")
