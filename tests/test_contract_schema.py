@@ -9,7 +9,7 @@ import orjson
 import pytest
 from jsonschema import Draft202012Validator
 
-from tests.fix_pipeline import ROOT, read_topic, running_producer
+from tests.fix_pipeline import read_topic, running_producer
 from tests.test_producer import TYPES_DDL, WORKLOAD, WORKLOAD_DML, sql
 from walbus.contract import decode_event, parse_event_key
 from walbus.contract_schema import SCHEMA_PATH
@@ -53,7 +53,7 @@ EXPECTED = 2 + (200 + 67 + 20 + 28 + 50 + 19 + 10 + 1 + 1) + 5 + 2 + 3 + 3
 
 @pytest.mark.parametrize("plugin", ["pgoutput", "wal2json"])
 async def test_every_produced_message_validates(pg_dsn: str, kafka_bootstrap: str, unique_name: str, plugin: str) -> None:
-    validator = Draft202012Validator(json.loads((ROOT / SCHEMA_PATH).read_text(encoding="utf-8")))
+    validator = Draft202012Validator(json.loads(SCHEMA_PATH.read_text(encoding="utf-8")))
     sql(pg_dsn, *DDL)
     async with running_producer(pg_dsn, kafka_bootstrap, topic=unique_name, plugin=plugin, slot=unique_name):
         sql(pg_dsn, *DML)

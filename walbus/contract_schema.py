@@ -26,7 +26,8 @@ from walbus.contract import (
     ROW_OPERATIONS,
 )
 
-SCHEMA_PATH: Final = Path("docs") / f"contract-v{CONTRACT_VERSION}.schema.json"
+# In the source tree (the command is for walbus's developers; the file is published in docs/).
+SCHEMA_PATH: Final = Path(__file__).resolve().parent.parent / "docs" / f"contract-v{CONTRACT_VERSION}.schema.json"
 
 # walbus.contract.split_table's grammar: two parts joined by '.', each either plain (no dot,
 # no quote) or in double quotes with inner quotes doubled; neither part empty. The end is
