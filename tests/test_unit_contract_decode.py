@@ -236,3 +236,13 @@ def test_check_key_refuses_a_key_for_an_event_out_of_range(commit_lsn: int, seq:
     ev = ChangeEvent(lsn=0, commit_lsn=commit_lsn, seq=seq, xid=0, operation="delete", table="a.b", timestamp="t")
     with pytest.raises(ContractError):
         check_key(b"%016X-%08X" % (commit_lsn, seq), ev)
+
+
+def test_the_fast_constructor_refuses_a_changed_dataclass() -> None:
+    # decode_event sets ChangeEvent's slots by name: a field added to the class must stop the import.
+    from walbus.contract import _slot_setters
+
+    with pytest.raises(TypeError, match="fields"):
+        _slot_setters(RowImage, ("columns", "types"))
+    with pytest.raises(TypeError, match="fields"):
+        _slot_setters(RowImage, ("columns", "types", "values", "values"))
