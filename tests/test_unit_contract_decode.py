@@ -148,6 +148,11 @@ damage = st.one_of(
 _FIELDS = [*FIELD_ORDER, "extra"]
 
 
+def dumps(obj: Any) -> bytes:
+    """JSON text of a damaged event: the stdlib writes integers past 64 bits (2**64), orjson does not."""
+    return json.dumps(obj, ensure_ascii=False).encode()
+
+
 @given(events())
 def test_valid_events_decode_alike(kw: dict[str, Any]) -> None:
     raw = encode_event(**kw)
@@ -167,7 +172,7 @@ def test_damaged_events_decode_alike(kw: dict[str, Any], changes: list[tuple[str
             obj.pop(name, None)
         else:
             obj[name] = value
-    assert_same(orjson.dumps(obj))
+    assert_same(dumps(obj))
 
 
 @given(st.one_of(st.binary(max_size=40), st.text(max_size=40), json_values.map(orjson.dumps),

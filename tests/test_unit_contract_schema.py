@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from jsonschema import Draft202012Validator
 
-from tests.test_unit_contract_decode import damage
+from tests.test_unit_contract_decode import damage, dumps
 from tests.test_unit_prop_contract import events
 from walbus.contract import (
     FIELD_BITS,
@@ -66,7 +66,7 @@ def test_schema_and_decoder_agree_on_damaged_events(
         else:
             obj[name] = value
     try:
-        decode_event(orjson.dumps(obj))
+        decode_event(dumps(obj))
         decoded = True
     except ContractError:
         decoded = False
