@@ -74,7 +74,7 @@ def reference_decode(value: bytes | str) -> ChangeEvent:
     if not isinstance(obj, dict):
         raise ContractError("value is not a JSON object")
     version = obj.get("v")
-    if version != CONTRACT_VERSION:
+    if type(version) is not int or version != CONTRACT_VERSION:  # true and 1.0 equal 1 in Python
         raise ContractError(f"unknown contract version {version!r} (this build reads v{CONTRACT_VERSION})")
     operation = obj.get("operation")
     if not isinstance(operation, str) or operation not in OPERATIONS:
@@ -251,3 +251,14 @@ def test_the_fast_constructor_refuses_a_changed_dataclass() -> None:
         _slot_setters(RowImage, ("columns", "types"))
     with pytest.raises(TypeError, match="fields"):
         _slot_setters(RowImage, ("columns", "types", "values", "values"))
+
+
+@pytest.mark.parametrize("version", [b"true", b"1.0"])
+def test_a_version_that_only_equals_1_in_python_is_refused(version: bytes) -> None:
+    # JSON true and 1.0 compare equal to 1 in Python; the contract's version is the integer 1.
+    raw = encode_event(lsn=1, commit_lsn=1, seq=0, xid=1, operation="delete", table="public.t",
+                       timestamp="2024-01-01T00:00:00+00:00", pk=["id"], new=None, identity=None)
+    assert raw.startswith(b'{"v":1,')
+    decode_event(raw)
+    with pytest.raises(ContractError, match="unknown contract version"):
+        decode_event(raw.replace(b'"v":1,', b'"v":' + version + b",", 1))

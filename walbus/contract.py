@@ -261,7 +261,7 @@ def decode_event(value: bytes | str) -> ChangeEvent:
         raise ContractError("value is not a JSON object")
     get = obj.get
     version = get("v")
-    if version != CONTRACT_VERSION:
+    if type(version) is not int or version != CONTRACT_VERSION:  # true and 1.0 equal 1 in Python
         raise ContractError(f"unknown contract version {version!r} (this build reads v{CONTRACT_VERSION})")
     operation = get("operation")
     if type(operation) is not str or operation not in OPERATIONS:  # a list is not hashable
