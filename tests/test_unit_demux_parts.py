@@ -67,3 +67,12 @@ def test_transaction_counts_reach_the_metrics_on_flush() -> None:
     assert value("walbus_demux_dead_letters_total", {"reason": "contract"}) == 1
     assert value("walbus_demux_unwritten_outputs_total", {"table": "public.t", "reason": "size"}) == 1
     assert (counts.records, counts.replayed, counts.produced, counts.other) == (0, 0, {}, {})
+
+
+def test_primary_key_values_from_one_image() -> None:
+    from walbus.contract import RowImage
+
+    image = RowImage(("id", "region", "doc"), ("int4", "text", "text"), (7, "eu", "x"))
+    assert image.key_values(("region", "id")) == {"region": "eu", "id": 7}  # key order, not column order
+    assert image.key_values(("id", "missing")) is None
+    assert image.key_values(("id", "doc"), skip=("doc",)) is None  # an unchanged TOAST column is no key value
