@@ -89,6 +89,17 @@ async def prefill(bootstrap: str, topic: str, evs: list[tuple[bytes, bytes]]) ->
     return await fill_topic(bootstrap, topic, evs)
 
 
+# A run without a commit for this long is stuck: say where every task waits, rather than hang.
+STALL_S = 180
+
+
+def _dump_tasks() -> None:
+    for t in asyncio.all_tasks():
+        out = io.StringIO()
+        t.print_stack(file=out)
+        print(out.getvalue(), file=sys.stderr, flush=True)
+
+
 async def run_demux(bootstrap: str, topic: str, n: int, prefix: str, txn_max_records: int) -> dict[str, Any]:
     state = tempfile.mkdtemp(prefix="walbus-bench-demux-")
     cfg = DemuxConfig(kafka_bootstrap=bootstrap, source_topic=topic, topic_prefix=prefix,
@@ -98,11 +109,17 @@ async def run_demux(bootstrap: str, topic: str, n: int, prefix: str, txn_max_rec
     demux = Demux(cfg, registry=registry)
     task = asyncio.create_task(demux.run())
     started = None
+    progress, progress_at = -1.0, time.monotonic()
     while True:
         await asyncio.sleep(0.05)
         if task.done():
             task.result()
         consumed = registry.get_sample_value("walbus_demux_records_consumed_total", {"partition": "0"}) or 0
+        if consumed != progress:
+            progress, progress_at = consumed, time.monotonic()
+        elif time.monotonic() - progress_at > STALL_S:
+            _dump_tasks()
+            raise RuntimeError(f"the demux made no progress for {STALL_S} s at {consumed:.0f} of {n} records")
         if started is None and demux.workers and all(w.ready for w in demux.workers.values()):
             started = time.monotonic()
             cpu_started = time.process_time()
@@ -137,9 +154,9 @@ def profile_summary(prof: cProfile.Profile, top: int) -> list[dict[str, Any]]:
 # counted in the stage of the Python function that called them.
 STAGES: list[tuple[str, tuple[str, ...]]] = [
     ("re-keying (demux.rekey: msgspec decode, key and row JSON)", ("demux/rekey.py",)),
-    # demux/fetch.py is the demux' own fetch path (runs of records): fetch work, not the loop's.
-    ("fetch (aiokafka consumer and demux.fetch: batch unpacking, CRC, records or runs)",
-     ("aiokafka/consumer/", "aiokafka/record/", "demux/fetch.py")),
+    # demux/aiokafka_adapter.py is mostly the demux' own fetch path (runs of records): fetch work.
+    ("fetch (aiokafka consumer and demux.aiokafka_adapter: batch unpacking, CRC, records or runs)",
+     ("aiokafka/consumer/", "aiokafka/record/", "demux/aiokafka_adapter.py")),
     ("batch append (aiokafka BatchBuilder)", ("producer/message_accumulator.py",)),
     ("produce requests and transactions (aiokafka sender, protocol encoding, CRC32C)",
      ("aiokafka/producer/", "aiokafka/protocol/", "aiokafka/client.py")),

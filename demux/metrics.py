@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import logging
+from collections import Counter as Tally
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+log = logging.getLogger("walbus.demux")
 
 
 class DemuxMetrics:
@@ -60,6 +65,52 @@ class DemuxMetrics:
             "Records of the open transaction the broker has acknowledged (0 once it commits or aborts)",
             ["partition"], registry=registry,
         )
+        self.aiokafka_shortcuts = Gauge(
+            "walbus_demux_aiokafka_shortcuts",
+            "1 when the demux takes this shortcut through aiokafka's internals, 0 when it uses the public API "
+            "(an aiokafka it was not checked against)", ["shortcut"], registry=registry,
+        )
         self.assigned_partitions = Gauge(
             "walbus_demux_assigned_partitions", "Source partitions owned by this process", registry=registry
         )
+
+
+class TransactionCounts:
+    """One partition's counts of the open transaction, added to the metrics when it commits.
+
+    Plain dicts for the per-record counts: the cheapest thing the hot loop can update.
+    """
+
+    def __init__(self, metrics: DemuxMetrics, partition: int) -> None:
+        self._metrics = metrics
+        self._partition = partition
+        self._label = str(partition)
+        self.records = 0  # source records processed
+        self.replayed = 0
+        self.produced: dict[str, int] = {}  # table -> rows
+        self.tombstones: dict[str, int] = {}  # table -> tombstones
+        self.other: Tally[tuple[str, ...]] = Tally()  # (kind, *labels): dead letters, no_pk, ...
+
+    def flush(self) -> None:
+        """The committed transaction's counts into the metrics."""
+        m = self._metrics
+        m.consumed.labels(self._label).inc(self.records)
+        if self.replayed:
+            m.replayed.inc(self.replayed)
+            log.warning("skipped replayed source events (position not after the last one processed)",
+                        extra={"partition": self._partition, "count": self.replayed})
+        for table, n in self.produced.items():
+            m.produced.labels(table).inc(n)
+        for table, n in self.tombstones.items():
+            m.tombstones.labels(table).inc(n)
+        by_kind = {"dead_letter": m.dead_letters, "no_pk": m.no_pk_events, "unfilled": m.unfilled_columns,
+                   "unwritten": m.unwritten_outputs}
+        for (kind, *labels), n in self.other.items():
+            by_kind[kind].labels(*labels).inc(n)
+        self.clear()
+
+    def clear(self) -> None:
+        self.records = self.replayed = 0
+        self.produced.clear()
+        self.tombstones.clear()
+        self.other.clear()

@@ -38,6 +38,10 @@ import orjson
 from msgspec import UNSET, UnsetType
 
 from walbus.contract import (
+    FIELD_BITS,
+    KEY_FORMAT,
+    OP_CODES,
+    TABLE_META_FIELDS,
     ChangeEvent,
     ContractError,
     RowImage,
@@ -50,9 +54,9 @@ from walbus.contract import (
 # In the last-row store only: the key's row is not known (its last change could not be
 # written to its topic, demux.worker); an update that needs its unchanged values is refused.
 UNKNOWN_ROW: Final = "__unknown"
-META_FIELDS: Final = ("__op", "__lsn", "__commit_lsn", "__seq", "__xid", "__ts")
-OP_CODES: Final = {"insert": "c", "update": "u", "delete": "d", "read": "r", "truncate": "t"}
-_FAST_UPSERT: Final = {"insert": "c", "update": "u", "read": "r"}
+META_FIELDS: Final = TABLE_META_FIELDS
+_FAST_UPSERT: Final = {op: OP_CODES[op] for op in ("insert", "update", "read")}
+_EVENT_KEY: Final = KEY_FORMAT.encode()  # contract.event_key, inlined in the fast path
 
 # Fixed-width types: PostgreSQL never TOASTs them, so a table made only of these can
 # never have an unchanged (unsent) value and needs no last-row store.
@@ -69,10 +73,11 @@ FastRecord = tuple[str, str, bytes, "bytes | None", bool]
 _dumps = orjson.dumps
 
 
-# orjson.loads (so decode_event) reads integers beyond 64 bits as floats, which the
-# contract refuses; msgspec would keep them. Int64 here (msgspec's bound limit):
-# larger values, if any were valid, simply take the full path.
-_JsonInt = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
+# The contract's ranges (FIELD_BITS: unsigned). msgspec bounds stop at int64: larger
+# values, valid up to 64 bits, simply take the full path.
+_Lsn = Annotated[int, msgspec.Meta(ge=0, le=(1 << min(FIELD_BITS["lsn"], 63)) - 1)]
+_Seq = Annotated[int, msgspec.Meta(ge=0, le=(1 << min(FIELD_BITS["seq"], 63)) - 1)]
+_Xid = Annotated[int, msgspec.Meta(ge=0, le=(1 << min(FIELD_BITS["xid"], 63)) - 1)]
 
 
 class _FastImage(msgspec.Struct):
@@ -94,10 +99,10 @@ class _FastEvent(msgspec.Struct):
     """
 
     v: Literal[1]
-    lsn: _JsonInt
-    commit_lsn: _JsonInt
-    seq: _JsonInt
-    xid: _JsonInt
+    lsn: _Lsn
+    commit_lsn: _Lsn
+    seq: _Seq
+    xid: _Xid
     operation: str
     table: str
     timestamp: str
@@ -185,15 +190,8 @@ def encode_key(values: dict[str, Any]) -> bytes:
 
 def _key_of(image: RowImage | None, pk: tuple[str, ...], skip: tuple[str, ...] = ()) -> bytes | None:
     """Key bytes from one image, or None when a key column is missing from it."""
-    if image is None:
-        return None
-    row = dict(zip(image.columns, image.values, strict=True))
-    out: dict[str, Any] = {}
-    for col in pk:
-        if col not in row or col in skip:
-            return None
-        out[col] = row[col]
-    return encode_key(out)
+    values = image.key_values(pk, skip) if image is not None else None
+    return None if values is None else encode_key(values)
 
 
 class Rekeyer:
@@ -256,16 +254,23 @@ class Rekeyer:
         hit = self.fast(raw)
         if hit is None:
             return self.rekey(decode_event(raw), state)
-        return _single(hit)
+        return single(hit)
+
+    @staticmethod
+    def decode_record(key: bytes | None, raw: bytes | None) -> ChangeEvent:
+        """A source record's event; ContractError unless it is one, at the position its key says."""
+        if raw is None:
+            raise ContractError("record has no value")
+        event = decode_event(raw)
+        check_key(key, event)
+        return event
 
     def rekey_record(self, key: bytes | None, raw: bytes, state: StateView) -> Rekeyed:
         """:meth:`rekey_value` of a source record: also ContractError unless its key is the event's position."""
         hit = self.fast(raw, key) if key is not None else None
         if hit is None:
-            event = decode_event(raw)
-            check_key(key, event)
-            return self.rekey(event, state)
-        return _single(hit)
+            return self.rekey(self.decode_record(key, raw), state)
+        return single(hit)
 
     def fast(self, raw: bytes, key: bytes | None = None) -> FastRecord | None:
         """The one output record of a common event, or None: take :meth:`rekey_value`.
@@ -286,7 +291,7 @@ class Rekeyer:
             ev = _decode_fast(raw)
         except msgspec.DecodeError:  # not JSON, or not of the struct: the full path says why
             return None
-        if key is not None and key != b"%016X-%08X" % (ev.commit_lsn, ev.seq):  # contract.event_key, inlined
+        if key is not None and key != _EVENT_KEY % (ev.commit_lsn, ev.seq):
             return None
         unchanged = ev.unchanged
         if unchanged is not UNSET and unchanged != _NO_NAMES:
@@ -489,6 +494,7 @@ class Rekeyer:
         return out
 
 
-def _single(hit: FastRecord) -> Rekeyed:
+def single(hit: FastRecord) -> Rekeyed:
+    """A fast result as the general path's result."""
     table, topic, key, value, needs_state = hit
     return Rekeyed(table, [OutRecord(topic, key, value, table)], [(table, key, value)], needs_state=needs_state)

@@ -65,8 +65,8 @@ from aiokafka.errors import (
 )
 from prometheus_client import CollectorRegistry
 
+from demux.aiokafka_adapter import SHORTCUTS, flatten, read_in_runs
 from demux.config import DemuxConfig, parse_config
-from demux.fetch import consumer_options, flatten
 from demux.metrics import DemuxMetrics
 from demux.rekey import Rekeyer
 from demux.topics import TopicManager
@@ -106,6 +106,8 @@ class Demux:
         self.client_kwargs = config.kafka_client_kwargs()
         self.registry = registry or new_registry()
         self.metrics = DemuxMetrics(self.registry)
+        for shortcut, taken in SHORTCUTS.as_labels().items():
+            self.metrics.aiokafka_shortcuts.labels(shortcut).set(taken)
         self.rekeyer = Rekeyer(
             prefix=config.topic_prefix,
             database=config.database_name,
@@ -185,13 +187,13 @@ class Demux:
             session_timeout_ms=cfg.session_timeout_ms,
             heartbeat_interval_ms=max(1000, cfg.session_timeout_ms // 3),
             max_partition_fetch_bytes=FETCH_BYTES,
-            # Records in runs, without a ConsumerRecord each: see demux.fetch.
-            **consumer_options(),
             fetch_max_bytes=64 * 1024 * 1024,
         )
         self._consumer = consumer
         try:
             await self._start_with_retry(consumer.start, "consumer")
+            # Records in runs, without a ConsumerRecord each: see demux.aiokafka_adapter.
+            self.metrics.aiokafka_shortcuts.labels("runs").set(read_in_runs(consumer))
             if cfg.source_topic not in await consumer.topics():
                 log.warning("source topic does not exist yet; waiting for it", extra={"topic": cfg.source_topic})
             consumer.subscribe([cfg.source_topic], listener=_Listener(self))

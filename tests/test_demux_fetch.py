@@ -1,6 +1,7 @@
-"""The demux' shortcuts through aiokafka: runs of records (demux.fetch), direct appends (demux.batches).
+"""The demux' shortcuts through aiokafka's internals (demux.aiokafka_adapter) and its version guard.
 
-Runs of aiokafka's records equal its ConsumerRecords against the real broker, on a
+The unit tests fail when an aiokafka upgrade changes what the adapter relies on;
+runs of aiokafka's records equal its ConsumerRecords against the real broker, on a
 topic that mixes plain batches with committed, aborted and interleaved transactions,
 read from the start and from inside a batch.
 """
@@ -12,14 +13,18 @@ import time
 import types
 import uuid
 from pathlib import Path
-from typing import Any
 
+import aiokafka
 import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from aiokafka.consumer import fetcher
+from aiokafka.errors import ProducerFenced
 from aiokafka.producer.message_accumulator import BatchBuilder
+from aiokafka.producer.transaction_manager import TransactionState
+from aiokafka.record.memory_records import MemoryRecords
 
 import demux.service
-from demux import batches, fetch
+from demux import aiokafka_adapter as adapter
 from demux.config import DemuxConfig
 from demux.service import Demux
 from tests.demux_support import create_topic, end_offsets, ev, produce, read_records
@@ -28,38 +33,87 @@ from walbus.metrics import new_registry
 Row = tuple[int, bytes | None, bytes | None]
 
 
+def test_the_installed_aiokafka_is_checked_and_every_shortcut_fits() -> None:
+    """Fails on an aiokafka upgrade until its internals are checked again (then CHECKED_VERSIONS grows)."""
+    assert adapter.version_checked(aiokafka.__version__), aiokafka.__version__
+    assert adapter.Shortcuts(aiokafka.__version__, runs=True, direct_append=True, fenced=True) == adapter.SHORTCUTS
+    assert adapter._probe_runs() and adapter._probe_direct_append() and adapter._probe_fenced()
+
+
+def test_version_guard() -> None:
+    assert adapter.version_checked("0.14.0") and adapter.version_checked("0.14.3")
+    assert not adapter.version_checked("0.15.0") and not adapter.version_checked("0.13.1")
+    assert not adapter.version_checked("1.0") and not adapter.version_checked("garbage")
+    # Outside the checked versions every shortcut is off, whatever the probes would say.
+    assert adapter._decide("0.15.0") == adapter.Shortcuts("0.15.0", runs=False, direct_append=False, fenced=False)
+
+
+def test_runs_touch_no_module_of_aiokafka() -> None:
+    """Runs are per consumer: aiokafka's fetcher module keeps its own PartitionRecords."""
+    assert fetcher.PartitionRecords is not adapter.RunRecords
+    assert fetcher.PartitionRecords is adapter._PartitionRecords
+
+
 def test_flatten_takes_runs_and_records_alike() -> None:
     a, b, c = types.SimpleNamespace(offset=1), types.SimpleNamespace(offset=2), types.SimpleNamespace(offset=3)
-    assert fetch.flatten([[a, b], [c]]) == [a, b, c]
-    assert fetch.flatten([a, b, c]) == [a, b, c]
-    assert fetch.flatten([]) == []
+    assert adapter.flatten([[a, b], [c]]) == [a, b, c]
+    assert adapter.flatten([a, b, c]) == [a, b, c]
+    assert adapter.flatten([]) == []
 
 
-def test_install_checks_the_aiokafka_internals_it_needs() -> None:
-    assert fetch.install() is True  # the pinned aiokafka fits
-    assert fetch.consumer_options() == {"value_deserializer": fetch.RUNS}
-    from aiokafka.consumer import fetcher
-
-    assert fetcher.PartitionRecords is fetch.RunRecords
-    assert fetch._fits(fetcher)  # installed: still fits (idempotent)
-
-    class Other:  # another aiokafka's PartitionRecords: not ours to subclass
-        def __init__(self, tp: object, records: object) -> None: ...
-
-    assert not fetch._fits(types.SimpleNamespace(PartitionRecords=Other, READ_COMMITTED=1))
-    assert not fetch._fits(types.SimpleNamespace(READ_COMMITTED=1))
+def _filled(batch: adapter.OutputBatch) -> list[tuple[int, bytes | None, bytes | None]]:
+    built = MemoryRecords(bytes(batch.for_send()._build())).next_batch()
+    return [(r.offset, r.key, r.value) for r in built]
 
 
 def test_direct_append_fills_a_batch_as_aiokafkas_append_does() -> None:
-    assert batches.DIRECT_APPEND  # the pinned aiokafka fits
-    direct, public = BatchBuilder(2048, 0, is_transactional=1), BatchBuilder(2048, 0, is_transactional=1)
+    direct, public = adapter.OutputBatch(2048), BatchBuilder(2048, 0, is_transactional=1)
+    assert direct.records is not None  # the direct path, as in the demux' hot loop
     n = 0
-    while batches.append(direct, f"k{n}".encode(), b"x" * 100):
-        n += 1
+    while direct.records.append(direct.count, None, f"k{n}".encode(), b"x" * 100, adapter.NO_HEADERS) is not None:
+        direct.count = n = n + 1
     m = 0
     while public.append(timestamp=None, key=f"k{m}".encode(), value=b"x" * 100) is not None:
         m += 1
-    assert 10 <= n == m == direct.record_count()  # full at the same record, counted alike
+    assert direct.append(b"k99", b"x" * 100) is False  # full, through append() too
+    sent = direct.for_send()
+    assert 10 <= n == m == sent.record_count() and sent.closed()  # full at the same record, counted alike
+
+
+def test_output_batch_mixes_direct_and_general_appends() -> None:
+    batch = adapter.OutputBatch(16384)
+    assert batch.append(b"k0", b"v0")
+    assert batch.records.append(batch.count, None, b"k1", None, adapter.NO_HEADERS) is not None
+    batch.count += 1
+    assert batch.append(None, b"v2", [("h", b"x")])
+    assert _filled(batch) == [(0, b"k0", b"v0"), (1, b"k1", None), (2, None, b"v2")]
+
+
+def test_output_batch_without_the_shortcut_uses_the_public_append(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(adapter, "SHORTCUTS", adapter._decide("0.99.0"))
+    batch = adapter.OutputBatch(16384)
+    assert batch.records is None
+    assert batch.append(b"k0", b"v0") and batch.append(None, b"v1")
+    assert batch.for_send().record_count() == 2
+    assert _filled(adapter.OutputBatch(16384)) == []
+
+
+async def test_fenced_probe_reads_the_transaction_manager() -> None:
+    """A fenced producer is seen as such (no abort is tried); its parked error does not go unretrieved."""
+    producer = AIOKafkaProducer(bootstrap_servers="127.0.0.1:1", transactional_id="probe")  # never started
+    plain = AIOKafkaProducer(bootstrap_servers="127.0.0.1:1")
+    try:
+        assert adapter.fenced(producer) is False and adapter.fenced(plain) is False
+        txn = producer._txn_manager
+        txn.state = TransactionState.READY  # as after InitProducerId
+        txn.begin_transaction()
+        txn.fatal_error(ProducerFenced())
+        assert adapter.fenced(producer) is True
+        waiter = txn.wait_for_transaction_end()
+        assert waiter.done() and isinstance(waiter.exception(), ProducerFenced)
+    finally:
+        await producer.stop()
+        await plain.stop()
 
 
 async def _write_mixed(bootstrap: str, topic: str) -> None:
@@ -92,10 +146,10 @@ async def _write_mixed(bootstrap: str, topic: str) -> None:
 
 
 async def _read(bootstrap: str, topic: str, *, runs: bool, isolation: str, start: int) -> list[Row]:
-    extra: dict[str, Any] = fetch.consumer_options() if runs else {}
     consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, isolation_level=isolation, enable_auto_commit=False,
-                                max_partition_fetch_bytes=2048, **extra)  # small fetches: many of them
+                                max_partition_fetch_bytes=2048)  # small fetches: many of them
     await consumer.start()
+    assert adapter.read_in_runs(consumer) if runs else True
     try:
         tp = TopicPartition(topic, 0)
         consumer.assign([tp])
@@ -109,7 +163,7 @@ async def _read(bootstrap: str, topic: str, *, runs: bool, isolation: str, start
             items = got.get(tp, [])
             if runs and items:
                 assert all(isinstance(run, list) for run in items), "runs asked for, records returned"
-            out += [(r.offset, r.key, r.value) for r in fetch.flatten(items)]
+            out += [(r.offset, r.key, r.value) for r in adapter.flatten(items)]
         return out
     finally:
         await consumer.stop()
@@ -167,7 +221,7 @@ async def test_demux_output_is_the_same_on_both_fetch_paths(
         return [(r.offset, r.key, r.value) for r in recs]
 
     with_runs = await run("runs")
-    monkeypatch.setattr(demux.service, "consumer_options", dict)  # aiokafka's ConsumerRecords
+    monkeypatch.setattr(demux.service, "read_in_runs", lambda consumer: False)  # aiokafka's ConsumerRecords
     with_records = await run("records")
     assert len(with_runs) == 1550
     # Same keys and values in the same order (values carry no per-run field).

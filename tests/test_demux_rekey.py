@@ -259,6 +259,15 @@ def test_fast_path_takes_the_common_events() -> None:
                   "columns": None}),
     encode_event(lsn=1, commit_lsn=2, seq=0, xid=3, operation="delete", table="public.t", timestamp=TS, pk=["id"],
                  new=None, identity=image(id=1)).replace(b'"lsn":1,', b'"lsn":18446744073709551616,'),
+    # Integers outside the contract's ranges (FIELD_BITS): unsigned, seq 32 bits.
+    encode_event(lsn=-1, commit_lsn=2, seq=0, xid=3, operation="insert", table="public.t", timestamp=TS,
+                 pk=["id"], new=image(id=1), identity=None),
+    encode_event(lsn=1, commit_lsn=2, seq=0, xid=-5, operation="delete", table="public.t", timestamp=TS,
+                 pk=["id"], new=None, identity=image(id=1)),
+    encode_event(lsn=1, commit_lsn=2, seq=2**32, xid=3, operation="update", table="public.t", timestamp=TS,
+                 pk=["id"], new=image(id=1), identity=None),
+    encode_event(lsn=1, commit_lsn=-2, seq=0, xid=3, operation="insert", table="public.t", timestamp=TS,
+                 pk=["id"], new=image(id=1), identity=None),
 ])
 @pytest.mark.parametrize("warm", [False, True])
 def test_fast_path_refuses_what_the_contract_refuses(raw: bytes, warm: bool) -> None:
@@ -269,6 +278,7 @@ def test_fast_path_refuses_what_the_contract_refuses(raw: bytes, warm: bool) -> 
         good = encode_event(lsn=1, commit_lsn=2, seq=0, xid=3, operation="insert", table="public.t", timestamp=TS,
                             pk=["id"], new=image(id=1), identity=None)
         assert rk.fast(good) is not None
+    assert rk.fast(raw) is None
     with pytest.raises(ContractError):
         rk.rekey_value(raw, DictState())
 

@@ -8,8 +8,10 @@ import orjson
 import pytest
 
 from demux.config import parse_config
+from demux.positions import checkpoint_text
 from demux.state import StateStore
-from demux.worker import checkpoint_text, partition_for, transactional_id
+from demux.transaction import transactional_id
+from demux.worker import partition_for
 from walbus.config import ConfigError
 from walbus.contract import database_topic, table_topic
 from walbus.kafka import DEFAULT_MAX_MESSAGE_BYTES

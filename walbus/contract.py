@@ -99,6 +99,13 @@ class RowImage:
     def as_dict(self) -> dict[str, Any]:
         return dict(zip(self.columns, self.values, strict=True))
 
+    def key_values(self, pk: tuple[str, ...], skip: tuple[str, ...] = ()) -> dict[str, Any] | None:
+        """The primary-key values in key order; None when a key column is missing (or in ``skip``)."""
+        row = self.as_dict()
+        if any(col not in row or col in skip for col in pk):
+            return None
+        return {col: row[col] for col in pk}
+
     def to_json_obj(self) -> dict[str, Any]:
         return {"columns": list(self.columns), "types": list(self.types), "values": list(self.values)}
 
@@ -145,10 +152,9 @@ class ChangeEvent:
         if not self.pk:
             return None
         for image in (self.new, self.identity):
-            if image is not None:
-                d = image.as_dict()
-                if all(c in d for c in self.pk):
-                    return {c: d[c] for c in self.pk}
+            values = image.key_values(self.pk) if image is not None else None
+            if values is not None:
+                return values
         return None
 
     def to_json(self) -> bytes:
@@ -338,6 +344,13 @@ def check_key(key: bytes | None, event: ChangeEvent) -> None:
     if key is None or parse_event_key(key) != (commit_lsn, seq):
         shown = key[:40] if key is not None else None
         raise ContractError(f"key {shown!r} is not the event's position {event_key(event.commit_lsn, event.seq)!r}")
+
+
+# -- per-table topics ---------------------------------------------------------------------
+# A row there is the row's columns plus these fields (they win over a column of the same
+# name); ``__op`` is the operation's code (docs/demux.md).
+TABLE_META_FIELDS: Final = ("__op", "__lsn", "__commit_lsn", "__seq", "__xid", "__ts")
+OP_CODES: Final = {"insert": "c", "update": "u", "delete": "d", "read": "r", "truncate": "t"}
 
 
 # -- table names --------------------------------------------------------------------------

@@ -1,0 +1,286 @@
+"""Every use the demux makes of aiokafka's internals, in one place, with its version guard.
+
+Three shortcuts, each with a public-API path that is slower but equally correct
+(docs/demux.md, "aiokafka shortcuts"):
+
+* runs: the demux' consumer hands over one list of aiokafka's Cython records per
+  record batch instead of one ConsumerRecord each (scoped to one consumer);
+* direct append: records go into aiokafka's Cython batch builder without its
+  per-record Python wrapper;
+* fenced probe: whether a transactional producer is fenced or broken.
+
+A shortcut is taken only when the installed aiokafka is one of CHECKED_VERSIONS and
+a probe of the internals it needs passes; otherwise the demux logs once and takes
+the public path (slower, not wrong): an upgrade must not stop the stream.
+tests/test_demux_fetch.py fails when an aiokafka upgrade changes what this relies on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+from collections import OrderedDict
+from collections.abc import Iterator
+from dataclasses import dataclass
+from itertools import chain
+from typing import Any, Final, Protocol
+
+import aiokafka
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from aiokafka.consumer import fetcher as _fetcher
+from aiokafka.errors import CorruptRecordException
+from aiokafka.producer.message_accumulator import BatchBuilder
+from aiokafka.producer.transaction_manager import TransactionManager
+from aiokafka.record.memory_records import MemoryRecords
+
+log = logging.getLogger("walbus.demux")
+
+# (major, minor) releases whose internals the shortcuts were read against and tested with.
+CHECKED_VERSIONS: Final = ((0, 14),)
+# Passed as every fast record's headers (read only, never changed).
+NO_HEADERS: Final[list[tuple[str, bytes]]] = []
+
+
+class SourceRecord(Protocol):
+    """What the demux reads of a source record: a ConsumerRecord or aiokafka's Cython record."""
+
+    @property
+    def offset(self) -> int: ...
+
+    @property
+    def key(self) -> bytes | None: ...
+
+    @property
+    def value(self) -> bytes | None: ...
+
+
+def version_checked(version: str) -> bool:
+    """Whether an aiokafka version is one of CHECKED_VERSIONS."""
+    try:
+        major, minor = (int(part) for part in version.split(".")[:2])
+    except ValueError:
+        return False
+    return (major, minor) in CHECKED_VERSIONS
+
+
+# -- runs of records -----------------------------------------------------------------------
+
+_PartitionRecords: Any = _fetcher.PartitionRecords
+
+
+class RunRecords(_PartitionRecords):  # type: ignore[misc]
+    """aiokafka's PartitionRecords, yielding one list of records per record batch.
+
+    The read_committed rules are Kafka's (KIP-98) applied per batch with aiokafka's
+    own helpers: a transactional batch of an aborted producer is dropped until its
+    abort marker, control batches are never returned, records before the fetch
+    offset (a seek into a batch) are dropped.
+    """
+
+    def _unpack_records(self) -> Iterator[list[Any]]:
+        records = self._records
+        read_committed = self._isolation_level == _fetcher.READ_COMMITTED
+        while records.has_next():
+            batch = records.next_batch()
+            if self._check_crcs and not batch.validate_crc():
+                raise CorruptRecordException(f"Invalid CRC - {self._tp}")
+            if read_committed and batch.producer_id is not None:
+                self._consume_aborted_up_to(batch.base_offset)
+                if batch.is_control_batch and self._contains_abort_marker(batch):
+                    self._aborted_producers.discard(batch.producer_id)
+                if batch.is_transactional and batch.producer_id in self._aborted_producers:
+                    self.next_fetch_offset = batch.next_offset
+                    continue
+            if batch.is_control_batch:
+                self.next_fetch_offset = batch.next_offset
+                continue
+            run = list(batch)
+            start = self.next_fetch_offset
+            if run and run[0].offset < start:
+                run = [r for r in run if r.offset >= start]
+            # The whole batch is handed over at once: the position moves past it.
+            self.next_fetch_offset = batch.next_offset
+            if run:
+                yield run
+
+
+def _as_runs(partition_records: Any) -> None:
+    """Turn a fresh (unread) PartitionRecords into RunRecords, in place."""
+    partition_records.__class__ = RunRecords
+    partition_records._records_iterator = partition_records._unpack_records()
+
+
+class _RunsBuffer(OrderedDict[Any, Any]):
+    """One consumer's fetch buffer (aiokafka's ``Fetcher._records``): what is put in it comes out as runs."""
+
+    def __setitem__(self, tp: Any, result: Any) -> None:
+        if isinstance(result, _fetcher.FetchResult) and type(result._partition_records) is _PartitionRecords:
+            _as_runs(result._partition_records)
+        super().__setitem__(tp, result)
+
+
+def _probe_runs() -> bool:
+    """The fetcher internals read_in_runs relies on are there, with the shapes it expects."""
+    try:
+        params = list(inspect.signature(_PartitionRecords.__init__).parameters)
+        if params != ["self", "tp", "records", "aborted_transactions", "fetch_offset", "key_deserializer",
+                      "value_deserializer", "check_crcs", "isolation_level"]:
+            return False
+        if not all(callable(getattr(_PartitionRecords, name, None))
+                   for name in ("_consume_aborted_up_to", "_contains_abort_marker")):
+            return False
+        tp = TopicPartition("probe", 0)
+        records = _PartitionRecords(tp, MemoryRecords(b""), None, 7, None, None, True, _fetcher.READ_COMMITTED)
+        result = _fetcher.FetchResult(tp, assignment=None, partition_records=records, backoff=0)
+        buffer = _RunsBuffer()
+        buffer[tp] = result
+        return (result._partition_records is records and type(records) is RunRecords
+                and list(records) == [] and records.next_fetch_offset == 7)
+    except Exception:  # another aiokafka
+        log.debug("probing aiokafka's fetcher failed", exc_info=True)
+        return False
+
+
+def read_in_runs(consumer: AIOKafkaConsumer) -> bool:
+    """From now on this started consumer's getmany returns runs; False: it keeps ConsumerRecords.
+
+    Call it right after ``start()``: a fetch already buffered is converted too.
+    No other consumer of the process is affected.
+    """
+    fetcher = getattr(consumer, "_fetcher", None)
+    buffer = getattr(fetcher, "_records", None)
+    if not SHORTCUTS.runs or type(buffer) is not OrderedDict:
+        return False
+    runs = _RunsBuffer()
+    for tp, result in buffer.items():
+        runs[tp] = result
+    fetcher._records = runs  # type: ignore[union-attr]
+    return True
+
+
+def flatten(items: list[Any]) -> list[SourceRecord]:
+    """getmany's list for one partition -> its records in offset order (runs or records alike)."""
+    if items and isinstance(items[0], list):
+        return list(chain.from_iterable(items))
+    return items
+
+
+# -- output batches ------------------------------------------------------------------------
+
+
+class OutputBatch:
+    """An aiokafka record batch for ``send_batch``, filled without its per-record wrapper.
+
+    The hot loop appends with ``records.append(count, None, key, value, NO_HEADERS)``
+    (the Cython builder: None when full) and then ``count += 1``; :meth:`for_send`
+    hands aiokafka the batch with its record count. Without the direct-append
+    shortcut ``records`` is None and :meth:`append` takes aiokafka's public append.
+    """
+
+    __slots__ = ("batch", "count", "records")
+
+    def __init__(self, size: int) -> None:
+        # As AIOKafkaProducer.create_batch with max_batch_size=size (no compression):
+        # the demux sizes batches per topic (its max.message.bytes).
+        self.batch = BatchBuilder(size, 0, is_transactional=1)
+        self.records: Any = self.batch._builder if SHORTCUTS.direct_append else None
+        self.count = 0
+
+    def append(self, key: bytes | None, value: bytes | None,
+               headers: list[tuple[str, bytes]] = NO_HEADERS) -> bool:
+        """Append one record; False when the batch is full."""
+        records = self.records
+        if records is None:
+            if self.batch.append(timestamp=None, key=key, value=value, headers=headers) is None:
+                return False
+        elif records.append(self.count, None, key, value, headers) is None:
+            return False
+        self.count += 1
+        return True
+
+    def for_send(self) -> Any:
+        """The closed aiokafka BatchBuilder, counting the records appended directly."""
+        if self.records is not None:
+            self.batch._relative_offset = self.count
+        self.batch.close()
+        return self.batch
+
+
+def _probe_direct_append() -> bool:
+    """A batch filled directly holds what one filled by BatchBuilder.append holds, and counts alike."""
+    try:
+        records = [(b"k1", b"v1"), (None, b"v2"), (b"k3", None)]
+        public = BatchBuilder(16384, 0, is_transactional=1)
+        direct = BatchBuilder(16384, 0, is_transactional=1)
+        builder = direct._builder
+        for at, (key, value) in enumerate(records):
+            public.append(timestamp=None, key=key, value=value)
+            if builder.append(at, None, key, value, NO_HEADERS) is None:
+                return False
+        direct._relative_offset = len(records)
+
+        def content(batch: Any) -> list[tuple[int, bytes | None, bytes | None]]:
+            built = MemoryRecords(bytes(batch._build())).next_batch()
+            return [(r.offset, r.key, r.value) for r in built]  # timestamps differ: each append reads the clock
+
+        return (content(public) == content(direct) == [(i, k, v) for i, (k, v) in enumerate(records)]
+                and public.record_count() == direct.record_count() == len(records))
+    except Exception:  # another aiokafka
+        log.debug("probing aiokafka's BatchBuilder failed", exc_info=True)
+        return False
+
+
+# -- transaction-manager probe -------------------------------------------------------------
+
+
+def _probe_fenced() -> bool:
+    return all(callable(getattr(TransactionManager, name, None))
+               for name in ("is_fatal_error", "wait_for_transaction_end"))
+
+
+def fenced(producer: AIOKafkaProducer) -> bool:
+    """True when the transactional producer is fenced or broken: nothing left to abort on our side.
+
+    Without the shortcut: False (the abort is tried, fails and is logged).
+    """
+    txn = getattr(producer, "_txn_manager", None) if SHORTCUTS.fenced else None
+    if not isinstance(txn, TransactionManager) or not txn.is_fatal_error():
+        return False
+    # aiokafka parks the fatal error on the transaction waiter; nobody else awaits it.
+    waiter = txn.wait_for_transaction_end()
+    if isinstance(waiter, asyncio.Future) and waiter.done() and not waiter.cancelled():
+        waiter.exception()
+    return True
+
+
+# -- the guard -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Shortcuts:
+    """Which shortcuts this process takes (decided once, at import)."""
+
+    version: str
+    runs: bool
+    direct_append: bool
+    fenced: bool
+
+    def as_labels(self) -> dict[str, bool]:
+        return {"runs": self.runs, "direct_append": self.direct_append, "fenced_probe": self.fenced}
+
+
+def _decide(version: str) -> Shortcuts:
+    if not version_checked(version):
+        log.warning("aiokafka %s is not one the demux' shortcuts were checked against; using its public API "
+                    "(slower)", version, extra={"aiokafka": version, "checked": [list(v) for v in CHECKED_VERSIONS]})
+        return Shortcuts(version, runs=False, direct_append=False, fenced=False)
+    shortcuts = Shortcuts(version, runs=_probe_runs(), direct_append=_probe_direct_append(), fenced=_probe_fenced())
+    off = [name for name, on in shortcuts.as_labels().items() if not on]
+    if off:
+        log.warning("aiokafka's internals are not what the demux' shortcuts expect; using its public API for them "
+                    "(slower)", extra={"aiokafka": version, "shortcuts_off": off})
+    return shortcuts
+
+
+SHORTCUTS: Final = _decide(aiokafka.__version__)

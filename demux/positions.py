@@ -1,0 +1,66 @@
+"""Where one source partition stands: its committed offset, the next record to process, the last event.
+
+The committed offset is read only after the partition's producer fenced the previous
+owner (demux.transaction), so it is final. The consumer starts LOOK_BACK records
+before it: those records are not processed again, but the highest event key among
+them tells where processing stood (replay detection: the producer is at-least-once).
+"""
+
+from __future__ import annotations
+
+from aiokafka import AIOKafkaConsumer, TopicPartition
+
+from walbus.contract import ContractError, check_key, decode_event
+
+# Source records read again before the committed offset on open, to learn the last position.
+LOOK_BACK = 1000
+
+
+def checkpoint_text(group: str, tp: TopicPartition, offset: int | None) -> str:
+    """The last-row store's checkpoint for a committed offset (None: nothing committed yet)."""
+    return f"{group}|{tp.topic}|{tp.partition}|{-1 if offset is None else offset}"
+
+
+class Positions:
+    """The partition's offsets and the highest event key processed (byte order is event order)."""
+
+    def __init__(self, group: str, tp: TopicPartition) -> None:
+        self.group = group
+        self.tp = tp
+        self.committed: int | None = None
+        # Below it: already processed (the look-back after a seek, or fetched before a seek).
+        self.next_offset: int | None = None
+        self.last_key: bytes | None = None
+
+    async def start(self, consumer: AIOKafkaConsumer) -> int | None:
+        """Read the group's committed offset and seek the consumer a little before it."""
+        committed: int | None = await consumer.committed(self.tp)
+        if committed is None:
+            await consumer.seek_to_beginning(self.tp)
+        else:
+            consumer.seek(self.tp, max(0, committed - LOOK_BACK))
+        self.committed = self.next_offset = committed
+        self.last_key = None
+        return committed
+
+    def checkpoint(self) -> str:
+        """The store's checkpoint text once the offsets up to next_offset are committed."""
+        return checkpoint_text(self.group, self.tp, self.next_offset)
+
+    def is_replay(self, key: bytes) -> bool:
+        """An event at or before the last one processed (the producer sends again after its restart)."""
+        return self.last_key is not None and key <= self.last_key
+
+    def advance(self, offset: int) -> None:
+        self.next_offset = offset + 1
+
+
+def at_position(key: bytes | None, value: bytes | None) -> bool:
+    """Whether a record is a valid event whose key is its own position (looked-back records only)."""
+    if key is None or value is None:
+        return False
+    try:
+        check_key(key, decode_event(value))
+    except ContractError:
+        return False
+    return True

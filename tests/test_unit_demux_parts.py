@@ -1,0 +1,78 @@
+"""The demux worker's small parts without Kafka: positions, dead-letter records, transaction counts."""
+
+from __future__ import annotations
+
+from aiokafka import TopicPartition
+
+from demux.dead_letter import dead_letter_record
+from demux.metrics import DemuxMetrics, TransactionCounts
+from demux.positions import Positions, at_position
+from walbus.contract import encode_event, event_key
+from walbus.kafka import record_fits
+from walbus.metrics import new_registry
+
+TP = TopicPartition("walbus.shop", 2)
+
+
+def test_positions_replay_and_checkpoint() -> None:
+    pos = Positions("g", TP)
+    assert pos.checkpoint() == "g|walbus.shop|2|-1" and not pos.is_replay(event_key(1, 0))
+    pos.last_key = event_key(5, 1)
+    assert pos.is_replay(event_key(5, 1)) and pos.is_replay(event_key(4, 9))
+    assert not pos.is_replay(event_key(5, 2))
+    pos.advance(41)
+    assert pos.next_offset == 42 and pos.checkpoint() == "g|walbus.shop|2|42"
+
+
+def test_at_position_needs_an_event_at_its_own_key() -> None:
+    value = encode_event(lsn=1, commit_lsn=7, seq=3, xid=1, operation="insert", table="public.t", timestamp="x",
+                         pk=["id"], new={"columns": ["id"], "types": ["int4"], "values": [1]}, identity=None)
+    assert at_position(event_key(7, 3), value)
+    assert not at_position(event_key(7, 4), value)
+    assert not at_position(None, value) and not at_position(event_key(7, 3), None)
+    assert not at_position(event_key(7, 3), b"not json")
+
+
+def test_dead_letter_record_whole_when_it_fits() -> None:
+    key, value, headers = dead_letter_record(TP, 17, b"k", b"v" * 10, "bad", 1_000_000)
+    assert (key, value) == (b"k", b"v" * 10)
+    assert dict(headers) == {"walbus.error": b"bad", "walbus.source.topic": b"walbus.shop",
+                             "walbus.source.partition": b"2", "walbus.source.offset": b"17"}
+    assert dead_letter_record(TP, 1, None, None, "e", 1000)[:2] == (None, b"")
+    assert dead_letter_record(TP, 1, b"k", None, "e", 1000)[:2] == (b"k", None)
+
+
+def test_dead_letter_record_cut_to_the_topic_and_said_so() -> None:
+    key, value, headers = dead_letter_record(TP, 1, b"k" * 5000, b"v" * 50_000, "too big", 10_000)
+    names = dict(headers)
+    assert key == b"k" * 1000 and value is not None and 0 < len(value) < 10_000
+    assert names["walbus.value.truncated"] == b"50000" and b"10000" in names["walbus.value.cut"]
+    assert record_fits(10_000, key, value, sum(len(k) + len(v) for k, v in headers))
+
+
+def test_transaction_counts_reach_the_metrics_on_flush() -> None:
+    registry = new_registry()
+    counts = TransactionCounts(DemuxMetrics(registry), 2)
+    counts.records, counts.replayed = 10, 2
+    counts.produced["public.t"] = 7
+    counts.tombstones["public.t"] = 1
+    counts.other[("dead_letter", "contract")] += 1
+    counts.other[("unwritten", "public.t", "size")] += 1
+    counts.flush()
+    value = registry.get_sample_value
+    assert value("walbus_demux_records_consumed_total", {"partition": "2"}) == 10
+    assert value("walbus_demux_replayed_skipped_total") == 2
+    assert value("walbus_demux_records_produced_total", {"table": "public.t"}) == 7
+    assert value("walbus_demux_tombstones_total", {"table": "public.t"}) == 1
+    assert value("walbus_demux_dead_letters_total", {"reason": "contract"}) == 1
+    assert value("walbus_demux_unwritten_outputs_total", {"table": "public.t", "reason": "size"}) == 1
+    assert (counts.records, counts.replayed, counts.produced, counts.other) == (0, 0, {}, {})
+
+
+def test_primary_key_values_from_one_image() -> None:
+    from walbus.contract import RowImage
+
+    image = RowImage(("id", "region", "doc"), ("int4", "text", "text"), (7, "eu", "x"))
+    assert image.key_values(("region", "id")) == {"region": "eu", "id": 7}  # key order, not column order
+    assert image.key_values(("id", "missing")) is None
+    assert image.key_values(("id", "doc"), skip=("doc",)) is None  # an unchanged TOAST column is no key value
