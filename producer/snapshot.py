@@ -73,7 +73,7 @@ from producer.tablescan import (
     describe_table,
     str_converters,
 )
-from walbus.contract import Lsn, qualify_table
+from walbus.contract import Lsn, decode_event, qualify_table
 
 log = logging.getLogger("walbus.producer.snapshot")
 
@@ -376,12 +376,10 @@ class InitialSnapshot:
                 while await consumer.position(tp) < ends[tp]:
                     got = await consumer.getmany(tp, timeout_ms=1000, max_records=50000)
                     for m in got.get(tp, []):
-                        ev = orjson.loads(m.value)
-                        if ev.get("operation") != "read" or not ev.get("pk"):
-                            continue
-                        cols = ev["columns"]
-                        idx = [cols.index(c) for c in ev["pk"] if c in cols]
-                        keys.setdefault(ev["table"], set()).add(orjson.dumps([ev["values"][i] for i in idx]))
+                        ev = decode_event(m.value)  # our own records: a contract error is a fault
+                        key = ev.key_values() if ev.operation == "read" else None
+                        if key is not None:
+                            keys.setdefault(ev.table, set()).add(orjson.dumps(list(key.values())))
         finally:
             await consumer.stop()
         log.info("keys emitted by the interrupted snapshot", extra={"tables": {t: len(k) for t, k in keys.items()}})

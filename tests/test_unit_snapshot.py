@@ -4,25 +4,31 @@ parsing, event keys, and the read encoding against the reference codec."""
 from __future__ import annotations
 
 import itertools
-from typing import Any
 
 import orjson
 import pytest
 
-from producer.codec import CaptureFilter, EventEncoder, Relation, text_converter
-from producer.incremental import ChunkWindow, Position, _event_keys
+from producer.codec import CaptureFilter, EncodedEvent, EventEncoder, Relation, text_converter
+from producer.incremental import ChunkWindow, Position
 from producer.tablescan import convert_line, convert_row, copy_field, str_converters
 from walbus.contract import decode_event, encode_event, event_key
 
 
-def change(op: str, key: int, *, new_key: int | None = None, v: str = "x") -> dict[str, Any]:
-    """A streamed change of ``public.t (id pk, v)`` as the decoded JSON the window sees."""
-    ev: dict[str, Any] = {"table": "public.t", "operation": op, "pk": ["id"]}
-    if op != "delete":
-        ev["columns"], ev["values"] = ["id", "v"], [key if new_key is None else new_key, v]
-    if op in ("update", "delete"):
-        ev["identity"] = {"columns": ["id"], "types": ["int4"], "values": [key]}
-    return ev
+def _relation(columns: list[str], pk: list[str], replident: str = "d") -> Relation:
+    types = ["int4" if c != "b" else "text" for c in columns]
+    return Relation(1, "public", "t", columns, types, [c in pk for c in columns], pk, replident).prepare(CaptureFilter())
+
+
+T = _relation(["id", "v"], ["id"])
+
+
+def change(op: str, key: int, *, new_key: int | None = None, v: str = "x") -> EncodedEvent:
+    """A streamed change of ``public.t (id pk, v)`` as the producer hands it to the window."""
+    enc = EventEncoder()
+    enc.begin(100, 1, "2024-01-01T00:00:00.000000+00:00")
+    new = None if op == "delete" else [key if new_key is None else new_key, v]
+    old = [key, None] if op in ("update", "delete") else None
+    return enc.encode(T, op, 90, new, old=old)
 
 
 def test_window_rule_k1_to_k6() -> None:
@@ -30,7 +36,7 @@ def test_window_rule_k1_to_k6() -> None:
     before the low or after the high watermark do not touch it."""
     chunk = [((k,), f"read K{k}") for k in range(1, 7)]
     w = ChunkWindow()
-    for key in _event_keys(change("update", 1)):  # before the low watermark: K1's read is current
+    for key in change("update", 1).primary_keys():  # before the low watermark: K1's read is current
         w.observe(key)
     w.low()
     script = [
@@ -40,7 +46,7 @@ def test_window_rule_k1_to_k6() -> None:
         change("update", 4, new_key=8),  # key change: the old key K4 is gone, its read must not come back
     ]
     for ev in script:
-        for key in _event_keys(ev):
+        for key in ev.primary_keys():
             w.observe(key)
     emitted = w.high(chunk)
     assert emitted == ["read K1", "read K5", "read K6"]
@@ -63,12 +69,14 @@ def test_window_truncate_and_order_errors() -> None:
 
 
 def test_event_keys_composite_and_full_identity() -> None:
-    ev = {
-        "pk": ["a", "b"], "columns": ["a", "b", "c"], "values": [1, "x", 3],
-        "identity": {"columns": ["a", "b", "c"], "types": [], "values": [1, "y", 2]},
-    }
-    assert _event_keys(ev) == [(1, "x"), (1, "y")]
-    assert _event_keys({"pk": ["a"], "identity": {"columns": ["a"], "values": [4]}}) == [(4,)]
+    rel = _relation(["a", "b", "c"], ["a", "b"], "f")
+    enc = EventEncoder()
+    enc.begin(100, 1, "2024-01-01T00:00:00.000000+00:00")
+    ev = enc.encode(rel, "update", 90, [1, "x", 3], old=[1, "y", 2], old_is_full=True)
+    assert ev.primary_keys() == [(1, "x"), (1, "y")]
+    assert ev.table == "public.t" and ev.row() == {"a": 1, "b": "x", "c": 3}
+    assert enc.encode(rel, "delete", 91, None, old=[4, "z", None]).primary_keys() == [(4, "z")]
+    assert enc.truncate(rel, 92).primary_keys() == [] and enc.truncate(rel, 92).operation == "truncate"
 
 
 def test_copy_text_fields() -> None:

@@ -11,24 +11,17 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
 from typing import Any
 
 import orjson
 
 from producer.catalog import CatalogLookup, TableInfo
-from producer.codec import (
-    FLOAT_TYPES,
-    INT_TYPES,
-    CaptureFilter,
-    EventEncoder,
-    Relation,
-    iso_from_pg_text,
-)
+from producer.codec import CaptureFilter, EventEncoder, Relation, iso_from_pg_text
 from producer.decoders import Item, LogicalMessage, TxnBegin, TxnEnd
 from producer.decoders.pgoutput import DecodeError
-from walbus.contract import Lsn, qualify_table
+from walbus.contract import BOOL_TYPES, FLOAT_TYPES, INT_TYPES, Lsn, qualify_table
 
 log = logging.getLogger("walbus.producer.wal2json")
 
@@ -48,7 +41,7 @@ def _value_converter(typname: str) -> Callable[[Any], Any]:
         return lambda v: v if v is None or isinstance(v, str) else str(v)
     if typname == "bytea":
         return lambda v: v if v is None else "\\x" + v
-    if typname == "bool":
+    if typname in BOOL_TYPES:
         return lambda v: v
     return lambda v: v if v is None or isinstance(v, str) else str(v)
 
@@ -154,7 +147,7 @@ class Wal2jsonDecoder:
             present.add(i)
         return values, present
 
-    def decode(self, messages: list[tuple[int, bytes]], out: list[Item]) -> None:
+    def decode(self, messages: list[tuple[int, bytes]]) -> Iterator[Item]:
         for _lsn, buf in messages:
             try:
                 msg = _exact_loads(buf) if _NUMERIC_MARK in buf else orjson.loads(buf)
@@ -180,15 +173,15 @@ class Wal2jsonDecoder:
                 if action == "I":
                     new, present = self._row(cols, index, convs, n)
                     absent = [i for i in range(n) if i not in present]
-                    out.append(self.encoder.encode(rel, "insert", lsn, new, absent=absent))
+                    yield self.encoder.encode(rel, "insert", lsn, new, absent=absent)
                     op = "insert"
                 elif action == "U":
                     new, present = self._row(cols, index, convs, n)
                     unchanged = [i for i in range(n) if i not in present]
-                    out.append(self.encoder.encode(rel, "update", lsn, new, unchanged=unchanged, old=old, old_is_full=old_full))
+                    yield self.encoder.encode(rel, "update", lsn, new, unchanged=unchanged, old=old, old_is_full=old_full)
                     op = "update"
                 else:
-                    out.append(self.encoder.encode(rel, "delete", lsn, None, old=old, old_is_full=old_full))
+                    yield self.encoder.encode(rel, "delete", lsn, None, old=old, old_is_full=old_full)
                     op = "delete"
                 key = (rel.qualified, op)
                 self._counts[key] = self._counts.get(key, 0) + 1
@@ -199,27 +192,27 @@ class Wal2jsonDecoder:
                 self._counts = {}
                 self._commit_unix_us = int(datetime.fromisoformat(iso).astimezone(UTC).timestamp() * 1_000_000)
                 self._begin = TxnBegin(commit_lsn, int(msg["xid"]), iso)
-                out.append(self._begin)
+                yield self._begin
             elif action == "C":
                 begin = self._begin
                 if begin is None:
                     raise DecodeError("wal2json commit without begin")
-                out.append(TxnEnd(begin.commit_lsn, int(Lsn.parse(msg["nextlsn"])), begin.xid, begin.timestamp, self._commit_unix_us, self._counts))
+                yield TxnEnd(begin.commit_lsn, int(Lsn.parse(msg["nextlsn"])), begin.xid, begin.timestamp, self._commit_unix_us, self._counts)
                 self._counts = {}
             elif action == "T":
                 schema, table = msg["schema"], msg["table"]
                 if not self.capture.captures(qualify_table(schema, table)):
                     continue
                 rel, _, _ = self._relation(schema, table, [])
-                out.append(self.encoder.truncate(rel, int(Lsn.parse(msg["lsn"]))))
+                yield self.encoder.truncate(rel, int(Lsn.parse(msg["lsn"])))
                 key = (rel.qualified, "truncate")
                 self._counts[key] = self._counts.get(key, 0) + 1
             elif action == "M":
                 content = msg.get("content", "")
                 enc = self.encoder
-                out.append(LogicalMessage(
+                yield LogicalMessage(
                     int(Lsn.parse(msg["lsn"])), msg.get("prefix", ""), str(content).encode(), bool(msg.get("transactional")),
                     enc.commit_lsn, enc.xid, enc.seq, self._begin.timestamp if self._begin is not None else "",
-                ))
+                )
             else:
                 raise DecodeError(f"unknown wal2json action {action!r}")
