@@ -33,7 +33,6 @@ from walbus.contract import (
     MASK,
     OPERATION_PARTS,
     VALUE_END,
-    event_key,
     qualify_table,
 )
 
@@ -142,11 +141,8 @@ class Relation:
         return self.ident_idx
 
 
-# Converters from PostgreSQL's text output to JSON values, by pg_type.typname.
-def _to_int(raw: bytes) -> int:
-    return int(raw)
-
-
+# Converters from PostgreSQL's text output to JSON values, by pg_type.typname. Builtins
+# where one does the job: a Python wrapper costs a frame per column on the hot path.
 def _to_float(raw: bytes) -> float | str:
     text = raw.decode()
     return text if text in FLOAT_SPECIALS else float(text)
@@ -156,18 +152,14 @@ def _to_bool(raw: bytes) -> bool:
     return raw == b"t"
 
 
-def _to_text(raw: bytes) -> str:
-    return raw.decode()
-
-
 def text_converter(typname: str) -> Callable[[bytes], Any]:
     if typname in INT_TYPES:
-        return _to_int
+        return int
     if typname in FLOAT_TYPES:
         return _to_float
     if typname in BOOL_TYPES:
         return _to_bool
-    return _to_text
+    return bytes.decode
 
 
 @dataclass(slots=True)
@@ -205,8 +197,11 @@ class EncodedEvent:
         return keys
 
 
-_KEY = KEY_FORMAT.encode()
-_ROW = _INTS + b"%b%b" + VALUE_END  # the integers, the relation's fixed parts, the values
+
+
+def _literal(fixed: bytes) -> bytes:
+    """Fixed bytes inside a %-template (names may hold '%')."""
+    return fixed.replace(b"%", b"%%")
 
 
 class EventEncoder:
@@ -218,21 +213,25 @@ class EventEncoder:
         self.seq = 0
         self.partitioned = partitioned  # partition keys cost time: only computed when needed
         self._ts_part = b""
-        self._commit_part = b""
-        self._insert_rest: dict[int, bytes] = {}
+        self._key_template = b""
+        self._row_templates: dict[int, bytes] = {}
+        self.begin(0, 0, "")
 
     def begin(self, commit_lsn: int, xid: int, timestamp_iso: str) -> None:
         self.commit_lsn = commit_lsn
         self.xid = xid
         self.seq = 0
         self._ts_part = FIELD_HEADS["timestamp"] + orjson.dumps(timestamp_iso)
-        self._insert_rest = {}
+        # The key's commit_lsn part is fixed for the transaction: one format argument left.
+        head, dash, tail = KEY_FORMAT.partition("-")
+        self._key_template = _literal((head % commit_lsn + dash).encode()) + tail.encode()
+        self._row_templates = {}
 
     def forget(self, relid: int) -> None:
         """A relation was defined anew (a schema change, even inside this transaction): its
         later rows must not reuse the parts cached for its earlier version."""
-        self._insert_rest.pop(relid, None)
-        self._insert_rest.pop(-1 - relid, None)
+        self._row_templates.pop(relid, None)
+        self._row_templates.pop(-1 - relid, None)
 
     def insert(self, rel: Relation, lsn: int, new: list[Any]) -> EncodedEvent:
         """The hot path: an insert of a relation with no excluded or masked column."""
@@ -248,15 +247,24 @@ class EventEncoder:
         seq = self.seq
         self.seq = seq + 1
         cache_key = rel.relid if operation == "insert" else -1 - rel.relid
-        rest = self._insert_rest.get(cache_key)
-        if rest is None:
-            # Everything after "seq" but the values is the same for a relation within a transaction.
-            rest = self._insert_rest[cache_key] = (
-                OPERATION_PARTS[operation] + rel.table_part + self._ts_part + rel.pk_part + rel.full_part
-            )
-        value = _ROW % (lsn, self.commit_lsn, seq, self.xid, rest, orjson.dumps(new))
+        template = self._row_templates.get(cache_key)
+        if template is None:
+            template = self._row_templates[cache_key] = self._row_template(rel, operation)
+        value = template % (lsn, seq, orjson.dumps(new))
         pkey = self._partition_key(rel, new, None) if self.partitioned else b""
-        return EncodedEvent(_KEY % (self.commit_lsn, seq), value, pkey, rel, operation, new)
+        return EncodedEvent(self._key_template % seq, value, pkey, rel, operation, new)
+
+    def _row_template(self, rel: Relation, operation: str) -> bytes:
+        """A whole-row event of ``rel`` in this transaction, but for its lsn, seq and values."""
+        return b"".join([
+            _literal(_HEAD), b"%d",
+            _literal(FIELD_HEADS["commit_lsn"] + b"%d" % self.commit_lsn + FIELD_HEADS["seq"]), b"%d",
+            _literal(
+                FIELD_HEADS["xid"] + b"%d" % self.xid + OPERATION_PARTS[operation] + rel.table_part + self._ts_part
+                + rel.pk_part + rel.full_part
+            ),
+            b"%b", VALUE_END,
+        ])
 
     def encode(
         self,
@@ -314,7 +322,7 @@ class EventEncoder:
             parts.append(FIELD_HEADS["unchanged"] + orjson.dumps(unchanged_names))
         parts.append(VALUE_END)
         pkey = self._partition_key(rel, new, old) if self.partitioned else b""
-        return EncodedEvent(event_key(self.commit_lsn, seq), b"".join(parts), pkey, rel, operation, new, old)
+        return EncodedEvent(self._key_template % seq, b"".join(parts), pkey, rel, operation, new, old)
 
     def _identity(self, rel: Relation, new: list[Any] | None, old: list[Any] | None, old_is_full: bool) -> bytes | None:
         src: list[Any] | None
@@ -335,7 +343,7 @@ class EventEncoder:
             _INTS % (lsn, self.commit_lsn, seq, self.xid),
             OPERATION_PARTS["truncate"], rel.table_part, self._ts_part, rel.pk_part, VALUE_END,
         ])
-        return EncodedEvent(event_key(self.commit_lsn, seq), value, rel.table_part, rel, "truncate")
+        return EncodedEvent(self._key_template % seq, value, rel.table_part, rel, "truncate")
 
     @staticmethod
     def _partition_key(rel: Relation, new: list[Any] | None, old: list[Any] | None) -> bytes:

@@ -205,6 +205,8 @@ class Producer:
 
             def on_ack(seconds: float, records: int) -> None:
                 metrics.send_latency.observe(seconds)
+                if stream is not None:
+                    stream.wake()  # the pump confirms what Kafka acknowledged without waiting for WAL
 
             sink = self._new_sink(progress, on_ack=on_ack)
             await sink.start()
