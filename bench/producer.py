@@ -149,9 +149,12 @@ class Run:
 def measure(proc: subprocess.Popen[bytes], dsn: str, slot: str, end: int, broker: int | None, *, until_exit: bool) -> Run:
     """Sample the run's processes every 20 ms until the slot confirmed ``end`` (the producer)
     or the client exited (pg_recvlogical, which stops at ``--endpos``)."""
+    launched = time.perf_counter()
     walsender = None
     while walsender is None:
         if proc.poll() is not None:
+            if until_exit and proc.returncode == 0:  # a backlog drained before the slot was seen in use
+                return Run(seconds=time.perf_counter() - launched)
             raise RuntimeError(f"{proc.args!r} exited with {proc.returncode} before streaming")
         walsender = slot_info(dsn, slot)[0]
         time.sleep(0.005)

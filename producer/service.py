@@ -205,8 +205,11 @@ class Producer:
 
             def on_ack(seconds: float, records: int) -> None:
                 metrics.send_latency.observe(seconds)
-                if stream is not None:
-                    stream.wake()  # the pump confirms what Kafka acknowledged without waiting for WAL
+                # Idle (nothing open: the read may wait up to 1 s): confirm what Kafka acknowledged
+                # now. While batches are open the read waits 2 ms at most, and an early wake would
+                # send them half full.
+                if stream is not None and sink is not None and not sink.has_open():
+                    stream.wake()
 
             sink = self._new_sink(progress, on_ack=on_ack)
             await sink.start()
