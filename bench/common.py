@@ -176,3 +176,33 @@ async def settle(pg_dsn: str | None = None, *, busy_below: float = 0.1, window_s
             break
     # Printed with the phase: a busy share above busy_below means it timed out (a busy host).
     return {"settle_s": round(time.monotonic() - started, 2), "settle_busy_share": round(busy_share, 3)}
+
+
+def cpu_seconds(pid: int) -> float:
+    """User plus system CPU seconds of a live process (0.0 once it is gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (FileNotFoundError, ProcessLookupError):
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def listener_pid(port: int) -> int | None:
+    """The process listening on TCP ``port`` on this machine (the broker), if it can be seen."""
+    inodes: set[str] = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError):
+            for line in Path(table).read_text().splitlines()[1:]:
+                cols = line.split()
+                if cols[3] == "0A" and int(cols[1].rsplit(":", 1)[1], 16) == port:  # 0A: LISTEN
+                    inodes.add(cols[9])
+    if not inodes:
+        return None
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            for fd in (proc / "fd").iterdir():
+                if os.readlink(fd).removeprefix("socket:[").removesuffix("]") in inodes:
+                    return int(proc.name)
+    return None

@@ -5,32 +5,51 @@ Prints JSON lines. Every figure is measured in the same run on the same services
 * ``throughput``: W1 (the transactions table, --rows rows in --txns transactions) and W2 (a
   wider table with inserts, updates and deletes) committed before the producer starts (a
   backlog in the slot); rows/s until Kafka acknowledged all of it (the slot's confirmed
-  position reaches the end), per plugin, beside ``pg_recvlogical`` draining an identical
-  slot to /dev/null with the same plugin (the decode ceiling), and their ratio.
+  position reaches the end), per plugin and per transport (loopback TCP, Unix socket),
+  beside ``pg_recvlogical`` draining a copy of the same slot to /dev/null with the same
+  plugin (the decode ceiling), their ratio, and the CPU seconds per million rows of the
+  client, its walsender and the broker (the broker is shared: its figure includes whatever
+  else it serves meanwhile). ``--baseline DIR``: another checkout's producer drains the same
+  backlog in the same run (before/after figures).
 * ``latency``: commit -> Kafka append p50/p99 under a steady write load (the topic uses
   LogAppendTime, so the broker stamps each record when it appends it).
 * ``rss``: the producer's peak RSS for a small and for a large single transaction.
 
-    python bench/producer.py [--rows 1000000] [--big-rows 5000000] [--profile]
+    python -m bench.producer [--rows 1000000] [--big-rows 5000000] [--baseline DIR] [--rounds 2] [--profile]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import io
+import itertools
 import os
 import pstats
 import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import orjson
 import psycopg
+from psycopg.conninfo import make_conninfo
 
-from bench.common import ROOT, Stopwatch, current_lsn, emit, peak_rss_mb, scratch_database, services
+from bench.common import (
+    ROOT,
+    Stopwatch,
+    cpu_seconds,
+    current_lsn,
+    emit,
+    listener_pid,
+    peak_rss_mb,
+    scratch_database,
+    services,
+)
 
 W1_DDL = "CREATE TABLE transactions (transaction_id INT PRIMARY KEY, user_id INT, amount INT)"
 W2_DDL = (
@@ -77,76 +96,180 @@ PLUGIN_OPTIONS = {
 }
 
 
-def recvlogical(dsn: str, slot: str, plugin: str, end: int) -> float:
+def copy_slot(dsn: str, origin: str, slot: str) -> None:
+    """A fresh slot at ``origin``'s position: every run drains the very same backlog."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("SELECT pg_copy_logical_replication_slot(%s, %s)", (origin, slot))
+
+
+def drop_slot(dsn: str, slot: str) -> None:
+    deadline = time.monotonic() + 30
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        while True:
+            try:
+                conn.execute("SELECT pg_drop_replication_slot(%s)", (slot,))
+                return
+            except psycopg.errors.ObjectInUse:  # its walsender has not exited yet
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+
+
+def slot_info(dsn: str, slot: str) -> tuple[int | None, int]:
+    """(walsender pid while the slot is in use, confirmed position)."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        row = conn.execute(
+            "SELECT active_pid, (confirmed_flush_lsn - '0/0')::int8 FROM pg_replication_slots WHERE slot_name = %s", (slot,)
+        ).fetchone()
+    assert row is not None
+    return (None if row[0] is None else int(str(row[0]))), int(str(row[1]))
+
+
+@dataclass
+class Run:
+    """One drain of the backlog: wall seconds from the slot going active, CPU seconds of the
+    client (producer or pg_recvlogical), its walsender and the broker, peak RSS of the client."""
+
+    seconds: float = 0.0
+    client_cpu: float = 0.0
+    walsender_cpu: float = 0.0
+    broker_cpu: float = 0.0
+    peak_rss_mb: float = 0.0
+
+    def figures(self, name: str, events: int) -> dict[str, float]:
+        per_m = 1e6 / events
+        return {
+            f"{name}_rows_per_s": round(events / self.seconds), f"{name}_seconds": round(self.seconds, 2),
+            f"{name}_cpu_s_per_m_rows": round(self.client_cpu * per_m, 2),
+            f"{name}_walsender_cpu_s_per_m_rows": round(self.walsender_cpu * per_m, 2),
+            f"{name}_broker_cpu_s_per_m_rows": round(self.broker_cpu * per_m, 2),
+        }
+
+
+def measure(proc: subprocess.Popen[bytes], dsn: str, slot: str, end: int, broker: int | None, *, until_exit: bool) -> Run:
+    """Sample the run's processes every 20 ms until the slot confirmed ``end`` (the producer)
+    or the client exited (pg_recvlogical, which stops at ``--endpos``)."""
+    launched = time.perf_counter()
+    walsender = None
+    while walsender is None:
+        if proc.poll() is not None:
+            if until_exit and proc.returncode == 0:  # a backlog drained before the slot was seen in use
+                return Run(seconds=time.perf_counter() - launched)
+            raise RuntimeError(f"{proc.args!r} exited with {proc.returncode} before streaming")
+        walsender = slot_info(dsn, slot)[0]
+        time.sleep(0.005)
+    start = time.perf_counter()
+    base = (cpu_seconds(proc.pid), cpu_seconds(walsender), cpu_seconds(broker) if broker else 0.0)
+    run = Run()
+    while True:
+        client, ws = cpu_seconds(proc.pid), cpu_seconds(walsender)  # 0.0 once exited: keep the last
+        run.client_cpu = max(run.client_cpu, client - base[0])
+        run.walsender_cpu = max(run.walsender_cpu, ws - base[1])
+        run.broker_cpu = (cpu_seconds(broker) - base[2]) if broker else 0.0
+        with contextlib.suppress(OSError):
+            run.peak_rss_mb = max(run.peak_rss_mb, peak_rss_mb(proc.pid))
+        if until_exit and proc.poll() is not None:
+            break
+        if not until_exit and slot_info(dsn, slot)[1] >= end:
+            break
+        time.sleep(0.02)
+    run.seconds = time.perf_counter() - start
+    return run
+
+
+def recvlogical(dsn: str, slot: str, plugin: str, end: int, broker: int | None) -> Run:
     from walbus.contract import Lsn
 
     cmd = ["pg_recvlogical", "-d", dsn, "--slot", slot, "--start", "-f", "/dev/null", f"--endpos={Lsn(end)}", "--no-loop", *PLUGIN_OPTIONS[plugin]]
-    with Stopwatch() as sw:
-        subprocess.run(cmd, check=True, capture_output=True)
-    return sw.seconds
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        return measure(proc, dsn, slot, end, broker, until_exit=True)
+    finally:
+        proc.wait(60)
 
 
-def slot_info(dsn: str, slot: str) -> tuple[bool, int]:
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        row = conn.execute("SELECT active, (confirmed_flush_lsn - '0/0')::int8 FROM pg_replication_slots WHERE slot_name = %s", (slot,)).fetchone()
-    assert row is not None
-    return bool(row[0]), int(str(row[1]))
-
-
-def run_producer(dsn: str, bootstrap: str, slot: str, plugin: str, topic: str, end: int, profile: Path | None = None) -> tuple[float, float]:
-    """Seconds from the slot going active to the slot confirming ``end``, and peak RSS (MB)."""
+def run_producer(
+    dsn: str, bootstrap: str, slot: str, plugin: str, topic: str, end: int, *, tree: Path = ROOT,
+    broker: int | None = None, profile: Path | None = None,
+) -> Run:
+    """The producer of ``tree`` (this one, or a baseline checkout) draining ``slot`` up to ``end``."""
     args = [sys.executable]
     if profile is not None:
         args += ["-m", "cProfile", "-o", str(profile)]
     args += ["-m", "walbus.app.cli", "produce", "--pg-dsn", dsn, "--kafka-bootstrap", bootstrap, "--slot", slot, "--plugin", plugin,
              "--topic", topic, "--publication", "walbus_bench", "--heartbeat-interval", "0.2", "--log-level", "warning"]
-    proc = subprocess.Popen(args, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    proc = subprocess.Popen(args, cwd=tree, env={**os.environ, "PYTHONPATH": str(tree)})
     try:
-        while not slot_info(dsn, slot)[0]:
-            if proc.poll() is not None:
-                raise RuntimeError(f"producer exited with {proc.returncode}")
-            time.sleep(0.01)
-        start = time.perf_counter()
-        rss = 0.0
-        while slot_info(dsn, slot)[1] < end:
-            rss = max(rss, peak_rss_mb(proc.pid))
-            time.sleep(0.02)
-        seconds = time.perf_counter() - start
-        rss = max(rss, peak_rss_mb(proc.pid))
+        return measure(proc, dsn, slot, end, broker, until_exit=False)
     finally:
         proc.terminate()
         proc.wait(60)
-    return seconds, rss
 
 
-def throughput(dsn: str, bootstrap: str, workload: str, rows: int, txns: int, plugins: list[str], profile: bool) -> None:
+def unix_socket_dsn(dsn: str) -> str | None:
+    """The same database over the server's Unix socket, when it is on this machine."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        dirs = str(conn.execute("SHOW unix_socket_directories").fetchone()[0])  # type: ignore[index]
+        port = str(conn.execute("SHOW port").fetchone()[0])  # type: ignore[index]
+    for d in (x.strip() for x in dirs.split(",")):
+        if d and Path(d, f".s.PGSQL.{port}").exists():
+            return make_conninfo(dsn, host=d, port=port)
+    return None
+
+
+def throughput(
+    dsn: str, bootstrap: str, workload: str, rows: int, txns: int, plugins: list[str], *, baseline: Path | None,
+    rounds: int, transports: list[str], profile: bool,
+) -> None:
+    """Every run drains a copy of the same slot (pg_copy_logical_replication_slot), so all
+    figures of a workload are of one backlog; runs alternate within each round."""
+    broker = listener_pid(int(bootstrap.split(",")[0].rsplit(":", 1)[1]))
     with scratch_database(dsn, f"bench_{workload.lower()}") as db:
         with psycopg.connect(db, autocommit=True) as conn:
             conn.execute(W1_DDL if workload == "W1" else W2_DDL)
             conn.execute("CREATE PUBLICATION walbus_bench FOR ALL TABLES")
             for plugin in plugins:
-                conn.execute("SELECT pg_create_logical_replication_slot(%s, %s)", (f"prod_{plugin}", plugin))
-                conn.execute("SELECT pg_create_logical_replication_slot(%s, %s)", (f"ceil_{plugin}", plugin))
-            if profile:
-                conn.execute("SELECT pg_create_logical_replication_slot('prof_pgoutput', 'pgoutput')")
+                conn.execute("SELECT pg_create_logical_replication_slot(%s, %s)", (f"origin_{plugin}", plugin))
         with Stopwatch() as load:
             events = load_w1(db, rows, txns) if workload == "W1" else load_w2(db, rows, txns)
         end = current_lsn(db)
         emit(bench="producer", kind="load", workload=workload, events=events, seconds=round(load.seconds, 2))
-        for plugin in plugins:
-            ceiling = recvlogical(db, f"ceil_{plugin}", plugin, end)
-            seconds, rss = run_producer(db, bootstrap, f"prod_{plugin}", plugin, f"bench.{workload.lower()}.{plugin}.{int(time.time())}", end)
-            emit(
-                bench="producer", kind="throughput", workload=workload, plugin=plugin, events=events,
-                producer_rows_per_s=round(events / seconds), producer_seconds=round(seconds, 2),
-                recvlogical_rows_per_s=round(events / ceiling), recvlogical_seconds=round(ceiling, 2),
-                ratio_to_recvlogical=round(ceiling / seconds, 3), peak_rss_mb=round(rss, 1),
-            )
+        dsns = {"tcp": db, "unix": unix_socket_dsn(db)}
+        for rnd, transport, plugin in itertools.product(range(rounds), transports, plugins):
+            via = dsns[transport]
+            if via is None:
+                emit(bench="producer", kind="skipped", transport=transport, reason="no Unix socket of the server here")
+                continue
+            runs: dict[str, Run] = {}
+            trees = {"producer": ROOT, **({"baseline": baseline} if baseline is not None else {})}
+            for name in ("recvlogical", *trees):
+                slot = f"run_{plugin}"
+                copy_slot(db, f"origin_{plugin}", slot)
+                try:
+                    if name == "recvlogical":
+                        runs[name] = recvlogical(via, slot, plugin, end, broker)
+                    else:
+                        topic = f"bench.{workload.lower()}.{plugin}.{name}.{time.time_ns()}"
+                        runs[name] = run_producer(via, bootstrap, slot, plugin, topic, end, tree=trees[name], broker=broker)
+                finally:
+                    drop_slot(db, slot)
+            line: dict[str, object] = {
+                "bench": "producer", "kind": "throughput", "workload": workload, "plugin": plugin, "transport": transport,
+                "round": rnd, "events": events, "load_avg_1m": round(os.getloadavg()[0], 2),
+            }
+            for name, run in runs.items():
+                line |= run.figures(name, events)
+            line["peak_rss_mb"] = round(runs["producer"].peak_rss_mb, 1)
+            line["ratio_to_recvlogical"] = round(runs["recvlogical"].seconds / runs["producer"].seconds, 3)
+            if "baseline" in runs:
+                line["baseline_ratio_to_recvlogical"] = round(runs["recvlogical"].seconds / runs["baseline"].seconds, 3)
+            emit(**line)
         if profile:
             # A separate run under cProfile (it slows the process down; the figures above are without it).
             plugin = "pgoutput"
             prof = Path(f"/tmp/walbus-producer-{workload}.prof")
-            run_producer(db, bootstrap, "prof_pgoutput", plugin, f"bench.prof.{workload.lower()}.{int(time.time())}", end, prof)
+            copy_slot(db, f"origin_{plugin}", "prof_pgoutput")
+            run_producer(db, bootstrap, "prof_pgoutput", plugin, f"bench.prof.{workload.lower()}.{int(time.time())}", end, profile=prof)
             top = io.StringIO()
             pstats.Stats(str(prof), stream=top).sort_stats("tottime").print_stats(12)
             lines = [ln.strip() for ln in top.getvalue().splitlines() if ln.strip() and ln.strip()[0].isdigit()]
@@ -230,9 +353,9 @@ def rss(dsn: str, bootstrap: str, sizes: list[int]) -> None:
             with Stopwatch() as load:
                 load_w1(db, size, 1)
             end = current_lsn(db)
-            seconds, peak = run_producer(db, bootstrap, "prod_rss", "pgoutput", f"bench.rss.{size}.{int(time.time())}", end)
-            emit(bench="producer", kind="rss", transaction_rows=size, peak_rss_mb=round(peak, 1),
-                 rows_per_s=round(size / seconds), load_seconds=round(load.seconds, 1))
+            run = run_producer(db, bootstrap, "prod_rss", "pgoutput", f"bench.rss.{size}.{int(time.time())}", end)
+            emit(bench="producer", kind="rss", transaction_rows=size, peak_rss_mb=round(run.peak_rss_mb, 1),
+                 rows_per_s=round(size / run.seconds), load_seconds=round(load.seconds, 1))
 
 
 def main() -> None:
@@ -245,13 +368,18 @@ def main() -> None:
     parser.add_argument("--big-rows", type=int, default=5_000_000, help="rows of the large transaction in the RSS check (0: skip)")
     parser.add_argument("--skip", default="", help="comma list of sections to skip: throughput,latency,rss")
     parser.add_argument("--profile", action="store_true", help="profile the pgoutput producer (cProfile)")
+    parser.add_argument("--baseline", type=Path, help="a checkout of another walbus whose producer drains the same backlogs too")
+    parser.add_argument("--rounds", type=int, default=1, help="runs of each (transport, plugin), alternating")
+    parser.add_argument("--transports", default="tcp,unix", help="tcp (loopback), unix (the server's socket) or both")
     args = parser.parse_args()
     skip = set(filter(None, args.skip.split(",")))
     plugins = [p for p in args.plugins.split(",") if p]
     with services() as (dsn, bootstrap):
         if "throughput" not in skip:
-            throughput(dsn, bootstrap, "W1", args.rows, args.txns, plugins, args.profile)
-            throughput(dsn, bootstrap, "W2", max(args.rows // 4, 1000), args.txns, plugins, args.profile)
+            opts: dict[str, Any] = {"baseline": args.baseline, "rounds": args.rounds, "profile": args.profile,
+                                    "transports": [t for t in args.transports.split(",") if t]}
+            throughput(dsn, bootstrap, "W1", args.rows, args.txns, plugins, **opts)
+            throughput(dsn, bootstrap, "W2", max(args.rows // 4, 1000), args.txns, plugins, **opts)
         if "latency" not in skip:
             latency(dsn, bootstrap, args.latency_rate, args.latency_seconds)
         if "rss" not in skip and args.big_rows:

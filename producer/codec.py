@@ -4,13 +4,15 @@ Both plugin decoders hand over JSON-ready values (``int``, ``float``, ``str``,
 ``bool``, ``None``) and a :class:`Relation`; this module owns the wire bytes.
 The per-relation parts of a value (table, pk, column and type lists) are
 serialized once per relation and spliced in, so the hot path serializes only
-the values list. The output is byte-identical to :func:`walbus.contract.encode_event`
-(tested), which remains the reference.
+the values list. Every fragment comes from the contract (:data:`walbus.contract.FIELD_HEADS`
+and friends); the output is byte-identical to :func:`walbus.contract.encode_event` (tested),
+which remains the reference.
 """
 
 from __future__ import annotations
 
 import fnmatch
+import functools
 import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -19,14 +21,27 @@ from typing import Any
 
 import orjson
 
-from walbus.contract import CONTRACT_VERSION, event_key, qualify_table
+from walbus.contract import (
+    BOOL_TYPES,
+    CONTRACT_VERSION,
+    FIELD_HEADS,
+    FLOAT_SPECIALS,
+    FLOAT_TYPES,
+    IMAGE_HEADS,
+    INT_TYPES,
+    KEY_FORMAT,
+    MASK,
+    OPERATION_PARTS,
+    VALUE_END,
+    qualify_table,
+)
 
 PG_EPOCH = datetime(2000, 1, 1, tzinfo=UTC)
-MASK = "****"
+Key = tuple[Any, ...]  # primary-key values, in key order
 
-INT_TYPES = frozenset({"int2", "int4", "int8", "oid", "xid", "cid"})
-FLOAT_TYPES = frozenset({"float4", "float8"})
-FLOAT_SPECIALS = frozenset({"NaN", "Infinity", "-Infinity"})
+# The envelope's head up to the lsn value, and the fragments between the integer fields.
+_HEAD = FIELD_HEADS["v"] + str(CONTRACT_VERSION).encode() + FIELD_HEADS["lsn"]
+_INTS = _HEAD + b"%d" + FIELD_HEADS["commit_lsn"] + b"%d" + FIELD_HEADS["seq"] + b"%d" + FIELD_HEADS["xid"] + b"%d"
 
 
 def pg_timestamp_iso(us_since_2000: int) -> str:
@@ -88,7 +103,7 @@ class Relation:
     converters: list[Any] = field(default_factory=list)  # the decoder's, per column
     txn_counts: list[int] = field(default_factory=lambda: [0, 0, 0, 0])  # insert update delete truncate
 
-    @property
+    @functools.cached_property
     def qualified(self) -> str:
         """The event's ``table`` field: a part with a dot or quote is double-quoted."""
         return qualify_table(self.schema, self.name)
@@ -104,8 +119,8 @@ class Relation:
             i for i, c in enumerate(self.columns)
             if capture.mask_columns and table_matches(f"{q}.{c}", capture.mask_columns)
         )
-        self.table_part = b',"table":' + orjson.dumps(q)
-        self.pk_part = b',"pk":' + orjson.dumps(self.pk)
+        self.table_part = FIELD_HEADS["table"] + orjson.dumps(q)
+        self.pk_part = FIELD_HEADS["pk"] + orjson.dumps(self.pk)
         self.full_part = self._image_head(self.keep)
         index = {c: i for i, c in enumerate(self.columns)}
         self.pk_index = [index[c] for c in self.pk if c in index]
@@ -114,22 +129,20 @@ class Relation:
         self.ident_idx = [i for i, flag in enumerate(self.identity) if flag and i in kept]
         return self
 
-    def _image_head(self, idx: Sequence[int]) -> bytes:
+    def _image_head(self, idx: Sequence[int], heads: dict[str, bytes] = FIELD_HEADS) -> bytes:
+        """``columns`` and ``types`` of the columns ``idx`` and the head of ``values``."""
         return (
-            b',"columns":' + orjson.dumps([self.columns[i] for i in idx])
-            + b',"types":' + orjson.dumps([self.types[i] for i in idx])
-            + b',"values":'
+            heads["columns"] + orjson.dumps([self.columns[i] for i in idx])
+            + heads["types"] + orjson.dumps([self.types[i] for i in idx])
+            + heads["values"]
         )
 
     def identity_indexes(self) -> list[int]:
         return self.ident_idx
 
 
-# Converters from PostgreSQL's text output to JSON values, by pg_type.typname.
-def _to_int(raw: bytes) -> int:
-    return int(raw)
-
-
+# Converters from PostgreSQL's text output to JSON values, by pg_type.typname. Builtins
+# where one does the job: a Python wrapper costs a frame per column on the hot path.
 def _to_float(raw: bytes) -> float | str:
     text = raw.decode()
     return text if text in FLOAT_SPECIALS else float(text)
@@ -139,38 +152,56 @@ def _to_bool(raw: bytes) -> bool:
     return raw == b"t"
 
 
-def _to_text(raw: bytes) -> str:
-    return raw.decode()
-
-
 def text_converter(typname: str) -> Callable[[bytes], Any]:
     if typname in INT_TYPES:
-        return _to_int
+        return int
     if typname in FLOAT_TYPES:
         return _to_float
-    if typname == "bool":
+    if typname in BOOL_TYPES:
         return _to_bool
-    return _to_text
-
-
-_OPS = {
-    "insert": b',"operation":"insert"',
-    "update": b',"operation":"update"',
-    "delete": b',"operation":"delete"',
-    "truncate": b',"operation":"truncate"',
-    "read": b',"operation":"read"',
-}
+    return bytes.decode
 
 
 @dataclass(slots=True)
 class EncodedEvent:
+    """One event's record (``key``, ``value``) with what the producer knew when it wrote it, so
+    nobody parses the value again: its relation, operation and row values per relation column."""
+
     key: bytes
     value: bytes
     partition_key: bytes  # what decides the partition when the topic has several
+    relation: Relation
+    operation: str
+    new: list[Any] | None = None  # the new row, a value per relation column (None: not sent)
+    old: list[Any] | None = None  # the old key or row, a value per relation column
+
+    @property
+    def table(self) -> str:
+        return self.relation.qualified
+
+    def row(self) -> dict[str, Any] | None:
+        """The new row's captured columns (raw values: masking is the wire's business)."""
+        new, rel = self.new, self.relation
+        return None if new is None else {rel.columns[i]: new[i] for i in rel.keep}
+
+    def primary_keys(self) -> list[Key]:
+        """The primary keys the change touches: the new row's and the old one's (a key column
+        never holds NULL, so a key with a missing value is not one)."""
+        idx = self.relation.pk_index
+        keys: list[Key] = []
+        for image in (self.new, self.old):
+            if idx and image is not None:
+                key = tuple(image[i] for i in idx)
+                if None not in key and key not in keys:
+                    keys.append(key)
+        return keys
 
 
-_KEY = b"%016X-%08X"
-_INSERT = b'{"v":' + str(CONTRACT_VERSION).encode() + b',"lsn":%d%b,"seq":%d%b%b}'
+
+
+def _literal(fixed: bytes) -> bytes:
+    """Fixed bytes inside a %-template (names may hold '%')."""
+    return fixed.replace(b"%", b"%%")
 
 
 class EventEncoder:
@@ -182,22 +213,25 @@ class EventEncoder:
         self.seq = 0
         self.partitioned = partitioned  # partition keys cost time: only computed when needed
         self._ts_part = b""
-        self._commit_part = b""
-        self._insert_rest: dict[int, bytes] = {}
+        self._key_template = b""
+        self._row_templates: dict[int, bytes] = {}
+        self.begin(0, 0, "")
 
     def begin(self, commit_lsn: int, xid: int, timestamp_iso: str) -> None:
         self.commit_lsn = commit_lsn
         self.xid = xid
         self.seq = 0
-        self._ts_part = b',"timestamp":' + orjson.dumps(timestamp_iso)
-        self._commit_part = b',"commit_lsn":%d' % commit_lsn
-        self._insert_rest = {}
+        self._ts_part = FIELD_HEADS["timestamp"] + orjson.dumps(timestamp_iso)
+        # The key's commit_lsn part is fixed for the transaction: one format argument left.
+        head, dash, tail = KEY_FORMAT.partition("-")
+        self._key_template = _literal((head % commit_lsn + dash).encode()) + tail.encode()
+        self._row_templates = {}
 
     def forget(self, relid: int) -> None:
         """A relation was defined anew (a schema change, even inside this transaction): its
         later rows must not reuse the parts cached for its earlier version."""
-        self._insert_rest.pop(relid, None)
-        self._insert_rest.pop(-1 - relid, None)
+        self._row_templates.pop(relid, None)
+        self._row_templates.pop(-1 - relid, None)
 
     def insert(self, rel: Relation, lsn: int, new: list[Any]) -> EncodedEvent:
         """The hot path: an insert of a relation with no excluded or masked column."""
@@ -213,15 +247,24 @@ class EventEncoder:
         seq = self.seq
         self.seq = seq + 1
         cache_key = rel.relid if operation == "insert" else -1 - rel.relid
-        rest = self._insert_rest.get(cache_key)
-        if rest is None:
-            # Everything after "seq" but the values is the same for a relation within a transaction.
-            rest = self._insert_rest[cache_key] = (
-                b',"xid":%d' % self.xid + _OPS[operation] + rel.table_part + self._ts_part + rel.pk_part + rel.full_part
-            )
-        value = _INSERT % (lsn, self._commit_part, seq, rest, orjson.dumps(new))
+        template = self._row_templates.get(cache_key)
+        if template is None:
+            template = self._row_templates[cache_key] = self._row_template(rel, operation)
+        value = template % (lsn, seq, orjson.dumps(new))
         pkey = self._partition_key(rel, new, None) if self.partitioned else b""
-        return EncodedEvent(_KEY % (self.commit_lsn, seq), value, pkey)
+        return EncodedEvent(self._key_template % seq, value, pkey, rel, operation, new)
+
+    def _row_template(self, rel: Relation, operation: str) -> bytes:
+        """A whole-row event of ``rel`` in this transaction, but for its lsn, seq and values."""
+        return b"".join([
+            _literal(_HEAD), b"%d",
+            _literal(FIELD_HEADS["commit_lsn"] + b"%d" % self.commit_lsn + FIELD_HEADS["seq"]), b"%d",
+            _literal(
+                FIELD_HEADS["xid"] + b"%d" % self.xid + OPERATION_PARTS[operation] + rel.table_part + self._ts_part
+                + rel.pk_part + rel.full_part
+            ),
+            b"%b", VALUE_END,
+        ])
 
     def encode(
         self,
@@ -244,8 +287,8 @@ class EventEncoder:
         seq = self.seq
         self.seq = seq + 1
         parts = [
-            b'{"v":%d,"lsn":%d,"commit_lsn":%d,"seq":%d,"xid":%d' % (CONTRACT_VERSION, lsn, self.commit_lsn, seq, self.xid),
-            _OPS[operation],
+            _INTS % (lsn, self.commit_lsn, seq, self.xid),
+            OPERATION_PARTS[operation],
             rel.table_part,
             self._ts_part,
             rel.pk_part,
@@ -276,10 +319,10 @@ class EventEncoder:
             if ident is not None:
                 parts.append(ident)
         if unchanged_names:
-            parts.append(b',"unchanged":' + orjson.dumps(unchanged_names))
-        parts.append(b"}")
+            parts.append(FIELD_HEADS["unchanged"] + orjson.dumps(unchanged_names))
+        parts.append(VALUE_END)
         pkey = self._partition_key(rel, new, old) if self.partitioned else b""
-        return EncodedEvent(event_key(self.commit_lsn, seq), b"".join(parts), pkey)
+        return EncodedEvent(self._key_template % seq, b"".join(parts), pkey, rel, operation, new, old)
 
     def _identity(self, rel: Relation, new: list[Any] | None, old: list[Any] | None, old_is_full: bool) -> bytes | None:
         src: list[Any] | None
@@ -291,20 +334,16 @@ class EventEncoder:
             if not idx or src is None:
                 return None
         values = [MASK if i in rel.masked and src[i] is not None else src[i] for i in idx]
-        return (
-            b',"identity":{"columns":' + orjson.dumps([rel.columns[i] for i in idx])
-            + b',"types":' + orjson.dumps([rel.types[i] for i in idx])
-            + b',"values":' + orjson.dumps(values) + b"}"
-        )
+        return FIELD_HEADS["identity"] + rel._image_head(idx, IMAGE_HEADS) + orjson.dumps(values) + VALUE_END
 
     def truncate(self, rel: Relation, lsn: int) -> EncodedEvent:
         seq = self.seq
         self.seq = seq + 1
         value = b"".join([
-            b'{"v":%d,"lsn":%d,"commit_lsn":%d,"seq":%d,"xid":%d' % (CONTRACT_VERSION, lsn, self.commit_lsn, seq, self.xid),
-            _OPS["truncate"], rel.table_part, self._ts_part, rel.pk_part, b"}",
+            _INTS % (lsn, self.commit_lsn, seq, self.xid),
+            OPERATION_PARTS["truncate"], rel.table_part, self._ts_part, rel.pk_part, VALUE_END,
         ])
-        return EncodedEvent(event_key(self.commit_lsn, seq), value, rel.table_part)
+        return EncodedEvent(self._key_template % seq, value, rel.table_part, rel, "truncate")
 
     @staticmethod
     def _partition_key(rel: Relation, new: list[Any] | None, old: list[Any] | None) -> bytes:

@@ -52,7 +52,7 @@ import functools
 import logging
 import time
 import uuid
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -60,7 +60,7 @@ from typing import Any
 import orjson
 import psycopg
 
-from producer.codec import CaptureFilter, EncodedEvent, EventEncoder
+from producer.codec import CaptureFilter, EncodedEvent, EventEncoder, Key
 from producer.config import ProducerConfig
 from producer.decoders import LogicalMessage
 from producer.metrics import SnapshotMetrics
@@ -81,7 +81,6 @@ log = logging.getLogger("walbus.producer.incremental")
 WATERMARK_PREFIX = "walbus-watermark"
 MAX_SIGNAL_TABLES = 1000  # tables one execute-snapshot signal may list (docs/contract.md)
 KIND = "incremental"
-Key = tuple[Hashable, ...]
 
 
 class ChunkWindow:
@@ -167,7 +166,6 @@ class IncrementalSnapshot:
         self.offsets = offsets
         self.metrics = metrics
         self.chunk_size = max(1, config.incremental_chunk_size)
-        self._signal_part = b',"table":' + orjson.dumps(capture.signal_table)
         self._saved = offsets.doc.get("incremental")
         self.position = Position.load(self._saved)
         self._done_signals: list[str] = list(offsets.doc.get("incremental_done") or [])
@@ -207,18 +205,17 @@ class IncrementalSnapshot:
 
     def observe(self, ev: EncodedEvent) -> None:
         """Every streamed event: signals, and the open window's keys."""
-        value = ev.value
-        if self._signal_part in value:
-            self._signal(orjson.loads(value))
+        table = ev.relation.qualified
+        if table == self.capture.signal_table:
+            row = ev.row()
+            if ev.operation == "insert" and row is not None:
+                self._signal(row)
         chunk = self._chunk
-        if chunk is not None and chunk.window.is_open and chunk.scan is not None and chunk.scan.relation.table_part in value:
-            msg = orjson.loads(value)
-            if msg["table"] != chunk.table:
-                return
-            if msg["operation"] == "truncate":
+        if chunk is not None and chunk.window.is_open and table == chunk.table:
+            if ev.operation == "truncate":
                 chunk.window.truncate()
                 return
-            for key in _event_keys(msg):
+            for key in ev.primary_keys():
                 chunk.window.observe(key)
 
     def on_message(self, msg: LogicalMessage, partitioned: bool) -> list[EncodedEvent]:
@@ -294,10 +291,8 @@ class IncrementalSnapshot:
             self._ignore("signal", str(e), signal=sig_id)
             return None
 
-    def _signal(self, ev: dict[str, Any]) -> None:
-        if ev.get("operation") != "insert":
-            return
-        row = dict(zip(ev["columns"], ev["values"], strict=True))
+    def _signal(self, row: dict[str, Any]) -> None:
+        """A row inserted into the signal table."""
         sig_id, sig_type, data = str(row.get("id")), row.get("type"), row.get("data")
         try:
             payload = orjson.loads(data) if isinstance(data, str) and data else {}
@@ -515,20 +510,3 @@ class IncrementalSnapshot:
             self.offsets.doc.update(before)
             raise
         self._saved = doc["incremental"]
-
-
-def _event_keys(msg: dict[str, Any]) -> list[Key]:
-    """The primary keys a streamed change touches: the new row's and the old key's."""
-    pk = msg.get("pk") or []
-    keys: list[Key] = []
-    cols = msg.get("columns")
-    if cols is not None:
-        row = dict(zip(cols, msg["values"], strict=True))
-        if all(c in row for c in pk):
-            keys.append(tuple(row[c] for c in pk))
-    ident = msg.get("identity")
-    if ident is not None:
-        old = dict(zip(ident["columns"], ident["values"], strict=True))
-        if all(c in old for c in pk):
-            keys.append(tuple(old[c] for c in pk))
-    return keys

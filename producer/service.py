@@ -205,6 +205,11 @@ class Producer:
 
             def on_ack(seconds: float, records: int) -> None:
                 metrics.send_latency.observe(seconds)
+                # Idle (nothing open: the read may wait up to 1 s): confirm what Kafka acknowledged
+                # now. While batches are open the read waits 2 ms at most, and an early wake would
+                # send them half full.
+                if stream is not None and sink is not None and not sink.has_open():
+                    stream.wake()
 
             sink = self._new_sink(progress, on_ack=on_ack)
             await sink.start()
@@ -227,7 +232,6 @@ class Producer:
     async def _pump(self, stream: ReplicationStream, decoder: Decoder, sink: KafkaSink, progress: Progress, backoff: Backoff) -> None:
         cfg = self.config
         metrics = self.metrics
-        items: list[Any] = []
         sent_lsn = -1
         last_feedback = 0.0
         in_txn = False
@@ -238,32 +242,23 @@ class Producer:
             if not messages:
                 await sink.flush()  # the stream is idle: nothing will fill the open batches soon
             else:
-                decoder.decode(messages, items)
-                for it in items:
-                    if type(it) is EncodedEvent:
-                        if inc is not None:
-                            inc.observe(it)
-                        await sink.put(it)
-                    elif type(it) is TxnEnd:
-                        in_txn = False
-                        if txn_topic:
-                            await self._transaction_record(sink, txn_topic, "END", it.xid, it.commit_lsn, it.timestamp, it.counts)
-                        if inc is not None and inc.on_commit(it.end_lsn):
-                            await sink.wait_acked(timeout=60)
-                            await inc.save_now()
-                        progress.commit(it.end_lsn)
-                        metrics.transactions.inc()
-                        for (table, op), n in it.counts.items():
-                            metrics.events.labels(table, op).inc(n)
-                        metrics.behind_source_ms.set(max(0.0, time.time() * 1000 - it.commit_unix_us / 1000))
-                    elif type(it) is TxnBegin:
-                        in_txn = True
-                        if txn_topic:
-                            await self._transaction_record(sink, txn_topic, "BEGIN", it.xid, it.commit_lsn, it.timestamp, None)
-                    elif type(it) is LogicalMessage and inc is not None:
-                        for ev in inc.on_message(it, self._partitions > 1):
-                            await sink.put(ev)
-                items.clear()
+                for it in decoder.decode(messages):
+                    match it:
+                        case EncodedEvent():
+                            if inc is not None:
+                                inc.observe(it)
+                            await sink.put(it)
+                        case TxnEnd():
+                            in_txn = False
+                            await self._commit(it, sink, progress, txn_topic)
+                        case TxnBegin():
+                            in_txn = True
+                            if txn_topic:
+                                await self._transaction_record(sink, txn_topic, "BEGIN", it.xid, it.commit_lsn, it.timestamp, None)
+                        case LogicalMessage():
+                            if inc is not None:
+                                for ev in inc.on_message(it, self._partitions > 1):
+                                    await sink.put(ev)
                 await sink.flush_idle()
                 if progress.confirmed_lsn > self._failed_at:
                     backoff.reset()
@@ -287,6 +282,22 @@ class Producer:
         await stream.send_feedback(progress.confirmed_lsn)
         log.info("producer stopped", extra={"confirmed_lsn": str(Lsn(progress.confirmed_lsn))})
 
+
+    async def _commit(self, end: TxnEnd, sink: KafkaSink, progress: Progress, txn_topic: str | None) -> None:
+        """A transaction's end: its metadata record, the incremental snapshot's save, the
+        position the slot may be confirmed to once Kafka acknowledged what came before."""
+        if txn_topic:
+            await self._transaction_record(sink, txn_topic, "END", end.xid, end.commit_lsn, end.timestamp, end.counts)
+        inc = self.incremental
+        if inc is not None and inc.on_commit(end.end_lsn):
+            await sink.wait_acked(timeout=60)
+            await inc.save_now()
+        progress.commit(end.end_lsn)
+        metrics = self.metrics
+        metrics.transactions.inc()
+        for (table, op), n in end.counts.items():
+            metrics.events.labels(table, op).inc(n)
+        metrics.behind_source_ms.set(max(0.0, time.time() * 1000 - end.commit_unix_us / 1000))
 
     @staticmethod
     async def _transaction_record(

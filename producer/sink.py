@@ -23,7 +23,6 @@ from aiokafka import AIOKafkaProducer
 from producer.codec import EncodedEvent, partition_for
 from producer.progress import Progress
 from walbus.config import ConfigError
-from walbus.contract import ContractError, decode_event
 from walbus.kafka import DEFAULT_MAX_MESSAGE_BYTES, RECORD_OVERHEAD_BYTES, record_fits
 
 log = logging.getLogger("walbus.producer.sink")
@@ -35,16 +34,13 @@ class SinkError(Exception):
 
 def oversized_error(topic: str, ev: EncodedEvent, limit: int) -> ConfigError:
     """What to say of a record above the topic's limit: which row, how large, what to raise."""
-    try:
-        event = decode_event(ev.value)
-        table, key = event.table, event.key_values()
-    except ContractError:
-        table, key = "?", None
+    keys = ev.primary_keys()
+    key = dict(zip(ev.relation.pk, keys[0], strict=False)) if keys else None
     size = len(ev.key) + len(ev.value) + RECORD_OVERHEAD_BYTES
     return ConfigError(
-        f"a change of {table} (key {key}, event {ev.key.decode()}) is {size} bytes, above the {limit} bytes topic {topic} "
-        f"takes: raise the topic's max.message.bytes (and the brokers' replica.fetch.max.bytes and the consumers' "
-        f"fetch sizes to match), or keep the row smaller (docs/contract.md, size limits)"
+        f"a change of {ev.table} (key {key}, event {ev.key.decode()}) is {size} bytes, above the "
+        f"{limit} bytes topic {topic} takes: raise the topic's max.message.bytes (and the brokers' replica.fetch.max.bytes "
+        f"and the consumers' fetch sizes to match), or keep the row smaller (docs/contract.md, size limits)"
     )
 
 
@@ -79,6 +75,8 @@ class KafkaSink:
             retry_backoff_ms=200,
         )
         self.max_message_bytes = max_message_bytes
+        # Below this a value fits whatever its key (event keys are 25 bytes): no exact check.
+        self._values_surely_fit = max_message_bytes - RECORD_OVERHEAD_BYTES - 1024
         self._max_in_flight = max_in_flight
         self._open: list[Any] = [None] * partitions  # BatchBuilder per partition
         self._open_count = [0] * partitions
@@ -97,30 +95,23 @@ class KafkaSink:
         await self._producer.stop()
 
     async def put(self, ev: EncodedEvent) -> None:
-        """Append an event, sending its partition's full batch first when needed; a record
-        the topic cannot take is a configuration fault, not something to retry."""
-        if not record_fits(self.max_message_bytes, ev.key, ev.value):
+        """Append an event to its partition's open batch, sending that batch first when it is
+        full; a record the topic cannot take is a configuration fault, not something to retry."""
+        if len(ev.value) > self._values_surely_fit and not record_fits(self.max_message_bytes, ev.key, ev.value):
             raise oversized_error(self.topic, ev, self.max_message_bytes)
-        if not self.append(ev):
-            await self.send_full()
-            self.append(ev)
-
-    def append(self, ev: EncodedEvent) -> bool:
-        """Add an event to its partition's open batch. False: the batch is full — call
-        :meth:`send_full` and append again."""
         p = 0 if self.partitions == 1 else partition_for(ev.partition_key, self.partitions)
         batch = self._open[p]
         if batch is None:
-            batch = self._open[p] = self._producer.create_batch()
-        if batch.append(key=ev.key, value=ev.value, timestamp=None) is None:
-            self._full_partition = p
-            return False
+            batch = self._new_batch(p)
+        if batch.append(key=ev.key, value=ev.value, timestamp=None) is None:  # full: send it, start another
+            await self._send(p)
+            self._new_batch(p).append(key=ev.key, value=ev.value, timestamp=None)  # an empty batch takes any record
         self._open_count[p] += 1
         self.progress.appended[p] += 1
-        return True
 
-    async def send_full(self) -> None:
-        await self._send(self._full_partition)
+    def _new_batch(self, p: int) -> Any:
+        batch = self._open[p] = self._producer.create_batch()
+        return batch
 
     async def send_side_record(self, topic: str, key: bytes, value: bytes) -> None:
         """A record of another topic (transaction metadata) that the slot must wait for too:
@@ -207,7 +198,3 @@ class KafkaSink:
         for p in range(self.partitions):
             self._acked(p)
         self.raise_if_failed()
-
-    @property
-    def in_flight_batches(self) -> int:
-        return self._inflight_total

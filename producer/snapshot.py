@@ -73,7 +73,7 @@ from producer.tablescan import (
     describe_table,
     str_converters,
 )
-from walbus.contract import Lsn, qualify_table
+from walbus.contract import Lsn, decode_event, qualify_table
 
 log = logging.getLogger("walbus.producer.snapshot")
 
@@ -376,16 +376,22 @@ class InitialSnapshot:
                 while await consumer.position(tp) < ends[tp]:
                     got = await consumer.getmany(tp, timeout_ms=1000, max_records=50000)
                     for m in got.get(tp, []):
-                        ev = orjson.loads(m.value)
-                        if ev.get("operation") != "read" or not ev.get("pk"):
-                            continue
-                        cols = ev["columns"]
-                        idx = [cols.index(c) for c in ev["pk"] if c in cols]
-                        keys.setdefault(ev["table"], set()).add(orjson.dumps([ev["values"][i] for i in idx]))
+                        read = emitted_read_key(m.value)
+                        if read is not None:
+                            keys.setdefault(read[0], set()).add(read[1])
         finally:
             await consumer.stop()
         log.info("keys emitted by the interrupted snapshot", extra={"tables": {t: len(k) for t, k in keys.items()}})
         return keys
+
+
+def emitted_read_key(value: bytes) -> tuple[str, bytes] | None:
+    """The table and primary key (JSON of the key values, as the snapshot compares them) of a
+    read event in the topic; None for other events, and for a read that lacks a key column
+    (excluded from events): no delete could name that row."""
+    ev = decode_event(value)  # our own records: a contract error is a fault
+    key = ev.key_values() if ev.operation == "read" else None
+    return None if key is None else (ev.table, orjson.dumps(list(key.values())))
 
 
 def _deletes(encoder: EventEncoder, table: ScanTable, keys: set[bytes], cp: int) -> list[EncodedEvent]:

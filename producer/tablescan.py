@@ -21,14 +21,8 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
-from producer.codec import (
-    FLOAT_SPECIALS,
-    FLOAT_TYPES,
-    INT_TYPES,
-    CaptureFilter,
-    Relation,
-    text_converter,
-)
+from producer.codec import CaptureFilter, Relation, text_converter
+from walbus.contract import FLOAT_SPECIALS, FLOAT_TYPES, INT_TYPES
 
 Conn = psycopg.Connection[tuple[object, ...]]
 

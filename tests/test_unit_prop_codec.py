@@ -3,7 +3,8 @@
 Random relations (any PostgreSQL-legal names, random types, replica identities) and random
 transactions of inserts, reads, updates (unchanged TOAST values, columns added later, full
 old rows), deletes and truncates; each event is rebuilt by the reference encoder from the
-same inputs and the two must be byte-identical, keys included.
+same inputs and the two must be byte-identical, keys included; what the encoded event tells
+beside its bytes (table, operation, primary keys) must be what its bytes say.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from hypothesis import strategies as st
 
 from producer.codec import CaptureFilter, EncodedEvent, EventEncoder, Relation
 from tests.prop_support import MAX_LSN, TS, columns, identifiers, json_values, type_names
-from walbus.contract import encode_event, event_key, qualify_table
+from walbus.contract import decode_event, encode_event, event_key, qualify_table
 
 
 @dataclass
@@ -132,6 +133,19 @@ def check_case(case: Case) -> None:
         ev = fast(enc, case.rel, lsn, ch)
         assert ev.key == event_key(case.commit_lsn, seq)
         assert ev.value == reference(case, seq, lsn, ch), ch
+        check_beside_bytes(ev)
+
+
+def check_beside_bytes(ev: EncodedEvent) -> None:
+    """The event's table, operation and keys, as the producer hands them to its neighbours,
+    agree with a consumer's reading of the bytes."""
+    wire = decode_event(ev.value)
+    assert (ev.table, ev.operation) == (wire.table, wire.operation)
+    key = wire.key_values()
+    if key is not None and None not in key.values():
+        assert tuple(key.values()) in ev.primary_keys()
+    if ev.operation in ("insert", "read"):
+        assert ev.row() == wire.row()
 
 
 @given(cases(identifiers.filter(_plain)))

@@ -5,8 +5,10 @@ One Kafka record per row change on the database topic ``<prefix>.<database>``:
 * key:   ``"%016X-%08X" % (commit_lsn, seq)``, ASCII; byte order == event order.
 * value: one JSON object (orjson), fields in the order of :data:`FIELD_ORDER`.
 
-This module is the only place that knows the wire form: producers build values
-with :func:`encode_event`, consumers parse them with :func:`decode_event`.
+This module is the only place that knows the wire form: :func:`encode_event` is the
+reference encoder, :data:`FIELD_HEADS` and :data:`OPERATION_PARTS` are the fragments the
+producer's fast writer splices (so it spells no field name itself), consumers parse values
+with :func:`decode_event`.
 """
 
 from __future__ import annotations
@@ -42,10 +44,37 @@ FIELD_ORDER: Final = (
     "unchanged",
 )
 
+# The image fields: ``columns``/``types``/``values`` at top level (the new row) and inside ``identity``.
+IMAGE_FIELDS: Final = ("columns", "types", "values")
+ABSENT_FIELDS: Final = frozenset({"columns", "types", "values", "identity", "unchanged"})  # left out when empty
+
+# How values are carried, by ``pg_type.typname``: JSON integers, JSON floats (the specials as
+# strings), JSON booleans; every other type as PostgreSQL's text output (docs/contract.md).
+INT_TYPES: Final = frozenset({"int2", "int4", "int8", "oid", "xid", "cid"})
+FLOAT_TYPES: Final = frozenset({"float4", "float8"})
+BOOL_TYPES: Final = frozenset({"bool"})
+FLOAT_SPECIALS: Final = frozenset({"NaN", "Infinity", "-Infinity"})
+MASK: Final = "****"  # the value of a masked column (its type unchanged)
+
 # The integer fields and their widths: the key's fixed width holds 64-bit LSNs and 32-bit seqs.
 FIELD_BITS: Final = {"lsn": 64, "commit_lsn": 64, "seq": 32, "xid": 64}
 KEY_FORMAT: Final = "%016X-%08X"  # (commit_lsn, seq)
 KEY_PATTERN: Final = "[0-9A-F]{16}-[0-9A-F]{8}"  # the whole key, no anchors ($ takes a final newline)
+
+
+def _field_head(name: str) -> bytes:
+    """The bytes that open ``name`` in a value: ``{"v":`` for the first field, ``,"lsn":`` after."""
+    return (b"{" if name == FIELD_ORDER[0] else b",") + orjson.dumps(name) + b":"
+
+
+# Fragments for writers that splice values by hand (the producer's): built from FIELD_ORDER,
+# and checked byte for byte against encode_event by the codec's property tests.
+FIELD_HEADS: Final[dict[str, bytes]] = {name: _field_head(name) for name in FIELD_ORDER}
+IMAGE_HEADS: Final[dict[str, bytes]] = {
+    name: (b"{" if name == IMAGE_FIELDS[0] else b",") + orjson.dumps(name) + b":" for name in IMAGE_FIELDS
+}
+OPERATION_PARTS: Final[dict[str, bytes]] = {op: FIELD_HEADS["operation"] + orjson.dumps(op) for op in sorted(OPERATIONS)}
+VALUE_END: Final = b"}"
 
 _LSN_TEXT = re.compile(r"^([0-9A-Fa-f]{1,8})/([0-9A-Fa-f]{1,8})$")
 _KEY_TEXT = re.compile(KEY_PATTERN.encode())
@@ -188,25 +217,14 @@ def encode_event(
     unchanged: list[str] | None = None,
 ) -> bytes:
     """Serialize one event. ``new``/``identity`` are ``{columns, types, values}`` dicts."""
-    obj: dict[str, Any] = {
-        "v": CONTRACT_VERSION,
-        "lsn": lsn,
-        "commit_lsn": commit_lsn,
-        "seq": seq,
-        "xid": xid,
-        "operation": operation,
-        "table": table,
-        "timestamp": timestamp,
-        "pk": pk,
+    fields: dict[str, Any] = {
+        "v": CONTRACT_VERSION, "lsn": lsn, "commit_lsn": commit_lsn, "seq": seq, "xid": xid,
+        "operation": operation, "table": table, "timestamp": timestamp, "pk": pk,
+        "identity": identity, "unchanged": unchanged or None,
     }
     if new is not None:
-        obj["columns"] = new["columns"]
-        obj["types"] = new["types"]
-        obj["values"] = new["values"]
-    if identity is not None:
-        obj["identity"] = identity
-    if unchanged:
-        obj["unchanged"] = unchanged
+        fields.update((name, new[name]) for name in IMAGE_FIELDS)
+    obj = {name: fields[name] for name in FIELD_ORDER if fields.get(name) is not None or name not in ABSENT_FIELDS}
     return orjson.dumps(obj)
 
 

@@ -1,8 +1,10 @@
-"""Output-plugin decoders: replication payloads in, encoded contract-v1 events out. No I/O
-but catalog look-ups on a relation's first sight."""
+"""Output-plugin decoders: replication payloads in, typed items out (encoded contract-v1
+events, transaction bounds, logical messages). No I/O but catalog look-ups on a relation's
+first sight."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -36,8 +38,7 @@ class LogicalMessage:
     prefix: str
     content: bytes
     transactional: bool
-    # Its transaction, as the decoder stood when it met the message (a batch is decoded
-    # before its items are handled, so the encoder's state then is no guide):
+    # Its transaction, as the decoder stood when it met the message:
     commit_lsn: int = 0
     xid: int = 0
     seq: int = 0  # events of the transaction before the message
@@ -52,4 +53,6 @@ class Decoder(Protocol):
 
     def start_options(self, publication: str) -> dict[str, str]: ...
 
-    def decode(self, messages: list[tuple[int, bytes]], out: list[Item]) -> None: ...
+    def decode(self, messages: list[tuple[int, bytes]]) -> Iterator[Item]:
+        """The items of ``messages``, in order (lazily: the caller may await between them)."""
+        ...

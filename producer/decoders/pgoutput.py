@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import logging
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from producer.catalog import CatalogLookup
 from producer.codec import (
     PG_EPOCH,
     CaptureFilter,
+    EncodedEvent,
     EventEncoder,
     Relation,
     pg_timestamp_iso,
@@ -56,7 +57,7 @@ class PgoutputDecoder:
         # A list of identifiers: quoted, or PostgreSQL folds the name to lower case.
         return {"proto_version": "1", "publication_names": quote_ident(publication), "messages": "true"}
 
-    def decode(self, messages: list[tuple[int, bytes]], out: list[Item]) -> None:
+    def decode(self, messages: list[tuple[int, bytes]]) -> Iterator[Item]:
         relations = self.relations
         insert = self.encoder.insert
         tuple_ = self._tuple
@@ -67,7 +68,7 @@ class PgoutputDecoder:
                 if rel is None:
                     raise DecodeError("insert before its Relation message")
                 if rel.captured:
-                    out.append(insert(rel, lsn, tuple_(buf, 6, rel.converters)[0]))
+                    yield insert(rel, lsn, tuple_(buf, 6, rel.converters)[0])
                     rel.txn_counts[0] += 1
             elif kind in (0x55, 0x44):  # U D
                 relid = _U32.unpack_from(buf, 1)[0]
@@ -86,12 +87,12 @@ class PgoutputDecoder:
                         old, _, pos = tuple_(buf, pos + 1, convs)
                         old_full = sub == 0x4F
                     new, unchanged, _ = tuple_(buf, pos + 1, convs)
-                    out.append(self.encoder.encode(rel, "update", lsn, new, unchanged=unchanged, old=old, old_is_full=old_full))
+                    yield self.encoder.encode(rel, "update", lsn, new, unchanged=unchanged, old=old, old_is_full=old_full)
                     rel.txn_counts[1] += 1
                 else:
                     sub = buf[5]
                     old, _, _ = tuple_(buf, 6, convs)
-                    out.append(self.encoder.encode(rel, "delete", lsn, None, old=old, old_is_full=sub == 0x4F))
+                    yield self.encoder.encode(rel, "delete", lsn, None, old=old, old_is_full=sub == 0x4F)
                     rel.txn_counts[2] += 1
             elif kind == 0x42:  # B
                 final_lsn, ts, xid = _BEGIN.unpack_from(buf, 1)
@@ -99,14 +100,14 @@ class PgoutputDecoder:
                 self.encoder.begin(final_lsn, xid, iso)
                 self._commit_unix_us = ts + _PG_EPOCH_UNIX_US
                 self._iso = iso
-                out.append(TxnBegin(final_lsn, xid, iso))
+                yield TxnBegin(final_lsn, xid, iso)
             elif kind == 0x43:  # C
                 commit_lsn, end_lsn, _ts = _COMMIT.unpack_from(buf, 1)
-                out.append(TxnEnd(commit_lsn, end_lsn, self.encoder.xid, self._iso, self._commit_unix_us, self._take_counts()))
+                yield TxnEnd(commit_lsn, end_lsn, self.encoder.xid, self._iso, self._commit_unix_us, self._take_counts())
             elif kind == 0x52:  # R
                 self._relation(buf)
             elif kind == 0x54:  # T
-                self._truncate(buf, lsn, out)
+                yield from self._truncate(buf, lsn)
             elif kind == 0x59:  # Y: a non-built-in type's name
                 oid = _U32.unpack_from(buf, 1)[0]
                 _ns, pos = _cstring(buf, 5)
@@ -117,7 +118,7 @@ class PgoutputDecoder:
                 prefix, pos = _cstring(buf, 10)
                 size = _U32.unpack_from(buf, pos)[0]
                 enc = self.encoder
-                out.append(LogicalMessage(msg_lsn, prefix, buf[pos + 4 : pos + 4 + size], bool(flags & 1), enc.commit_lsn, enc.xid, enc.seq, self._iso))
+                yield LogicalMessage(msg_lsn, prefix, buf[pos + 4 : pos + 4 + size], bool(flags & 1), enc.commit_lsn, enc.xid, enc.seq, self._iso)
             elif kind == 0x4F:  # O: origin — nothing to emit
                 continue
             else:
@@ -176,14 +177,14 @@ class PgoutputDecoder:
         self.encoder.forget(relid)
         log.debug("relation", extra={"table": rel.qualified, "columns": columns})
 
-    def _truncate(self, buf: bytes, lsn: int, out: list[Item]) -> None:
+    def _truncate(self, buf: bytes, lsn: int) -> Iterator[EncodedEvent]:
         nrels = _U32.unpack_from(buf, 1)[0]
         for i in range(nrels):
             relid = _U32.unpack_from(buf, 6 + 4 * i)[0]
             rel = self.relations.get(relid)
             if rel is None or not rel.captured:
                 continue
-            out.append(self.encoder.truncate(rel, lsn))
+            yield self.encoder.truncate(rel, lsn)
             rel.txn_counts[3] += 1
 
     def _take_counts(self) -> dict[tuple[str, str], int]:

@@ -11,28 +11,27 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
 from typing import Any
 
 import orjson
 
 from producer.catalog import CatalogLookup, TableInfo
-from producer.codec import (
-    FLOAT_TYPES,
-    INT_TYPES,
-    CaptureFilter,
-    EventEncoder,
-    Relation,
-    iso_from_pg_text,
-)
+from producer.codec import CaptureFilter, EventEncoder, Relation, iso_from_pg_text
 from producer.decoders import Item, LogicalMessage, TxnBegin, TxnEnd
 from producer.decoders.pgoutput import DecodeError
-from walbus.contract import Lsn, qualify_table
+from walbus.contract import BOOL_TYPES, FLOAT_TYPES, INT_TYPES, qualify_table
 
 log = logging.getLogger("walbus.producer.wal2json")
 
 _NUMERIC_MARK = b'"typeoid":1700,'
+
+
+def _lsn(text: str) -> int:
+    """wal2json's ``X/X`` LSN text (always well formed: the server prints it), fast."""
+    hi, _, lo = text.partition("/")
+    return (int(hi, 16) << 32) | int(lo, 16)
 
 
 def _exact_loads(buf: bytes) -> Any:
@@ -48,7 +47,7 @@ def _value_converter(typname: str) -> Callable[[Any], Any]:
         return lambda v: v if v is None or isinstance(v, str) else str(v)
     if typname == "bytea":
         return lambda v: v if v is None else "\\x" + v
-    if typname == "bool":
+    if typname in BOOL_TYPES:
         return lambda v: v
     return lambda v: v if v is None or isinstance(v, str) else str(v)
 
@@ -75,6 +74,8 @@ class Wal2jsonDecoder:
         # (name, type oid) pairs each cached relation is known to match: checked per event,
         # so it must cost set look-ups, not catalog calls.
         self._known: dict[tuple[str, str], set[tuple[str, int]]] = {}
+        self._whole_oids: dict[tuple[str, str], list[int]] = {}  # type oids of the last insert that matched
+        self._captured: dict[tuple[str, str], bool] = {}  # the capture filter's answer per table
         self._relid = 0
         self._counts: dict[tuple[str, str], int] = {}
         self._begin: TxnBegin | None = None
@@ -101,8 +102,16 @@ class Wal2jsonDecoder:
         the catalog does not match the change's own columns, those columns are the relation."""
         key = (schema, table)
         cached = self._relations.get(key)
-        if cached is not None and self._matches(cached, cols, whole, self._known[key]):
-            return cached
+        if cached is not None:
+            if whole:
+                # An insert like the last one matched: two list compares, no per-column look-ups.
+                oids = [c["typeoid"] for c in cols]
+                if oids == self._whole_oids.get(key) and [c["name"] for c in cols] == cached[0].columns:
+                    return cached
+            if self._matches(cached, cols, whole, self._known[key]):
+                if whole:
+                    self._whole_oids[key] = oids
+                return cached
         invalidate = getattr(self.catalog, "invalidate", None)
         if invalidate is not None:
             invalidate(schema, table)
@@ -113,6 +122,7 @@ class Wal2jsonDecoder:
             log.debug("relation from the change's own columns", extra={"table": entry[0].qualified, "columns": entry[0].columns})
         self._relations[key] = entry
         self._known[key] = set()
+        self._whole_oids.pop(key, None)
         return entry
 
     def _matches(
@@ -154,8 +164,15 @@ class Wal2jsonDecoder:
             present.add(i)
         return values, present
 
-    def decode(self, messages: list[tuple[int, bytes]], out: list[Item]) -> None:
-        for _lsn, buf in messages:
+    def _captures(self, schema: str, table: str) -> bool:
+        key = (schema, table)
+        known = self._captured.get(key)
+        if known is None:
+            known = self._captured[key] = self.capture.captures(qualify_table(schema, table))
+        return known
+
+    def decode(self, messages: list[tuple[int, bytes]]) -> Iterator[Item]:
+        for _start, buf in messages:
             try:
                 msg = _exact_loads(buf) if _NUMERIC_MARK in buf else orjson.loads(buf)
             except ValueError:
@@ -163,9 +180,9 @@ class Wal2jsonDecoder:
             action = msg["action"]
             if action in ("I", "U", "D"):
                 schema, table = msg["schema"], msg["table"]
-                if not self.capture.captures(qualify_table(schema, table)):
+                if not self._captures(schema, table):
                     continue
-                lsn = int(Lsn.parse(msg["lsn"]))
+                lsn = _lsn(msg["lsn"])
                 cols = msg.get("columns") or []
                 ident_cols = msg.get("identity")
                 rel, index, convs = self._relation(schema, table, cols + (ident_cols or []) if action != "I" else cols, whole=action == "I")
@@ -178,48 +195,48 @@ class Wal2jsonDecoder:
                     old, _ = self._row(ident_cols, index, convs, n)
                     old_full = rel.replident == "f"
                 if action == "I":
-                    new, present = self._row(cols, index, convs, n)
-                    absent = [i for i in range(n) if i not in present]
-                    out.append(self.encoder.encode(rel, "insert", lsn, new, absent=absent))
+                    # The relation matched the insert's columns exactly, in order: one value each.
+                    new = [conv(c["value"]) for conv, c in zip(convs, cols, strict=True)]
+                    yield self.encoder.insert(rel, lsn, new)
                     op = "insert"
                 elif action == "U":
                     new, present = self._row(cols, index, convs, n)
                     unchanged = [i for i in range(n) if i not in present]
-                    out.append(self.encoder.encode(rel, "update", lsn, new, unchanged=unchanged, old=old, old_is_full=old_full))
+                    yield self.encoder.encode(rel, "update", lsn, new, unchanged=unchanged, old=old, old_is_full=old_full)
                     op = "update"
                 else:
-                    out.append(self.encoder.encode(rel, "delete", lsn, None, old=old, old_is_full=old_full))
+                    yield self.encoder.encode(rel, "delete", lsn, None, old=old, old_is_full=old_full)
                     op = "delete"
                 key = (rel.qualified, op)
                 self._counts[key] = self._counts.get(key, 0) + 1
             elif action == "B":
                 iso = iso_from_pg_text(msg["timestamp"])
-                commit_lsn = int(Lsn.parse(msg["lsn"]))
+                commit_lsn = _lsn(msg["lsn"])
                 self.encoder.begin(commit_lsn, int(msg["xid"]), iso)
                 self._counts = {}
                 self._commit_unix_us = int(datetime.fromisoformat(iso).astimezone(UTC).timestamp() * 1_000_000)
                 self._begin = TxnBegin(commit_lsn, int(msg["xid"]), iso)
-                out.append(self._begin)
+                yield self._begin
             elif action == "C":
                 begin = self._begin
                 if begin is None:
                     raise DecodeError("wal2json commit without begin")
-                out.append(TxnEnd(begin.commit_lsn, int(Lsn.parse(msg["nextlsn"])), begin.xid, begin.timestamp, self._commit_unix_us, self._counts))
+                yield TxnEnd(begin.commit_lsn, _lsn(msg["nextlsn"]), begin.xid, begin.timestamp, self._commit_unix_us, self._counts)
                 self._counts = {}
             elif action == "T":
                 schema, table = msg["schema"], msg["table"]
-                if not self.capture.captures(qualify_table(schema, table)):
+                if not self._captures(schema, table):
                     continue
                 rel, _, _ = self._relation(schema, table, [])
-                out.append(self.encoder.truncate(rel, int(Lsn.parse(msg["lsn"]))))
+                yield self.encoder.truncate(rel, _lsn(msg["lsn"]))
                 key = (rel.qualified, "truncate")
                 self._counts[key] = self._counts.get(key, 0) + 1
             elif action == "M":
                 content = msg.get("content", "")
                 enc = self.encoder
-                out.append(LogicalMessage(
-                    int(Lsn.parse(msg["lsn"])), msg.get("prefix", ""), str(content).encode(), bool(msg.get("transactional")),
+                yield LogicalMessage(
+                    _lsn(msg["lsn"]), msg.get("prefix", ""), str(content).encode(), bool(msg.get("transactional")),
                     enc.commit_lsn, enc.xid, enc.seq, self._begin.timestamp if self._begin is not None else "",
-                ))
+                )
             else:
                 raise DecodeError(f"unknown wal2json action {action!r}")
