@@ -23,18 +23,22 @@ from typing import Any
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.errors import KafkaError
-from aiokafka.partitioner import murmur2
 
 from demux.batches import DIRECT_APPEND, NO_HEADERS, new_batch
 from demux.config import DemuxConfig
 from demux.fetch import SourceRecord
+from demux.ktable import read_ktable_raw
 from demux.metrics import DemuxMetrics
 from demux.rekey import OutRecord, Rekeyed, Rekeyer, RekeyError, unknown_row
 from demux.state import StateStore
 from demux.topics import TopicInfo, TopicManager
 from walbus.contract import ContractError, check_key, decode_event
-from walbus.kafka import DEFAULT_MAX_MESSAGE_BYTES, RECORD_OVERHEAD_BYTES, record_fits
-from walbus.ktable import read_ktable_raw
+from walbus.kafka import (
+    DEFAULT_MAX_MESSAGE_BYTES,
+    RECORD_OVERHEAD_BYTES,
+    partition_for,
+    record_fits,
+)
 
 log = logging.getLogger("walbus.demux")
 
@@ -64,13 +68,6 @@ def transactional_id(group: str, topic: str, partition: int) -> str:
 
 def checkpoint_text(group: str, tp: TopicPartition, offset: int | None) -> str:
     return f"{group}|{tp.topic}|{tp.partition}|{-1 if offset is None else offset}"
-
-
-def partition_for(key: bytes, partitions: int) -> int:
-    """Kafka's default partitioner (murmur2, as the Java client): other clients agree."""
-    if partitions == 1:
-        return 0
-    return (int(murmur2(key)) & 0x7FFFFFFF) % partitions
 
 
 class PartitionWorker:

@@ -10,8 +10,6 @@ the values list. The output is byte-identical to :func:`walbus.contract.encode_e
 
 from __future__ import annotations
 
-import fnmatch
-import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
@@ -19,7 +17,7 @@ from typing import Any
 
 import orjson
 
-from walbus.contract import CONTRACT_VERSION, event_key, qualify_table
+from walbus.contract import CONTRACT_VERSION, NameMatcher, event_key, qualify_table
 
 PG_EPOCH = datetime(2000, 1, 1, tzinfo=UTC)
 MASK = "****"
@@ -40,27 +38,34 @@ def iso_from_pg_text(text: str) -> str:
     return dt.astimezone(UTC).isoformat(timespec="microseconds")
 
 
-def table_matches(name: str, patterns: Sequence[str]) -> bool:
-    return any(fnmatch.fnmatchcase(name, p) for p in patterns)
-
-
 @dataclass(frozen=True)
 class CaptureFilter:
-    """Debezium-style include/exclude lists over ``schema.table`` and ``schema.table.column``,
-    matched against the table as events name it (:func:`walbus.contract.qualify_table`)."""
+    """Debezium-style include/exclude lists: walbus's table and column patterns
+    (:class:`walbus.contract.NameMatcher`, docs/contract.md)."""
 
     tables: tuple[str, ...] = ()
     exclude_tables: tuple[str, ...] = ()
     exclude_columns: tuple[str, ...] = ()
     mask_columns: tuple[str, ...] = ()
     signal_table: str | None = None
+    included: NameMatcher = field(init=False, repr=False, compare=False)
+    excluded: NameMatcher = field(init=False, repr=False, compare=False)
+    excluded_columns: NameMatcher = field(init=False, repr=False, compare=False)
+    masked_columns: NameMatcher = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "included", NameMatcher(self.tables))
+        object.__setattr__(self, "excluded", NameMatcher(self.exclude_tables))
+        object.__setattr__(self, "excluded_columns", NameMatcher(self.exclude_columns, parts=3))
+        object.__setattr__(self, "masked_columns", NameMatcher(self.mask_columns, parts=3))
 
     def captures(self, table: str) -> bool:
+        """``table``: the event's ``table`` field."""
         if table == self.signal_table:
             return True
-        if self.tables and not table_matches(table, self.tables):
+        if self.included and not self.included.matches_table(table):
             return False
-        return not (self.exclude_tables and table_matches(table, self.exclude_tables))
+        return not (self.excluded and self.excluded.matches_table(table))
 
 
 @dataclass
@@ -80,6 +85,9 @@ class Relation:
     masked: frozenset[int] = frozenset()
     # pre-serialized parts
     table_part: bytes = b""
+    # The partition key: by table, so per-table order (and with it key changes and truncates,
+    # which span keys) survives a multi-partition topic (walbus.kafka.partition_for).
+    table_key: bytes = b""
     pk_part: bytes = b""
     full_part: bytes = b""  # b'"columns":[…],"types":[…],"values":' for rows with every kept column
     pk_index: list[int] = field(default_factory=list)
@@ -97,14 +105,13 @@ class Relation:
         q = self.qualified
         self.captured = capture.captures(q)
         self.keep = [
-            i for i, c in enumerate(self.columns)
-            if not (capture.exclude_columns and table_matches(f"{q}.{c}", capture.exclude_columns))
+            i for i, c in enumerate(self.columns) if not capture.excluded_columns.matches(self.schema, self.name, c)
         ]
         self.masked = frozenset(
-            i for i, c in enumerate(self.columns)
-            if capture.mask_columns and table_matches(f"{q}.{c}", capture.mask_columns)
+            i for i, c in enumerate(self.columns) if capture.masked_columns.matches(self.schema, self.name, c)
         )
         self.table_part = b',"table":' + orjson.dumps(q)
+        self.table_key = q.encode()
         self.pk_part = b',"pk":' + orjson.dumps(self.pk)
         self.full_part = self._image_head(self.keep)
         index = {c: i for i, c in enumerate(self.columns)}
@@ -220,7 +227,7 @@ class EventEncoder:
                 b',"xid":%d' % self.xid + _OPS[operation] + rel.table_part + self._ts_part + rel.pk_part + rel.full_part
             )
         value = _INSERT % (lsn, self._commit_part, seq, rest, orjson.dumps(new))
-        pkey = self._partition_key(rel, new, None) if self.partitioned else b""
+        pkey = rel.table_key if self.partitioned else b""
         return EncodedEvent(_KEY % (self.commit_lsn, seq), value, pkey)
 
     def encode(
@@ -278,7 +285,7 @@ class EventEncoder:
         if unchanged_names:
             parts.append(b',"unchanged":' + orjson.dumps(unchanged_names))
         parts.append(b"}")
-        pkey = self._partition_key(rel, new, old) if self.partitioned else b""
+        pkey = rel.table_key if self.partitioned else b""
         return EncodedEvent(event_key(self.commit_lsn, seq), b"".join(parts), pkey)
 
     def _identity(self, rel: Relation, new: list[Any] | None, old: list[Any] | None, old_is_full: bool) -> bytes | None:
@@ -304,14 +311,4 @@ class EventEncoder:
             b'{"v":%d,"lsn":%d,"commit_lsn":%d,"seq":%d,"xid":%d' % (CONTRACT_VERSION, lsn, self.commit_lsn, seq, self.xid),
             _OPS["truncate"], rel.table_part, self._ts_part, rel.pk_part, b"}",
         ])
-        return EncodedEvent(event_key(self.commit_lsn, seq), value, rel.table_part)
-
-    @staticmethod
-    def _partition_key(rel: Relation, new: list[Any] | None, old: list[Any] | None) -> bytes:
-        # By table: a table's events share a partition, so per-table order (and with it key
-        # changes and truncates, which span keys) survives a multi-partition topic.
-        return rel.table_part
-
-
-def partition_for(partition_key: bytes, partitions: int) -> int:
-    return 0 if partitions <= 1 else zlib.crc32(partition_key) % partitions
+        return EncodedEvent(event_key(self.commit_lsn, seq), value, rel.table_key)

@@ -13,6 +13,7 @@ batches, so memory does not grow when Kafka is slower than the database.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections import deque
@@ -20,13 +21,20 @@ from typing import Any
 
 from aiokafka import AIOKafkaProducer
 
-from producer.codec import EncodedEvent, partition_for
+from producer.codec import EncodedEvent
 from producer.progress import Progress
 from walbus.config import ConfigError
 from walbus.contract import ContractError, decode_event
-from walbus.kafka import DEFAULT_MAX_MESSAGE_BYTES, RECORD_OVERHEAD_BYTES, record_fits
+from walbus.kafka import (
+    DEFAULT_MAX_MESSAGE_BYTES,
+    RECORD_OVERHEAD_BYTES,
+    partition_for,
+    record_fits,
+)
 
 log = logging.getLogger("walbus.producer.sink")
+# Partition keys are table names: a handful, each hashed once.
+_partition_for = functools.lru_cache(maxsize=4096)(partition_for)
 
 
 class SinkError(Exception):
@@ -108,7 +116,7 @@ class KafkaSink:
     def append(self, ev: EncodedEvent) -> bool:
         """Add an event to its partition's open batch. False: the batch is full — call
         :meth:`send_full` and append again."""
-        p = 0 if self.partitions == 1 else partition_for(ev.partition_key, self.partitions)
+        p = 0 if self.partitions == 1 else _partition_for(ev.partition_key, self.partitions)
         batch = self._open[p]
         if batch is None:
             batch = self._open[p] = self._producer.create_batch()
@@ -207,7 +215,3 @@ class KafkaSink:
         for p in range(self.partitions):
             self._acked(p)
         self.raise_if_failed()
-
-    @property
-    def in_flight_batches(self) -> int:
-        return self._inflight_total

@@ -24,10 +24,10 @@ from aiokafka.errors import KafkaError
 from prometheus_client.parser import text_string_to_metric_families
 
 from demux.rekey import Rekeyer, strip_meta
+from tests.fix_pipeline import topic_partitions
 from walbus.app.dev.processes import free_port
 from walbus.contract import decode_event, encode_event, event_key
 from walbus.kafka import DEFAULT_MAX_MESSAGE_BYTES, KafkaAdmin, TopicSpec
-from walbus.ktable import topic_partitions
 
 ROOT = Path(__file__).resolve().parent.parent
 TS = "2024-05-01T12:00:00.000001+00:00"
@@ -55,7 +55,7 @@ async def end_offsets(bootstrap: str, topic: str) -> dict[int, int]:
     consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap)
     await consumer.start()
     try:
-        n = await topic_partitions({"bootstrap_servers": bootstrap}, topic)
+        n = await topic_partitions(bootstrap, topic)
         tps = [TopicPartition(topic, p) for p in range(n)]
         ends = await consumer.end_offsets(tps)
         return {tp.partition: off for tp, off in ends.items()}
@@ -97,7 +97,7 @@ async def read_records(bootstrap: str, topic: str, isolation_level: str = "read_
                                 auto_offset_reset="earliest", enable_auto_commit=False)
     await consumer.start()
     try:
-        n = await topic_partitions({"bootstrap_servers": bootstrap}, topic)
+        n = await topic_partitions(bootstrap, topic)
         tps = [TopicPartition(topic, p) for p in range(n)]
         if not tps:
             return []

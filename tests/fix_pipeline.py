@@ -13,12 +13,14 @@ from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import orjson
 import psycopg
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
+from demux.ktable import read_ktable_raw
 from producer.config import ProducerConfig
 from producer.service import Producer
-from walbus import ktable
+from walbus import kafka
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -45,7 +47,16 @@ async def running_producer(pg_dsn: str, kafka_bootstrap: str, **options: Any) ->
 
 async def topic_partitions(bootstrap: str, topic: str) -> int:
     """Partition count of ``topic`` (0 while it does not exist)."""
-    return await ktable.topic_partitions({"bootstrap_servers": bootstrap}, topic)
+    try:
+        return len(await kafka.topic_partitions({"bootstrap_servers": bootstrap}, topic, wait=False))
+    except LookupError:
+        return 0
+
+
+async def read_ktable(*, client_kwargs: dict[str, Any], topic: str, timeout_s: float = 120.0) -> dict[bytes, dict[str, Any]]:
+    """``{key: row}`` of a compacted per-table topic as of its end (committed records only)."""
+    raw = await read_ktable_raw(client_kwargs=client_kwargs, topic=topic, timeout_s=timeout_s)
+    return {k: orjson.loads(v) for k, v in raw.items()}
 
 
 async def read_topic(

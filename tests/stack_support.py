@@ -19,8 +19,7 @@ from tests.demux_support import (
     wait_caught_up,
     wait_for_log,
 )
-from tests.fix_pipeline import running_producer
-from walbus.ktable import read_ktable
+from tests.fix_pipeline import read_ktable, running_producer
 
 PRODUCE_API_KEY = 0
 

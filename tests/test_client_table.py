@@ -19,6 +19,7 @@ from tests.cdc_data import (
     workload,
 )
 from walbus.client import Table, TableChange, TableError
+from walbus.contract import demux_group
 from walbus.kafka import KafkaAdmin
 
 pytestmark = pytest.mark.integration
@@ -65,7 +66,7 @@ async def test_state_after_random_workload_with_tombstones(kafka_bootstrap: str,
 async def test_wait_until_waits_for_the_demux(kafka_bootstrap: str, unique_name: str) -> None:
     source = f"walbus.{unique_name}"
     topic = f"{source}.public.a"
-    group = f"walbus-demux.{source}"  # the demux's default group id
+    group = demux_group(source)  # the demux's default group id
     changes = workload(random.Random(12), 30, ["public.a", "public.b"])
     await create_topic(kafka_bootstrap, source)
     await create_topic(kafka_bootstrap, topic, compact=True)

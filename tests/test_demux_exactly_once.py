@@ -19,7 +19,7 @@ from tests.demux_support import (  # _reap_demux_processes: autouse fixture
     wait_for_log,
     wait_open_transaction,
 )
-from walbus.ktable import read_ktable
+from tests.fix_pipeline import read_ktable
 
 pytestmark = pytest.mark.integration
 

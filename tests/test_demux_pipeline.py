@@ -24,8 +24,8 @@ from tests.demux_support import (  # noqa: F401 (autouse fixture)
     wait_caught_up,
     wait_for_log,
 )
-from tests.fix_pipeline import running_producer
-from walbus.ktable import read_ktable
+from tests.fix_pipeline import read_ktable, running_producer
+from walbus.contract import demux_group
 
 pytestmark = pytest.mark.integration
 
@@ -152,7 +152,7 @@ async def test_postgres_producer_demux_ktable_equals_select(
         for stmt in DDL:
             conn.execute(stmt)
     source = f"walbus.{unique_name}"
-    group = f"walbus-demux.{source}"
+    group = demux_group(source)
     args = demux_args(kafka_bootstrap, source, tmp_path / "state", "--txn-max-ms", "500")
     async with running_producer(pg_dsn, kafka_bootstrap, topic=source):
         proc = DemuxProc(args, tmp_path / "demux.log").start()

@@ -23,7 +23,7 @@ from tests.demux_support import (  # _reap_demux_processes: autouse fixture
     topic_config,
     wait_caught_up,
 )
-from walbus.ktable import read_ktable
+from tests.fix_pipeline import read_ktable
 
 pytestmark = pytest.mark.integration
 

@@ -9,7 +9,7 @@ import pytest
 
 from demux.config import parse_config
 from demux.state import StateStore
-from demux.worker import checkpoint_text, partition_for, transactional_id
+from demux.worker import checkpoint_text, transactional_id
 from walbus.config import ConfigError
 from walbus.contract import database_topic, table_topic
 from walbus.kafka import DEFAULT_MAX_MESSAGE_BYTES
@@ -21,12 +21,12 @@ def test_pending_changes_are_visible_then_committed(tmp_path: Path) -> None:
     path = tmp_path / "s.sqlite"
     store = StateStore(path)
     assert store.checkpoint() is None
-    store.put("public.t", b"k1", ROW)
+    store.track("public.t", [])
+    store.apply([("public.t", b"k1", ROW)])
     assert store.get("public.t", b"k1") == {"id": 1, "doc": "x"}
     assert set(store.keys("public.t")) == {b"k1"}
     store.commit("g|src|0|10")
-    store.put("public.t", b"k1", None)
-    store.put("public.t", b"k2", ROW)
+    store.apply([("public.t", b"k1", None), ("public.t", b"k2", ROW)])
     assert set(store.keys("public.t")) == {b"k2"}
     assert store.get("public.t", b"k1") is None
     store.rollback()  # an aborted transaction leaves the committed content
@@ -56,14 +56,11 @@ def test_only_tracked_tables_are_kept(tmp_path: Path) -> None:
     store.close()
 
 
-def test_ids_and_partitioner() -> None:
+def test_ids() -> None:
     assert transactional_id("grp", "walbus.shop", 3) == "grp.walbus.shop.3"
     from aiokafka import TopicPartition
 
     assert checkpoint_text("g", TopicPartition("t", 1), None) == "g|t|1|-1"
-    assert partition_for(b'{"id":1}', 1) == 0
-    # Same as Kafka's Java DefaultPartitioner (murmur2 of the key bytes).
-    assert {partition_for(b"key%d" % i, 4) for i in range(50)} == {0, 1, 2, 3}
 
 
 def test_config_defaults_and_errors() -> None:

@@ -23,7 +23,7 @@ from tests.demux_support import (  # _reap_demux_processes: autouse fixture
     topic_config,
     wait_caught_up,
 )
-from walbus.contract import qualify_table, table_topic
+from walbus.contract import demux_group, qualify_table, table_topic
 from walbus.kafka import DEFAULT_MAX_MESSAGE_BYTES, KafkaAdmin
 
 pytestmark = pytest.mark.integration
@@ -41,7 +41,7 @@ async def _run_demux(bootstrap: str, source: str, tmp_path: Path, name: str) -> 
     """One demux until it committed the whole source topic; its metrics and process (stopped)."""
     proc = DemuxProc(demux_args(bootstrap, source, tmp_path / "state"), tmp_path / f"{name}.log").start()
     try:
-        await wait_caught_up(bootstrap, f"walbus-demux.{source}", source, procs=[proc])
+        await wait_caught_up(bootstrap, demux_group(source), source, procs=[proc])
         metrics = proc.metrics()
     finally:
         assert proc.stop() == 0, proc.log_tail()
@@ -233,14 +233,14 @@ async def test_a_limit_lowered_while_running_sends_what_no_longer_fits_to_the_dl
     await produce(kafka_bootstrap, source, [(0, *first)])
     proc = DemuxProc(demux_args(kafka_bootstrap, source, tmp_path / "state"), tmp_path / "demux.log").start()
     try:
-        await wait_caught_up(kafka_bootstrap, f"walbus-demux.{source}", source, procs=[proc])
+        await wait_caught_up(kafka_bootstrap, demux_group(source), source, procs=[proc])
         async with KafkaAdmin(client_kwargs={"bootstrap_servers": kafka_bootstrap}) as admin:
             await admin.alter_topic_config(f"{source}.public.nums", {"max.message.bytes": "50000"})
         big = ev(0x200, 0, "insert", "public.nums", ["id"], new={"id": 2, "n": 2, "body": _text(100_000, 4)},
                  types={**INTS, "body": "text"})
         after = ev(0x300, 0, "insert", "public.nums", ["id"], new={"id": 3, "n": 3}, types=INTS)
         await produce(kafka_bootstrap, source, [(0, *big), (0, *after)])
-        await wait_caught_up(kafka_bootstrap, f"walbus-demux.{source}", source, procs=[proc])
+        await wait_caught_up(kafka_bootstrap, demux_group(source), source, procs=[proc])
     finally:
         assert proc.stop() == 0, proc.log_tail()
     assert [r.key for r in await read_records(kafka_bootstrap, f"{source}.public.nums")] == [b'{"id":1}', b'{"id":3}']

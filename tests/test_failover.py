@@ -40,9 +40,8 @@ from tests.demux_support import (  # _reap_demux_processes: autouse fixture
     wait_for_log,
 )
 from tests.fix_cluster import Cluster
-from tests.fix_pipeline import read_topic, walbus_process
+from tests.fix_pipeline import read_ktable, read_topic, walbus_process
 from walbus.contract import decode_event, parse_event_key
-from walbus.ktable import read_ktable
 
 pytestmark = pytest.mark.integration
 

@@ -1,4 +1,4 @@
-"""Read a compacted per-table topic as a table: ``{key: row}``, tombstoned keys dropped.
+"""Read a compacted per-table topic as ``{key: value}`` (the demux's restart), tombstones dropped.
 
 Reads every partition from the beginning to the end offset observed at the start
 (with ``read_committed`` that is the last stable offset, so open transactions are
@@ -12,18 +12,9 @@ import asyncio
 import time
 from typing import Any
 
-import orjson
-from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka import AIOKafkaConsumer
 
-from walbus.kafka import KafkaAdmin
-
-
-async def topic_partitions(client_kwargs: dict[str, Any], topic: str) -> int:
-    """Partition count of a topic, 0 when it does not exist."""
-    async with KafkaAdmin(client_kwargs=client_kwargs) as admin:
-        if topic not in await admin.list_topics():
-            return 0
-        return await admin.partitions(topic)
+from walbus.kafka import topic_partitions
 
 
 class KTableTimeout(TimeoutError):
@@ -54,10 +45,10 @@ async def read_ktable_raw(
     )
     await consumer.start()
     try:
-        partitions = await topic_partitions(client_kwargs, topic)
-        if not partitions:
+        try:
+            tps = await topic_partitions(client_kwargs, topic, wait=False)
+        except LookupError:
             return {}
-        tps = [TopicPartition(topic, p) for p in range(partitions)]
         consumer.assign(tps)
         await consumer.seek_to_beginning(*tps)
         deadline = time.monotonic() + timeout_s
@@ -89,22 +80,3 @@ async def read_ktable_raw(
         return table
     finally:
         await asyncio.shield(consumer.stop())
-
-
-async def read_ktable(
-    *,
-    client_kwargs: dict[str, Any],
-    topic: str,
-    isolation_level: str = "read_committed",
-    timeout_s: float = 120.0,
-) -> dict[bytes, dict[str, Any]]:
-    """``{key bytes: row}`` of a compacted per-table topic, as of its current end."""
-    raw = await read_ktable_raw(
-        client_kwargs=client_kwargs, topic=topic, isolation_level=isolation_level, timeout_s=timeout_s
-    )
-    out: dict[bytes, dict[str, Any]] = {}
-    for k, v in raw.items():
-        row = orjson.loads(v)
-        if isinstance(row, dict):
-            out[k] = row
-    return out
