@@ -251,29 +251,6 @@ class KafkaAdmin:
         raise UnknownTopicOrPartitionError(f"topic {topic}")
 
 
-async def wait_for_broker(client_kwargs: dict[str, Any], *, attempts: int = 0, max_delay: float = 60.0) -> None:
-    """Retry until the brokers answer (attempts=0: forever), with exponential backoff from 1 s."""
-    delay = 1.0
-    n = 0
-    while True:
-        n += 1
-        admin = KafkaAdmin(client_kwargs=client_kwargs, request_timeout_ms=10000)
-        try:
-            await admin.start()
-            await admin.list_topics()
-            return
-        except (KafkaConnectionError, KafkaError, OSError) as e:
-            if attempts and n >= attempts:
-                raise KafkaConnectionError(
-                    f"Kafka at {client_kwargs.get('bootstrap_servers')} did not answer after {n} attempts: {e}"
-                ) from e
-            log.warning("kafka not reachable, retrying", extra={"error": str(e), "retry_in_s": delay})
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, max_delay)
-        finally:
-            await admin.close()
-
-
 async def topic_partitions(
     client_kwargs: Mapping[str, Any], topic: str, *, wait: bool = True, poll_interval: float = 1.0
 ) -> list[TopicPartition]:
@@ -297,3 +274,26 @@ async def topic_partitions(
             await asyncio.sleep(poll_interval)
     finally:
         await admin.close()
+
+
+async def wait_for_broker(client_kwargs: dict[str, Any], *, attempts: int = 0, max_delay: float = 60.0) -> None:
+    """Retry until the brokers answer (attempts=0: forever), with exponential backoff from 1 s."""
+    delay = 1.0
+    n = 0
+    while True:
+        n += 1
+        admin = KafkaAdmin(client_kwargs=client_kwargs, request_timeout_ms=10000)
+        try:
+            await admin.start()
+            await admin.list_topics()
+            return
+        except (KafkaConnectionError, KafkaError, OSError) as e:
+            if attempts and n >= attempts:
+                raise KafkaConnectionError(
+                    f"Kafka at {client_kwargs.get('bootstrap_servers')} did not answer after {n} attempts: {e}"
+                ) from e
+            log.warning("kafka not reachable, retrying", extra={"error": str(e), "retry_in_s": delay})
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, max_delay)
+        finally:
+            await admin.close()
