@@ -377,9 +377,7 @@ class NameMatcher:
     def __init__(self, patterns: Iterable[str], *, parts: int = 2) -> None:
         self.patterns: tuple[str, ...] = tuple(patterns)
         self._parsed = [split_pattern(p, parts) for p in self.patterns]
-        # A few names repeat for millions of events: match each once.
-        self._cache: dict[tuple[str, ...], bool] = {}
-        self._qualified: dict[str, bool] = {}
+        self._cache: dict[tuple[str, ...], bool] = {}  # the same few names again and again
 
     def __bool__(self) -> bool:
         return bool(self.patterns)
@@ -395,10 +393,7 @@ class NameMatcher:
 
     def matches_table(self, qualified: str) -> bool:
         """For an event's ``table`` field (:func:`qualify_table`)."""
-        hit = self._qualified.get(qualified)
-        if hit is None:
-            hit = self._qualified[qualified] = self.matches(*split_table(qualified))
-        return hit
+        return self.matches(*split_table(qualified))
 
 
 # -- topic names --------------------------------------------------------------------------

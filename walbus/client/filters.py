@@ -16,8 +16,10 @@ class EventFilter:
     """
 
     def __init__(self, tables: Iterable[str] = (), operations: Iterable[str] = ()) -> None:
-        self._tables = NameMatcher(tables)
-        self.tables: tuple[str, ...] = self._tables.patterns
+        self._matcher = NameMatcher(tables)
+        self.tables: tuple[str, ...] = self._matcher.patterns
+        # The same few table names repeat for millions of events: match each name once.
+        self._cache: dict[str, bool] = {}
         self.operations: frozenset[str] = frozenset(operations)
         unknown = self.operations - OPERATIONS
         if unknown:
@@ -27,7 +29,10 @@ class EventFilter:
 
     def wants_table(self, table: str) -> bool:
         """``table`` is the event's field (``schema.table``, parts quoted where needed)."""
-        return not self._tables or self._tables.matches_table(table)
+        hit = self._cache.get(table)
+        if hit is None:
+            hit = self._cache[table] = not self.tables or self._matcher.matches_table(table)
+        return hit
 
     def wants(self, table: str, operation: str) -> bool:
         return (not self.operations or operation in self.operations) and self.wants_table(table)
