@@ -9,7 +9,6 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from aiokafka import TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 from aiokafka.errors import (
@@ -21,6 +20,7 @@ from aiokafka.errors import (
     for_code,
 )
 from aiokafka.partitioner import murmur2
+from aiokafka.structs import TopicPartition
 
 from walbus.config import ConfigError, option
 
@@ -49,6 +49,31 @@ def partition_for(key: bytes, partitions: int) -> int:
 def record_fits(limit: int, key: bytes | None, value: bytes | None, headers_bytes: int = 0) -> bool:
     """Whether one record, sent alone, stays within a topic's ``max.message.bytes``."""
     return len(key or b"") + len(value or b"") + headers_bytes + RECORD_OVERHEAD_BYTES <= limit
+
+
+async def topic_partitions(
+    client_kwargs: Mapping[str, Any], topic: str, *, wait: bool = True, poll_interval: float = 1.0
+) -> list[TopicPartition]:
+    """The topic's partitions in order. ``wait``: until the topic exists (a service may start
+    before its source); else a missing topic raises :class:`LookupError`."""
+    warned = False
+    admin = AIOKafkaAdminClient(**client_kwargs)
+    await admin.start()
+    try:
+        while True:
+            # The consumer's own metadata cache only learns topics it is subscribed to.
+            described = await admin.describe_topics([topic])
+            for t in described:
+                if t["topic"] == topic and not t["error_code"] and t["partitions"]:
+                    return [TopicPartition(topic, p["partition"]) for p in sorted(t["partitions"], key=lambda p: p["partition"])]
+            if not wait:
+                raise LookupError(f"topic {topic} does not exist")
+            if not warned:
+                log.info("waiting for topic to exist", extra={"topic": topic})
+                warned = True
+            await asyncio.sleep(poll_interval)
+    finally:
+        await admin.close()
 
 
 @dataclass(kw_only=True)
@@ -249,31 +274,6 @@ class KafkaAdmin:
                     raise for_code(t["error_code"])(f"topic {topic}")
                 return len(t["partitions"])
         raise UnknownTopicOrPartitionError(f"topic {topic}")
-
-
-async def topic_partitions(
-    client_kwargs: Mapping[str, Any], topic: str, *, wait: bool = True, poll_interval: float = 1.0
-) -> list[TopicPartition]:
-    """The topic's partitions in order. ``wait``: until the topic exists (a service may start
-    before its source); else a missing topic raises :class:`LookupError`."""
-    warned = False
-    admin = AIOKafkaAdminClient(**client_kwargs)
-    await admin.start()
-    try:
-        while True:
-            # The consumer's own metadata cache only learns topics it is subscribed to.
-            described = await admin.describe_topics([topic])
-            for t in described:
-                if t["topic"] == topic and not t["error_code"] and t["partitions"]:
-                    return [TopicPartition(topic, p["partition"]) for p in sorted(t["partitions"], key=lambda p: p["partition"])]
-            if not wait:
-                raise LookupError(f"topic {topic} does not exist")
-            if not warned:
-                log.info("waiting for topic to exist", extra={"topic": topic})
-                warned = True
-            await asyncio.sleep(poll_interval)
-    finally:
-        await admin.close()
 
 
 async def wait_for_broker(client_kwargs: dict[str, Any], *, attempts: int = 0, max_delay: float = 60.0) -> None:
