@@ -203,13 +203,13 @@ def w1_tables(partitions: int) -> list[str]:
     """
     if partitions == 1:
         return ["transactions"]
-    from producer.codec import partition_for
+    from walbus.kafka import partition_for
 
     chosen: dict[int, str] = {}
     i = 0
     while len(chosen) < partitions:
         name = f"transactions_{i}"
-        part = partition_for(b',"table":' + orjson.dumps(f"public.{name}"), partitions)
+        part = partition_for(f"public.{name}".encode(), partitions)
         chosen.setdefault(part, name)
         i += 1
     return [chosen[p] for p in range(partitions)]
@@ -217,18 +217,16 @@ def w1_tables(partitions: int) -> list[str]:
 
 async def wait_for_end_offsets(bootstrap: str, topic: str, total: int) -> None:
     """Until the topic's partitions hold ``total`` records together."""
-    from aiokafka import AIOKafkaConsumer, TopicPartition
+    from aiokafka import AIOKafkaConsumer
 
-    from walbus.ktable import topic_partitions
+    from walbus.kafka import topic_partitions
 
     consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap)
     await consumer.start()
     try:
         # The partition count once (an admin client per poll would cost the measured
         # producer, in this process, a good share of its CPU), then end offsets only.
-        while not (parts := await topic_partitions({"bootstrap_servers": bootstrap}, topic)):  # noqa: ASYNC110 -- polls the broker
-            await asyncio.sleep(0.05)
-        tps = [TopicPartition(topic, p) for p in range(parts)]
+        tps = await topic_partitions({"bootstrap_servers": bootstrap}, topic, poll_interval=0.05)
         while sum((await consumer.end_offsets(tps)).values()) < total:  # noqa: ASYNC110 -- polls the broker
             await asyncio.sleep(0.05)
     finally:

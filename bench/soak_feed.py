@@ -6,7 +6,7 @@ Each event is stored with its position in one database transaction (the effect);
 start, and on every assignment, the feed resumes after the last position stored for the
 partition (``resume_after``). The database topic has several partitions, so positions are
 kept per partition: a table's partition is the producer's own choice
-(``producer.codec.partition_for`` over the event's table field), which the soak's checks
+(``walbus.kafka.partition_for`` over the event's table name), which the soak's checks
 confirm against the topic.
 """
 
@@ -15,11 +15,10 @@ from __future__ import annotations
 import asyncio
 import sys
 
-import orjson
 import psycopg
 
-from producer.codec import partition_for
 from walbus.client import Feed, Position
+from walbus.kafka import partition_for
 
 EFFECTS_DDL = (
     "CREATE TABLE IF NOT EXISTS soak_effects (id bigserial PRIMARY KEY, part int NOT NULL,"
@@ -30,7 +29,7 @@ EFFECTS_DDL = (
 
 def table_partition(table: str, partitions: int) -> int:
     """The database topic's partition of ``table`` (the qualified name), as the producer picks it."""
-    return partition_for(b',"table":' + orjson.dumps(table), partitions)
+    return partition_for(table.encode(), partitions)
 
 
 async def main(topic: str, group: str, dsn: str, bootstrap: str, partitions: int) -> None:

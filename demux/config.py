@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from walbus.config import ConfigError, load_config, option
-from walbus.contract import MAX_TOPIC_LENGTH, unescape_topic_part
+from walbus.contract import MAX_TOPIC_LENGTH, demux_group, unescape_topic_part
 from walbus.kafka import DEFAULT_MAX_MESSAGE_BYTES, KafkaOptions
 from walbus.metrics import DEFAULT_METRICS_ADDR
 
@@ -88,7 +88,7 @@ class DemuxConfig(KafkaOptions):
 
     @property
     def group(self) -> str:
-        return self.group_id or f"walbus-demux.{self.source_topic}"
+        return self.group_id or demux_group(self.source_topic)
 
     @property
     def dlq(self) -> str:

@@ -1,30 +1,7 @@
-"""Pure re-keying: one database-topic event -> the records of the per-table topics.
+"""Pure re-keying, no I/O: one database-topic event -> the records of the per-table topics.
 
-No I/O here. The caller passes a read-only view of the last-row store (for
-unchanged TOAST values and truncate) and applies the returned state changes.
-
-Output shape, per table with a primary key (topic ``<prefix>.<database>.<schema>.<table>``):
-
-* key:   ``{"pk1":v1,"pk2":v2}`` (orjson, primary-key columns in key order). The
-  key is built only from the PostgreSQL text/JSON values, so the same row always
-  gets the same bytes.
-* value: the complete row as a flat object plus ``__op`` (c, u, d, r), ``__lsn``,
-  ``__commit_lsn``, ``__seq``, ``__xid``, ``__ts`` (commit time). Metadata wins
-  over a column of the same name (documented in docs/demux.md).
-
-Cases:
-
-* insert/read -> the row; update -> the row (key unchanged), or a tombstone for
-  the old key then the row under the new key (primary-key change);
-* delete -> a tombstone; with ``emit_delete_records`` first a ``__op: "d"``
-  record carrying the last known row (or the identity columns);
-* truncate -> a tombstone for every key of the table in the store. The store is
-  kept equal to the committed output (see demux.state), so this empties the
-  compacted topic's table exactly; a marker record would leave every old key
-  alive for KTable readers, which is why tombstones were chosen;
-* tables without a primary key -> a null key (the topic uses cleanup.policy=delete);
-  truncate there is a marker record ``{"__op": "t", ...}`` because there is no key
-  to tombstone.
+The caller passes a read-only view of the last-row store and applies the returned state
+changes. The output's shape, case by case: docs/demux.md.
 """
 
 from __future__ import annotations

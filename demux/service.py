@@ -1,49 +1,6 @@
 """`walbus demux`: database topic -> compacted per-table topics, exactly once.
 
-Exactly-once design
--------------------
-Consume-transform-produce with Kafka transactions: the output records of a run of
-source records and the source offset after them are committed in one Kafka
-transaction (``send_offsets_to_transaction``), so a ``read_committed`` reader
-sees each source event's output exactly once, whatever crashes.
-
-The trap (aiokafka issue #844): aiokafka has no KIP-447 support, so the offsets
-sent in a transaction are fenced by group id only, not by group generation. With
-one transactional producer per process, a process that lost a partition in a
-rebalance while its transaction was open could still commit output and offsets
-for it, on top of what the partition's new owner does: duplicates.
-
-The design here is the pre-KIP-447 one (Kafka Streams' "exactly_once" v1):
-
-* **one transactional producer per source partition**, with the transactional id
-  ``<group>.<source-topic>.<partition>``, stable across processes and restarts;
-* when a process is assigned a partition, it pauses it, starts that partition's
-  producer (``InitProducerId``), which *fences* every earlier producer with the
-  same id: the broker aborts the previous owner's open transaction (or completes
-  it if it was already committing) and rejects that owner's later requests;
-* only then does it read the group's committed offset for the partition and seek
-  there, so the offset it starts from already accounts for everything the
-  previous owner committed, and nothing the previous owner left open can be
-  committed any more;
-* on revocation (rebalance, SIGTERM) the worker commits its open transaction
-  before the partition can be handed over (the rebalance waits for the
-  callback); if that fails it aborts. A process that missed the rebalance (a
-  zombie) is fenced by the new owner's InitProducerId, so its late commit fails;
-* the offsets a producer sends belong only to its own partition, so a
-  transaction can never carry offsets of a partition the process does not own.
-
-Any error in a worker (transient Kafka fault, fenced, ambiguous commit) closes it
-(abort) and re-opens it after a backoff: a new InitProducerId and a fresh read
-of the committed offset. The last-row store follows the committed Kafka state;
-see demux.state.
-
-Throughput: records are appended to ``BatchBuilder`` s per output partition (the
-per-message ``send()`` path costs ~15 µs per record); a transaction is committed
-every ``--txn-max-records`` source records or ``--txn-max-ms`` milliseconds
-(checked after each fetched run). Fetches overlap the re-keying: see FETCH_BYTES.
-
-Order: per key, the output order is the source order as long as every event of a
-table is in one source partition (see docs/demux.md).
+The exactly-once design (one transactional producer per source partition): docs/demux.md.
 """
 
 from __future__ import annotations

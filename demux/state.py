@@ -103,10 +103,6 @@ class StateStore:
 
     # -- writes ----------------------------------------------------------------
 
-    def put(self, table: str, key: bytes, value: bytes | None) -> None:
-        """Record a change of the open transaction (None: the key is gone)."""
-        self.pending[(table, key)] = value
-
     def apply(self, changes: Iterable[tuple[str, bytes, bytes | None]]) -> None:
         """Record changes of the open transaction; those of untracked tables are not kept."""
         pending, tracked = self.pending, self.tracked

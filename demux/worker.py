@@ -19,11 +19,11 @@ from typing import Any
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.errors import KafkaError
-from aiokafka.partitioner import murmur2
 
 from demux.aiokafka_adapter import NO_HEADERS, SHORTCUTS, SourceRecord
 from demux.config import DemuxConfig
 from demux.dead_letter import dead_letter_record
+from demux.ktable import read_ktable_raw
 from demux.metrics import DemuxMetrics, TransactionCounts
 from demux.positions import Positions, at_position, checkpoint_text
 from demux.rekey import FastRecord, OutRecord, Rekeyed, Rekeyer, RekeyError, single, unknown_row
@@ -31,8 +31,7 @@ from demux.state import StateStore
 from demux.topics import TopicInfo, TopicManager
 from demux.transaction import PartitionTransaction
 from walbus.contract import ChangeEvent, ContractError
-from walbus.kafka import record_fits
-from walbus.ktable import read_ktable_raw
+from walbus.kafka import partition_for, record_fits
 
 log = logging.getLogger("walbus.demux")
 
@@ -50,11 +49,6 @@ YIELD_EVERY = 1000
 _WARNED: set[tuple[str, str]] = set()
 
 
-def partition_for(key: bytes, partitions: int) -> int:
-    """Kafka's default partitioner (murmur2, as the Java client): other clients agree."""
-    if partitions == 1:
-        return 0
-    return (int(murmur2(key)) & 0x7FFFFFFF) % partitions
 
 
 class PartitionWorker:

@@ -11,9 +11,7 @@ which remains the reference.
 
 from __future__ import annotations
 
-import fnmatch
 import functools
-import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
@@ -33,6 +31,7 @@ from walbus.contract import (
     MASK,
     OPERATION_PARTS,
     VALUE_END,
+    NameMatcher,
     qualify_table,
 )
 
@@ -55,27 +54,34 @@ def iso_from_pg_text(text: str) -> str:
     return dt.astimezone(UTC).isoformat(timespec="microseconds")
 
 
-def table_matches(name: str, patterns: Sequence[str]) -> bool:
-    return any(fnmatch.fnmatchcase(name, p) for p in patterns)
-
-
 @dataclass(frozen=True)
 class CaptureFilter:
-    """Debezium-style include/exclude lists over ``schema.table`` and ``schema.table.column``,
-    matched against the table as events name it (:func:`walbus.contract.qualify_table`)."""
+    """Debezium-style include/exclude lists: walbus's table and column patterns
+    (:class:`walbus.contract.NameMatcher`, docs/contract.md)."""
 
     tables: tuple[str, ...] = ()
     exclude_tables: tuple[str, ...] = ()
     exclude_columns: tuple[str, ...] = ()
     mask_columns: tuple[str, ...] = ()
     signal_table: str | None = None
+    included: NameMatcher = field(init=False, repr=False, compare=False)
+    excluded: NameMatcher = field(init=False, repr=False, compare=False)
+    excluded_columns: NameMatcher = field(init=False, repr=False, compare=False)
+    masked_columns: NameMatcher = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "included", NameMatcher(self.tables))
+        object.__setattr__(self, "excluded", NameMatcher(self.exclude_tables))
+        object.__setattr__(self, "excluded_columns", NameMatcher(self.exclude_columns, parts=3))
+        object.__setattr__(self, "masked_columns", NameMatcher(self.mask_columns, parts=3))
 
     def captures(self, table: str) -> bool:
+        """``table``: the event's ``table`` field."""
         if table == self.signal_table:
             return True
-        if self.tables and not table_matches(table, self.tables):
+        if self.included and not self.included.matches_table(table):
             return False
-        return not (self.exclude_tables and table_matches(table, self.exclude_tables))
+        return not (self.excluded and self.excluded.matches_table(table))
 
 
 @dataclass
@@ -95,6 +101,9 @@ class Relation:
     masked: frozenset[int] = frozenset()
     # pre-serialized parts
     table_part: bytes = b""
+    # The partition key: by table, so per-table order (and with it key changes and truncates,
+    # which span keys) survives a multi-partition topic (walbus.kafka.partition_for).
+    table_key: bytes = b""
     pk_part: bytes = b""
     full_part: bytes = b""  # b'"columns":[…],"types":[…],"values":' for rows with every kept column
     pk_index: list[int] = field(default_factory=list)
@@ -112,15 +121,14 @@ class Relation:
         q = self.qualified
         self.captured = capture.captures(q)
         self.keep = [
-            i for i, c in enumerate(self.columns)
-            if not (capture.exclude_columns and table_matches(f"{q}.{c}", capture.exclude_columns))
+            i for i, c in enumerate(self.columns) if not capture.excluded_columns.matches(self.schema, self.name, c)
         ]
         self.masked = frozenset(
-            i for i, c in enumerate(self.columns)
-            if capture.mask_columns and table_matches(f"{q}.{c}", capture.mask_columns)
+            i for i, c in enumerate(self.columns) if capture.masked_columns.matches(self.schema, self.name, c)
         )
         self.table_part = FIELD_HEADS["table"] + orjson.dumps(q)
         self.pk_part = FIELD_HEADS["pk"] + orjson.dumps(self.pk)
+        self.table_key = q.encode()
         self.full_part = self._image_head(self.keep)
         index = {c: i for i, c in enumerate(self.columns)}
         self.pk_index = [index[c] for c in self.pk if c in index]
@@ -251,7 +259,7 @@ class EventEncoder:
         if template is None:
             template = self._row_templates[cache_key] = self._row_template(rel, operation)
         value = template % (lsn, seq, orjson.dumps(new))
-        pkey = self._partition_key(rel, new, None) if self.partitioned else b""
+        pkey = rel.table_key if self.partitioned else b""
         return EncodedEvent(self._key_template % seq, value, pkey, rel, operation, new)
 
     def _row_template(self, rel: Relation, operation: str) -> bytes:
@@ -321,7 +329,7 @@ class EventEncoder:
         if unchanged_names:
             parts.append(FIELD_HEADS["unchanged"] + orjson.dumps(unchanged_names))
         parts.append(VALUE_END)
-        pkey = self._partition_key(rel, new, old) if self.partitioned else b""
+        pkey = rel.table_key if self.partitioned else b""
         return EncodedEvent(self._key_template % seq, b"".join(parts), pkey, rel, operation, new, old)
 
     def _identity(self, rel: Relation, new: list[Any] | None, old: list[Any] | None, old_is_full: bool) -> bytes | None:
@@ -343,14 +351,4 @@ class EventEncoder:
             _INTS % (lsn, self.commit_lsn, seq, self.xid),
             OPERATION_PARTS["truncate"], rel.table_part, self._ts_part, rel.pk_part, VALUE_END,
         ])
-        return EncodedEvent(self._key_template % seq, value, rel.table_part, rel, "truncate")
-
-    @staticmethod
-    def _partition_key(rel: Relation, new: list[Any] | None, old: list[Any] | None) -> bytes:
-        # By table: a table's events share a partition, so per-table order (and with it key
-        # changes and truncates, which span keys) survives a multi-partition topic.
-        return rel.table_part
-
-
-def partition_for(partition_key: bytes, partitions: int) -> int:
-    return 0 if partitions <= 1 else zlib.crc32(partition_key) % partitions
+        return EncodedEvent(self._key_template % seq, value, rel.table_key, rel, "truncate")

@@ -41,8 +41,8 @@ class ProducerConfig(KafkaOptions):
     replication_factor: int | None = option(
         None, help="replication factor of the topics when created (default: 3 with min.insync.replicas=2 on a cluster of 3+ brokers, else 1)"
     )
-    tables: list[str] = option([], help="include list: schema.table patterns (fnmatch), comma-separated")
-    exclude_tables: list[str] = option([], help="exclude list: schema.table patterns")
+    tables: list[str] = option([], help="include list: table patterns (docs/contract.md), comma-separated")
+    exclude_tables: list[str] = option([], help="exclude list: table patterns")
     exclude_columns: list[str] = option([], help="schema.table.column patterns left out of events")
     mask_columns: list[str] = option([], help="schema.table.column patterns whose values are replaced by ****")
     heartbeat_interval: float = option(10.0, help="seconds between status updates that confirm the server's position while captured tables are idle")

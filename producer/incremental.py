@@ -1,47 +1,6 @@
-"""Incremental snapshots (DBLog watermarks, Debezium 1.6+): tables read in chunks while streaming goes on.
+"""Incremental snapshots (DBLog watermarks): tables read in chunks while streaming goes on.
 
-Start and stop: a row inserted into the signal table (``--signal-table``; columns ``id``,
-``type``, ``data`` as Debezium's) and captured like any change:
-``('sig-1', 'execute-snapshot', '{"data-collections": ["public.orders"]}')`` queues tables
-(added to a running snapshot's queue); ``stop-snapshot`` (with or without
-``data-collections``) drops them (all when none is listed).
-
-One chunk, in primary-key order, ``--incremental-chunk-size`` rows, keys in
-``(last key emitted, maximum key read when the table started]``:
-
-1. a **low watermark** goes into the WAL: ``pg_logical_emit_message(true, 'walbus-watermark',
-   '{"id": <chunk>, "kind": "low"}')``, in its own transaction, on a normal connection;
-2. the chunk is SELECTed (READ COMMITTED, COPY text output, into memory: bounded by the
-   chunk size) — the rows are kept by key;
-3. a **high watermark** is written the same way.
-
-The stream decodes these messages in commit order among the row changes. :class:`ChunkWindow`
-is the rule: between the chunk's low and high watermarks, every streamed change of the
-chunk's table removes its keys (old and new key of an update) from the chunk; a TRUNCATE
-empties it. At the high watermark what is left is emitted as ``read`` events. Why that is
-exact: a change committed before the low watermark is in the SELECT's result; one committed
-after the high watermark follows the reads in the topic; one in the window may or may not be
-in the result, so the stream's own event — which comes before the high watermark, hence
-before the reads — is the one kept, and the possibly stale ``read`` is dropped.
-
-Read events of a chunk: ``commit_lsn`` = the high watermark transaction's commit LSN,
-``lsn`` = the high watermark message's LSN, ``xid`` = that transaction's, ``seq`` following
-that transaction's own events (it has none but the message, so 0..n-1). They are appended
-while the pump is inside that transaction, before its commit is counted, so they sit
-between everything before and after it in the topic, their keys are unique and increasing,
-and the slot is confirmed past the high watermark only once Kafka acknowledged them.
-
-Position (tables left, last key emitted, maximum key — key values as PostgreSQL's text
-output) is saved in the progress store (:mod:`producer.offsets`) once the slot's confirmed
-position passed the chunk's high watermark, i.e. once its reads are acknowledged. A restart
-(or a reconnect) resumes after the last such chunk; a chunk finished but not yet saved is
-read again, which is harmless (its reads carry the rows' values at the new high watermark).
-Watermarks of chunks this process did not start (replayed after a restart) are ignored. A
-signal is saved as soon as its transaction is decoded, before that transaction can be
-confirmed, so an accepted signal is never lost.
-
-Limits: tables need a primary key (others are skipped with a warning); a primary-key column
-that is masked or excluded from events cannot be matched and is refused the same way.
+The design, and why it is exact: docs/producer.md.
 """
 
 from __future__ import annotations

@@ -80,12 +80,6 @@ class ReplicationStream:
         conn = psycopg.connect(dsn, replication="database", autocommit=True, application_name=application_name)
         return cls(conn)
 
-    def identify_system(self) -> tuple[str, int, Lsn, str | None]:
-        """(systemid, timeline, xlogpos, dbname)."""
-        row = self._conn.execute("IDENTIFY_SYSTEM").fetchone()
-        assert row is not None
-        return str(row[0]), int(str(row[1])), Lsn.parse(str(row[2])), None if row[3] is None else str(row[3])
-
     def execute(self, command: str) -> list[tuple[object, ...]]:
         """Run a replication command (CREATE_REPLICATION_SLOT, …) before streaming starts."""
         cur = self._conn.execute(command.encode())

@@ -66,8 +66,8 @@ class Producer:
         self.capture = CaptureFilter(
             tables=setup.table_patterns(config.tables, "--tables"),
             exclude_tables=setup.table_patterns(config.exclude_tables, "--exclude-tables"),
-            exclude_columns=tuple(config.exclude_columns),
-            mask_columns=tuple(config.mask_columns),
+            exclude_columns=setup.column_patterns(config.exclude_columns, "--exclude-columns"),
+            mask_columns=setup.column_patterns(config.mask_columns, "--mask-columns"),
             signal_table=setup.table_pattern(config.signal_table, "--signal-table") if config.signal_table else None,
         )
         self._stopping = asyncio.Event()

@@ -15,7 +15,7 @@ from psycopg import sql
 from producer.codec import CaptureFilter
 from producer.replication import quote_ident
 from walbus.config import ConfigError
-from walbus.contract import ContractError, qualify_table, split_table
+from walbus.contract import ContractError, qualify_table, split_pattern, split_table
 from walbus.logs import redact_dsn
 
 TableName = tuple[str, str]  # (schema, table), exactly as PostgreSQL spells them
@@ -52,12 +52,12 @@ def check_server(conn: psycopg.Connection[tuple[object, ...]]) -> None:
 
 
 def table_pattern(pattern: str, flag: str) -> str:
-    """A ``--tables``-style entry in the form events name tables (``qualify_table``): an exact
-    name is read as ``split_table`` reads it (``public."a.b"``), a pattern with wildcards
-    is matched as written against that form."""
-    if any(ch in pattern for ch in WILDCARDS):
-        return pattern
+    """A ``--tables``-style entry (walbus's table patterns, docs/contract.md); an exact name,
+    which must exist, is ``schema.table`` in the form events name tables (``public."a.b"``)."""
     try:
+        if any(ch in pattern for ch in WILDCARDS):
+            split_pattern(pattern, 2)
+            return pattern
         return qualify_table(*split_table(pattern))
     except ContractError as e:
         raise ConfigError(f"{flag}: {e} (write schema.table; a name with a dot or quote in double quotes: public.\"a.b\")") from None
@@ -65,6 +65,14 @@ def table_pattern(pattern: str, flag: str) -> str:
 
 def table_patterns(patterns: Sequence[str], flag: str) -> tuple[str, ...]:
     return tuple(table_pattern(p, flag) for p in patterns)
+
+
+def column_patterns(patterns: Sequence[str], flag: str) -> tuple[str, ...]:
+    """``--exclude-columns``/``--mask-columns`` entries: ``schema.table.column`` or its last parts."""
+    try:
+        return tuple(p for p in patterns if split_pattern(p, 3))
+    except ContractError as e:
+        raise ConfigError(f"{flag}: {e}") from None
 
 
 def list_tables(conn: psycopg.Connection[tuple[object, ...]]) -> list[TableName]:

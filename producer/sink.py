@@ -13,6 +13,7 @@ batches, so memory does not grow when Kafka is slower than the database.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections import deque
@@ -20,12 +21,19 @@ from typing import Any
 
 from aiokafka import AIOKafkaProducer
 
-from producer.codec import EncodedEvent, partition_for
+from producer.codec import EncodedEvent
 from producer.progress import Progress
 from walbus.config import ConfigError
-from walbus.kafka import DEFAULT_MAX_MESSAGE_BYTES, RECORD_OVERHEAD_BYTES, record_fits
+from walbus.kafka import (
+    DEFAULT_MAX_MESSAGE_BYTES,
+    RECORD_OVERHEAD_BYTES,
+    partition_for,
+    record_fits,
+)
 
 log = logging.getLogger("walbus.producer.sink")
+# Partition keys are table names: a handful, each hashed once.
+_partition_for = functools.lru_cache(maxsize=4096)(partition_for)
 
 
 class SinkError(Exception):
@@ -99,7 +107,7 @@ class KafkaSink:
         full; a record the topic cannot take is a configuration fault, not something to retry."""
         if len(ev.value) > self._values_surely_fit and not record_fits(self.max_message_bytes, ev.key, ev.value):
             raise oversized_error(self.topic, ev, self.max_message_bytes)
-        p = 0 if self.partitions == 1 else partition_for(ev.partition_key, self.partitions)
+        p = 0 if self.partitions == 1 else _partition_for(ev.partition_key, self.partitions)
         batch = self._open[p]
         if batch is None:
             batch = self._new_batch(p)

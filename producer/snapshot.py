@@ -1,43 +1,6 @@
 """The initial consistent snapshot: every existing row once, then streaming from exactly there.
 
-How it stays consistent (no row missing, none doubled):
-
-* The slot is created on a replication connection with ``EXPORT_SNAPSHOT``. PostgreSQL
-  answers with the slot's ``consistent_point`` and the name of a snapshot that sees exactly
-  the transactions committed before that point; the slot decodes exactly those after it.
-* ``--snapshot-workers`` normal connections import that snapshot (REPEATABLE READ, READ
-  ONLY, ``SET TRANSACTION SNAPSHOT``) before anything else is sent on the replication
-  connection (the export lives only until its next command), and read the tables with
-  ``COPY … TO STDOUT`` in text format (bounded memory: one row per CopyData message;
-  values converted like pgoutput's, see :mod:`producer.tablescan`). Tables are handed out
-  largest first, so two workers read two tables at once; a large table is also cut into
-  heap-page ranges (TID range scans) that the workers share.
-* Rows become ``operation: "read"`` events with ``lsn = commit_lsn = consistent_point`` and
-  ``seq`` 0..N-1 in emission order (one encoder, on the event loop), so their keys
-  ``%016X-%08X`` are unique, ordered, and sort before every streamed change (those commit
-  after the consistent point). ``xid`` is 0 (no transaction produced them), ``timestamp``
-  the snapshot's start. They go through the same :class:`KafkaSink` as the stream.
-* Only when Kafka acknowledged all of them is ``initial.status = completed`` written to
-  the progress store (:mod:`producer.offsets`), before the first START_REPLICATION.
-
-Interrupted before completion (kill -9, SIGTERM, a fault): the progress store still says
-``running``. The next start redoes the snapshot, and logs it. Nothing was streamed from
-the slot yet (streaming starts only after completion), so dropping the slot and creating
-it again with a fresh export loses nothing. One subtlety Debezium leaves open: a row that
-the interrupted attempt emitted and that was deleted before the new attempt would stay in
-every consumer's table (no later event mentions it). So the redo reads back the keys the
-earlier attempts emitted (the topic from ``from_offsets``, recorded before the first
-attempt) and emits a ``delete`` for each key the new snapshot no longer has, after its
-reads, with the same ``commit_lsn``. Memory for that is proportional to the rows the
-interrupted attempts emitted, only on a redo.
-
-Modes (Debezium's): ``initial`` snapshots when the slot is new or the last snapshot did not
-complete; ``initial_only`` the same, then the producer exits 0; ``never`` creates the slot
-without a snapshot; ``always`` snapshots at every start. With an existing slot (``always``)
-the snapshot is exported from a normal connection and its events get the WAL insert
-position read in the same transaction as their ``commit_lsn``; streaming then resumes from
-the slot and replays what the slot still holds, so the latest event of each row is right
-(at-least-once), while the reads' position is approximate.
+The design, and why no row is missing or doubled: docs/producer.md.
 """
 
 from __future__ import annotations

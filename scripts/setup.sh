@@ -24,7 +24,7 @@ fi
 
 python3 -m pip install -q --disable-pip-version-check -e '.[test]'
 # Fetch the Kafka broker's jars from Maven Central once (cached in ~/.cache/walbus): the
-# default 4.x, and 3.9 for the tests that check it still works (tests/test_kafka39.py).
+# default 4.x, and 3.9 for the tests that check it still works (tests/integration/test_kafka39.py).
 python3 -c '
 from walbus.app.dev.kafka import KAFKA_3_VERSION, KAFKA_VERSION, ensure_jars
 for version in (KAFKA_VERSION, KAFKA_3_VERSION):

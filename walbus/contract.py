@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import hashlib
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, fields
+from fnmatch import fnmatchcase
 from typing import Any, Final, Literal, TypeVar
 
 import orjson
@@ -422,6 +423,58 @@ def split_table(qualified: str) -> tuple[str, str]:
     return schema, table
 
 
+# -- name patterns ------------------------------------------------------------------------
+# One syntax wherever walbus selects tables or columns (docs/contract.md, "Table patterns"):
+# a pattern names the trailing parts of ``schema.table[.column]``, split and quoted as
+# :func:`split_table` splits; each part is an fnmatch pattern over one exact name, and the
+# leading parts a pattern leaves out match anything.
+
+
+def split_pattern(pattern: str, most: int) -> tuple[str, ...]:
+    """The parts of a name pattern (1 to ``most``); raises :class:`ContractError`."""
+    parts: list[str] = []
+    i = 0
+    while True:
+        part, i = _take_part(pattern, i)
+        if not part:
+            break
+        parts.append(part)
+        if i == len(pattern):
+            if len(parts) <= most:
+                return tuple(parts)
+            break
+        if not pattern.startswith(".", i):
+            break
+        i += 1
+    shape = ".".join(("schema", "table", "column")[:most])
+    raise ContractError(f"pattern {pattern!r} is not {shape} or its last parts (double-quote a name that holds a dot)")
+
+
+class NameMatcher:
+    """Whether a name (``schema, table`` or ``schema, table, column``) matches any of ``patterns``."""
+
+    def __init__(self, patterns: Iterable[str], *, parts: int = 2) -> None:
+        self.patterns: tuple[str, ...] = tuple(patterns)
+        self._parsed = [split_pattern(p, parts) for p in self.patterns]
+        self._cache: dict[tuple[str, ...], bool] = {}  # the same few names again and again
+
+    def __bool__(self) -> bool:
+        return bool(self.patterns)
+
+    def matches(self, *name: str) -> bool:
+        hit = self._cache.get(name)
+        if hit is None:
+            hit = self._cache[name] = any(
+                all(fnmatchcase(n, p) for n, p in zip(reversed(name), reversed(parts), strict=False))
+                for parts in self._parsed
+            )
+        return hit
+
+    def matches_table(self, qualified: str) -> bool:
+        """For an event's ``table`` field (:func:`qualify_table`)."""
+        return self.matches(*split_table(qualified))
+
+
 # -- topic names --------------------------------------------------------------------------
 # Kafka allows [A-Za-z0-9._-] and 249 characters. Each name part is escaped reversibly:
 # letters, digits and '_' stay; every other character's UTF-8 bytes become '-HH' (upper-case
@@ -514,6 +567,11 @@ def database_topic(prefix: str, database: str) -> str:
     if len(head) + len(escaped) <= MAX_TOPIC_LENGTH:
         return head + escaped
     return _hashed_topic(head, (database,), [escaped])
+
+
+def demux_group(source_topic: str) -> str:
+    """The demux's default consumer group for a database topic (also what ``Table`` follows)."""
+    return f"walbus-demux.{source_topic}"
 
 
 def table_topic(prefix: str, database: str, schema: str, table: str, *, hashed: bool = False) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import ssl
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -20,6 +20,7 @@ from aiokafka.errors import (
     UnknownTopicOrPartitionError,
     for_code,
 )
+from aiokafka.partitioner import murmur2
 
 from walbus.config import ConfigError, option
 
@@ -42,9 +43,40 @@ BROKER_DEFAULT_MAX_MESSAGE_BYTES = 1048588
 RECORD_OVERHEAD_BYTES = 128
 
 
+def partition_for(key: bytes, partitions: int) -> int:
+    """Kafka's default partitioner for a keyed record: murmur2 of the key bytes, as the Java
+    client computes it, so every Kafka client agrees with walbus on a key's partition."""
+    return 0 if partitions <= 1 else (murmur2(key) & 0x7FFFFFFF) % partitions
+
+
 def record_fits(limit: int, key: bytes | None, value: bytes | None, headers_bytes: int = 0) -> bool:
     """Whether one record, sent alone, stays within a topic's ``max.message.bytes``."""
     return len(key or b"") + len(value or b"") + headers_bytes + RECORD_OVERHEAD_BYTES <= limit
+
+
+async def topic_partitions(
+    client_kwargs: Mapping[str, Any], topic: str, *, wait: bool = True, poll_interval: float = 1.0
+) -> list[TopicPartition]:
+    """The topic's partitions in order. ``wait``: until the topic exists (a service may start
+    before its source); else a missing topic raises :class:`LookupError`."""
+    warned = False
+    admin = AIOKafkaAdminClient(**client_kwargs)
+    await admin.start()
+    try:
+        while True:
+            # The consumer's own metadata cache only learns topics it is subscribed to.
+            described = await admin.describe_topics([topic])
+            for t in described:
+                if t["topic"] == topic and not t["error_code"] and t["partitions"]:
+                    return [TopicPartition(topic, p["partition"]) for p in sorted(t["partitions"], key=lambda p: p["partition"])]
+            if not wait:
+                raise LookupError(f"topic {topic} does not exist")
+            if not warned:
+                log.info("waiting for topic to exist", extra={"topic": topic})
+                warned = True
+            await asyncio.sleep(poll_interval)
+    finally:
+        await admin.close()
 
 
 @dataclass(kw_only=True)

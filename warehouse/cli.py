@@ -12,6 +12,7 @@ from typing import Any
 import orjson
 
 from walbus.config import ConfigError, load_config, option
+from walbus.contract import ContractError, NameMatcher
 from walbus.kafka import KafkaOptions
 from walbus.logs import setup_logging
 from warehouse.types import NUMERIC_SCALE
@@ -55,7 +56,7 @@ class SparkOptions:
 class LoadConfig(SparkOptions, KafkaOptions):
     topic: str = option(help="the database topic, walbus.<database>")
     warehouse: str = option(help="warehouse root: a directory or a Hadoop filesystem URI (s3a://, hdfs://, …)")
-    tables: list[str] = option([], help="only these tables: schema.table patterns (* wildcards), comma-separated")
+    tables: list[str] = option([], help="only these tables: table patterns (docs/contract.md), comma-separated")
     numeric_scale: int = option(NUMERIC_SCALE, help="scale of decimal(38, s) for new numeric columns")
     skip_invalid: bool = option(
         False,
@@ -85,6 +86,10 @@ def _session(config: SparkOptions) -> Any:
 
 def load_main(argv: Sequence[str]) -> int:
     config = load_config(LoadConfig, argv, prog="walbus warehouse load", section="warehouse")
+    try:
+        NameMatcher(config.tables)
+    except ContractError as e:
+        raise ConfigError(f"--tables: {e}") from None
     setup_logging(config.log_level)
     from warehouse.job import LoadError, LoadSpec, run_load
     from warehouse.read import TopicError

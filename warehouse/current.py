@@ -51,10 +51,6 @@ def _newer(s: str, t: str) -> str:
     return f"({s}.{lsn} > {t}.{lsn} OR ({s}.{lsn} = {t}.{lsn} AND {s}.{seq} > {t}.{seq}))"
 
 
-def _pos_literal(position: tuple[int, int]) -> Column:
-    return F.struct(F.lit(position[0]).cast("decimal(20,0)").alias("l"), F.lit(position[1]).alias("s"))
-
-
 def truncated_at(properties: dict[str, str]) -> tuple[int, int] | None:
     text = properties.get(TRUNCATED_PROPERTY)
     if not text:

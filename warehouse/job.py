@@ -6,7 +6,6 @@ table's data and its load marker are committed together.
 
 from __future__ import annotations
 
-import fnmatch
 import logging
 import time
 from collections.abc import Sequence
@@ -17,7 +16,7 @@ from pyspark import StorageLevel
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
-from walbus.contract import split_table
+from walbus.contract import NameMatcher, split_table
 from walbus.kafka import KafkaOptions
 from warehouse import layout, loads
 from warehouse.current import CURRENT_EXTRA_FIELDS, CURRENT_PROPERTIES, merge_current
@@ -76,7 +75,7 @@ class LoadSpec:
     kafka: KafkaOptions
     topic: str
     warehouse: str
-    tables: Sequence[str] = ()  # fnmatch patterns on schema.table; empty: all
+    tables: Sequence[str] = ()  # table patterns (walbus.contract.NameMatcher); empty: all
     numeric_scale: int = NUMERIC_SCALE
     skip_invalid: bool = False  # quarantine records that are not contract-v1 events
 
@@ -129,10 +128,6 @@ class LoadResult:
         if self.quarantined:
             lines.append(f"{self.quarantined} invalid records quarantined in {layout.QUARANTINE_DIR}")
         return lines
-
-
-def _selected(table: str, patterns: Sequence[str]) -> bool:
-    return not patterns or any(fnmatch.fnmatchcase(table, p) for p in patterns)
 
 
 def run_load(spark: SparkSession, spec: LoadSpec) -> LoadResult:
@@ -226,9 +221,10 @@ def _run_batch(
         batch_events = 0
         metas = sorted(_table_meta(valid), key=lambda r: r["table"])  # reads the slice
         result.phases["read"] = round(result.phases.get("read", 0.0) + time.monotonic() - started, 3)
+        selected = NameMatcher(spec.tables)
         for meta in metas:
             table = meta["table"]
-            if not _selected(table, spec.tables):
+            if selected and not selected.matches_table(table):
                 continue
             batch_events += int(meta["events"])
             summary = result.tables.setdefault(table, TableSummary(table))

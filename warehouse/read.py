@@ -158,7 +158,7 @@ def read_slice(
 # walbus.contract.decode_event + check_key, rule for rule and in the same order (the first
 # broken rule is the reason), without a Python worker: the value is parsed once into a
 # variant (exact JSON types) and once with ENVELOPE_SCHEMA (the fields the load uses).
-# tests/test_unit_prop_warehouse_check.py holds both to the same verdict on every record.
+# tests/integration/test_prop_warehouse_check.py holds both to the same verdict on every record.
 # Known gaps, all text walbus never writes (orjson cannot): a lone surrogate escape
 # ("\ud800"), a number beyond the double range (1e400) and a whole JSON value followed by
 # "]" and more are accepted here and refused by decode_event.

@@ -66,15 +66,6 @@ def applied_version(spark: SparkSession, path: str, app_id: str) -> int:
     return int(value.get()) if value.isDefined() else -1
 
 
-def table_version(spark: SparkSession, path: str) -> int:
-    from delta.tables import DeltaTable
-
-    if not DeltaTable.isDeltaTable(spark, path):
-        return -1
-    row = DeltaTable.forPath(spark, path).history(1).select("version").first()
-    return int(row["version"]) if row else -1
-
-
 def last_commit_metrics(spark: SparkSession, path: str) -> dict[str, str]:
     """Operation metrics of the table's latest commit (the write just made: one writer)."""
     from delta.tables import DeltaTable

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Mapping
 from typing import Any
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
-from aiokafka.admin import AIOKafkaAdminClient
+
+from walbus.kafka import (
+    topic_partitions as topic_partitions,  # the one definition, re-exported for Feed and Table
+)
 
 log = logging.getLogger("walbus.client")
 
@@ -21,30 +23,6 @@ def client_kwargs(bootstrap_servers: str | None, extra: Mapping[str, Any] | None
     if not kw.get("bootstrap_servers"):
         raise ValueError("give bootstrap_servers= or client_kwargs={'bootstrap_servers': ...}")
     return kw
-
-
-async def topic_partitions(
-    kwargs: Mapping[str, Any], topic: str, *, wait: bool = True, poll_interval: float = 1.0
-) -> list[TopicPartition]:
-    """The topic's partitions; waits for the topic to exist (a service may start before its source)."""
-    warned = False
-    admin = AIOKafkaAdminClient(**kwargs)
-    await admin.start()
-    try:
-        while True:
-            # The consumer's own metadata cache only learns topics it is subscribed to.
-            described = await admin.describe_topics([topic])
-            for t in described:
-                if t["topic"] == topic and not t["error_code"] and t["partitions"]:
-                    return [TopicPartition(topic, p["partition"]) for p in sorted(t["partitions"], key=lambda p: p["partition"])]
-            if not wait:
-                raise LookupError(f"topic {topic} does not exist")
-            if not warned:
-                log.info("waiting for topic to exist", extra={"topic": topic})
-                warned = True
-            await asyncio.sleep(poll_interval)
-    finally:
-        await admin.close()
 
 
 async def read_records(kwargs: Mapping[str, Any], tp: TopicPartition, start: int, end: int) -> list[Any]:

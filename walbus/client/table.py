@@ -31,6 +31,7 @@ from walbus.client._connect import client_kwargs as _client_kwargs
 from walbus.client._connect import topic_partitions
 from walbus.client.metrics import client_metrics
 from walbus.client.progress import SourceProgress
+from walbus.contract import demux_group
 
 log = logging.getLogger("walbus.client.table")
 
@@ -167,8 +168,7 @@ class Table(Mapping[Any, Row]):
         self.rows: MutableMapping[Any, Row] = {} if store is None else store
         self.on_change = on_change
         self.source_topic = source_topic or topic.rsplit(".", 2)[0]
-        # The demux's own default group id (`walbus demux --group-id`), so the default works.
-        self.source_group = (source_group or f"walbus-demux.{self.source_topic}") if follow_demux else None
+        self.source_group = (source_group or demux_group(self.source_topic)) if follow_demux else None
         self._kwargs = _client_kwargs(bootstrap_servers, client_kwargs)
         self._consumer_options = dict(consumer_options or {})
         self._metrics_registry = metrics_registry

@@ -1,0 +1,97 @@
+"""The benchmarks still run and still print what their readers parse (tiny sizes, no timing).
+
+Speed targets live in bench/, never in a test; this only keeps the benchmarks from
+rotting between the sessions that run them in full: each one runs on the test
+session's services and must print its machine-readable lines with their fields.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from typing import Any
+
+import orjson
+import pytest
+
+from tests.support.pipeline import ROOT
+from tests.support.services import Services
+
+pytestmark = [pytest.mark.integration]
+
+
+def run_bench(services: Services, module: str, *args: str) -> list[dict[str, Any]]:
+    env = {**os.environ, "WALBUS_PG_DSN": services.pg_dsn, "WALBUS_KAFKA_BOOTSTRAP": services.kafka_bootstrap}
+    res = subprocess.run([sys.executable, "-m", f"bench.{module}", *args], capture_output=True, timeout=900,
+                         cwd=ROOT, env=env)
+    assert res.returncode == 0, (res.stdout[-3000:] + res.stderr[-3000:]).decode(errors="replace")
+    lines = [orjson.loads(line) for line in res.stdout.splitlines() if line.startswith(b"{")]
+    # Results only: the services' structured logs (they carry "ts") are not results.
+    return [line for line in lines if "ts" not in line]
+
+
+def _kafka_topics(services: Services) -> set[str]:
+    import asyncio
+
+    from bench.common import list_topics
+
+    return asyncio.run(list_topics(services.kafka_bootstrap))
+
+
+@pytest.mark.parametrize("partitions", [1, 2])
+def test_demux_benchmark(services: Services, partitions: int) -> None:
+    before = _kafka_topics(services)
+    events = 3000 * partitions
+    out = run_bench(services, "demux", "--kafka-bootstrap", services.kafka_bootstrap, "--pg-dsn", services.pg_dsn,
+                    "--events", str(events), "--rounds", "1", "--partitions", str(partitions),
+                    "--profile-events", "1000" if partitions == 1 else "0")
+    phases = {line["phase"]: line for line in out}
+    assert set(phases) == ({"producer", "demux", "summary", "profile"} if partitions == 1
+                           else {"producer", "demux", "summary"})
+    producer, demux, summary = phases["producer"], phases["demux"], phases["summary"]
+    assert producer["events"] == events and producer["records_per_s"] > 0
+    assert {"cpu_s", "walsender_cpu_s", "startup_s", "settle_s", "settle_busy_share"} <= set(producer)
+    assert {"settle_s", "settle_busy_share"} <= set(demux)
+    if partitions == 1:
+        assert demux["events"] == events and demux["cpu_s"] > 0 and demux["transactions"] >= 1
+        stages = {s["stage"] for s in phases["profile"]["time_by_stage"]}
+        assert any(s.startswith("re-keying") for s in stages)
+    else:
+        # Events committed before the group settled on one partition each are not counted
+        # (on a topic this small, possibly all of them).
+        assert demux["processes"] == 2 and 0 <= demux["events"] <= events
+    assert summary["ratios"] == [pytest.approx(summary["ratio_median"], abs=1e-3)]
+    assert isinstance(summary["target_met"], bool)
+    assert {"producer", "producer_and_walsender"} <= set(summary["cpu_us_per_event_median"])
+    # A benchmark deletes the topics it wrote (gigabytes at full size).
+    assert not {t for t in _kafka_topics(services) - before if t.startswith("bench")}
+
+
+def test_producer_benchmark(services: Services) -> None:
+    out = run_bench(services, "producer", "--rows", "2000", "--txns", "10", "--plugins", "pgoutput",
+                    "--latency-rate", "200", "--latency-seconds", "2", "--big-rows", "2000")
+    kinds = [line["kind"] for line in out]
+    assert {"load", "throughput", "latency", "rss"} <= set(kinds)
+    for line in out:
+        if line["kind"] == "throughput":
+            assert line["producer_rows_per_s"] > 0 and line["ratio_to_recvlogical"] > 0
+        if line["kind"] == "latency":
+            assert line["events"] > 0 and line["p50_ms"] <= line["p99_ms"] <= line["max_ms"]
+
+
+def test_snapshot_benchmark(services: Services) -> None:
+    out = run_bench(services, "snapshot", "--rows", "2000")
+    snaps = [line for line in out if line["kind"] == "snapshot"]
+    assert {line["workers"] for line in snaps} == {1, 2}
+    assert all(line["rows"] == 2000 and line["rows_per_s"] > 0 for line in snaps)
+    assert any(line["kind"] == "copy_ceiling" for line in out)
+
+
+@pytest.mark.spark
+def test_warehouse_benchmark(services: Services) -> None:
+    out = run_bench(services, "warehouse", "--events", "2000", "--incremental", "200", "--skip-wide")
+    loads = [line for line in out if "workload" in line]
+    assert [line["workload"] for line in loads] == ["transactions", "incremental", "incremental"]
+    assert loads[0]["history_rows_added"] == 2000
+    assert all(line["history_rows_added"] == 200 for line in loads[1:])

@@ -1,0 +1,138 @@
+"""Acknowledgement, retries, dead letters and replay against a real broker."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import sys
+
+import pytest
+
+from tests.support.cdc_data import Change, workload
+from tests.support.kafka import create_topic, produce
+from tests.support.pipeline import ROOT
+from walbus.client import (
+    Feed,
+    FeedEvent,
+    RetryPolicy,
+    dead_letter_topic,
+    list_dead_letters,
+    replay_dead_letters,
+)
+
+pytestmark = pytest.mark.integration
+
+TABLES = ["public.transactions", "public.users"]
+FAST = RetryPolicy(attempts=3, initial=0.01, maximum=0.05)
+
+
+async def _setup(kafka_bootstrap: str, topic: str, seed: int, n: int = 10) -> list[Change]:
+    changes = workload(random.Random(seed), n, TABLES)
+    await create_topic(kafka_bootstrap, topic)
+    await produce(kafka_bootstrap, topic, [c.record() for c in changes])
+    return changes
+
+
+async def test_offsets_commit_up_to_the_highest_contiguous_ack(kafka_bootstrap: str, unique_name: str) -> None:
+    changes = await _setup(kafka_bootstrap, unique_name, 21)
+    group = unique_name + "-g"
+    kept: list[FeedEvent] = []
+    async with Feed(unique_name, group_id=group, start="earliest", auto_ack=False, bootstrap_servers=kafka_bootstrap) as feed:
+        async with asyncio.timeout(30):
+            async for event in feed:
+                kept.append(event)
+                if len(kept) == 6:
+                    break
+        for i in (0, 1, 2, 4, 5):  # 3 is never acked
+            kept[i].ack()
+        assert not kept[3].settled and kept[4].settled
+    async with Feed(unique_name, group_id=group, bootstrap_servers=kafka_bootstrap, until_end=True) as feed:
+        again = [e.position async for e in feed]
+    assert again == [c.position for c in changes[3:]]
+
+
+async def test_unacked_events_are_not_committed_without_auto_ack(kafka_bootstrap: str, unique_name: str) -> None:
+    changes = await _setup(kafka_bootstrap, unique_name, 22)
+    group = unique_name + "-g"
+    async with Feed(unique_name, group_id=group, start="earliest", auto_ack=False, bootstrap_servers=kafka_bootstrap, until_end=True) as feed:
+        first = [e.position async for e in feed]
+    async with Feed(unique_name, group_id=group, bootstrap_servers=kafka_bootstrap, until_end=True) as feed:
+        second = [e.position async for e in feed]
+    assert first == second == [c.position for c in changes]
+
+
+async def test_nack_redelivers_then_dead_letters_and_the_feed_goes_on(kafka_bootstrap: str, unique_name: str) -> None:
+    changes = await _setup(kafka_bootstrap, unique_name, 23)
+    poison = changes[4].position
+    group = unique_name + "-g"
+    seen: list[tuple[tuple[int, int], int]] = []
+    async with Feed(unique_name, group_id=group, start="earliest", retry=FAST, bootstrap_servers=kafka_bootstrap, until_end=True) as feed:
+        async for event in feed:
+            seen.append((event.position, event.attempt))
+            if event.position == poison:
+                event.nack(retry_in=0.01 if event.attempt == 1 else None, error=ValueError(f"bad row {event.attempt}"))
+    assert [p for p, a in seen if p != poison] == [c.position for c in changes if c.position != poison]
+    assert [a for p, a in seen if p == poison] == [1, 2, 3]
+    assert feed.stats.dead_letters == 1 and feed.stats.retries == 2
+    letters = await list_dead_letters({"bootstrap_servers": kafka_bootstrap}, unique_name, group)
+    assert len(letters) == 1
+    letter = letters[0]
+    assert letter.key == changes[4].record()[0] and letter.value == changes[4].record()[1]
+    assert letter.error == "ValueError: bad row 3" and letter.attempts == 3
+    assert letter.origin is not None and (letter.origin.topic, letter.origin.partition, letter.origin.offset) == (unique_name, 0, 4)
+    # Everything was settled and committed: the group has nothing left.
+    async with Feed(unique_name, group_id=group, bootstrap_servers=kafka_bootstrap, until_end=True) as feed:
+        assert [e async for e in feed] == []
+
+
+async def test_a_poison_event_never_stops_run_and_replay_brings_it_back(kafka_bootstrap: str, unique_name: str) -> None:
+    changes = await _setup(kafka_bootstrap, unique_name, 24)
+    poison = changes[2].position
+    group = unique_name + "-g"
+    handled: list[tuple[int, int]] = []
+    attempts: list[int] = []
+
+    async def handler(event: FeedEvent) -> None:
+        if event.position == poison:
+            attempts.append(event.attempt)
+            raise RuntimeError("cannot handle this one")
+        handled.append(event.position)
+
+    feed = Feed(unique_name, group_id=group, start="earliest", retry=FAST, bootstrap_servers=kafka_bootstrap, until_end=True)
+    async with feed, asyncio.timeout(60):
+        await feed.run(handler)
+    assert handled == [c.position for c in changes if c.position != poison]
+    assert attempts == [1, 2, 3]
+    assert dead_letter_topic(unique_name, group) == f"{unique_name}.{group}.dlq"
+
+    # The CLI lists it, replays it once, and a second replay has nothing left.
+    env = {"WALBUS_KAFKA_BOOTSTRAP": kafka_bootstrap}
+    listed = await _walbus("dead-letters", "list", "--topic", unique_name, "--group-id", group, env=env)
+    assert len(listed.splitlines()) == 1 and '"attempts":3' in listed and "cannot handle this one" in listed
+    replayed = await _walbus("dead-letters", "replay", "--topic", unique_name, "--group-id", group, env=env)
+    assert len(replayed.splitlines()) == 1
+    assert await replay_dead_letters({"bootstrap_servers": kafka_bootstrap}, unique_name, group) == []
+
+    # The group's next run gets the replayed event (and only it), and now handles it.
+    handled.clear()
+    async with Feed(unique_name, group_id=group, retry=FAST, bootstrap_servers=kafka_bootstrap, until_end=True) as feed:
+        async with asyncio.timeout(60):
+            await feed.run(lambda e: _record(e, handled))
+    assert handled == [poison]
+    assert feed.stats.dead_letters == 0
+
+
+async def _record(event: FeedEvent, into: list[tuple[int, int]]) -> None:
+    into.append(event.position)
+
+
+async def _walbus(*args: str, env: dict[str, str]) -> str:
+    import os
+
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "walbus.app.cli", *args, cwd=ROOT, env={**os.environ, **env},
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode == 0, err.decode()[-2000:]
+    return out.decode()

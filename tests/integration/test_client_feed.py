@@ -1,0 +1,196 @@
+"""Feed against a real broker: order, filters, duplicate skipping, commits, transactions."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import orjson
+import pytest
+from aiokafka import AIOKafkaConsumer, TopicPartition
+from prometheus_client import REGISTRY
+
+from tests.support.cdc_data import (
+    Change,
+    workload,
+)
+from tests.support.kafka import create_topic, produce
+from walbus.client import Feed, Transaction
+from walbus.contract import ChangeEvent, event_key
+
+pytestmark = pytest.mark.integration
+
+TABLES = ["public.transactions", "public.users", "audit.log"]
+
+
+async def _collect(feed: Feed, n: int) -> list[ChangeEvent]:
+    out: list[ChangeEvent] = []
+    async with asyncio.timeout(30):
+        async for event in feed:
+            out.append(event)
+            if len(out) >= n:
+                break
+    return out
+
+
+async def test_order_and_filters(kafka_bootstrap: str, unique_name: str) -> None:
+    changes = workload(random.Random(1), 60, TABLES)
+    await create_topic(kafka_bootstrap, unique_name)
+    await produce(kafka_bootstrap, unique_name, [c.record() for c in changes])
+
+    async with Feed(unique_name, start="earliest", bootstrap_servers=kafka_bootstrap, until_end=True) as feed:
+        every = [e async for e in feed]
+    assert [e.position for e in every] == [c.position for c in changes]
+    assert feed.stats.delivered == len(changes)
+
+    expected = [c for c in changes if c.table.endswith(".transactions") and c.operation in ("insert", "delete")]
+    async with Feed(
+        unique_name, start="earliest", bootstrap_servers=kafka_bootstrap, tables=["transactions"], operations=["insert", "delete"], until_end=True
+    ) as feed:
+        some = [e async for e in feed]
+    assert [(e.position, e.table, e.operation) for e in some] == [(c.position, c.table, c.operation) for c in expected]
+    assert some[0].row() == expected[0].row
+
+    async with Feed(unique_name, start="earliest", bootstrap_servers=kafka_bootstrap, tables=["audit.*", "public.u*"], until_end=True) as feed:
+        tables = {e.table async for e in feed}
+    assert tables == {"audit.log", "public.users"}
+
+
+async def test_group_skips_duplicates_after_restart(kafka_bootstrap: str, unique_name: str) -> None:
+    """The producer re-sends after a crash: old keys appear again after the committed offset."""
+    changes = workload(random.Random(2), 40, TABLES)
+    first, second = changes[:70], changes[70:]
+    await create_topic(kafka_bootstrap, unique_name)
+    await produce(kafka_bootstrap, unique_name, [c.record() for c in first])
+    group = unique_name + "-g"
+    seen: list[tuple[int, int]] = []
+    async with Feed(unique_name, start="earliest", group_id=group, bootstrap_servers=kafka_bootstrap) as feed:
+        seen += [e.position for e in await _collect(feed, len(first))]
+    # A re-send of the last 25 events (and a duplicate inside the new ones), then new events.
+    dup = [c.record() for c in first[-25:]]
+    await produce(kafka_bootstrap, unique_name, dup + [c.record() for c in second[:5]] + dup[:3] + [c.record() for c in second[5:]])
+    async with Feed(unique_name, start="earliest", group_id=group, bootstrap_servers=kafka_bootstrap, until_end=True) as feed:
+        seen += [e.position for e in feed_events] if (feed_events := [e async for e in feed]) else []
+    assert seen == [c.position for c in changes]
+    assert feed.stats.duplicates_skipped == 28
+
+
+async def test_handler_exception_means_redelivery(kafka_bootstrap: str, unique_name: str) -> None:
+    changes = workload(random.Random(3), 10, TABLES)
+    await create_topic(kafka_bootstrap, unique_name)
+    await produce(kafka_bootstrap, unique_name, [c.record() for c in changes])
+    group = unique_name + "-g"
+    with pytest.raises(RuntimeError):
+        async with Feed(unique_name, start="earliest", group_id=group, bootstrap_servers=kafka_bootstrap) as feed:
+            async for event in feed:
+                if event.position == changes[5].position:
+                    raise RuntimeError("handler failed")
+    async with Feed(unique_name, start="earliest", group_id=group, bootstrap_servers=kafka_bootstrap, until_end=True) as feed:
+        rest = [e.position async for e in feed]
+    assert rest == [c.position for c in changes[5:]]
+
+
+async def test_transactions(kafka_bootstrap: str, unique_name: str) -> None:
+    changes = workload(random.Random(4), 30, TABLES)
+    await create_topic(kafka_bootstrap, unique_name)
+    # A partial transaction, then the producer's re-send of it (crash mid-transaction).
+    records = [c.record() for c in changes]
+    cut = next(i for i in range(40, len(changes)) if changes[i].seq > 0)
+    start = cut - changes[cut].seq
+    records = records[:cut] + records[start - 3 : start] + records[start:]
+    await create_topic(kafka_bootstrap, unique_name)
+    await produce(kafka_bootstrap, unique_name, records)
+    group = unique_name + "-g"
+    txns: list[Transaction] = []
+    feed = Feed(unique_name, start="earliest", group_id=group, bootstrap_servers=kafka_bootstrap, tables=["public.*"], transaction_linger=0.3, until_end=True)
+    async with feed:
+        async for txn in feed.transactions():
+            txns.append(txn)
+    expected: dict[int, list[Change]] = {}
+    for c in changes:
+        if c.table.startswith("public."):
+            expected.setdefault(c.commit_lsn, []).append(c)
+    assert [t.commit_lsn for t in txns] == list(expected)
+    for t in txns:
+        assert [e.position for e in t.events] == [c.position for c in expected[t.commit_lsn]]
+        assert t.tables <= {"public.transactions", "public.users"}
+    # Everything is committed: the group has nothing left.
+    async with Feed(unique_name, start="earliest", group_id=group, bootstrap_servers=kafka_bootstrap, until_end=True) as feed:
+        assert [e async for e in feed] == []
+
+
+POISON_KEY = b"FFFFFFFFFFFFFFFF-FFFFFFFF"
+
+
+def _invalid_count(topic: str, reader: str = "feed") -> float:
+    return REGISTRY.get_sample_value("walbus_client_invalid_records_total", {"reader": reader, "topic": topic}) or 0.0
+
+
+def _misaligned(position: tuple[int, int]) -> bytes:
+    """An insert whose columns, types and values differ in length (issue 13, defect 6)."""
+    value = orjson.loads(Change(position[0], position[1], 1, "public.users", "insert", {"id": 2, "a": "y"}).record()[1] or b"")
+    value["values"] = [2, "y", 7]
+    return orjson.dumps(value)
+
+
+async def test_invalid_records_move_no_position(kafka_bootstrap: str, unique_name: str) -> None:
+    """A high key with a garbage value (or with another event's value) must not poison the group."""
+    changes = workload(random.Random(5), 20, TABLES)
+    first, second = changes[:15], changes[15:]
+    wrong_key_event = Change(first[-1].commit_lsn + 1, 0, 1, "public.users", "insert", {"id": 9, "v": 9}).record()[1]
+    bad = [
+        (POISON_KEY, b"garbage"),
+        (POISON_KEY, wrong_key_event),  # a valid event, but the key is not its position
+        (None, wrong_key_event),
+        (b"not-a-key", wrong_key_event),
+        (event_key(first[-1].commit_lsn + 2, 0), _misaligned((first[-1].commit_lsn + 2, 0))),
+    ]
+    await create_topic(kafka_bootstrap, unique_name)
+    await produce(kafka_bootstrap, unique_name, [c.record() for c in first] + bad + [c.record() for c in second[:5]])
+    group = unique_name + "-g"
+    async with Feed(unique_name, start="earliest", group_id=group, bootstrap_servers=kafka_bootstrap, until_end=True) as feed:
+        got = [e.position async for e in feed]
+    assert got == [c.position for c in first + second[:5]]
+    assert feed.stats.invalid_skipped == len(bad) and feed.stats.duplicates_skipped == 0
+    assert _invalid_count(unique_name) == len(bad)
+    # The group's stored position is the last valid event's: a restart is not poisoned either.
+    await produce(kafka_bootstrap, unique_name, [c.record() for c in second[5:]])
+    async with Feed(unique_name, start="earliest", group_id=group, bootstrap_servers=kafka_bootstrap, until_end=True) as feed:
+        assert [e.position async for e in feed] == [c.position for c in second[5:]]
+    # transactions() skips them the same way.
+    async with Feed(unique_name, start="earliest", bootstrap_servers=kafka_bootstrap, transaction_linger=0.2, until_end=True) as feed:
+        txns = [t async for t in feed.transactions()]
+    assert [e.position for t in txns for e in t.events] == [c.position for c in changes]
+    assert all(e.row() is None or set(e.row() or {}) == {"id", "v"} for t in txns for e in t.events)
+
+
+async def test_a_poisoned_stored_position_is_ignored(kafka_bootstrap: str, unique_name: str) -> None:
+    """Older feeds stored the position of any key: such a group recovers, a sound one keeps its mark."""
+    changes = workload(random.Random(6), 20, TABLES)
+    first, second = changes[:10], changes[10:]
+    resent = [c.record() for c in first[-3:]]
+    await create_topic(kafka_bootstrap, unique_name)
+    # offsets 0-9: first; 10: the poison; 11-13: a re-send of first[-3:]; then second.
+    await produce(kafka_bootstrap, unique_name, [c.record() for c in first] + [(POISON_KEY, b"garbage")] + resent + [c.record() for c in second])
+    tp = TopicPartition(unique_name, 0)
+    poisoned, sound = unique_name + "-poisoned", unique_name + "-sound"
+    for group, offset, key in ((poisoned, 11, POISON_KEY), (sound, 10, event_key(*first[-1].position))):
+        committer = AIOKafkaConsumer(bootstrap_servers=kafka_bootstrap, group_id=group, enable_auto_commit=False)
+        await committer.start()
+        try:
+            committer.assign([tp])
+            await committer.commit({tp: (offset, "walbus-feed/1:" + key.decode())})
+        finally:
+            await committer.stop()
+
+    async with Feed(unique_name, start="earliest", group_id=poisoned, bootstrap_servers=kafka_bootstrap, until_end=True) as feed:
+        got = [e.position async for e in feed]
+    # The mark is gone, so the re-send after the committed offset comes through once.
+    assert got == [c.position for c in first[-3:] + second]
+    ignored = REGISTRY.get_sample_value("walbus_client_stored_positions_ignored_total", {"topic": unique_name})
+    assert ignored == 1
+
+    async with Feed(unique_name, start="earliest", group_id=sound, bootstrap_servers=kafka_bootstrap, until_end=True) as feed:
+        got = [e.position async for e in feed]
+    assert got == [c.position for c in second]
+    assert feed.stats.duplicates_skipped == 3 and feed.stats.invalid_skipped == 1

@@ -1,0 +1,49 @@
+"""walbus groups: each consumer group's lag on a walbus topic, in records and seconds."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import sys
+
+import orjson
+import pytest
+
+from tests.support.cdc_data import workload
+from tests.support.kafka import create_topic, produce
+from tests.support.pipeline import ROOT
+from walbus.client import Feed
+from walbus.client.groups import group_lags
+
+pytestmark = pytest.mark.integration
+
+
+async def test_group_lag_in_records_and_seconds(kafka_bootstrap: str, unique_name: str) -> None:
+    changes = workload(random.Random(41), 10, ["public.t"])
+    await create_topic(kafka_bootstrap, unique_name)
+    await produce(kafka_bootstrap, unique_name, [c.record() for c in changes])
+    behind, done = unique_name + "-behind", unique_name + "-done"
+    async with Feed(unique_name, group_id=behind, start="earliest", bootstrap_servers=kafka_bootstrap) as feed:
+        async with asyncio.timeout(30):
+            for _ in range(4):
+                await anext(feed)
+        await feed.commit()
+    async with Feed(unique_name, group_id=done, start="earliest", bootstrap_servers=kafka_bootstrap, until_end=True) as feed:
+        assert len([e async for e in feed]) == len(changes)
+
+    lags = {lag.group: lag for lag in await group_lags({"bootstrap_servers": kafka_bootstrap}, topics=[unique_name])}
+    assert set(lags) == {behind, done}
+    assert lags[behind].records == len(changes) - 4 and lags[behind].seconds > 0
+    assert lags[behind].partitions[0].committed == 4 and lags[behind].partitions[0].end == len(changes)
+    assert lags[done].records == 0 and lags[done].seconds == 0
+
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "walbus.app.cli", "groups", "--topic", unique_name, cwd=ROOT,
+        env={**os.environ, "WALBUS_KAFKA_BOOTSTRAP": kafka_bootstrap},
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode == 0, err.decode()[-2000:]
+    rows = {row["group"]: row for row in map(orjson.loads, out.splitlines())}
+    assert rows[behind]["lag_records"] == len(changes) - 4 and rows[done]["lag_records"] == 0

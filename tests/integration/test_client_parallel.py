@@ -1,0 +1,107 @@
+"""concurrency=N keeps each key's order; several members share a group over partitions."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import random
+from collections import defaultdict
+
+import pytest
+
+from tests.support.cdc_data import Change, workload
+from tests.support.kafka import create_topic, produce
+from walbus.client import Feed, FeedEvent, RetryPolicy
+from walbus.client.parallel import order_key
+
+pytestmark = pytest.mark.integration
+
+TABLES = ["public.transactions", "public.users", "public.items"]
+
+
+async def test_concurrency_keeps_per_key_order_and_truncate_is_a_barrier(kafka_bootstrap: str, unique_name: str) -> None:
+    changes = workload(random.Random(31), 60, TABLES)
+    cut = len(changes) // 2
+    truncate = Change(changes[cut - 1].commit_lsn + 1, 0, 999, "public.users", "truncate", None)
+    rest = [Change(c.commit_lsn + 2, c.seq, c.xid, c.table, c.operation, c.row, c.old_key) for c in changes[cut:]]
+    changes = [*changes[:cut], truncate, *rest]
+    poison = next(c for c in changes[5:] if c.operation == "insert").position
+    await create_topic(kafka_bootstrap, unique_name)
+    await produce(kafka_bootstrap, unique_name, [c.record() for c in changes])
+
+    clock = itertools.count()
+    spans: dict[tuple[int, int], tuple[int, int]] = {}
+    by_key: dict[object, list[tuple[int, int]]] = defaultdict(list)
+    running = 0
+    most = 0
+    rng = random.Random(7)
+
+    async def handler(event: FeedEvent) -> None:
+        nonlocal running, most
+        running += 1
+        most = max(most, running)
+        begin = next(clock)
+        try:
+            await asyncio.sleep(rng.random() * 0.004)
+            if event.position == poison and event.attempt < 3:
+                raise RuntimeError("flaky")
+        finally:
+            running -= 1
+        spans[event.position] = (begin, next(clock))
+        by_key[order_key(event)].append(event.position)
+
+    group = unique_name + "-g"
+    feed = Feed(unique_name, group_id=group, start="earliest", bootstrap_servers=kafka_bootstrap, until_end=True,
+                retry=RetryPolicy(attempts=3, initial=0.01, maximum=0.02))
+    async with feed, asyncio.timeout(60):
+        await feed.run(handler, concurrency=8)
+
+    assert sorted(spans) == [c.position for c in changes]  # each event once
+    assert most > 1  # handlers did run side by side
+    for positions in by_key.values():
+        assert positions == sorted(positions)  # each key in commit order, the retried one too
+    t_begin, t_end = spans[truncate.position]
+    for position, (begin, end) in spans.items():
+        if position < truncate.position:
+            assert end < t_begin
+        elif position > truncate.position:
+            assert begin > t_end
+    assert feed.stats.retries == 2 and feed.stats.dead_letters == 0
+    # All acked, so all committed.
+    async with Feed(unique_name, group_id=group, bootstrap_servers=kafka_bootstrap, until_end=True) as again:
+        assert [e async for e in again] == []
+
+
+async def test_members_share_a_group_over_a_multi_partition_topic(kafka_bootstrap: str, unique_name: str) -> None:
+    changes = workload(random.Random(32), 60, TABLES)
+    await create_topic(kafka_bootstrap, unique_name, partitions=3)
+    for part, table in enumerate(TABLES):  # as the producer does: one table, one partition
+        await produce(kafka_bootstrap, unique_name, [c.record() for c in changes if c.table == table], partition=part)
+    group = unique_name + "-g"
+    members = [Feed(unique_name, group_id=group, start="earliest", bootstrap_servers=kafka_bootstrap, until_end=True) for _ in range(2)]
+    got: list[list[FeedEvent]] = [[], []]
+    try:
+        for m in members:
+            await m.start()
+
+        async def collect(i: int) -> None:
+            async def handler(event: FeedEvent) -> None:
+                got[i].append(event)
+
+            await members[i].run(handler, concurrency=4)
+
+        async with asyncio.timeout(60):
+            await asyncio.gather(collect(0), collect(1))
+    finally:
+        for m in members:
+            await m.stop()
+    assert got[0] and got[1]  # both members had work
+    assert not {e.position for e in got[0]} & {e.position for e in got[1]}
+    assert sorted(e.position for e in got[0] + got[1]) == [c.position for c in changes]
+    for events in got:  # a table lives in one partition: one member has all of a key, in order
+        keys: dict[object, list[tuple[int, int]]] = defaultdict(list)
+        for e in events:
+            keys[order_key(e)].append(e.position)
+        assert all(positions == sorted(positions) for positions in keys.values())
+    tables = [{e.table for e in events} for events in got]
+    assert not tables[0] & tables[1]

@@ -1,0 +1,205 @@
+"""Table against a real broker: state after a randomized workload, live updates, wait_until."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from typing import Any
+
+import orjson
+import pytest
+from prometheus_client import REGISTRY
+
+from tests.support.cdc_data import (
+    ScriptedDemux,
+    final_state,
+    table_records,
+    workload,
+)
+from tests.support.kafka import create_topic, produce
+from walbus.client import Table, TableChange, TableError
+from walbus.contract import demux_group
+from walbus.kafka import KafkaAdmin
+
+pytestmark = pytest.mark.integration
+
+
+async def test_state_after_random_workload_with_tombstones(kafka_bootstrap: str, unique_name: str) -> None:
+    changes = workload(random.Random(11), 400, ["public.t"])
+    assert any(c.operation == "delete" for c in changes)
+    records = table_records(changes, "public.t")
+    topic = f"walbus.{unique_name}.public.t"
+    await create_topic(kafka_bootstrap, topic, compact=True)
+    half = len(records) // 2
+    await produce(kafka_bootstrap, topic, records[:half])
+
+    store: dict[Any, dict[str, Any]] = {}
+    seen: list[TableChange] = []
+    expected = final_state(changes, "public.t")
+    converged = asyncio.Event()
+
+    def on_change(change: TableChange) -> None:
+        seen.append(change)
+        if dict(store) == expected:
+            converged.set()
+
+    table = Table(topic, bootstrap_servers=kafka_bootstrap, store=store, on_change=on_change)
+    async with table:
+        loaded = dict(table)
+        converged.clear()
+        await produce(kafka_bootstrap, topic, records[half:])
+        async with asyncio.timeout(30):
+            await converged.wait()
+        assert store is table.rows and len(table) == len(expected)
+        some = next(iter(expected))
+        assert table.get(some) == expected[some] == table.get({"id": some})
+        assert some in table and {"id": some} in table and -1 not in table
+    # State after the first half equals replaying the first half of the changes.
+    first_half_changes = [c for c in changes if c.table == "public.t"][:half]
+    assert loaded == final_state(first_half_changes, "public.t")
+    deletes = [c for c in seen if c.new is None]
+    assert deletes and all(c.op == "d" and c.old is not None for c in deletes)
+    assert all(c.commit_lsn is not None for c in seen if c.new is not None)
+
+
+async def test_wait_until_waits_for_the_demux(kafka_bootstrap: str, unique_name: str) -> None:
+    source = f"walbus.{unique_name}"
+    topic = f"{source}.public.a"
+    group = demux_group(source)  # the demux's default group id
+    changes = workload(random.Random(12), 30, ["public.a", "public.b"])
+    await create_topic(kafka_bootstrap, source)
+    await create_topic(kafka_bootstrap, topic, compact=True)
+    await produce(kafka_bootstrap, source, [c.record() for c in changes])
+    commits = sorted({c.commit_lsn for c in changes})
+    demux = ScriptedDemux(kafka_bootstrap, source, group, transactional_id=f"{unique_name}-tx")
+    await demux.start()
+
+    async def demux_up_to(index: int) -> None:
+        """Process the database topic up to and including commit ``commits[index]``."""
+        done = [c for c in changes if c.commit_lsn <= commits[index]]
+        already = demux_up_to.done  # type: ignore[attr-defined]
+        batch = done[already:]
+        await demux.write([(topic, r) for r in table_records(batch, "public.a")], source_offset=len(done))
+        demux_up_to.done = len(done)  # type: ignore[attr-defined]
+
+    demux_up_to.done = 0  # type: ignore[attr-defined]
+    try:
+        await demux_up_to(9)
+        async with Table(topic, bootstrap_servers=kafka_bootstrap) as table:
+            assert table.source_group == group
+            assert dict(table) == final_state([c for c in changes if c.commit_lsn <= commits[9]], "public.a")
+            async with asyncio.timeout(10):
+                await table.wait_until(commits[9])  # already reflected
+                await table.wait_until(commits[3])
+
+            target = commits[20]
+            waiter = asyncio.create_task(table.wait_until(target))
+            await asyncio.sleep(1.0)
+            assert not waiter.done(), "returned although the demux has not processed the commit"
+            await demux_up_to(19)
+            await asyncio.sleep(0.5)
+            assert not waiter.done()
+            await demux_up_to(25)
+            async with asyncio.timeout(15):
+                await waiter
+            assert dict(table) == final_state([c for c in changes if c.commit_lsn <= commits[25]], "public.a")
+
+            # A commit that touched only the other table: reflected once the demux is past it.
+            b_only = [lsn for lsn in commits[26:] if all(c.table == "public.b" for c in changes if c.commit_lsn == lsn)]
+            later = b_only[0] if b_only else commits[-1]
+            waiter = asyncio.create_task(table.wait_until(later))
+            await asyncio.sleep(0.5)
+            assert not waiter.done()
+            await demux_up_to(len(commits) - 1)
+            async with asyncio.timeout(15):
+                await waiter
+
+            # An LSN not in the database topic yet: waits for a commit at or after it.
+            future = commits[-1] + 1000
+            waiter = asyncio.create_task(table.wait_until(future))
+            await asyncio.sleep(0.5)
+            assert not waiter.done()
+            from tests.support.cdc_data import Change
+
+            extra = [Change(future + 10, 0, 999, "public.a", "insert", {"id": 100000, "v": 1})]
+            await produce(kafka_bootstrap, source, [c.record() for c in extra])
+            await demux.write([(topic, r) for r in table_records(extra, "public.a")], source_offset=len(changes) + 1)
+            async with asyncio.timeout(15):
+                await waiter  # every commit <= future is reflected (there is none past commits[-1])
+                # The extra row committed *after* `future`: waiting for `future` alone may return
+                # before the demux wrote it; waiting for its own commit may not.
+                await table.wait_until(future + 10)
+            assert table.get(100000) == {"id": 100000, "v": 1}
+    finally:
+        await demux.stop()
+
+
+def _bad_records(rows: dict[int, dict[str, Any]]) -> list[tuple[bytes | None, bytes | None]]:
+    """Records the demux never writes; the ids are of rows the table holds, so a wrong apply shows."""
+    ids = list(rows)
+    meta = {"__op": "u", "__lsn": 1, "__commit_lsn": 2, "__seq": 0, "__xid": 3, "__ts": "x"}
+    return [
+        (orjson.dumps({"id": ids[0]}), b"garbage"),
+        (b"not json", orjson.dumps({"id": ids[1], "v": -1, **meta})),
+        (orjson.dumps({"id": ids[2]}), b"[1, 2]"),
+        (orjson.dumps({"id": ids[3]}), orjson.dumps({"id": ids[3], "v": -1})),  # no __op: not a delete
+        # A row built from misaligned lists: its key column disagrees with the record key.
+        (orjson.dumps({"id": ids[4]}), orjson.dumps({"id": -1, "v": ids[4], **meta})),
+        (orjson.dumps({"id": {"a": 1}}), orjson.dumps({"id": 1, **meta})),
+        (orjson.dumps({"id": ids[5]}), orjson.dumps({"id": ids[5], "v": -1, **meta, "__commit_lsn": "7"})),
+    ]
+
+
+async def test_bad_records_are_skipped_and_the_table_keeps_going(kafka_bootstrap: str, unique_name: str) -> None:
+    changes = workload(random.Random(13), 120, ["public.t"])
+    records = table_records(changes, "public.t")
+    half = len(records) // 2
+    topic = f"walbus.{unique_name}.public.t"
+    first_state = final_state([c for c in changes if c.table == "public.t"][:half], "public.t")
+    assert len(first_state) >= 6
+    bad = _bad_records(first_state)
+    await create_topic(kafka_bootstrap, topic, compact=True)
+    await produce(kafka_bootstrap, topic, records[:half] + bad)
+    expected = final_state(changes, "public.t")
+    store: dict[Any, dict[str, Any]] = {}
+    converged = asyncio.Event()
+
+    def on_change(change: TableChange) -> None:
+        if store == expected:
+            converged.set()
+
+    async with Table(topic, bootstrap_servers=kafka_bootstrap, store=store, on_change=on_change) as table:
+        assert dict(table) == first_state  # loaded past the bad records, none of them applied
+        await produce(kafka_bootstrap, topic, bad + records[half:])
+        async with asyncio.timeout(30):
+            await converged.wait()
+        assert table.invalid_skipped == 2 * len(bad)
+    invalid = REGISTRY.get_sample_value("walbus_client_invalid_records_total", {"reader": "table", "topic": topic})
+    assert invalid == 2 * len(bad)
+
+
+async def test_reads_raise_once_the_reader_failed(kafka_bootstrap: str, unique_name: str) -> None:
+    changes = workload(random.Random(14), 20, ["public.t"])
+    topic = f"walbus.{unique_name}.public.t"
+    await create_topic(kafka_bootstrap, topic, compact=True)
+    await produce(kafka_bootstrap, topic, table_records(changes, "public.t"))
+    async with Table(topic, bootstrap_servers=kafka_bootstrap, follow_demux=False) as table:
+        some = next(iter(table))
+        assert table.get(some) is not None
+        async with KafkaAdmin(client_kwargs={"bootstrap_servers": kafka_bootstrap}) as admin:
+            await admin.delete_topics([topic])
+        async with asyncio.timeout(60):
+            while True:
+                try:
+                    len(table)
+                except TableError:
+                    break
+                await asyncio.sleep(0.2)
+        with pytest.raises(TableError, match="failed"):
+            table.get(some)
+        with pytest.raises(TableError):
+            _ = some in table
+        with pytest.raises(TableError):
+            list(table)
+        with pytest.raises(TableError):
+            await table.wait_until(changes[-1].commit_lsn)

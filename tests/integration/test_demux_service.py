@@ -1,0 +1,230 @@
+"""The demux against the real broker: re-keying, topics, DLQ, store rebuild, SIGTERM, config errors."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import orjson
+import pytest
+
+from tests.support.demux import (
+    ROOT,
+    DemuxProc,
+    _reap_demux_processes,  # noqa: F401
+    demux_args,
+    ev,
+)
+from tests.support.kafka import (
+    create_topic,
+    produce,
+    read_ktable,
+    read_records,
+    topic_config,
+    wait_caught_up,
+)
+
+pytestmark = pytest.mark.integration
+
+TX = "public.transactions"
+INTS = {"id": "int4", "n": "int4"}
+
+
+def _kw(bootstrap: str) -> dict[str, str]:
+    return {"bootstrap_servers": bootstrap}
+
+
+async def test_pgkafka_transactions_example(kafka_bootstrap: str, unique_name: str, tmp_path: Path) -> None:
+    source = f"walbus.{unique_name}"
+    await create_topic(kafka_bootstrap, source)
+    types = {"transaction_id": "int4", "user_id": "int4", "amount": "int4"}
+    events = [
+        ev(0x16B374D848, 0, "insert", TX, ["transaction_id"],
+           new={"transaction_id": 54441, "user_id": 36036, "amount": 2000}, types=types),
+        ev(0x16B374D900, 0, "update", TX, ["transaction_id"],
+           new={"transaction_id": 54441, "user_id": 36036, "amount": 2500}, types=types),
+        ev(0x16B374DA00, 0, "delete", TX, ["transaction_id"], identity={"transaction_id": 54441}, types=types),
+    ]
+    await produce(kafka_bootstrap, source, events, partition=0)
+    proc = DemuxProc(demux_args(kafka_bootstrap, source, tmp_path / "state"), tmp_path / "demux.log").start()
+    try:
+        await wait_caught_up(kafka_bootstrap, f"walbus-demux.{source}", source, procs=[proc])
+    finally:
+        assert proc.stop() == 0, proc.log_tail()
+    topic = f"{source}.{TX}"
+    recs = await read_records(kafka_bootstrap, topic)
+    assert [r.key for r in recs] == [b'{"transaction_id":54441}'] * 3
+    first, second = (orjson.loads(r.value) for r in recs[:2])
+    assert {k: v for k, v in first.items() if not k.startswith("__")} == {
+        "transaction_id": 54441, "user_id": 36036, "amount": 2000}
+    assert first["__op"] == "c" and first["__commit_lsn"] == 0x16B374D848 and first["__seq"] == 0
+    assert first["__ts"] == "2024-05-01T12:00:00.000001+00:00" and "__lsn" in first and "__xid" in first
+    assert second["amount"] == 2500 and second["__op"] == "u"
+    assert recs[2].value is None
+    assert await read_ktable(client_kwargs=_kw(kafka_bootstrap), topic=topic) == {}
+    assert (await topic_config(kafka_bootstrap, topic))["cleanup.policy"] == "compact"
+
+
+async def test_key_change_toast_no_pk_delete_records_and_topic_settings(
+    kafka_bootstrap: str, unique_name: str, tmp_path: Path
+) -> None:
+    source = f"walbus.{unique_name}"
+    await create_topic(kafka_bootstrap, source)
+    # An existing per-table topic with the wrong policy: warned about, still written.
+    wrong = f"{source}.public.wrong"
+    await create_topic(kafka_bootstrap, wrong, configs={"cleanup.policy": "delete"})
+    big = "t" * 20000
+    events = [
+        ev(0x100, 0, "insert", "public.docs", ["id"], new={"id": 1, "body": big, "n": 0}, types={"id": "int4"}),
+        ev(0x100, 1, "insert", "public.log", [], new={"msg": "a"}),
+        ev(0x200, 0, "update", "public.docs", ["id"], new={"id": 1, "n": 1}, unchanged=["body"]),
+        ev(0x200, 1, "update", "public.docs", ["id"], new={"id": 2, "n": 2}, identity={"id": 1}, unchanged=["body"]),
+        ev(0x300, 0, "insert", "public.log", [], new={"msg": "b"}),
+        ev(0x300, 1, "insert", "public.wrong", ["id"], new={"id": 1}),
+        ev(0x400, 0, "delete", "public.docs", ["id"], identity={"id": 2}),
+        # Fixed-width columns only: no store; a truncate reads the keys from the topic.
+        *[ev(0x500, i, "insert", "public.nums", ["id"], new={"id": i, "n": i}, types=INTS) for i in range(4)],
+        ev(0x600, 0, "delete", "public.nums", ["id"], identity={"id": 2}, types=INTS),
+        ev(0x600, 1, "truncate", "public.nums", ["id"]),
+        ev(0x700, 0, "insert", "public.nums", ["id"], new={"id": 9, "n": 9}, types=INTS),
+    ]
+    await produce(kafka_bootstrap, source, events, partition=0)
+    args = demux_args(kafka_bootstrap, source, tmp_path / "state", "--emit-delete-records",
+                      "--min-compaction-lag-ms", "1000", "--delete-retention-ms", "3600000", "--segment-ms", "600000")
+    proc = DemuxProc(args, tmp_path / "demux.log").start()
+    try:
+        await wait_caught_up(kafka_bootstrap, f"walbus-demux.{source}", source, procs=[proc])
+        metrics = proc.metrics()
+    finally:
+        assert proc.stop() == 0, proc.log_tail()
+    docs = await read_records(kafka_bootstrap, f"{source}.public.docs")
+    got = [(r.key, None if r.value is None else orjson.loads(r.value)) for r in docs]
+    k1, k2 = b'{"id":1}', b'{"id":2}'
+    assert [(k, v and v["__op"]) for k, v in got] == [(k1, "c"), (k1, "u"), (k1, None), (k2, "u"), (k2, "d"), (k2, None)]
+    for _, v in got:
+        if v is not None:
+            assert v["body"] == big  # unchanged TOAST filled, through the key change too
+    assert got[4][1] is not None and got[4][1]["n"] == 2  # the delete record carries the last row
+
+    log_topic = f"{source}.public.log"
+    log_recs = await read_records(kafka_bootstrap, log_topic)
+    assert [(r.key, orjson.loads(r.value)["msg"]) for r in log_recs] == [(None, "a"), (None, "b")]
+    assert (await topic_config(kafka_bootstrap, log_topic))["cleanup.policy"] == "delete"
+    assert metrics["walbus_demux_no_pk_events_total{table=public.log}"] == 2
+
+    conf = await topic_config(kafka_bootstrap, f"{source}.public.docs")
+    assert conf["cleanup.policy"] == "compact"
+    assert conf["min.compaction.lag.ms"] == "1000"
+    assert conf["delete.retention.ms"] == "3600000"
+    assert conf["segment.ms"] == "600000"
+    assert len(await read_records(kafka_bootstrap, wrong)) == 1
+    warnings = [line for line in proc.log_lines() if line.get("level") == "warning"]
+    assert any(w.get("topic") == wrong and w.get("setting") == "cleanup.policy" for w in warnings)
+    assert sum(1 for w in warnings if w.get("table") == "public.log") == 1  # once per table
+    assert metrics["walbus_demux_tombstones_total{table=public.docs}"] == 2
+    nums = await read_records(kafka_bootstrap, f"{source}.public.nums")
+    assert [(r.key, r.value is None) for r in nums[4:]] == [
+        (b'{"id":2}', False), (b'{"id":2}', True), (b'{"id":0}', True), (b'{"id":1}', True), (b'{"id":3}', True), (b'{"id":9}', False)]
+    assert "walbus_demux_state_table_loads_total{table=public.nums}" not in metrics
+    assert metrics["walbus_demux_records_produced_total{table=public.docs}"] == 4
+
+
+async def test_dead_letters_and_store_rebuild(kafka_bootstrap: str, unique_name: str, tmp_path: Path) -> None:
+    source = f"walbus.{unique_name}"
+    await create_topic(kafka_bootstrap, source)
+    good = [ev(0x100, 0, "insert", "public.docs", ["id"], new={"id": 1, "body": "long", "n": 0})]
+    missing_table = orjson.dumps({"v": 1, "lsn": 1, "commit_lsn": 2, "seq": 0, "xid": 3, "operation": "insert",
+                                  "timestamp": "t", "pk": [], "columns": [], "types": [], "values": []})
+    version_9 = orjson.dumps({"v": 9, "operation": "insert"})
+    bad = [(b"k-not-json", b"\x00not json{"), (b"k-missing", missing_table), (b"k-v9", version_9)]
+    await produce(kafka_bootstrap, source, good + bad, partition=0)
+    after = [ev(0x200, 0, "update", "public.docs", ["id"], new={"id": 1, "n": 1}, unchanged=["body"])]
+    await produce(kafka_bootstrap, source, after, partition=0)
+    state = tmp_path / "state"
+    group = f"walbus-demux.{source}"
+    proc = DemuxProc(demux_args(kafka_bootstrap, source, state), tmp_path / "demux.log").start()
+    try:
+        await wait_caught_up(kafka_bootstrap, group, source, procs=[proc])
+        metrics = proc.metrics()
+    finally:
+        assert proc.stop() == 0, proc.log_tail()
+    dlq = await read_records(kafka_bootstrap, f"{source}.dlq")
+    assert [(r.key, r.value) for r in dlq] == bad
+    for r, offset in zip(dlq, (1, 2, 3), strict=True):
+        headers = dict(r.headers)
+        assert headers["walbus.source.partition"] == b"0"
+        assert headers["walbus.source.offset"] == str(offset).encode()
+        assert headers["walbus.source.topic"] == source.encode()
+    assert b"not JSON" in dict(dlq[0].headers)["walbus.error"]
+    assert b"table" in dict(dlq[1].headers)["walbus.error"]
+    assert b"version" in dict(dlq[2].headers)["walbus.error"]
+    assert metrics["walbus_demux_dead_letters_total{reason=contract}"] == 3
+    assert metrics["walbus_demux_records_consumed_total{partition=0}"] == 5
+    topic = f"{source}.public.docs"
+    table = await read_ktable(client_kwargs=_kw(kafka_bootstrap), topic=topic)
+    assert table[b'{"id":1}']["body"] == "long" and table[b'{"id":1}']["n"] == 1  # went on after the bad ones
+
+    # Lose the store: the next unchanged-TOAST update is still filled, from the rebuilt store.
+    shutil.rmtree(state)
+    await produce(kafka_bootstrap, source, [ev(0x300, 0, "update", "public.docs", ["id"], new={"id": 1, "n": 2}, unchanged=["body"])],
+                  partition=0)
+    proc = DemuxProc(demux_args(kafka_bootstrap, source, state), tmp_path / "demux2.log").start()
+    try:
+        await wait_caught_up(kafka_bootstrap, group, source, procs=[proc])
+        metrics = proc.metrics()
+    finally:
+        assert proc.stop() == 0, proc.log_tail()
+    assert metrics["walbus_demux_state_resets_total"] == 1
+    assert metrics["walbus_demux_state_table_loads_total{table=public.docs}"] == 1
+    table = await read_ktable(client_kwargs=_kw(kafka_bootstrap), topic=topic)
+    assert table[b'{"id":1}']["body"] == "long" and table[b'{"id":1}']["n"] == 2
+    loads = [line for line in proc.log_lines() if line.get("msg", "").startswith("table loaded into the last-row store")]
+    assert [(line["table"], line["rows"]) for line in loads] == [("public.docs", 1)]
+
+
+def test_config_errors_exit_2(tmp_path: Path) -> None:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(ROOT)
+    for k in list(env):
+        if k.startswith("WALBUS_"):
+            del env[k]
+    cases = [
+        ([], "--kafka-bootstrap"),
+        (["--kafka-bootstrap", "127.0.0.1:1", "--source-topic", "s", "--txn-max-ms", "-5"], "--txn-max-ms"),
+        (["--kafka-bootstrap", "127.0.0.1:1", "--source-topic", "s", "--kafka-security-protocol", "SASL_SSL"],
+         "SASL"),
+    ]
+    for argv, needle in cases:
+        res = subprocess.run([sys.executable, "-m", "walbus.app.cli", "demux", *argv], cwd=ROOT, env=env,
+                             capture_output=True, timeout=60)
+        assert res.returncode == 2, res.stderr
+        assert needle in res.stderr.decode()
+
+
+async def test_producer_replays_are_skipped(kafka_bootstrap: str, unique_name: str, tmp_path: Path) -> None:
+    """The producer is at-least-once: a restart sends the unconfirmed transactions again."""
+    source = f"walbus.{unique_name}"
+    await create_topic(kafka_bootstrap, source)
+    evs = [ev(0x100 * (i + 1), 0, "insert", "public.nums", ["id"], new={"id": i, "n": i}, types=INTS)
+           for i in range(4)]
+    await produce(kafka_bootstrap, source, evs[:3] + evs[1:3], partition=0)
+    group = f"walbus-demux.{source}"
+    proc = DemuxProc(demux_args(kafka_bootstrap, source, tmp_path / "state"), tmp_path / "demux.log").start()
+    try:
+        await wait_caught_up(kafka_bootstrap, group, source, procs=[proc])
+    finally:
+        assert proc.stop() == 0, proc.log_tail()
+    # After a restart, the look-back before the committed offset still knows the last position.
+    await produce(kafka_bootstrap, source, evs[2:4], partition=0)
+    proc = DemuxProc(demux_args(kafka_bootstrap, source, tmp_path / "state"), tmp_path / "demux2.log").start()
+    try:
+        await wait_caught_up(kafka_bootstrap, group, source, procs=[proc])
+        metrics = proc.metrics()
+    finally:
+        assert proc.stop() == 0, proc.log_tail()
+    recs = await read_records(kafka_bootstrap, f"{source}.public.nums")
+    assert [r.key for r in recs] == [b'{"id":%d}' % i for i in range(4)]
+    assert metrics["walbus_demux_replayed_skipped_total"] == 1

@@ -1,0 +1,303 @@
+"""The producer under legal but unusual input (issue 13): names, publications, slots, schema
+changes inside a transaction, malformed signals and watermarks, records above the size limit.
+Against real PostgreSQL and Kafka."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import orjson
+import psycopg
+import pytest
+from psycopg import sql as pgsql
+from psycopg.conninfo import make_conninfo
+
+from tests.support.kafka import read_topic
+from tests.support.pipeline import running_producer
+from walbus.config import ConfigError
+from walbus.kafka import KafkaAdmin
+
+pytestmark = pytest.mark.integration
+
+
+def sql(dsn: str, *statements: str) -> None:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        for s in statements:
+            conn.execute(s)  # type: ignore[arg-type]
+
+
+def events(records: list[tuple[bytes | None, bytes | None]]) -> list[dict[str, Any]]:
+    return [orjson.loads(v) for _, v in records if v is not None]
+
+
+# -- publications and slots ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("publication", ["MyPub", "Pub-ö$x"])
+async def test_publication_with_unusual_name_streams(pg_dsn: str, kafka_bootstrap: str, unique_name: str, publication: str) -> None:
+    sql(pg_dsn, "CREATE TABLE t (id int PRIMARY KEY, v text)")
+    async with running_producer(pg_dsn, kafka_bootstrap, topic=unique_name, publication=publication) as producer:
+        sql(pg_dsn, "INSERT INTO t VALUES (1, 'a')")
+        records = await read_topic(kafka_bootstrap, unique_name, min_count=1, timeout=30)
+        assert producer.metrics.reconnects._value.get() == 0
+    assert [e["values"] for e in events(records)] == [[1, "a"]]
+    with psycopg.connect(pg_dsn) as conn:
+        assert conn.execute("SELECT 1 FROM pg_publication WHERE pubname = %s", (publication,)).fetchone() == (1,)
+
+
+async def test_existing_publication_missing_a_table_is_a_configuration_error(pg_dsn: str, kafka_bootstrap: str, unique_name: str) -> None:
+    sql(
+        pg_dsn,
+        "CREATE TABLE a (id int PRIMARY KEY)",
+        'CREATE TABLE "B c" (id int PRIMARY KEY)',
+        'CREATE PUBLICATION "Only A" FOR TABLE a',
+    )
+    with pytest.raises(ConfigError) as err:
+        async with running_producer(
+            pg_dsn, kafka_bootstrap, topic=unique_name, publication="Only A", tables=["public.a", "public.B c"]
+        ):
+            pass
+    message = str(err.value)
+    assert 'ALTER PUBLICATION "Only A" ADD TABLE "public"."B c"' in message
+    assert '"public"."a"' not in message
+    # What the hint says is what fixes it.
+    sql(pg_dsn, message[message.index("ALTER PUBLICATION"):])
+    async with running_producer(pg_dsn, kafka_bootstrap, topic=unique_name, publication="Only A", tables=["public.a", "public.B c"]):
+        sql(pg_dsn, 'INSERT INTO "B c" VALUES (7)')
+        records = await read_topic(kafka_bootstrap, unique_name, min_count=1, timeout=30)
+    assert [(e["table"], e["values"]) for e in events(records)] == [("public.B c", [7])]
+
+
+@contextlib.contextmanager
+def database(services_dsn: str, name: str) -> Iterator[str]:
+    with psycopg.connect(services_dsn, autocommit=True) as conn:
+        conn.execute(pgsql.SQL("CREATE DATABASE {}").format(pgsql.Identifier(name)))
+    try:
+        yield make_conninfo(services_dsn, dbname=name)
+    finally:
+        with psycopg.connect(services_dsn, autocommit=True) as conn:
+            for (slot,) in conn.execute("SELECT slot_name FROM pg_replication_slots WHERE database = %s", (name,)).fetchall():
+                with contextlib.suppress(psycopg.Error):
+                    conn.execute("SELECT pg_drop_replication_slot(%s)", (slot,))
+            conn.execute(pgsql.SQL("DROP DATABASE {} WITH (FORCE)").format(pgsql.Identifier(name)))
+
+
+async def test_database_with_unusual_name_gets_a_valid_slot(pg_dsn: str, kafka_bootstrap: str, unique_name: str) -> None:
+    with database(pg_dsn, f"Shop.EU-ö {unique_name}"[:63]) as dsn:
+        sql(dsn, "CREATE TABLE t (id int PRIMARY KEY)")
+        async with running_producer(dsn, kafka_bootstrap, topic=unique_name) as producer:
+            sql(dsn, "INSERT INTO t VALUES (1)")
+            records = await read_topic(kafka_bootstrap, unique_name, min_count=1, timeout=30)
+            slot = producer.config.slot_name
+        with psycopg.connect(dsn) as conn:
+            assert conn.execute("SELECT 1 FROM pg_replication_slots WHERE slot_name = %s", (slot,)).fetchone() == (1,)
+    assert [e["values"] for e in events(records)] == [[1]]
+
+
+# -- schema changes inside one transaction -------------------------------------------------
+
+
+@pytest.mark.parametrize("plugin", ["pgoutput", "wal2json"])
+async def test_each_row_has_the_columns_of_its_own_schema_version(pg_dsn: str, kafka_bootstrap: str, unique_name: str, plugin: str) -> None:
+    sql(pg_dsn, "CREATE TABLE t (id int PRIMARY KEY, a text)")
+    async with running_producer(pg_dsn, kafka_bootstrap, topic=unique_name, plugin=plugin):
+        with psycopg.connect(pg_dsn) as conn:
+            conn.execute("INSERT INTO t VALUES (1, 'x')")
+            conn.execute("ALTER TABLE t ADD COLUMN b int")
+            conn.execute("INSERT INTO t VALUES (2, 'y', 7)")
+            conn.execute("ALTER TABLE t DROP COLUMN a")
+            conn.execute("INSERT INTO t VALUES (3, 8)")
+            conn.execute("ALTER TABLE t ALTER COLUMN b TYPE text")
+            conn.execute("INSERT INTO t VALUES (4, 'nine')")
+            conn.execute("ALTER TABLE t RENAME COLUMN b TO c")
+            conn.execute("INSERT INTO t VALUES (5, 'ten')")
+            conn.execute("UPDATE t SET c = 'eleven' WHERE id = 5")
+        records = await read_topic(kafka_bootstrap, unique_name, min_count=6, timeout=30)
+    got = [(e["operation"], e["columns"], e["types"], e["values"]) for e in events(records)]
+    assert got == [
+        ("insert", ["id", "a"], ["int4", "text"], [1, "x"]),
+        ("insert", ["id", "a", "b"], ["int4", "text", "int4"], [2, "y", 7]),
+        ("insert", ["id", "b"], ["int4", "int4"], [3, 8]),
+        ("insert", ["id", "b"], ["int4", "text"], [4, "nine"]),
+        ("insert", ["id", "c"], ["int4", "text"], [5, "ten"]),
+        ("update", ["id", "c"], ["int4", "text"], [5, "eleven"]),
+    ]
+
+
+# -- malformed signals and watermarks ------------------------------------------------------
+
+SIGNAL_DDL = "CREATE TABLE walbus_signal (id varchar(64) PRIMARY KEY, type varchar(32) NOT NULL, data text)"
+
+
+@pytest.mark.parametrize("plugin", ["pgoutput", "wal2json"])
+async def test_malformed_signals_and_watermarks_are_skipped(pg_dsn: str, kafka_bootstrap: str, unique_name: str, plugin: str) -> None:
+    sql(pg_dsn, SIGNAL_DDL, "CREATE TABLE orders (id int PRIMARY KEY)", "INSERT INTO orders SELECT generate_series(1, 5)")
+    malformed = [
+        "[]", "not json", '"text"', "7", '{"data-collections": "public.orders"}', '{"data-collections": [1, 2]}',
+        '{"data-collections": {"a": 1}}', '{"type": 5, "data-collections": ["public.orders"]}',
+        '{"data-collections": ["public.\\"open"]}', orjson.dumps({"data-collections": [f"public.t{i}" for i in range(1001)]}).decode(),
+    ]
+    async with running_producer(
+        pg_dsn, kafka_bootstrap, topic=unique_name, plugin=plugin, snapshot_mode="never", signal_table="public.walbus_signal",
+    ) as producer:
+        with psycopg.connect(pg_dsn, autocommit=True) as conn:
+            for i, data in enumerate(malformed):
+                conn.execute("INSERT INTO walbus_signal VALUES (%s, 'execute-snapshot', %s)", (f"bad-{i}", data))
+            for transactional in (True, False):
+                for content in ("not json", "[]", '"x"', "null", '{"id": [1]}'):
+                    conn.execute("SELECT pg_logical_emit_message(%s, 'walbus-watermark', %s::text)", (transactional, content))
+                conn.execute("SELECT pg_logical_emit_message(%s, 'walbus-watermark', '\\xff00'::bytea)", (transactional,))
+                conn.execute("SELECT pg_logical_emit_message(%s, 'other', 'anything')", (transactional,))
+            conn.execute("""INSERT INTO walbus_signal VALUES ('good', 'execute-snapshot', '{"data-collections": ["public.orders"]}')""")
+        records = await read_topic(kafka_bootstrap, unique_name, min_count=len(malformed) + 1 + 5, timeout=60)
+        reg = producer.registry
+        assert producer.metrics.reconnects._value.get() == 0
+        assert reg.get_sample_value("walbus_snapshot_ignored_signals_total", {"kind": "signal"}) == len(malformed)
+        # Transactional watermarks that are no JSON object (the bytea one included); the valid ones are no chunk's.
+        assert reg.get_sample_value("walbus_snapshot_ignored_signals_total", {"kind": "watermark"}) == 5
+    reads = sorted(e["values"][0] for e in events(records) if e["operation"] == "read")
+    assert reads == [1, 2, 3, 4, 5]
+
+
+async def test_rejected_position_save_leaves_the_signal_to_be_handled_again(pg_dsn: str, kafka_bootstrap: str, unique_name: str) -> None:
+    from aiokafka.errors import KafkaError
+
+    from producer.codec import CaptureFilter, EventEncoder, Relation
+    from producer.config import ProducerConfig
+    from producer.incremental import IncrementalSnapshot
+    from producer.metrics import SnapshotMetrics
+    from producer.offsets import COMPACTED, OffsetStore, progress_topic
+    from walbus.kafka import KafkaAdmin, TopicSpec
+    from walbus.metrics import new_registry
+
+    kw = {"bootstrap_servers": kafka_bootstrap}
+    # The progress topic takes no record as large as this signal's position: Kafka rejects the save.
+    async with KafkaAdmin(client_kwargs=kw) as admin:
+        await admin.ensure_topic(TopicSpec(progress_topic(unique_name), 1, 1, (*COMPACTED, ("max.message.bytes", "600"))))
+    cfg = ProducerConfig(pg_dsn=pg_dsn, kafka_bootstrap=kafka_bootstrap, topic=unique_name, signal_table="public.walbus_signal")
+    capture = CaptureFilter(signal_table="public.walbus_signal")
+    offsets = OffsetStore(kw, unique_name, "slot_x")
+    await offsets.start()
+    inc = IncrementalSnapshot(cfg, capture, offsets=offsets, metrics=SnapshotMetrics(new_registry()))
+    try:
+        rel = Relation(1, "public", "walbus_signal", ["id", "type", "data"], ["varchar", "varchar", "text"], [True, False, False], ["id"])
+        rel.prepare(capture)
+        encoder = EventEncoder()
+        encoder.begin(1000, 7, "2024-01-01T00:00:00.000000+00:00")
+        data = orjson.dumps({"data-collections": [f"public.table_number_{i}" for i in range(40)]}).decode()
+        ev = encoder.insert(rel, 900, ["sig-1", "execute-snapshot", data])
+        inc.observe(ev)
+        assert inc.on_commit(1100), "a signal is saved before its transaction may be confirmed"
+        with pytest.raises(KafkaError):
+            await inc.save_now()
+        inc.reset()  # the stream restarts from the confirmed position and replays the signal
+        assert inc.position is None
+        inc.observe(ev)
+        assert inc.on_commit(1100), "the replayed signal must be saved again"
+        assert "incremental" not in offsets.doc
+    finally:
+        inc.close()
+        await offsets.stop()
+
+
+# -- record size limits --------------------------------------------------------------------
+
+
+async def test_two_megabyte_row_flows_intact(pg_dsn: str, kafka_bootstrap: str, unique_name: str) -> None:
+    sql(pg_dsn, "CREATE TABLE big (id int PRIMARY KEY, doc text)")
+    doc = "".join(f"{i:08d}" for i in range(250_000))  # 2 MB, incompressible enough for TOAST to keep it large
+    async with running_producer(pg_dsn, kafka_bootstrap, topic=unique_name):
+        with psycopg.connect(pg_dsn, autocommit=True) as conn:
+            conn.execute("INSERT INTO big VALUES (1, %s)", (doc,))
+        records = await read_topic(kafka_bootstrap, unique_name, min_count=1, timeout=60)
+    assert [e["values"] for e in events(records)] == [[1, doc]]
+
+
+async def test_row_above_the_topic_limit_fails_fast_with_a_clear_error(pg_dsn: str, kafka_bootstrap: str, unique_name: str) -> None:
+    import asyncio
+
+    from producer.config import ProducerConfig
+    from producer.service import Producer
+    from walbus.kafka import KafkaAdmin, TopicSpec
+
+    async with KafkaAdmin(client_kwargs={"bootstrap_servers": kafka_bootstrap}) as admin:
+        await admin.ensure_topic(TopicSpec(unique_name, 1, 1, (("max.message.bytes", "200000"),)))
+    sql(pg_dsn, "CREATE TABLE big (id int PRIMARY KEY, doc text)")
+    doc = "".join(f"{i:08d}" for i in range(40_000))  # 320 kB
+    cfg = ProducerConfig(pg_dsn=pg_dsn, kafka_bootstrap=kafka_bootstrap, topic=unique_name, retry_max_delay=1.0)
+    producer = Producer(cfg)
+    task = asyncio.create_task(producer.run())
+    await asyncio.wait_for(producer.ready.wait(), 60)
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute("INSERT INTO big VALUES (42, %s)", (doc,))
+    with pytest.raises(ConfigError) as err:
+        await asyncio.wait_for(task, 60)
+    message = str(err.value)
+    assert "public.big" in message and "'id': 42" in message and "200000" in message and "max.message.bytes" in message
+    assert producer.metrics.reconnects._value.get() == 0
+
+
+async def lower_topic_limit(kafka_bootstrap: str, topic: str, limit: int) -> None:
+    """Set ``max.message.bytes`` behind a running producer's back (it keeps the limit it read)."""
+    async with KafkaAdmin(client_kwargs={"bootstrap_servers": kafka_bootstrap}) as admin:
+        await admin.alter_topic_config(topic, {"max.message.bytes": str(limit)})
+
+
+async def test_a_fault_repeating_at_one_position_gives_up_after_the_retry_attempts(
+    pg_dsn: str, kafka_bootstrap: str, unique_name: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    import asyncio
+
+    from producer.config import ProducerConfig
+    from producer.service import Producer
+    from producer.sink import SinkError
+
+    sql(pg_dsn, "CREATE TABLE big (id int PRIMARY KEY, doc text)")
+    cfg = ProducerConfig(
+        pg_dsn=pg_dsn, kafka_bootstrap=kafka_bootstrap, topic=unique_name, retry_attempts=3, retry_max_delay=0.5, heartbeat_interval=1.0,
+    )
+    producer = Producer(cfg)
+    task = asyncio.create_task(producer.run())
+    try:
+        await asyncio.wait_for(producer.ready.wait(), 60)
+        sql(pg_dsn, "INSERT INTO big VALUES (1, 'small')")
+        await read_topic(kafka_bootstrap, unique_name, min_count=1, timeout=30)
+        # Kafka now rejects the next row at every attempt, while the producer checks against the 16 MiB it read.
+        await lower_topic_limit(kafka_bootstrap, unique_name, 200_000)
+        with psycopg.connect(pg_dsn, autocommit=True) as conn:
+            conn.execute("INSERT INTO big VALUES (42, %s)", ("".join(f"{i:08d}" for i in range(40_000)),))
+        with pytest.raises(SinkError) as err:
+            await asyncio.wait_for(asyncio.shield(task), 90)
+    finally:
+        if not task.done():
+            producer.stop()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(task, 60)
+    assert "MessageSizeTooLarge" in str(err.value)
+    assert producer.metrics.reconnects._value.get() == 3
+    giving_up = [r for r in caplog.records if r.levelname == "ERROR" and r.getMessage().startswith("giving up")]
+    assert [getattr(r, "attempts", None) for r in giving_up] == [3]
+    assert [e["values"] for e in events(await read_topic(kafka_bootstrap, unique_name))] == [[1, "small"]]
+
+
+async def test_snapshot_row_above_an_existing_topics_limit_fails_fast_with_a_clear_error(
+    pg_dsn: str, kafka_bootstrap: str, unique_name: str
+) -> None:
+    import asyncio
+
+    from producer.config import ProducerConfig
+    from producer.service import Producer
+    from walbus.kafka import KafkaAdmin, TopicSpec
+
+    async with KafkaAdmin(client_kwargs={"bootstrap_servers": kafka_bootstrap}) as admin:
+        await admin.ensure_topic(TopicSpec(unique_name, 1, 1, (("max.message.bytes", "200000"),)))
+    sql(pg_dsn, "CREATE TABLE big (id int PRIMARY KEY, doc text)", "INSERT INTO big VALUES (1, 'small')")
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute("INSERT INTO big VALUES (42, %s)", ("".join(f"{i:08d}" for i in range(40_000)),))  # 320 kB
+    producer = Producer(ProducerConfig(pg_dsn=pg_dsn, kafka_bootstrap=kafka_bootstrap, topic=unique_name, retry_max_delay=1.0))
+    with pytest.raises(ConfigError) as err:
+        await asyncio.wait_for(producer.run(), 90)
+    message = str(err.value)
+    assert "public.big" in message and "'id': 42" in message and "200000" in message and "max.message.bytes" in message

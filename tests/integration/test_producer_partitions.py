@@ -1,0 +1,55 @@
+"""A multi-partition database topic: each table's events go where any Kafka client's default
+partitioner puts the key ``schema.table`` (walbus.kafka.partition_for)."""
+
+from __future__ import annotations
+
+import orjson
+import psycopg
+import pytest
+from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka.partitioner import DefaultPartitioner
+
+from tests.support.kafka import read_topic
+from tests.support.pipeline import running_producer
+
+pytestmark = pytest.mark.integration
+
+PARTITIONS = 4
+
+
+async def _tables_by_partition(bootstrap: str, topic: str) -> dict[str, set[int]]:
+    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False)
+    await consumer.start()
+    try:
+        tps = [TopicPartition(topic, p) for p in range(PARTITIONS)]
+        consumer.assign(tps)
+        await consumer.seek_to_beginning(*tps)
+        ends = await consumer.end_offsets(tps)
+        seen: dict[str, set[int]] = {}
+        for tp in tps:
+            while await consumer.position(tp) < ends[tp]:
+                for m in (await consumer.getmany(tp, timeout_ms=1000)).get(tp, []):
+                    assert m.value is not None
+                    seen.setdefault(orjson.loads(m.value)["table"], set()).add(tp.partition)
+        return seen
+    finally:
+        await consumer.stop()
+
+
+async def test_table_partition_is_kafkas_default_for_the_table_name(pg_dsn: str, kafka_bootstrap: str, unique_name: str) -> None:
+    tables = [f"t{i}" for i in range(8)]
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        for t in tables:
+            conn.execute(f"CREATE TABLE {t} (id int PRIMARY KEY)")
+    async with running_producer(pg_dsn, kafka_bootstrap, topic=unique_name, partitions=PARTITIONS):
+        with psycopg.connect(pg_dsn, autocommit=True) as conn:
+            for t in tables:
+                conn.execute(f"INSERT INTO {t} VALUES (1), (2)")
+                conn.execute(f"UPDATE {t} SET id = 3 WHERE id = 2")
+        await read_topic(kafka_bootstrap, unique_name, min_count=3 * len(tables))
+    seen = await _tables_by_partition(kafka_bootstrap, unique_name)
+    java_default = DefaultPartitioner()
+    everything = list(range(PARTITIONS))
+    expected = {f"public.{t}": {java_default(f"public.{t}".encode(), everything, everything)} for t in tables}
+    assert seen == expected
+    assert len(set().union(*seen.values())) > 1  # the tables are spread, not all in one partition

@@ -1,0 +1,111 @@
+"""The `walbus warehouse` command: a load killed with SIGKILL mid-way, rerun -> exact; SQL views."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.support.warehouse import Txn, produce_events, table_paths
+from warehouse import layout
+
+pytestmark = [pytest.mark.spark, pytest.mark.integration]
+
+TABLES = ["shop.a", "shop.b", "shop.c"]
+PER_TABLE = 200
+
+
+def _cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "walbus.app.cli", "warehouse", *args]
+
+
+def _events() -> list[bytes]:
+    events: list[bytes] = []
+    for n, table in enumerate(TABLES):
+        for i in range(0, PER_TABLE, 100):
+            txn = Txn(0x10000 * (n + 1) + i * 0x10, xid=n * 1000 + i)
+            for k in range(i, i + 100):
+                txn.insert(table, ["id"], {"id": ("int4", k), "v": ("text", f"{table}-{k}")})
+            events += txn.events
+        # every other row updated, every tenth deleted
+        upd = Txn(0x10000 * (n + 1) + 0x8000)
+        for k in range(0, PER_TABLE, 2):
+            upd.update(table, ["id"], {"id": ("int4", k), "v": ("text", f"new-{k}")})
+        for k in range(0, PER_TABLE, 10):
+            upd.delete(table, ["id"], {"id": ("int4", k)})
+        events += upd.events
+    return events
+
+
+def _committed_tables(warehouse: Path, topic: str) -> int:
+    """Tables whose history has committed data (Delta version 1: the append after the create)."""
+    return sum(
+        Path(table_paths(warehouse, topic, t).history, "_delta_log", f"{1:020d}.json").exists()
+        for t in TABLES
+    )
+
+
+def test_load_killed_mid_way_then_rerun_is_exact(
+    spark: Any, kafka_bootstrap: str, unique_name: str, tmp_path: Path
+) -> None:
+    from warehouse.cli import run_sql
+
+    produce_events(kafka_bootstrap, unique_name, _events())
+    args = _cli(
+        "load", "--kafka-bootstrap", kafka_bootstrap, "--topic", unique_name,
+        "--warehouse", str(tmp_path), "--master", "local[2]", "--shuffle-partitions", "2",
+        "--spark-conf", "spark.ui.enabled=false",
+    )
+    # its own session (process group): SIGKILL takes the Python driver and its JVM at once
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 240
+        while _committed_tables(tmp_path, unique_name) < 1:
+            assert proc.poll() is None, proc.communicate()[1].decode()[-3000:]
+            assert time.monotonic() < deadline, "the load wrote nothing in 240 s"
+            time.sleep(0.05)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+    loads_dir = Path(layout.loads_path(str(tmp_path), unique_name))
+    names = sorted(p.name for p in loads_dir.iterdir() if not p.name.startswith("."))
+    assert names == [f"{0:020d}.planned.json"], names  # killed: planned, never committed
+
+    rerun = subprocess.run(args, capture_output=True, timeout=300)
+    assert rerun.returncode == 0, rerun.stderr.decode()[-3000:]
+    lines = rerun.stdout.decode().splitlines()
+    assert len(lines) == len(TABLES) and all(line.startswith("shop.") for line in lines), lines
+
+    for table in TABLES:
+        base = table.replace(".", "_")
+        _, rows = run_sql(
+            spark, str(tmp_path), None,
+            f"SELECT count(*) AS n, count(DISTINCT pg_commit_lsn, pg_seq) AS d FROM {base}_history", 10,
+        )
+        assert (rows[0]["n"], rows[0]["d"]) == (PER_TABLE + PER_TABLE // 2 + PER_TABLE // 10,) * 2
+        _, live = run_sql(spark, str(tmp_path), None, f"SELECT id, v FROM {base} ORDER BY id", 10000)
+        expected = [
+            (k, f"new-{k}" if k % 2 == 0 else f"{table}-{k}") for k in range(PER_TABLE) if k % 10 != 0
+        ]
+        assert [(r["id"], r["v"]) for r in live] == expected
+    assert f"{0:020d}.committed.json" in {p.name for p in loads_dir.iterdir()}
+
+
+def test_cli_reports_failures_clearly(tmp_path: Path, kafka_bootstrap: str, unique_name: str) -> None:
+    done = subprocess.run(
+        _cli("load", "--kafka-bootstrap", kafka_bootstrap, "--topic", unique_name, "--warehouse", str(tmp_path),
+             "--master", "local[1]"),
+        capture_output=True, timeout=300,
+    )
+    assert done.returncode == 1
+    assert f"topic {unique_name!r} does not exist" in done.stderr.decode()
+    usage = subprocess.run(_cli("load"), capture_output=True, timeout=60)
+    assert usage.returncode == 2 and b"--topic" in usage.stderr
+    helped = subprocess.run(_cli("load", "--help"), capture_output=True, timeout=60)
+    assert helped.returncode == 0 and b"--skip-invalid" in helped.stdout

@@ -1,0 +1,269 @@
+"""Loads of contract-v1 events from a real topic into Delta history and current tables."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.support.warehouse import Txn, kafka_options, produce_events, table_paths
+from warehouse.job import LoadSpec, run_load
+
+pytestmark = [pytest.mark.spark, pytest.mark.integration]
+
+TX = "public.transactions"
+TX_PK = ["transaction_id"]
+
+
+def tx_row(tid: int, uid: int, amount: int) -> dict[str, tuple[str, Any]]:
+    return {"transaction_id": ("int4", tid), "user_id": ("int4", uid), "amount": ("int4", amount)}
+
+
+def load(spark: Any, bootstrap: str, topic: str, warehouse: Path, **kw: Any) -> Any:
+    return run_load(spark, LoadSpec(kafka_options(bootstrap), topic, str(warehouse), **kw))
+
+
+def history(spark: Any, warehouse: Path, topic: str, table: str = TX) -> list[Any]:
+    path = table_paths(warehouse, topic, table).history
+    return spark.read.format("delta").load(path).orderBy("pg_commit_lsn", "pg_seq").collect()
+
+
+def current(spark: Any, warehouse: Path, topic: str, table: str = TX, *, live: bool = True) -> list[Any]:
+    path = table_paths(warehouse, topic, table).current
+    df = spark.read.format("delta").load(path)
+    if live:
+        df = df.where("NOT _walbus_deleted")
+    return df.collect()
+
+
+def test_pgkafka_transactions_example(spark: Any, kafka_bootstrap: str, unique_name: str, tmp_path: Path) -> None:
+    events = (
+        Txn(0x1000, xid=501).insert(TX, TX_PK, tx_row(54441, 36036, 2000)).events
+        + Txn(0x2000, xid=502).update(TX, TX_PK, tx_row(54441, 36036, 2500)).events
+        + Txn(0x3000, xid=503).delete(TX, TX_PK, {"transaction_id": ("int4", 54441)}).events
+    )
+    produce_events(kafka_bootstrap, unique_name, events)
+    result = load(spark, kafka_bootstrap, unique_name, tmp_path)
+    assert result.events == 3
+    assert result.tables[TX].history_rows == 3
+    rows = history(spark, tmp_path, unique_name)
+    assert [r["pg_operation"] for r in rows] == ["insert", "update", "delete"]
+    assert [int(r["pg_lsn"]) for r in rows] == sorted(int(r["pg_lsn"]) for r in rows)
+    assert [int(r["pg_commit_lsn"]) for r in rows] == [0x1000, 0x2000, 0x3000]
+    assert [r["pg_txn_id"] for r in rows] == [501, 502, 503]
+    assert all(r["pg_txn_timestamp"] is not None and r["pg_seq"] == 0 for r in rows)
+    assert [r["amount"] for r in rows] == [2000, 2500, None]
+    assert rows[2]["transaction_id"] == 54441  # the delete carries its identity
+    assert current(spark, tmp_path, unique_name) == []
+    tomb = current(spark, tmp_path, unique_name, live=False)
+    assert len(tomb) == 1 and tomb[0]["_walbus_deleted"] and tomb[0]["pg_operation"] == "delete"
+    print(result.lines())
+
+
+def _versions(spark: Any, warehouse: Path, topic: str, table: str = TX) -> tuple[int, int]:
+    from delta.tables import DeltaTable
+
+    paths = table_paths(warehouse, topic, table)
+    return tuple(  # type: ignore[return-value]
+        int(DeltaTable.forPath(spark, p).history(1).first()["version"]) for p in (paths.history, paths.current)
+    )
+
+
+def test_duplicates_and_repeated_loads_change_nothing(
+    spark: Any, kafka_bootstrap: str, unique_name: str, tmp_path: Path
+) -> None:
+    events = []
+    for i in range(5):
+        events += Txn(0x1000 + i * 0x100, xid=600 + i).insert(TX, TX_PK, tx_row(i, 7, 100 + i)).events
+    events += Txn(0x2000).update(TX, TX_PK, tx_row(1, 7, 999)).delete(TX, TX_PK, {"transaction_id": ("int4", 2)}).events
+    produce_events(kafka_bootstrap, unique_name, events + events)  # every message twice in one load
+    first = load(spark, kafka_bootstrap, unique_name, tmp_path)
+    assert first.events == 14 and first.tables[TX].history_rows == 7
+    versions = _versions(spark, tmp_path, unique_name)
+    again = load(spark, kafka_bootstrap, unique_name, tmp_path)  # nothing new: nothing written
+    assert again.lines() == ["no new events"]
+    assert _versions(spark, tmp_path, unique_name) == versions
+    produce_events(kafka_bootstrap, unique_name, events)  # the same messages a third time, later
+    third = load(spark, kafka_bootstrap, unique_name, tmp_path)
+    assert third.tables[TX].history_rows == 0
+    assert third.tables[TX].inserted == third.tables[TX].updated == 0
+    rows = history(spark, tmp_path, unique_name)
+    assert len(rows) == 7
+    assert sorted((r["transaction_id"], r["amount"]) for r in current(spark, tmp_path, unique_name)) == [
+        (0, 100), (1, 999), (3, 103), (4, 104)
+    ]
+
+
+def test_older_update_after_delete_stays_deleted(
+    spark: Any, kafka_bootstrap: str, unique_name: str, tmp_path: Path
+) -> None:
+    insert = Txn(0x1000).insert(TX, TX_PK, tx_row(1, 1, 10)).events
+    older_update = Txn(0x2000).update(TX, TX_PK, tx_row(1, 1, 20)).events
+    delete = Txn(0x3000).delete(TX, TX_PK, {"transaction_id": ("int4", 1)}).events
+    # a key seen for the first time as a delete, then an older insert of it
+    late_key_delete = Txn(0x3100).delete(TX, TX_PK, {"transaction_id": ("int4", 2)}).events
+    late_key_insert = Txn(0x1100).insert(TX, TX_PK, tx_row(2, 2, 22)).events
+    produce_events(kafka_bootstrap, unique_name, insert + delete + late_key_delete)
+    load(spark, kafka_bootstrap, unique_name, tmp_path)
+    produce_events(kafka_bootstrap, unique_name, older_update + late_key_insert)
+    second = load(spark, kafka_bootstrap, unique_name, tmp_path)
+    assert second.tables[TX].history_rows == 2
+    assert current(spark, tmp_path, unique_name) == []
+    tombs = {r["transaction_id"]: int(r["pg_commit_lsn"]) for r in current(spark, tmp_path, unique_name, live=False)}
+    assert tombs == {1: 0x3000, 2: 0x3100}
+    assert [int(r["pg_commit_lsn"]) for r in history(spark, tmp_path, unique_name)] == [
+        0x1000, 0x1100, 0x2000, 0x3000, 0x3100
+    ]
+
+
+def test_schema_evolution_no_pk_table_and_incompatible_change(
+    spark: Any, kafka_bootstrap: str, unique_name: str, tmp_path: Path
+) -> None:
+    from warehouse.job import LoadError
+
+    t, pk = "app.items", ["id"]
+    log_table = "app.log"  # no primary key: history only
+
+    def item(i: int, **cols: tuple[str, Any]) -> dict[str, tuple[str, Any]]:
+        return {"id": ("int4", i), **cols}
+
+    first = (
+        Txn(0x1000).insert(t, pk, item(1, a=("text", "x"), b=("int4", 1)))
+        .insert(log_table, [], {"msg": ("text", "hello")}).events
+    )
+    produce_events(kafka_bootstrap, unique_name, first)
+    r1 = load(spark, kafka_bootstrap, unique_name, tmp_path)
+    assert "no primary key: history only" in r1.tables[log_table].line()
+    assert not table_paths(tmp_path, unique_name, log_table).current or True
+    from delta.tables import DeltaTable
+
+    assert not DeltaTable.isDeltaTable(spark, table_paths(tmp_path, unique_name, log_table).current)
+    # column c added, then b dropped
+    second = (
+        Txn(0x2000).insert(t, pk, item(2, a=("text", "y"), b=("int4", 2), c=("numeric", "1.50"))).events
+        + Txn(0x3000).update(t, pk, item(1, a=("text", "x2"), c=("numeric", "7"))).events
+        + Txn(0x3100).insert(log_table, [], {"msg": ("text", "again")}).events
+    )
+    produce_events(kafka_bootstrap, unique_name, second)
+    load(spark, kafka_bootstrap, unique_name, tmp_path)
+    hist = history(spark, tmp_path, unique_name, t)
+    assert hist[0].asDict().keys() >= {"id", "a", "b", "c"}
+    assert [(r["id"], r["a"], r["b"], None if r["c"] is None else str(r["c"].normalize())) for r in hist] == [
+        (1, "x", 1, None), (2, "y", 2, "1.5"), (1, "x2", None, "7")
+    ]
+    cur = {r["id"]: (r["a"], r["b"], r["c"]) for r in current(spark, tmp_path, unique_name, t)}
+    assert cur[1][:2] == ("x2", None) and cur[2][1] == 2
+    assert len(history(spark, tmp_path, unique_name, log_table)) == 2
+    # an incompatible change: a becomes an int8
+    versions = _versions(spark, tmp_path, unique_name, t)
+    produce_events(kafka_bootstrap, unique_name, Txn(0x4000).update(t, pk, item(2, a=("int8", 5), c=("numeric", "1"))).events)
+    with pytest.raises(LoadError, match=r"'a' changed type from text \(string\) to int8 \(bigint\)"):
+        load(spark, kafka_bootstrap, unique_name, tmp_path)
+    assert _versions(spark, tmp_path, unique_name, t) == versions
+    # leaving the table out lets the load (and later ones) through
+    r4 = load(spark, kafka_bootstrap, unique_name, tmp_path, tables=("app.log",))
+    assert t not in r4.tables
+
+
+def test_types(spark: Any, kafka_bootstrap: str, unique_name: str, tmp_path: Path) -> None:
+    import datetime as dt
+    import math
+    from decimal import Decimal
+
+    t, pk = "public.all_types", ["id"]
+    row = {
+        "id": ("int8", 9007199254740993),
+        "small": ("int2", -32768),
+        "num": ("numeric", "12345678901234567890.0123456789"),
+        "huge": ("numeric", "123456789012345678901234567890123456789"),
+        "nan_num": ("numeric", "NaN"),
+        "f4": ("float4", 1.5),
+        "f8_nan": ("float8", "NaN"),
+        "f8_inf": ("float8", "-Infinity"),
+        "flag": ("bool", True),
+        "d": ("date", "2024-02-29"),
+        "d_bc": ("date", "0044-03-15 BC"),
+        "ts": ("timestamp", "2024-01-02 03:04:05.123456"),
+        "tstz": ("timestamptz", "2024-01-02 03:04:05.5+02"),
+        "ts_inf": ("timestamptz", "infinity"),
+        "blob": ("bytea", "\\x00ff10"),
+        "txt": ("text", "één ☃ \"q\""),
+        "u": ("uuid", "a0eebc99-9c0b-4ef8-bb6d-6bb9bd380a11"),
+        "j": ("jsonb", '{"a": [1, 2]}'),
+        "mood": ("mood", "happy"),
+        "ints": ("_int4", "{1,NULL,3}"),
+        "texts": ("_text", '{"a,b","c\\"d",NULL,"NULL",plain}'),
+        "bools": ("_bool", "{t,f}"),
+        "grid": ("_int4", "{{1,2},{3,4}}"),
+        "odd name": ("text", "spaces ok"),
+        "nothing": ("text", None),
+    }
+    produce_events(kafka_bootstrap, unique_name, Txn(0x1000).insert(t, pk, row).events)
+    load(spark, kafka_bootstrap, unique_name, tmp_path)
+    (h,) = history(spark, tmp_path, unique_name, t)
+    assert h["id"] == 9007199254740993 and h["small"] == -32768
+    assert h["num"] == Decimal("12345678901234567890.0123456789")
+    assert h["huge"] is None and h["nan_num"] is None
+    assert h["f4"] == 1.5 and math.isnan(h["f8_nan"]) and h["f8_inf"] == -math.inf
+    assert h["flag"] is True and h["d"] == dt.date(2024, 2, 29) and h["d_bc"] is None
+    assert h["ts"] == dt.datetime(2024, 1, 2, 3, 4, 5, 123456)
+    assert h["tstz"] == dt.datetime(2024, 1, 2, 1, 4, 5, 500000)  # UTC
+    assert h["ts_inf"] is None
+    assert bytes(h["blob"]) == b"\x00\xff\x10"
+    assert h["txt"] == "één ☃ \"q\"" and h["mood"] == "happy" and h["j"] == '{"a": [1, 2]}'
+    assert h["ints"] == [1, None, 3]
+    assert h["texts"] == ["a,b", 'c"d', None, "NULL", "plain"]
+    assert h["bools"] == [True, False]
+    assert h["grid"] is None
+    assert h["odd name"] == "spaces ok" and h["nothing"] is None
+    assert h["pg_raw_values"] == {
+        "huge": "123456789012345678901234567890123456789",
+        "nan_num": "NaN",
+        "d_bc": "0044-03-15 BC",
+        "ts_inf": "infinity",
+        "grid": "{{1,2},{3,4}}",
+    }
+    (c,) = current(spark, tmp_path, unique_name, t)
+    assert c["pg_raw_values"] == h["pg_raw_values"] and c["texts"] == h["texts"]
+
+
+def test_unchanged_toast_values_are_carried_and_truncate(
+    spark: Any, kafka_bootstrap: str, unique_name: str, tmp_path: Path
+) -> None:
+    t, pk = "public.docs", ["id"]
+    big = "x" * 5000
+
+    def doc(i: int, title: str, body: str | None = None) -> dict[str, tuple[str, Any]]:
+        r = {"id": ("int4", i), "title": ("text", title)}
+        if body is not None:
+            r["body"] = ("text", body)
+        return r
+
+    first = (
+        Txn(0x1000).insert(t, pk, doc(1, "a", big + "1")).insert(t, pk, doc(2, "b", big + "2"))
+        .insert(t, pk, doc(3, "c", big + "3")).events
+        # same load: unchanged carried from the insert above, twice in a row
+        + Txn(0x2000).update(t, pk, doc(1, "a2"), unchanged=["body"]).update(t, pk, doc(1, "a3"), unchanged=["body"]).events
+        # key change with the body unchanged: carried from the old key
+        + Txn(0x2100).update(t, pk, doc(20, "b2"), identity={"id": ("int4", 2)}, unchanged=["body"]).events
+    )
+    produce_events(kafka_bootstrap, unique_name, first)
+    load(spark, kafka_bootstrap, unique_name, tmp_path)
+    # next load: the previous version is in the current table
+    produce_events(kafka_bootstrap, unique_name, Txn(0x3000).update(t, pk, doc(3, "c2"), unchanged=["body"]).events)
+    load(spark, kafka_bootstrap, unique_name, tmp_path)
+    cur = {r["id"]: (r["title"], r["body"]) for r in current(spark, tmp_path, unique_name, t)}
+    assert cur == {1: ("a3", big + "1"), 20: ("b2", big + "2"), 3: ("c2", big + "3")}
+    hist = history(spark, tmp_path, unique_name, t)
+    assert [r["body"] for r in hist if r["pg_operation"] == "update"] == [big + "1", big + "1", big + "2", big + "3"]
+    assert hist[-1]["pg_unchanged"] == ["body"]
+    # TRUNCATE, then an insert after it in the same load; then a late event older than it
+    produce_events(
+        kafka_bootstrap, unique_name,
+        Txn(0x4000).truncate(t, pk).insert(t, pk, doc(5, "e", "new")).events,
+    )
+    load(spark, kafka_bootstrap, unique_name, tmp_path)
+    produce_events(kafka_bootstrap, unique_name, Txn(0x3500).insert(t, pk, doc(9, "late", "x")).events)
+    load(spark, kafka_bootstrap, unique_name, tmp_path)
+    assert {r["id"]: r["title"] for r in current(spark, tmp_path, unique_name, t)} == {5: "e"}

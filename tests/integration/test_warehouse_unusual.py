@@ -1,0 +1,197 @@
+"""Legal but unusual input into the warehouse (issue 13): odd names, invalid records,
+re-sent transactions with unchanged TOAST values, key changes replayed from history."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.support.warehouse import Txn, kafka_options, produce_events, produce_records, table_paths
+from walbus.contract import encode_event, event_key, qualify_table
+from warehouse import layout
+from warehouse.job import LoadError, LoadSpec, run_load
+
+pytestmark = [pytest.mark.spark, pytest.mark.integration]
+
+ODD = qualify_table("public", "Order Items")
+ODD_COLUMNS = ("a.b", "a b", "a`b", "ö", "é" * 31 + "x")  # the last: 63 bytes, PostgreSQL's longest
+
+
+def load(spark: Any, bootstrap: str, topic: str, warehouse: Path, **kw: Any) -> Any:
+    return run_load(spark, LoadSpec(kafka_options(bootstrap), topic, str(warehouse), **kw))
+
+
+def rows(spark: Any, path: str, *, live: bool = False) -> list[Any]:
+    df = spark.read.format("delta").load(path)
+    if live:
+        df = df.where("NOT _walbus_deleted")
+    return df.orderBy("pg_commit_lsn", "pg_seq").collect()
+
+
+def odd_row(key: int, version: str, *, without: tuple[str, ...] = ()) -> dict[str, tuple[str, Any]]:
+    row: dict[str, tuple[str, Any]] = {"id": ("int4", key)}
+    row.update({c: ("text", f"{c}={version}") for c in ODD_COLUMNS if c not in without})
+    return row
+
+
+def test_any_table_and_column_name_loads(spark: Any, kafka_bootstrap: str, unique_name: str, tmp_path: Path) -> None:
+    from warehouse.cli import run_sql
+
+    pk = ["id"]
+    distinct_pairs = [("a.b", "c"), ("a", "b.c"), ("public", "a b"), ("public", "a_b")]
+    events = (
+        Txn(0x1000).insert(ODD, pk, odd_row(1, "v1")).insert(ODD, pk, odd_row(2, "v1")).events
+        # an unchanged TOAST value in a column named with a dot, and a key change
+        + Txn(0x2000).update(ODD, pk, odd_row(1, "v2", without=("a.b",)), unchanged=["a.b"]).events
+        + Txn(0x2100).update(ODD, pk, odd_row(20, "v2"), identity={"id": ("int4", 2)}).events
+    )
+    tx = Txn(0x3000)
+    for n, (schema, table) in enumerate(distinct_pairs):
+        tx.insert(qualify_table(schema, table), pk, {"id": ("int4", n), "v": ("text", f"{schema}|{table}")})
+    produce_events(kafka_bootstrap, unique_name, events + tx.events)
+    first = load(spark, kafka_bootstrap, unique_name, tmp_path)
+    assert first.tables[ODD].history_rows == 4
+    # a second load adds a column (ALTER TABLE … ADD COLUMNS) named with a dot too
+    produce_events(kafka_bootstrap, unique_name, Txn(0x4000).insert(ODD, pk, {**odd_row(3, "v3"), "new.col": ("int4", 7)}).events)
+    load(spark, kafka_bootstrap, unique_name, tmp_path)
+
+    paths = table_paths(tmp_path, unique_name, ODD)
+    current = {r["id"]: r.asDict() for r in rows(spark, paths.current, live=True)}
+    assert sorted(current) == [1, 3, 20]
+    assert current[1]["a.b"] == "a.b=v1"  # carried over
+    assert [current[1][c] for c in ODD_COLUMNS[1:]] == [f"{c}=v2" for c in ODD_COLUMNS[1:]]
+    assert [current[20][c] for c in ODD_COLUMNS] == [f"{c}=v2" for c in ODD_COLUMNS]
+    assert current[3]["new.col"] == 7 and current[1]["new.col"] is None
+    history = rows(spark, paths.history)
+    assert [r["a`b"] for r in history] == ["a`b=v1", "a`b=v1", "a`b=v2", "a`b=v2", "a`b=v3"]
+
+    # every (schema, table) pair its own tables and views, queried by the view names
+    _, found = run_sql(spark, str(tmp_path), unique_name, "SELECT id FROM `public.Order Items` ORDER BY id", 10)
+    assert [r["id"] for r in found] == [1, 3, 20]
+    _, found = run_sql(spark, str(tmp_path), unique_name, "SELECT count(*) AS n FROM `public.Order Items.history`", 10)
+    assert found[0]["n"] == 5
+    for n, (schema, table) in enumerate(distinct_pairs):
+        view = layout.table_paths(str(tmp_path), unique_name, schema, table).view("")
+        _, found = run_sql(spark, str(tmp_path), unique_name, f"SELECT id, v FROM `{view}`", 10)
+        assert [(r["id"], r["v"]) for r in found] == [(n, f"{schema}|{table}")], view
+        (stored,) = rows(spark, table_paths(tmp_path, unique_name, qualify_table(schema, table)).history)
+        assert stored["v"] == f"{schema}|{table}"
+
+
+def _value(commit_lsn: int, columns: list[Any], values: list[Any]) -> bytes:
+    return encode_event(
+        lsn=commit_lsn - 1, commit_lsn=commit_lsn, seq=0, xid=7, operation="insert", table="public.t",
+        timestamp="2024-01-02T03:04:05.123456+00:00", pk=["id"],
+        new={"columns": columns, "types": ["int4", "text", "text"][: len(columns)], "values": values}, identity=None,
+    )
+
+
+def _bad_value() -> bytes:
+    # lengths of columns, types and values differ: not a contract-v1 event
+    return _value(0x2000, ["id", "a"], [2, "y", 7])
+
+
+def test_invalid_record_fails_the_load_or_is_quarantined(
+    spark: Any, kafka_bootstrap: str, unique_name: str, tmp_path: Path
+) -> None:
+    from delta.tables import DeltaTable
+
+    from warehouse.cli import run_sql
+
+    pk, table = ["id"], "public.t"
+    good = [Txn(0x1000).insert(table, pk, {"id": ("int4", 1), "a": ("text", "x")}).events[0],
+            Txn(0x3000).insert(table, pk, {"id": ("int4", 3), "a": ("text", "z")}).events[0]]
+    produce_records(kafka_bootstrap, unique_name, [
+        (event_key(0x1000, 0), good[0]), (event_key(0x2000, 0), _bad_value()), (event_key(0x3000, 0), good[1]),
+        (event_key(0x4000, 0), good[1]),  # a valid value under another event's key
+        (event_key(0x5000, 0), _value(0x5000, ["id", "a", "a"], [5, "first", "last"])),  # legal: the last wins
+        (event_key(0x6000, 0), _value(0x6000, ["id", None], [6, "x"])),  # a null column name
+    ])
+    paths = table_paths(tmp_path, unique_name, table)
+    with pytest.raises(LoadError, match=rf"record at {unique_name} partition 0 offset 1: .*differ in length"):
+        load(spark, kafka_bootstrap, unique_name, tmp_path)
+    assert not DeltaTable.isDeltaTable(spark, paths.history)  # nothing written
+
+    result = load(spark, kafka_bootstrap, unique_name, tmp_path, skip_invalid=True)
+    assert result.quarantined == 3
+    assert [(r["id"], r["a"]) for r in rows(spark, paths.history)] == [(1, "x"), (3, "z"), (5, "last")]
+    _, quarantined = run_sql(
+        spark, str(tmp_path), unique_name,
+        "SELECT kafka_topic, kafka_partition, kafka_offset, kafka_key, kafka_value, reason, load_id "
+        "FROM _walbus_quarantine ORDER BY kafka_offset", 10,
+    )
+    assert [(r["kafka_topic"], r["kafka_partition"], r["kafka_offset"], bytes(r["kafka_key"]), bytes(r["kafka_value"]))
+            for r in quarantined] == [
+        (unique_name, 0, 1, event_key(0x2000, 0), _bad_value()),
+        (unique_name, 0, 3, event_key(0x4000, 0), good[1]),
+        (unique_name, 0, 5, event_key(0x6000, 0), _value(0x6000, ["id", None], [6, "x"])),
+    ]
+    assert "differ in length" in quarantined[0]["reason"] and "position" in quarantined[1]["reason"]
+    assert "must be strings" in quarantined[2]["reason"]
+    assert load(spark, kafka_bootstrap, unique_name, tmp_path).lines() == ["no new events"]
+
+
+def test_unchanged_toast_value_comes_from_the_newest_version(
+    spark: Any, kafka_bootstrap: str, unique_name: str, tmp_path: Path
+) -> None:
+    table, pk = "public.docs", ["id"]
+
+    def doc(title: str, body: str | None = None) -> dict[str, tuple[str, Any]]:
+        row = {"id": ("int4", 1), "title": ("text", title)}
+        return row if body is None else {**row, "body": ("text", body)}
+
+    insert = Txn(0x1000).insert(table, pk, doc("t1", "old body")).events
+    produce_events(kafka_bootstrap, unique_name, insert + Txn(0x2000).update(table, pk, doc("t2", "new body")).events)
+    load(spark, kafka_bootstrap, unique_name, tmp_path)
+    # the producer re-sends the old insert (duplicates are whole transactions from any point),
+    # then a newer update leaves the body unchanged
+    produce_events(kafka_bootstrap, unique_name, insert + Txn(0x3000).update(table, pk, doc("t3"), unchanged=["body"]).events)
+    load(spark, kafka_bootstrap, unique_name, tmp_path)
+    paths = table_paths(tmp_path, unique_name, table)
+    assert [(r["title"], r["body"]) for r in rows(spark, paths.current)] == [("t3", "new body")]
+    assert [(r["title"], r["body"]) for r in rows(spark, paths.history)] == [
+        ("t1", "old body"), ("t2", "new body"), ("t3", "new body")
+    ]
+
+
+def _replay(history: list[Any], pk: str) -> dict[Any, dict[str, Any]]:
+    """The table rebuilt from its history rows alone, in (commit_lsn, seq) order."""
+    table: dict[Any, dict[str, Any]] = {}
+    for row in history:
+        values = row.asDict()
+        op, key = values["pg_operation"], values[pk]
+        if op == "truncate":
+            table.clear()
+            continue
+        table.pop(values.get(f"_walbus_prev_{pk}", key), None)  # the row's key before the event
+        if op != "delete":
+            table[key] = {c: v for c, v in values.items() if not c.startswith(("pg_", "_walbus_"))}
+    return table
+
+
+def test_history_alone_replays_key_changes(spark: Any, kafka_bootstrap: str, unique_name: str, tmp_path: Path) -> None:
+    table, pk = "public.t", ["id"]
+
+    def row(key: int, v: str) -> dict[str, tuple[str, Any]]:
+        return {"id": ("int4", key), "v": ("text", v)}
+
+    def old(key: int) -> dict[str, tuple[str, Any]]:
+        return {"id": ("int4", key)}
+
+    first = Txn(0x1000).insert(table, pk, row(1, "a")).insert(table, pk, row(2, "b")).insert(table, pk, row(3, "c"))
+    # rows 1 and 2 swap keys through 10, in one transaction
+    swap = (Txn(0x2000).update(table, pk, row(10, "a"), identity=old(1)).update(table, pk, row(1, "b"), identity=old(2))
+            .update(table, pk, row(2, "a"), identity=old(10)))
+    produce_events(kafka_bootstrap, unique_name, first.events + swap.events)
+    load(spark, kafka_bootstrap, unique_name, tmp_path)
+    later = Txn(0x3000).update(table, pk, row(30, "c2"), identity=old(3)).delete(table, pk, old(1))
+    produce_events(kafka_bootstrap, unique_name, later.events)
+    load(spark, kafka_bootstrap, unique_name, tmp_path)
+
+    paths = table_paths(tmp_path, unique_name, table)
+    live = {r["id"]: r["v"] for r in rows(spark, paths.current, live=True)}
+    assert live == {2: "a", 30: "c2"}
+    replayed = _replay(rows(spark, paths.history), "id")
+    assert {k: v["v"] for k, v in replayed.items()} == live

@@ -1,0 +1,68 @@
+"""Fixtures and helpers to run walbus services in-process or as processes, and read topics."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import psycopg
+
+from producer.config import ProducerConfig
+from producer.service import Producer
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@contextlib.asynccontextmanager
+async def running_producer(pg_dsn: str, kafka_bootstrap: str, **options: Any) -> AsyncIterator[Producer]:
+    """A producer streaming in this event loop until the block ends (graceful stop)."""
+    options.setdefault("heartbeat_interval", 1.0)
+    cfg = ProducerConfig(pg_dsn=pg_dsn, kafka_bootstrap=kafka_bootstrap, **options)
+    producer = Producer(cfg)
+    task = asyncio.create_task(producer.run())
+    ready = asyncio.create_task(producer.ready.wait())
+    done, _ = await asyncio.wait({task, ready}, timeout=60, return_when=asyncio.FIRST_COMPLETED)
+    if task in done:
+        ready.cancel()
+        task.result()  # raises the start-up error
+    assert ready in done, "producer did not start streaming within 60 s"
+    try:
+        yield producer
+    finally:
+        producer.stop()
+        await asyncio.wait_for(task, 90)
+
+
+def walbus_process(args: Sequence[str], *, env: dict[str, str] | None = None, log: Path | None = None) -> subprocess.Popen[bytes]:
+    """``walbus …`` as a child process (same interpreter, this checkout on the path)."""
+    full_env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
+    for key in ("WALBUS_PG_DSN", "WALBUS_KAFKA_BOOTSTRAP"):
+        if env is None or key not in env:
+            full_env.pop(key, None)  # the test's own flags decide
+    out = log.open("ab") if log else subprocess.DEVNULL
+    try:
+        return subprocess.Popen([sys.executable, "-m", "walbus.app.cli", *args], env=full_env, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
+    finally:
+        if log:
+            out.close()  # type: ignore[union-attr]
+
+
+def kill9(proc: subprocess.Popen[bytes]) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        proc.send_signal(signal.SIGKILL)
+    proc.wait(30)
+
+
+def slot_confirmed_lsn(dsn: str, slot: str) -> int:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        row = conn.execute(
+            "SELECT (confirmed_flush_lsn - '0/0')::int8 FROM pg_replication_slots WHERE slot_name = %s", (slot,)
+        ).fetchone()
+    return int(str(row[0])) if row and row[0] is not None else 0

@@ -1,0 +1,407 @@
+"""Pure re-keying logic: no services."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+import pytest
+
+from demux.rekey import META_FIELDS, OutRecord, Rekeyer, RekeyError
+from tests.support.demux import DictState
+from walbus.contract import ChangeEvent, RowImage, decode_event, encode_event
+
+TS = "2024-05-01T12:00:00.000001+00:00"
+TOPIC = "walbus.shop.public.transactions"
+
+
+def image(**row: Any) -> dict[str, list[Any]]:
+    types = ["int4" if isinstance(v, int) else "text" for v in row.values()]
+    return {"columns": list(row), "types": types, "values": list(row.values())}
+
+
+def event(op: str, *, seq: int = 0, table: str = "public.transactions", pk: list[str] | None = None,
+          new: dict[str, list[Any]] | None = None, identity: dict[str, list[Any]] | None = None,
+          unchanged: list[str] | None = None, commit_lsn: int = 0x16B374D848) -> ChangeEvent:
+    raw = encode_event(
+        lsn=commit_lsn - 10 + seq, commit_lsn=commit_lsn, seq=seq, xid=777, operation=op, table=table,
+        timestamp=TS, pk=["transaction_id"] if pk is None else pk, new=new, identity=identity, unchanged=unchanged,
+    )
+    return decode_event(raw)
+
+
+def run(rk: Rekeyer, state: DictState, ev: ChangeEvent) -> list[OutRecord]:
+    out = rk.rekey(ev, state)
+    state.apply(out.changes)
+    return out.records
+
+
+def val(rec: OutRecord) -> dict[str, Any]:
+    assert rec.value is not None
+    obj = orjson.loads(rec.value)
+    assert isinstance(obj, dict)
+    return obj
+
+
+@pytest.fixture()
+def rk() -> Rekeyer:
+    return Rekeyer(prefix="walbus", database="shop")
+
+
+def test_pgkafka_transactions_example(rk: Rekeyer) -> None:
+    state = DictState()
+    key = b'{"transaction_id":54441}'
+    ins = run(rk, state, event("insert", new=image(transaction_id=54441, user_id=36036, amount=2000)))
+    upd = run(rk, state, event("update", seq=1, new=image(transaction_id=54441, user_id=36036, amount=2500)))
+    dele = run(rk, state, event("delete", seq=2, new=None, identity=image(transaction_id=54441)))
+    assert [(r.topic, r.key) for r in ins + upd + dele] == [(TOPIC, key)] * 3
+    assert val(ins[0]) == {
+        "transaction_id": 54441, "user_id": 36036, "amount": 2000, "__op": "c", "__lsn": 0x16B374D848 - 10,
+        "__commit_lsn": 0x16B374D848, "__seq": 0, "__xid": 777, "__ts": TS,
+    }
+    assert val(upd[0])["amount"] == 2500 and val(upd[0])["__op"] == "u" and val(upd[0])["__seq"] == 1
+    assert dele[0].value is None
+    assert state.rows == {}
+
+
+def test_key_is_compact_json_in_key_order(rk: Rekeyer) -> None:
+    ev = event("insert", table="public.lines", pk=["order_id", "line"],
+               new={"columns": ["line", "note", "order_id"], "types": ["int4", "text", "text"],
+                    "values": [2, "x", "A-1"]})
+    (rec,) = rk.rekey(ev, DictState()).records
+    assert rec.key == b'{"order_id":"A-1","line":2}'
+    assert rec.topic == "walbus.shop.public.lines"
+
+
+def test_read_is_r(rk: Rekeyer) -> None:
+    (rec,) = rk.rekey(event("read", new=image(transaction_id=1)), DictState()).records
+    assert val(rec)["__op"] == "r"
+
+
+def test_metadata_wins_over_a_column_of_the_same_name(rk: Rekeyer) -> None:
+    ev = event("insert", new={"columns": ["transaction_id", "__op"], "types": ["int4", "text"], "values": [1, "mine"]})
+    (rec,) = rk.rekey(ev, DictState()).records
+    assert val(rec)["__op"] == "c"
+    assert set(META_FIELDS) <= set(val(rec))
+
+
+def test_delete_records_option(rk: Rekeyer) -> None:
+    rk.emit_delete_records = True
+    state = DictState()
+    run(rk, state, event("insert", new=image(transaction_id=5, amount=10)))
+    recs = run(rk, state, event("delete", seq=1, identity=image(transaction_id=5)))
+    assert [r.key for r in recs] == [b'{"transaction_id":5}'] * 2
+    assert val(recs[0]) | {} == {"transaction_id": 5, "amount": 10, **{k: val(recs[0])[k] for k in META_FIELDS}}
+    assert val(recs[0])["__op"] == "d"
+    assert recs[1].value is None
+
+
+def test_delete_record_of_unknown_row_has_the_identity(rk: Rekeyer) -> None:
+    rk.emit_delete_records = True
+    recs = run(rk, DictState(), event("delete", identity=image(transaction_id=9)))
+    assert {k: v for k, v in val(recs[0]).items() if not k.startswith("__")} == {"transaction_id": 9}
+
+
+def test_primary_key_change(rk: Rekeyer) -> None:
+    state = DictState()
+    run(rk, state, event("insert", new=image(transaction_id=1, amount=3)))
+    recs = run(rk, state, event("update", seq=1, new=image(transaction_id=2, amount=3), identity=image(transaction_id=1)))
+    assert [(r.key, r.value is None) for r in recs] == [(b'{"transaction_id":1}', True), (b'{"transaction_id":2}', False)]
+    assert list(state.keys("public.transactions")) == [b'{"transaction_id":2}']
+
+
+def test_full_identity_same_key_is_not_a_key_change(rk: Rekeyer) -> None:
+    state = DictState()
+    recs = run(rk, state, event("update", new=image(transaction_id=1, amount=4), identity=image(transaction_id=1, amount=3)))
+    assert len(recs) == 1 and val(recs[0])["amount"] == 4
+
+
+def test_unchanged_toast_filled_from_store(rk: Rekeyer) -> None:
+    state = DictState()
+    big = "x" * 5000
+    run(rk, state, event("insert", new=image(transaction_id=1, amount=1, doc=big)))
+    out = rk.rekey(event("update", seq=1, new=image(transaction_id=1, amount=2), unchanged=["doc"]), state)
+    state.apply(out.changes)
+    assert val(out.records[0])["doc"] == big and val(out.records[0])["amount"] == 2
+    assert out.unfilled == []
+    # Filled again on the next update, from the row just stored.
+    (rec,) = run(rk, state, event("update", seq=2, new=image(transaction_id=1, amount=3), unchanged=["doc"]))
+    assert val(rec)["doc"] == big
+
+
+def test_unchanged_toast_with_key_change_uses_the_old_key_row(rk: Rekeyer) -> None:
+    state = DictState()
+    run(rk, state, event("insert", new=image(transaction_id=1, doc="long")))
+    recs = run(rk, state, event("update", seq=1, new=image(transaction_id=7), identity=image(transaction_id=1),
+                                unchanged=["doc"]))
+    assert val(recs[1])["doc"] == "long" and recs[1].key == b'{"transaction_id":7}'
+
+
+def test_unchanged_toast_prefers_the_identity(rk: Rekeyer) -> None:
+    state = DictState()
+    run(rk, state, event("insert", new=image(transaction_id=1, doc="stale")))
+    (rec,) = run(rk, state, event("update", seq=1, new=image(transaction_id=1, n=1),
+                                  identity=image(transaction_id=1, doc="fresh"), unchanged=["doc"]))
+    assert val(rec)["doc"] == "fresh"
+
+
+def test_unknown_unchanged_value_is_left_out_never_null(rk: Rekeyer) -> None:
+    out = rk.rekey(event("update", new=image(transaction_id=1, amount=2), unchanged=["doc"]), DictState())
+    assert "doc" not in val(out.records[0])
+    assert out.unfilled == ["doc"]
+
+
+def test_table_without_primary_key(rk: Rekeyer) -> None:
+    out = rk.rekey(event("insert", pk=[], table="public.log", new=image(msg="hi")), DictState())
+    (rec,) = out.records
+    assert out.no_pk and rec.key is None and not rec.compact and out.changes == []
+    assert rec.topic == "walbus.shop.public.log" and val(rec)["msg"] == "hi"
+    out = rk.rekey(event("delete", pk=[], table="public.log", identity=image(msg="hi")), DictState())
+    assert val(out.records[0])["__op"] == "d" and out.records[0].key is None
+    out = rk.rekey(event("truncate", pk=[], table="public.log"), DictState())
+    assert val(out.records[0])["__op"] == "t" and out.records[0].key is None
+
+
+def test_truncate_tombstones_every_known_key_of_the_table(rk: Rekeyer) -> None:
+    state = DictState()
+    for i in (3, 1, 2):
+        run(rk, state, event("insert", seq=i, new=image(transaction_id=i)))
+    run(rk, state, event("insert", seq=9, table="public.other", new=image(transaction_id=1)))
+    recs = run(rk, state, event("truncate", seq=10))
+    assert [(r.key, r.value) for r in recs] == [(b'{"transaction_id":%d}' % i, None) for i in (1, 2, 3)]
+    assert list(state.keys("public.transactions")) == []
+    assert list(state.keys("public.other")) == [b'{"transaction_id":1}']
+
+
+def test_missing_key_columns_is_a_rekey_error(rk: Rekeyer) -> None:
+    with pytest.raises(RekeyError):
+        rk.rekey(event("insert", new=image(amount=1)), DictState())
+    with pytest.raises(RekeyError):
+        rk.rekey(event("delete", identity=image(amount=1)), DictState())
+
+
+def test_same_row_same_key_bytes(rk: Rekeyer) -> None:
+    a = rk.rekey(event("insert", new=image(transaction_id=1, amount=1)), DictState()).records[0].key
+    b = rk.rekey(event("update", new=image(amount=9, transaction_id=1)), DictState()).records[0].key
+    c = rk.rekey(event("delete", identity=image(transaction_id=1)), DictState()).records[0].key
+    assert a == b == c
+
+
+def test_image_helper_roundtrip() -> None:
+    assert RowImage(("a",), ("int4",), (1,)).as_dict() == {"a": 1}
+
+
+@pytest.mark.parametrize("emit_delete_records", [False, True])
+def test_fast_path_equals_full_path(emit_delete_records: bool) -> None:
+    from tests.support.demux import Workload
+
+    fast_rk = Rekeyer(prefix="walbus", database="shop", emit_delete_records=emit_delete_records)
+    full_rk = Rekeyer(prefix="walbus", database="shop", emit_delete_records=emit_delete_records)
+    fast_state, full_state = DictState(), DictState()
+    workload = Workload(seed=3)
+    values = [v for _ in range(150) for _, v in workload.transaction(20)]
+    # Identity on insert/update (REPLICA IDENTITY FULL) and a column named like metadata.
+    values.append(encode_event(lsn=1, commit_lsn=2, seq=0, xid=3, operation="update", table="public.t", timestamp=TS,
+                               pk=["id"], new=image(id=1, __seq="x"), identity=image(id=1, __seq="y")))
+    values.append(encode_event(lsn=1, commit_lsn=2, seq=1, xid=3, operation="insert", table="public.t", timestamp=TS,
+                               pk=["id"], new=image(id=2, __lsn="mine", z=1), identity=None))
+    for v in values:
+        a = fast_rk.rekey_value(v, fast_state)
+        b = full_rk.rekey(decode_event(v), full_state)
+        assert (a.table, a.records, a.changes, a.unfilled, a.no_pk) == (b.table, b.records, b.changes, b.unfilled, b.no_pk)
+        fast_state.apply(a.changes)
+        full_state.apply(b.changes)
+
+
+def test_fast_path_takes_the_common_events() -> None:
+    """Inserts, updates (the producer always sends the old key) and deletes: one tuple each, no ChangeEvent."""
+    from demux.rekey import _FastEvent
+    from tests.support.demux import Workload
+    from walbus.contract import CONTRACT_VERSION
+
+    assert _FastEvent.__annotations__["v"] == f"Literal[{CONTRACT_VERSION}]"
+    rk = Rekeyer(prefix="walbus", database="shop")
+    workload = Workload(seed=5)
+    values = [v for _ in range(100) for _, v in workload.transaction(20)]
+    ops = [orjson.loads(v)["operation"] for v in values]
+    hits = [rk.fast(v) is not None for v in values]
+    same_key_updates = [
+        v for v, op in zip(values, ops, strict=True)
+        if op == "update" and not orjson.loads(v).get("unchanged")
+        and rk.rekey(decode_event(v), DictState()).records[0].value is not None
+    ]
+    assert same_key_updates and all(rk.fast(v) is not None for v in same_key_updates)
+    assert sum(hits) / len(hits) > 0.5
+    plain = encode_event(lsn=1, commit_lsn=2, seq=0, xid=3, operation="update", table="public.t", timestamp=TS,
+                         pk=["id"], new=image(id=1, n=2), identity=image(id=1))
+    assert rk.fast(plain) == ("public.t", "walbus.shop.public.t", b'{"id":1}',
+                              b'{"id":1,"n":2,"__op":"u","__lsn":1,"__commit_lsn":2,"__seq":0,"__xid":3,"__ts":"%s"}'
+                              % TS.encode(), False)
+    moved = encode_event(lsn=1, commit_lsn=2, seq=0, xid=3, operation="update", table="public.t", timestamp=TS,
+                         pk=["id"], new=image(id=2, n=2), identity=image(id=1))
+    assert rk.fast(moved) is None  # a key change: tombstone + row, the full path
+
+
+@pytest.mark.parametrize("raw", [
+    b"not json", b"[]", b'{"v":2}', b'{"v":1,"operation":"insert"}',
+    encode_event(lsn=1, commit_lsn=2, seq=0, xid=3, operation="insert", table="nodot", timestamp=TS, pk=["id"],
+                 new=image(id=1), identity=None),
+    encode_event(lsn=1, commit_lsn=2, seq=0, xid=3, operation="insert", table="public.t", timestamp=TS, pk=["id"],
+                 new={"columns": ["id"], "types": [], "values": [1]}, identity=None),
+    encode_event(lsn=True, commit_lsn=2, seq=0, xid=3, operation="insert", table="public.t", timestamp=TS,
+                 pk=["id"], new=image(id=1), identity=None),
+    orjson.dumps({**orjson.loads(encode_event(lsn=1, commit_lsn=2, seq=0, xid=3, operation="insert", table="public.t",
+                                              timestamp=TS, pk=["id"], new=image(id=1), identity=None)),
+                  "unchanged": "doc"}),
+    # A delete with "columns": null, and one with a position beyond 64 bits (orjson reads a float).
+    orjson.dumps({**orjson.loads(encode_event(lsn=1, commit_lsn=2, seq=0, xid=3, operation="delete", table="public.t",
+                                              timestamp=TS, pk=["id"], new=None, identity=image(id=1))),
+                  "columns": None}),
+    encode_event(lsn=1, commit_lsn=2, seq=0, xid=3, operation="delete", table="public.t", timestamp=TS, pk=["id"],
+                 new=None, identity=image(id=1)).replace(b'"lsn":1,', b'"lsn":18446744073709551616,'),
+    # Integers outside the contract's ranges (FIELD_BITS): unsigned, seq 32 bits.
+    encode_event(lsn=-1, commit_lsn=2, seq=0, xid=3, operation="insert", table="public.t", timestamp=TS,
+                 pk=["id"], new=image(id=1), identity=None),
+    encode_event(lsn=1, commit_lsn=2, seq=0, xid=-5, operation="delete", table="public.t", timestamp=TS,
+                 pk=["id"], new=None, identity=image(id=1)),
+    encode_event(lsn=1, commit_lsn=2, seq=2**32, xid=3, operation="update", table="public.t", timestamp=TS,
+                 pk=["id"], new=image(id=1), identity=None),
+    encode_event(lsn=1, commit_lsn=-2, seq=0, xid=3, operation="insert", table="public.t", timestamp=TS,
+                 pk=["id"], new=image(id=1), identity=None),
+])
+@pytest.mark.parametrize("warm", [False, True])
+def test_fast_path_refuses_what_the_contract_refuses(raw: bytes, warm: bool) -> None:
+    from walbus.contract import ContractError
+
+    rk = Rekeyer(prefix="w", database="d")
+    if warm:  # the table's shape is already known: a refusal must not depend on it
+        good = encode_event(lsn=1, commit_lsn=2, seq=0, xid=3, operation="insert", table="public.t", timestamp=TS,
+                            pk=["id"], new=image(id=1), identity=None)
+        assert rk.fast(good) is not None
+    assert rk.fast(raw) is None
+    with pytest.raises(ContractError):
+        rk.rekey_value(raw, DictState())
+
+
+def test_fast_path_follows_a_table_whose_columns_change() -> None:
+    """The checked shape of a table's events is remembered by its bytes: any change is checked again."""
+    rk, full = Rekeyer(prefix="w", database="d"), Rekeyer(prefix="w", database="d")
+
+    def ins(pk: list[str], **row: Any) -> bytes:
+        return encode_event(lsn=1, commit_lsn=2, seq=0, xid=3, operation="insert", table="public.t", timestamp=TS,
+                            pk=pk, new=image(**row), identity=None)
+
+    def out(raw: bytes) -> tuple[bytes | None, bytes | None]:
+        rec = full.rekey(decode_event(raw), DictState()).records[-1]
+        return rec.key, rec.value
+
+    steps = [
+        ins(["id"], id=1),
+        ins(["id"], id=2, name="a"),  # a column added, TOAST-able: needs the store
+        ins(["id", "name"], id=3, name="b"),  # the key widened
+        ins(["id"], id=4),  # back to the first shape
+    ]
+    seen = []
+    for raw in steps:
+        hit = rk.fast(raw)
+        assert hit is not None and (hit[2], hit[3]) == out(raw)
+        seen.append((hit[2], hit[4]))
+    assert seen == [(b'{"id":1}', False), (b'{"id":2}', True), (b'{"id":3,"name":"b"}', True), (b'{"id":4}', False)]
+    # The key column missing from the row: not the fast path's to explain.
+    assert rk.fast(ins(["nope"], id=5)) is None
+    assert rk.fast(ins(["id"], id=6)) is not None
+    # A column named twice: the row and the key both keep the last value, as in the full path.
+    twice = ins(["id"], id=7).replace(b'"columns":["id"]', b'"columns":["id","id"]').replace(
+        b'"types":["int4"]', b'"types":["int4","int4"]').replace(b'"values":[7]', b'"values":[7,8]')
+    hit = rk.fast(twice)
+    assert hit is not None and (hit[2], hit[3]) == out(twice) and hit[2] == b'{"id":8}'
+
+
+def _insert(commit_lsn: int = 2, seq: int = 0, table: str = "public.t", **row: Any) -> bytes:
+    return encode_event(lsn=1, commit_lsn=commit_lsn, seq=seq, xid=3, operation="insert", table=table, timestamp=TS,
+                        pk=["id"], new=image(**row), identity=None)
+
+
+@pytest.mark.parametrize("warm", [False, True])
+def test_misaligned_row_lists_are_contract_errors(warm: bool) -> None:
+    """columns/types/values of different lengths: never a row built from misaligned lists."""
+    from walbus.contract import ContractError
+
+    rk = Rekeyer(prefix="w", database="d")
+    if warm:  # the fast path knows the table's shape (same columns and types bytes)
+        assert rk.fast(_insert(id=1, a="x")) is not None
+    bad = orjson.loads(_insert(id=2, a="y"))
+    bad["values"] = [2, "y", 7]
+    raw = orjson.dumps(bad)
+    assert rk.fast(raw) is None
+    with pytest.raises(ContractError, match="differ in length"):
+        rk.rekey_value(raw, DictState())
+    with pytest.raises(ContractError, match="differ in length"):
+        rk.rekey_record(b"0000000000000002-00000000", raw, DictState())
+
+
+def test_record_key_must_be_the_event_position() -> None:
+    from walbus.contract import ContractError
+
+    rk = Rekeyer(prefix="w", database="d")
+    raw = _insert(commit_lsn=0x1A2B, seq=3, id=1)
+    good = b"0000000000001A2B-00000003"
+    assert rk.fast(raw, good) is not None and rk.rekey_record(good, raw, DictState()).records
+    for key in (b"FFFFFFFFFFFFFFFF-FFFFFFFF", b"0000000000001a2b-00000003", b"1A2B-3", b""):
+        assert rk.fast(raw, key) is None
+        with pytest.raises(ContractError, match=r"not the event's position|not a walbus event key"):
+            rk.rekey_record(key, raw, DictState())
+    with pytest.raises(ContractError):
+        rk.rekey_record(None, raw, DictState())
+
+
+def test_unusual_table_names_never_escape_the_fast_path() -> None:
+    """A malformed table name is the contract's error (DLQ), not an exception out of the fast path."""
+    from walbus.contract import ContractError
+
+    rk = Rekeyer(prefix="w", database="d")
+    raw = _insert(table='a"b.c', id=1)
+    assert rk.fast(raw) is None
+    with pytest.raises(ContractError):
+        rk.rekey_value(raw, DictState())
+    delete = encode_event(lsn=1, commit_lsn=2, seq=0, xid=3, operation="delete", table='a"b.c', timestamp=TS,
+                          pk=["id"], new=None, identity=image(id=1))
+    assert rk.fast(delete) is None
+    # A prefix that leaves no room for any table name: no topic, a RekeyError.
+    long = Rekeyer(prefix="p" * 240, database="d")
+    assert long.fast(_insert(table="public.t", id=1)) is None
+    with pytest.raises(RekeyError, match="no topic name"):
+        long.rekey_value(_insert(table="public.t", id=1), DictState())
+
+
+def test_hashed_topic_replaces_a_colliding_name() -> None:
+    from walbus.contract import table_topic
+
+    rk = Rekeyer(prefix="w", database="d")
+    raw = _insert(table="public.c_d", id=1, n=2)
+    hit = rk.fast(raw)
+    assert hit is not None and hit[1] == "w.d.public.c_d"
+    hashed = rk.use_hashed_topic("public.c_d")
+    assert hashed == table_topic("w", "d", "public", "c_d", hashed=True) != "w.d.public.c_d"
+    hit = rk.fast(raw)
+    assert hit is not None and hit[1] == hashed
+    assert rk.rekey_value(raw, DictState()).records[0].topic == hashed
+
+
+def test_unchanged_value_of_an_unknown_row_is_a_rekey_error(rk: Rekeyer) -> None:
+    """A key whose last output could not be written: filling from the store would publish a stale value."""
+    from demux.rekey import unknown_row
+
+    state = DictState()
+    run(rk, state, event("insert", new=image(transaction_id=1, doc="old", n=1)))
+    key = b'{"transaction_id":1}'
+    state.rows[("public.transactions", key)] = unknown_row("too large")
+    upd = event("update", new=image(transaction_id=1, n=2), unchanged=["doc"], commit_lsn=0x16B374D900)
+    with pytest.raises(RekeyError, match="unknown: too large"):
+        rk.rekey(upd, state)
+    # A full row (nothing to fill) is fine, and so is a delete record (identity only).
+    full = rk.rekey(event("update", new=image(transaction_id=1, doc="new", n=3)), state)
+    assert val(full.records[0])["doc"] == "new"
+    deleter = Rekeyer(prefix="walbus", database="shop", emit_delete_records=True)
+    deleted = deleter.rekey(event("delete", identity=image(transaction_id=1)), state)
+    assert {k: v for k, v in val(deleted.records[0]).items() if k not in META_FIELDS} == {"transaction_id": 1}

@@ -1,0 +1,123 @@
+"""The last-row store and the demux options: no services."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import orjson
+import pytest
+
+from demux.config import parse_config
+from demux.positions import checkpoint_text
+from demux.state import StateStore
+from demux.transaction import transactional_id
+from walbus.config import ConfigError
+from walbus.contract import database_topic, table_topic
+from walbus.kafka import DEFAULT_MAX_MESSAGE_BYTES
+
+ROW = orjson.dumps({"id": 1, "doc": "x", "__op": "c", "__lsn": 1, "__commit_lsn": 2, "__seq": 0, "__xid": 3, "__ts": "t"})
+
+
+def test_pending_changes_are_visible_then_committed(tmp_path: Path) -> None:
+    path = tmp_path / "s.sqlite"
+    store = StateStore(path)
+    assert store.checkpoint() is None
+    store.track("public.t", [])
+    store.apply([("public.t", b"k1", ROW)])
+    assert store.get("public.t", b"k1") == {"id": 1, "doc": "x"}
+    assert set(store.keys("public.t")) == {b"k1"}
+    store.commit("g|src|0|10")
+    store.apply([("public.t", b"k1", None), ("public.t", b"k2", ROW)])
+    assert set(store.keys("public.t")) == {b"k2"}
+    assert store.get("public.t", b"k1") is None
+    store.rollback()  # an aborted transaction leaves the committed content
+    assert set(store.keys("public.t")) == {b"k1"}
+    store.close()
+    again = StateStore(path)
+    assert again.checkpoint() == "g|src|0|10"
+    assert again.get("public.t", b"k1") == {"id": 1, "doc": "x"}
+    assert len(again) == 1
+    again.close()
+
+
+def test_only_tracked_tables_are_kept(tmp_path: Path) -> None:
+    path = tmp_path / "s.sqlite"
+    store = StateStore(path)
+    store.apply([("public.t", b"k", ROW)])
+    assert store.pending == {}  # not tracked: nothing kept
+    assert store.track("public.t", [(b"a", ROW), (b"b", ROW)]) == 2
+    store.apply([("public.t", b"k", ROW), ("public.u", b"k", ROW), ("public.t", b"a", None)])
+    assert set(store.keys("public.t")) == {b"b", b"k"}
+    store.commit("c1")
+    store.close()
+    store = StateStore(path)
+    assert store.tracked == {"public.t"} and len(store) == 2
+    store.reset("c2")
+    assert store.tracked == set() and len(store) == 0 and store.checkpoint() == "c2"
+    store.close()
+
+
+def test_ids() -> None:
+    assert transactional_id("grp", "walbus.shop", 3) == "grp.walbus.shop.3"
+    from aiokafka import TopicPartition
+
+    assert checkpoint_text("g", TopicPartition("t", 1), None) == "g|t|1|-1"
+
+
+def test_config_defaults_and_errors() -> None:
+    cfg = parse_config(["--kafka-bootstrap", "k:9092", "--source-topic", "walbus.shop"])
+    assert cfg.database_name == "shop" and cfg.group == "walbus-demux.walbus.shop"
+    assert cfg.dlq == "walbus.shop.dlq"
+    limit = str(DEFAULT_MAX_MESSAGE_BYTES)
+    assert dict(cfg.topic_configs(compact=True)) == {"cleanup.policy": "compact", "max.message.bytes": limit}
+    cfg = parse_config(["--kafka-bootstrap", "k", "--source-topic", "cdc_shop", "--segment-ms", "1000",
+                        "--delete-retention-ms", "5", "--min-compaction-lag-ms", "0"])
+    assert cfg.database_name == "cdc_shop"
+    # The producer's database topic escapes the name (contract.database_topic): read back once.
+    for database in ("my db", "shop-20x", "ö", "a.b"):
+        source = database_topic("walbus", database)
+        derived = parse_config(["--kafka-bootstrap", "k", "--source-topic", source]).database_name
+        assert derived == database
+        assert table_topic("walbus", derived, "public", "t").startswith(source + ".")
+    assert dict(cfg.topic_configs(compact=True)) == {
+        "cleanup.policy": "compact", "segment.ms": "1000", "delete.retention.ms": "5", "min.compaction.lag.ms": "0",
+        "max.message.bytes": limit}
+    assert dict(cfg.topic_configs(compact=False)) == {
+        "cleanup.policy": "delete", "segment.ms": "1000", "max.message.bytes": limit}
+    with pytest.raises(ConfigError, match="--txn-max-records"):
+        parse_config(["--kafka-bootstrap", "k", "--source-topic", "s", "--txn-max-records", "0"])
+    with pytest.raises(ConfigError, match="--source-topic"):
+        parse_config(["--kafka-bootstrap", "k"])
+    with pytest.raises(ConfigError, match="--topic-prefix"):
+        parse_config(["--kafka-bootstrap", "k", "--source-topic", "s", "--topic-prefix", "cdc events"])
+    with pytest.raises(ConfigError, match="--dlq-topic"):
+        parse_config(["--kafka-bootstrap", "k", "--source-topic", "s", "--dlq-topic", "s dlq"])
+    with pytest.raises(ConfigError, match="--source-topic"):
+        parse_config(["--kafka-bootstrap", "k", "--source-topic", "walbus.ö"])
+
+
+def test_topic_errors_are_sorted_into_transient_permanent_and_colliding() -> None:
+    """Transient: retried. Permanent: the topic is unusable (DLQ). Colliding: the hashed name."""
+    from aiokafka.errors import (
+        InvalidReplicationFactorError,
+        InvalidTopicError,
+        KafkaConnectionError,
+        KafkaTimeoutError,
+        NotControllerError,
+        PolicyViolationError,
+        RequestTimedOutError,
+        TopicAuthorizationFailedError,
+    )
+
+    from demux.topics import _transient, _unusable
+
+    for error in (KafkaConnectionError("down"), KafkaTimeoutError(), RequestTimedOutError(), NotControllerError()):
+        assert _transient(error), error
+    for error in (InvalidTopicError("bad"), PolicyViolationError(), TopicAuthorizationFailedError(),
+                  InvalidReplicationFactorError()):
+        assert not _transient(error), error
+        info = _unusable("t", error)
+        assert info.unusable is not None and "t cannot be created" in info.unusable and not info.collides
+    clash = _unusable("w.d.public.c_d", InvalidTopicError(
+        "creating topic w.d.public.c_d: Topic 'w.d.public.c_d' collides with existing topics: w.d.public_c.d"))
+    assert clash.collides and clash.unusable is not None
