@@ -1,14 +1,17 @@
 """Warehouse load throughput on local[2]; prints JSON lines.
 
-    python -m bench.warehouse [--kafka-bootstrap 127.0.0.1:9092] [--events 1000000]
+    python -m bench.warehouse [--kafka-bootstrap 127.0.0.1:9092] [--events 100000] [--tables 1,16,200]
 
 1. ``transactions``: N contract-v1 events of pgkafka's table (80% inserts, 15% updates,
-   5% deletes, 500-event transactions) into a fresh topic, then one load: events/s into the
-   history and current tables, and the time of each phase;
+   5% deletes, 500-event transactions) into a fresh topic, then one walbus load and the
+   naive job of ``bench/warehouse_baseline.py`` over the same topic in the same session:
+   events/s of both, their ratio (``speedup``: > 1 is walbus faster), walbus' phases;
 2. ``wide``: the same for a 16-column table (text, numeric, timestamptz, jsonb, uuid, bool,
    int8, float8, date, text[]), N events;
-3. ``incremental``: 10,000 more events over the N-row table of (1), and over a table of
-   N/10 rows: the load time must not scale with the table's size.
+3. ``tables``: one load of 2,000 events spread over T tables (``--tables 1,16``): seconds per
+   extra table;
+4. ``incremental``: 10,000 more events over an N-event table, and over one of N/10 events:
+   the load time must not scale with the table's size.
 
 Events are synthetic (written with record batches, as the producer would): this measures
 the loader, not the producer. Without --kafka-bootstrap, WALBUS_KAFKA_BOOTSTRAP or a
@@ -104,23 +107,68 @@ def load(spark: Any, bootstrap: str, topic: str, warehouse: str) -> dict[str, An
     started = time.monotonic()
     result = run_load(spark, LoadSpec(KafkaOptions(kafka_bootstrap=bootstrap), topic, warehouse))
     seconds = time.monotonic() - started
-    (summary,) = result.tables.values()
-    return {
+    summaries = list(result.tables.values())
+    out: dict[str, Any] = {
         "events": result.events, "seconds": round(seconds, 2), "events_per_s": round(result.events / seconds),
-        "history_rows_added": summary.history_rows, "current_inserted": summary.inserted,
-        "current_updated": summary.updated, "phases_s": {"read_parse": result.phases.get("read", 0.0), **summary.seconds},
+        "tables": len(summaries), "phases_s": {"read_parse": result.phases.get("read", 0.0)},
     }
+    if len(summaries) == 1:
+        (summary,) = summaries
+        out.update(history_rows_added=summary.history_rows, current_inserted=summary.inserted,
+                   current_updated=summary.updated)
+        out["phases_s"].update(summary.seconds)
+    return out
+
+
+def baseline(spark: Any, bootstrap: str, topic: str, root: str, columns: list[tuple[str, str]]) -> dict[str, Any]:
+    """The naive job (bench/warehouse_baseline.py) over the same topic, in the same session."""
+    from bench import warehouse_baseline
+
+    started = time.monotonic()
+    n = warehouse_baseline.run(spark, bootstrap, topic, f"{root}/baseline-{topic}", columns)
+    seconds = time.monotonic() - started
+    return {"events": n, "seconds": round(seconds, 2), "events_per_s": round(n / seconds)}
+
+
+def compare(spark: Any, bootstrap: str, topic: str, root: str, columns: list[tuple[str, str]]) -> dict[str, Any]:
+    """walbus' load and the naive job over one topic: each one's figures and the ratio."""
+    ours = load(spark, bootstrap, topic, root)
+    naive = baseline(spark, bootstrap, topic, root, columns)
+    return {"walbus": ours, "baseline": naive, "speedup": round(naive["seconds"] / ours["seconds"], 2)}
+
+
+def tables_sweep(spark: Any, bootstrap: str, root: str, run: str, counts: list[int], total: int) -> None:
+    """One load of ``total`` events spread over T tables, for each T: seconds per extra table."""
+    seconds: dict[int, float] = {}
+    for count in counts:
+        topic = f"bench-wh-tables-{count}-{run}"
+        recs: list[tuple[bytes, bytes]] = []
+        for i in range(count):
+            n = total // count + (1 if i < total % count else 0)
+            part, _, _ = events(n, f"public.t{i}", TX_COLS, TX_TYPES, tx_values, first_commit=(i + 1) << 32, seed=i)
+            recs += part
+        fill(bootstrap, topic, recs)
+        result = load(spark, bootstrap, topic, root)
+        seconds[count] = result["seconds"]
+        emit(workload="tables", **result)
+    if len(seconds) > 1:
+        low, high = min(seconds), max(seconds)
+        emit(workload="tables", seconds_per_extra_table=round((seconds[high] - seconds[low]) / (high - low), 3),
+             between=[low, high], events=total)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--kafka-bootstrap")
-    ap.add_argument("--events", type=int, default=1_000_000)
+    ap.add_argument("--events", type=int, default=100_000)
     ap.add_argument("--incremental", type=int, default=10_000)
     ap.add_argument("--master", default="local[2]")
     ap.add_argument("--shuffle-partitions", type=int, default=4)
     ap.add_argument("--driver-memory", default="3g")
     ap.add_argument("--skip-wide", action="store_true")
+    ap.add_argument("--skip-incremental", action="store_true")
+    ap.add_argument("--tables", default="1,16", help="table counts of the many-tables load (comma-separated; empty: skip)")
+    ap.add_argument("--tables-events", type=int, default=2_000, help="events of each many-tables load")
     args = ap.parse_args()
     from warehouse.spark import build_session
 
@@ -133,28 +181,35 @@ def main() -> None:
         try:
             emit(bench="warehouse", master=args.master, events=args.events, spark=spark.version,
                  shuffle_partitions=args.shuffle_partitions)
-            sizes = {"full": args.events, "tenth": max(args.events // 10, 1)}
-            for label, n in sizes.items():
-                topic = f"bench-wh-tx-{label}-{run}"
-                recs, live, next_key = events(n, "public.transactions", TX_COLS, TX_TYPES, tx_values)
-                fill(bootstrap, topic, recs)
-                first = load(spark, bootstrap, topic, root)
-                if label == "full":
-                    emit(workload="transactions", **first)
-                more, _, _ = events(args.incremental, "public.transactions", TX_COLS, TX_TYPES, tx_values,
-                                    first_key=next_key, first_commit=0x9_0000_0000, live=live, seed=2)
-                fill(bootstrap, topic, more)
-                again = load(spark, bootstrap, topic, root)
-                emit(workload="incremental", table_events=n, **again)
+            topic = f"bench-wh-tx-{run}"
+            recs, _, _ = events(args.events, "public.transactions", TX_COLS, TX_TYPES, tx_values)
+            fill(bootstrap, topic, recs)
+            emit(workload="transactions", **compare(spark, bootstrap, topic, root, list(zip(TX_COLS, TX_TYPES, strict=True))))
             if not args.skip_wide:
                 topic = f"bench-wh-wide-{run}"
-                cols, types = [c for c, _ in WIDE], [t for _, t in WIDE]
-                recs, _, _ = events(args.events, "public.wide", cols, types, wide_values)
+                recs, _, _ = events(args.events, "public.wide", [c for c, _ in WIDE], [t for _, t in WIDE], wide_values)
                 fill(bootstrap, topic, recs)
-                emit(workload="wide", columns=len(WIDE), **load(spark, bootstrap, topic, root))
+                emit(workload="wide", columns=len(WIDE), **compare(spark, bootstrap, topic, root, WIDE))
+            if args.tables:
+                tables_sweep(spark, bootstrap, root, run, [int(t) for t in args.tables.split(",")], args.tables_events)
+            if not args.skip_incremental:
+                incremental(spark, bootstrap, root, run, args.events, args.incremental)
         finally:
             spark.stop()
             shutil.rmtree(root, ignore_errors=True)
+
+
+def incremental(spark: Any, bootstrap: str, root: str, run: str, events_full: int, more_events: int) -> None:
+    """``more_events`` over a table of ``events_full`` events, and over one 10 times smaller."""
+    for label, n in {"full": events_full, "tenth": max(events_full // 10, 1)}.items():
+        topic = f"bench-wh-inc-{label}-{run}"
+        recs, live, next_key = events(n, "public.transactions", TX_COLS, TX_TYPES, tx_values)
+        fill(bootstrap, topic, recs)
+        load(spark, bootstrap, topic, root)
+        more, _, _ = events(more_events, "public.transactions", TX_COLS, TX_TYPES, tx_values,
+                            first_key=next_key, first_commit=0x9_0000_0000, live=live, seed=2)
+        fill(bootstrap, topic, more)
+        emit(workload="incremental", table_events=n, **load(spark, bootstrap, topic, root))
 
 
 if __name__ == "__main__":

@@ -22,7 +22,14 @@ if [ ${#need[@]} -gt 0 ]; then
   $sudo apt-get install -y -qq "${need[@]}" >/dev/null
 fi
 
-python3 -m pip install -q --disable-pip-version-check -e '.[test]'
+python3 -m pip install -q --disable-pip-version-check -e '.[test,warehouse]'
+# Spark's Delta and Kafka connector jars (spark.jars.packages) once, into Ivy's cache, so that
+# the first `walbus warehouse load` or `walbus demo` does not resolve them; Ivy's output goes
+# to the Spark log file, not here.
+python3 -c '
+from warehouse.spark import prefetch_jars
+print("setup: spark jars", " ".join(prefetch_jars()))
+'
 # Fetch the Kafka broker's jars from Maven Central once (cached in ~/.cache/walbus): the
 # default 4.x, and 3.9 for the tests that check it still works (tests/integration/test_kafka39.py).
 python3 -c '

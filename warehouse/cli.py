@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import re
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -12,15 +13,17 @@ from typing import Any
 import orjson
 
 from walbus.config import ConfigError, load_config, option
-from walbus.contract import ContractError, NameMatcher
+from walbus.contract import ContractError, Lsn, NameMatcher
 from walbus.kafka import KafkaOptions
 from walbus.logs import setup_logging
-from warehouse.types import NUMERIC_SCALE
+from warehouse import NUMERIC_SCALE
+from warehouse.extra import spark_missing
 
 USAGE = """usage: walbus warehouse <command> [options]
 
 commands:
   load    load the database topic into history and current tables (Delta)
+  stream  the same load as a Spark Structured Streaming query (checkpointed; any Spark cluster)
   sql     run a Spark SQL query over a warehouse's tables
 
 `walbus warehouse <command> --help` for the options.
@@ -63,6 +66,27 @@ class LoadConfig(SparkOptions, KafkaOptions):
         help="quarantine records that are not contract-v1 events (<warehouse>/<topic>/_walbus_quarantine) "
         "and load the rest; default: such a record fails the load",
     )
+    parallel_tables: int = option(
+        8, help="tables written at once (driver threads): their fixed Spark/Delta costs overlap"
+    )
+
+    def __post_init__(self) -> None:
+        if self.parallel_tables < 1:
+            raise ValueError(f"--parallel-tables: {self.parallel_tables} is not a positive number")
+
+
+@dataclass(kw_only=True)
+class StreamConfig(LoadConfig):
+    checkpoint: str | None = option(None, help="Spark checkpoint directory; default <warehouse>/<topic>/_walbus_stream")
+    trigger: str = option(
+        "available-now",
+        help="available-now: load everything there is, then exit; or an interval ('30 seconds'): run until stopped",
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.trigger != "available-now" and not re.fullmatch(r"[0-9]+ *(milliseconds?|seconds?|minutes?|hours?)", self.trigger):
+            raise ValueError(f"--trigger: {self.trigger!r} is neither available-now nor an interval like '30 seconds'")
 
 
 @dataclass(kw_only=True)
@@ -72,6 +96,13 @@ class SqlConfig(SparkOptions):
     query: str | None = option(None, help="the SQL query (or give it as the first argument)")
     format: str = option("table", help="output format", choices=["table", "json"])
     limit: int = option(1000, help="print at most this many rows")
+    as_of_lsn: str | None = option(
+        None, help="show the tables as of this commit LSN (16/B374D848), rebuilt from their history"
+    )
+
+    def __post_init__(self) -> None:
+        if self.as_of_lsn is not None:
+            Lsn.parse(self.as_of_lsn)  # ValueError: a configuration error
 
 
 def _session(config: SparkOptions) -> Any:
@@ -84,6 +115,16 @@ def _session(config: SparkOptions) -> Any:
     )
 
 
+def _spec(config: LoadConfig) -> Any:
+    from warehouse.job import LoadSpec
+
+    kafka = KafkaOptions(**{f.name: getattr(config, f.name) for f in dataclasses.fields(KafkaOptions)})
+    return LoadSpec(
+        kafka, config.topic, config.warehouse, tuple(config.tables), config.numeric_scale,
+        skip_invalid=config.skip_invalid, parallel_tables=config.parallel_tables,
+    )
+
+
 def load_main(argv: Sequence[str]) -> int:
     config = load_config(LoadConfig, argv, prog="walbus warehouse load", section="warehouse")
     try:
@@ -91,14 +132,10 @@ def load_main(argv: Sequence[str]) -> int:
     except ContractError as e:
         raise ConfigError(f"--tables: {e}") from None
     setup_logging(config.log_level)
-    from warehouse.job import LoadError, LoadSpec, run_load
+    from warehouse.job import LoadError, run_load
     from warehouse.read import TopicError
 
-    kafka = KafkaOptions(**{f.name: getattr(config, f.name) for f in dataclasses.fields(KafkaOptions)})
-    spec = LoadSpec(
-        kafka, config.topic, config.warehouse, tuple(config.tables), config.numeric_scale,
-        skip_invalid=config.skip_invalid,
-    )
+    spec = _spec(config)
     spark = _session(config)
     try:
         result = run_load(spark, spec)
@@ -118,11 +155,34 @@ def load_main(argv: Sequence[str]) -> int:
     return 0
 
 
-def run_sql(spark: Any, warehouse: str, topic: str | None, query: str, limit: int) -> tuple[list[str], list[Any]]:
-    """Register the warehouse's views and run ``query``: (column names, rows)."""
+def stream_main(argv: Sequence[str]) -> int:
+    config = load_config(StreamConfig, argv, prog="walbus warehouse stream", section="warehouse")
+    setup_logging(config.log_level)
+    from warehouse.stream import start_stream
+
+    spark = _session(config)
+    try:
+        query = start_stream(spark, _spec(config), checkpoint=config.checkpoint, trigger=config.trigger)
+        query.awaitTermination()
+    except KeyboardInterrupt:
+        return 130
+    except Exception as e:  # the query's failure: one readable line, the trace in the log
+        log.debug("stream failed", exc_info=True)
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        print(f"walbus warehouse stream: error: {type(e).__name__}: {first}", file=sys.stderr)
+        return 1
+    finally:
+        spark.stop()
+    return 0
+
+
+def run_sql(
+    spark: Any, warehouse: str, topic: str | None, query: str, limit: int, as_of_lsn: int | None = None
+) -> tuple[list[str], list[Any]]:
+    """Register the warehouse's views (as of ``as_of_lsn``) and run ``query``: (column names, rows)."""
     from warehouse.views import register_views
 
-    names = register_views(spark, warehouse, topic)
+    names = register_views(spark, warehouse, topic, as_of_lsn)
     log.info("views", extra={"views": names})
     df = spark.sql(query)
     return list(df.columns), df.limit(limit).collect()
@@ -140,7 +200,8 @@ def sql_main(argv: Sequence[str]) -> int:
     setup_logging(config.log_level)
     spark = _session(config)
     try:
-        columns, rows = run_sql(spark, config.warehouse, config.topic, query, config.limit)
+        as_of = Lsn.parse(config.as_of_lsn) if config.as_of_lsn is not None else None
+        columns, rows = run_sql(spark, config.warehouse, config.topic, query, config.limit, as_of)
     except Exception as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         print(f"walbus warehouse sql: error: {first}", file=sys.stderr)
@@ -171,9 +232,13 @@ def main(argv: Sequence[str]) -> int:
     if not args or args[0] in ("-h", "--help", "help"):
         print(USAGE)
         return 0 if args else 2
-    commands = {"load": load_main, "sql": sql_main}
+    commands = {"load": load_main, "stream": stream_main, "sql": sql_main}
     command = commands.get(args[0])
     if command is None:
         print(f"walbus warehouse: unknown command {args[0]!r}\n\n{USAGE}", file=sys.stderr)
+        return 2
+    missing = spark_missing()
+    if missing is not None and not {"-h", "--help"} & set(args[1:]):
+        print(f"walbus warehouse {args[0]}: error: {missing}", file=sys.stderr)
         return 2
     return command(args[1:])

@@ -133,17 +133,16 @@ def merge_current(
         all_cols = [*meta_names, *[c.name for c in columns], DELETED]
         tombstone_set: dict[str, str | Column] = {quote(c): f"s.{quote(c)}" for c in [*meta_names, DELETED]}
         full_set: dict[str, str | Column] = {quote(c): f"s.{quote(c)}" for c in all_cols}
-        with txn.for_sql(spark):
-            (
-                DeltaTable.forPath(spark, path)
-                .alias("t")
-                .merge(source.alias("s"), cond)
-                # a tombstone keeps the row's last values, with the delete's position
-                .whenMatchedUpdate(condition=f"{_newer('s', 't')} AND s.{DELETED}", set=tombstone_set)
-                .whenMatchedUpdate(condition=_newer("s", "t"), set=full_set)
-                .whenNotMatchedInsert(values=full_set)
-                .execute()
-            )
+        (
+            DeltaTable.forPath(txn.tagged_session(spark), path)
+            .alias("t")
+            .merge(source.alias("s"), cond)
+            # a tombstone keeps the row's last values, with the delete's position
+            .whenMatchedUpdate(condition=f"{_newer('s', 't')} AND s.{DELETED}", set=tombstone_set)
+            .whenMatchedUpdate(condition=_newer("s", "t"), set=full_set)
+            .whenNotMatchedInsert(values=full_set)
+            .execute()
+        )
         metrics = last_commit_metrics(spark, path)
         inserted = int(metrics.get("numTargetRowsInserted", 0))
         updated = int(metrics.get("numTargetRowsUpdated", 0))

@@ -6,6 +6,7 @@ table's data and its load marker are committed together.
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import time
 from collections.abc import Sequence
@@ -18,7 +19,7 @@ from pyspark.sql import functions as F
 
 from walbus.contract import NameMatcher, split_table
 from walbus.kafka import KafkaOptions
-from warehouse import layout, loads
+from warehouse import NUMERIC_SCALE, layout, loads
 from warehouse.current import CURRENT_EXTRA_FIELDS, CURRENT_PROPERTIES, merge_current
 from warehouse.frame import (
     DELETED,
@@ -53,7 +54,6 @@ from warehouse.schema import (
 )
 from warehouse.toast import resolve_unchanged
 from warehouse.txn import Txn
-from warehouse.types import NUMERIC_SCALE
 
 log = logging.getLogger("walbus.warehouse")
 
@@ -78,6 +78,7 @@ class LoadSpec:
     tables: Sequence[str] = ()  # table patterns (walbus.contract.NameMatcher); empty: all
     numeric_scale: int = NUMERIC_SCALE
     skip_invalid: bool = False  # quarantine records that are not contract-v1 events
+    parallel_tables: int = 8  # tables written at once (driver threads, one FAIR pool each)
 
 
 @dataclass
@@ -204,10 +205,21 @@ def _run_batch(
         loads.record(spark, log_path, load)
     log.info("load", extra={"batch": load.batch_id, "start": load.start, "end": load.end, "replay": replay})
     raw = read_slice(spark, spec.kafka, spec.topic, load.start, load.end)
+    write_slice(spark, spec, raw, Txn(f"walbus:{spec.topic}", load.batch_id, replay), result)
+    loads.record(
+        spark,
+        log_path,
+        loads.Load(load.batch_id, "committed", load.start, load.end),
+        {t: s.as_dict() for t, s in result.tables.items()},
+    )
+
+
+def write_slice(spark: SparkSession, spec: LoadSpec, raw: DataFrame, txn: Txn, result: LoadResult) -> None:
+    """One slice of the topic (Kafka rows) into every table, each write tagged with ``txn``:
+    the whole of a batch load, and the body of each micro-batch of ``walbus warehouse stream``."""
     events = parse_events(raw).persist(StorageLevel.MEMORY_AND_DISK)
     started = time.monotonic()
     try:
-        txn = Txn(f"walbus:{spec.topic}", load.batch_id, replay)
         bad = events.where(invalid_events()).select("kafka_partition", "kafka_offset", INVALID).first()
         if bad is not None:
             if not spec.skip_invalid:
@@ -215,46 +227,60 @@ def _run_batch(
                     f"{describe_invalid(spec.topic, bad)}: not a walbus contract-v1 event; nothing of "
                     "this load was written (--skip-invalid quarantines such records and loads the rest)"
                 )
-            result.quarantined += _quarantine(spark, spec, load, txn, bad)
+            result.quarantined += _quarantine(spark, spec, raw, txn, bad)
         valid = events.where(~invalid_events()) if bad is not None else events
-        failures: list[str] = []
-        batch_events = 0
         metas = sorted(_table_meta(valid), key=lambda r: r["table"])  # reads the slice
         result.phases["read"] = round(result.phases.get("read", 0.0) + time.monotonic() - started, 3)
         selected = NameMatcher(spec.tables)
+        metas = [m for m in metas if not selected or selected.matches_table(m["table"])]
         for meta in metas:
-            table = meta["table"]
-            if selected and not selected.matches_table(table):
-                continue
-            batch_events += int(meta["events"])
-            summary = result.tables.setdefault(table, TableSummary(table))
-            try:
-                _load_table(spark, spec, valid.where(F.col("table") == table), meta, txn, summary)
-            except SchemaChangeError as e:
-                summary.error = str(e)
-                failures.append(str(e))
-        result.events += batch_events
-        result.batches.append(load.batch_id)
+            result.tables.setdefault(meta["table"], TableSummary(meta["table"]))
+        failures = _load_tables(spark, spec, valid, metas, txn, result.tables)
+        result.events += sum(int(m["events"]) for m in metas)
+        result.batches.append(txn.batch_id)
         if failures:
             raise LoadError(
                 "; ".join(failures)
                 + ". The other tables of this load are committed; the load itself is not, so "
                 "every run replays it until the table is fixed (or left out with --tables)."
             )
-        loads.record(
-            spark,
-            log_path,
-            loads.Load(load.batch_id, "committed", load.start, load.end),
-            {t: s.as_dict() for t, s in result.tables.items()},
-        )
     finally:
         events.unpersist()
 
 
-def _quarantine(spark: SparkSession, spec: LoadSpec, load: loads.Load, txn: Txn, first: Any) -> int:
+def _load_tables(
+    spark: SparkSession,
+    spec: LoadSpec,
+    events: DataFrame,
+    metas: list[dict[str, Any]],
+    txn: Txn,
+    summaries: dict[str, TableSummary],
+) -> list[str]:
+    """Load each table, ``spec.parallel_tables`` at a time: most of a small table's load is
+    Spark's and Delta's fixed cost per job and commit, spent waiting on the driver, so many
+    tables overlap those waits. Returns the schema-change failures (the other tables load)."""
+
+    def load_one(meta: dict[str, Any]) -> str | None:
+        table = meta["table"]
+        summary = summaries[table]
+        try:
+            _load_table(spark, spec, events.where(F.col("table") == table), meta, txn, summary)
+        except SchemaChangeError as e:
+            summary.error = str(e)
+            return str(e)
+        return None
+
+    if spec.parallel_tables <= 1 or len(metas) <= 1:
+        outcomes = [load_one(m) for m in metas]
+    else:
+        with concurrent.futures.ThreadPoolExecutor(spec.parallel_tables, thread_name_prefix="walbus-table") as pool:
+            outcomes = list(pool.map(load_one, metas))
+    return [o for o in outcomes if o is not None]
+
+
+def _quarantine(spark: SparkSession, spec: LoadSpec, raw: DataFrame, txn: Txn, first: Any) -> int:
     """Append the load's invalid records to the topic's quarantine table (once per load)."""
     path = layout.quarantine_path(spec.warehouse, spec.topic)
-    raw = read_slice(spark, spec.kafka, spec.topic, load.start, load.end)
     bad = checked(raw).select(
         F.col("topic").alias("kafka_topic"),
         F.col("partition").alias("kafka_partition"),
@@ -262,14 +288,14 @@ def _quarantine(spark: SparkSession, spec: LoadSpec, load: loads.Load, txn: Txn,
         F.col("key").alias("kafka_key"),
         F.col("value").alias("kafka_value"),
         F.col(INVALID).alias("reason"),
-        F.lit(load.batch_id).cast("bigint").alias("load_id"),
+        F.lit(txn.batch_id).cast("bigint").alias("load_id"),
         F.current_timestamp().alias("quarantined_at"),
     ).where(F.col("reason").isNotNull())
     count = bad.count()
     log.error(
         "invalid records quarantined",
         extra={
-            "topic": spec.topic, "batch": load.batch_id, "records": count, "quarantine": path,
+            "topic": spec.topic, "batch": txn.batch_id, "records": count, "quarantine": path,
             "first": describe_invalid(spec.topic, first),
         },
     )

@@ -37,6 +37,7 @@ _PLAIN_TABLE = re.compile(r"[A-Za-z0-9_]+")
 
 LOADS_DIR: Final = "_walbus_loads"
 QUARANTINE_DIR: Final = "_walbus_quarantine"
+STREAM_DIR: Final = "_walbus_stream"  # Spark checkpoint of `walbus warehouse stream`
 QUARANTINE_VIEW: Final = "_walbus_quarantine"  # no table view: plain ones start alphanumeric, others hold a dot
 
 
@@ -97,6 +98,11 @@ def topic_root(warehouse: str, topic: str) -> str:
 
 def loads_path(warehouse: str, topic: str) -> str:
     return join(topic_root(warehouse, topic), LOADS_DIR)
+
+
+def stream_checkpoint_path(warehouse: str, topic: str) -> str:
+    """The default checkpoint of ``walbus warehouse stream`` (Spark's offsets and commits)."""
+    return join(topic_root(warehouse, topic), STREAM_DIR)
 
 
 def quarantine_path(warehouse: str, topic: str) -> str:

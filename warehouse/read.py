@@ -56,6 +56,7 @@ ENVELOPE_SCHEMA: Final = ", ".join(
     f"{quote(name)} {'string' if name in FIELD_BITS else _FIELD_TYPES[name]}" for name in FIELD_ORDER
 )
 INVALID: Final = "invalid_reason"  # why a record is not a contract-v1 event; null if it is
+FIELDS: Final = "_walbus_fields"  # the event's fields, as checked() gives them
 
 
 class TopicError(RuntimeError):
@@ -316,19 +317,138 @@ def _respelled(table: Column) -> Column:
     return F.concat(_quote(parts[0]), F.lit("."), _quote(parts[1]))
 
 
+# -- the fast path: one parse ----------------------------------------------------------------
+# Nearly every record is an event as walbus writes it (orjson: integers as integers, names
+# as strings, lists as lists). One from_json parse of ``[value]`` against the contract's
+# fields, each a variant (its exact JSON type) but ``values`` (each value's own JSON text),
+# shows whether a record is such a canonical event: every rule below implies decode_event's
+# and check_key's, so a record passing them all is valid, and its fields are taken from this
+# parse. Any other record (invalid, or valid but unusual: an LSN beyond 2**63, a float in
+# an identity) goes through the exact checks above, which name the broken rule.
+
+_FAST: Final = "_walbus_fast"
+_FAST_OK: Final = "_walbus_fast_ok"
+_FAST_SCHEMA: Final = "array<struct<" + ", ".join(
+    f"{quote(name)}: {'array<string>' if name == 'values' else 'variant'}" for name in FIELD_ORDER
+) + ">>"
+_SEQ_LIMIT: Final = 1 << FIELD_BITS["seq"]
+# identity values whose text the variant keeps exactly: strings, integers, nulls
+_EXACT_IDENTITY: Final = (
+    r"\AOBJECT<columns: ARRAY<(STRING|VOID)>, types: ARRAY<(STRING|VOID)>, values: ARRAY<(STRING|BIGINT|VOID)>>\z"
+)
+
+
+def _typed(name: str) -> str:
+    return f"_walbus_typed_{name}"
+
+
+def _kind(name: str) -> str:
+    return f"_walbus_kind_{name}"
+
+
+def _fast_columns() -> list[Column]:
+    """Each field of the fast parse once: typed as the exact path types it, and its JSON
+    type (schema_of_variant). Later expressions read these columns many times."""
+    out: list[Column] = []
+    for name in FIELD_ORDER:
+        value = F.col(f"{_FAST}.{quote(name)}")
+        if name == "values":
+            out.append(value.alias(_typed(name)))
+            continue
+        out.append(F.schema_of_variant(value).alias(_kind(name)))
+        if name == "identity":
+            present = value.isNotNull() & ~F.is_variant_null(value)
+            parts = (F.try_variant_get(value, f"$.{p}", "array<string>").alias(p) for p in ("columns", "types", "values"))
+            out.append(F.when(present, F.struct(*parts)).alias(_typed(name)))
+        else:
+            out.append(F.try_variant_get(value, "$", _FIELD_TYPES[name]).alias(_typed(name)))
+    return out
+
+
+def _names(name: str) -> Column:
+    """The field is a JSON list of strings (no null, number or list in it)."""
+    kind, names = F.col(_kind(name)), F.col(_typed(name))
+    return ((kind == "ARRAY<STRING>") & F.forall(names, lambda n: n.isNotNull())) | (
+        (kind == "ARRAY<VOID>") & (F.array_size(names) == 0)
+    )
+
+
+def _no_nulls(names: Column) -> Column:
+    return F.forall(names, lambda n: n.isNotNull())
+
+
+def _fast_valid() -> Column:
+    """Whether the fast parse shows a canonical contract-v1 event (see above)."""
+
+    def kind(name: str) -> Column:
+        return F.col(_kind(name))
+
+    def typed(name: str) -> Column:
+        return F.col(_typed(name))
+
+    size = F.array_size(typed("values"))
+    row = _names("columns") & _names("types") & (F.array_size(typed("columns")) == size) & (
+        F.array_size(typed("types")) == size
+    )
+    ident = typed("identity")
+    identity = kind("identity").isNull() | (kind("identity") == "VOID") | (
+        kind("identity").rlike(_EXACT_IDENTITY)
+        & _no_nulls(ident["columns"]) & _no_nulls(ident["types"])
+        & (F.array_size(ident["columns"]) == F.array_size(ident["values"]))
+        & (F.array_size(ident["types"]) == F.array_size(ident["values"]))
+    )
+    integers = [
+        (kind(name) == "BIGINT") & (typed(name) >= 0) & (typed(name) < _SEQ_LIMIT if FIELD_BITS[name] < 63 else F.lit(True))
+        for name in FIELD_ORDER if name in FIELD_BITS
+    ]
+    rules = [
+        F.col("value").isNotNull() & F.is_valid_utf8(F.col("value")),
+        F.col(_FAST).isNotNull(),
+        (kind("v") == "BIGINT") & (typed("v") == CONTRACT_VERSION),
+        (kind("operation") == "STRING") & typed("operation").isin(*sorted(OPERATIONS)),
+        (kind("table") == "STRING") & typed("table").rlike(_QUALIFIED),
+        kind("timestamp") == "STRING",
+        _names("pk"),
+        F.when(kind("columns").isNotNull(), row).otherwise(~typed("operation").isin(*sorted(ROW_OPERATIONS))),
+        identity,
+        kind("unchanged").isNull() | _names("unchanged"),
+        *integers,
+        F.col("key").cast("string") == F.format_string(KEY_FORMAT, typed("commit_lsn").try_cast("bigint"), typed("seq")),
+    ]
+    ok = rules[0]
+    for rule in rules[1:]:
+        ok = ok & rule
+    return F.coalesce(ok, F.lit(False))
+
+
+def _slow_field(name: str) -> Column:
+    if name in FIELD_BITS:
+        return F.col(f"{_EVENT}.{quote(name)}").try_cast(_FIELD_TYPES[name])
+    return F.col(f"{_EVENT}.{quote(name)}")
+
+
 def checked(raw: DataFrame) -> DataFrame:
     """Kafka rows with :data:`INVALID` (why the record is not a contract-v1 event, or null)
-    and ``_walbus_event``, the parsed envelope (integer fields as their JSON text)."""
+    and :data:`FIELDS`, the event's fields (typed as :data:`_FIELD_TYPES`), from the fast parse or else the
+    exact checks' parses (which run only for records the fast path does not accept)."""
     text = F.col("value").cast("string")
-    parses = F.struct(
+    fast = F.from_json(F.concat(F.lit("["), text, F.lit("]")), _FAST_SCHEMA)
+    # each inline() (a Generate node) keeps the optimizer from copying a parse into every
+    # expression that reads it
+    parsed = raw.select("*", F.inline(F.array(F.struct(fast.alias(_FAST)))))
+    # one element: the value was one JSON value (a second one is text after it)
+    parsed = parsed.withColumn(_FAST, F.when(F.array_size(_FAST) == 1, F.col(_FAST)[0]))
+    parsed = parsed.select("*", *_fast_columns())
+    parsed = parsed.withColumn(_FAST_OK, _fast_valid())
+    slow = F.struct(
         text.alias(_TEXT),
-        F.try_parse_json(F.concat(F.lit("["), text, F.lit("]"))).alias(_WRAPPED),
-        F.from_json(text, ENVELOPE_SCHEMA).alias(_EVENT),
+        F.when(~F.col(_FAST_OK), F.try_parse_json(F.concat(F.lit("["), text, F.lit("]")))).alias(_WRAPPED),
+        F.when(~F.col(_FAST_OK), F.from_json(text, ENVELOPE_SCHEMA)).alias(_EVENT),
     )
-    # inline() (a Generate node) keeps the optimizer from collapsing the parses into every
-    # rule that reads them: without it each record was parsed some 40 times
-    parsed = raw.select("*", F.inline(F.array(parses)))
-    return parsed.withColumn(INVALID, _reason()).drop(_TEXT, _WRAPPED)
+    both = parsed.select("*", F.inline(F.array(slow)))  # after _FAST_OK, as its own column
+    fields = [F.when(F.col(_FAST_OK), F.col(_typed(n))).otherwise(_slow_field(n)).alias(n) for n in FIELD_ORDER]
+    # in a struct: a Kafka row has a `timestamp` column of its own
+    return both.select(*raw.columns, F.when(~F.col(_FAST_OK), _reason()).alias(INVALID), F.struct(*fields).alias(FIELDS))
 
 
 def parse_events(raw: DataFrame) -> DataFrame:
@@ -338,12 +458,16 @@ def parse_events(raw: DataFrame) -> DataFrame:
     spellings of one (schema, table) pair load as one table.
     """
     event = checked(raw)
-    fields = [
-        F.col(f"{_EVENT}.{quote(name)}").try_cast(_FIELD_TYPES[name]).alias(name) if name in FIELD_BITS
-        else F.when(F.col(INVALID).isNull(), _respelled(F.col(f"{_EVENT}.table"))).alias(name) if name == "table"
-        else F.col(f"{_EVENT}.{quote(name)}").alias(name)
-        for name in FIELD_ORDER
-    ]
+
+    def field(name: str) -> Column:
+        value = F.col(f"{FIELDS}.{quote(name)}")
+        if name == "table":
+            return F.when(F.col(INVALID).isNull(), _respelled(value)).alias(name)
+        if name in ("types", "values"):  # without columns the event has no row image (decode_event)
+            return F.when(F.col(f"{FIELDS}.columns").isNotNull(), value).alias(name)
+        return value.alias(name)
+
+    fields = [field(name) for name in FIELD_ORDER]
     return event.select(
         F.col("partition").alias("kafka_partition"), F.col("offset").alias("kafka_offset"), INVALID, *fields
     )

@@ -1,7 +1,7 @@
 """The SparkSession the loader runs in: Delta and Spark's Kafka source via spark.jars.packages.
 
 The Maven coordinates follow the installed ``pyspark`` and ``delta-spark`` versions, so the
-JVM side always matches the Python side (pinned together in pyproject.toml). Nothing here
+JVM side always matches the Python side (their ranges in pyproject.toml's warehouse extra). Nothing here
 assumes local mode: ``master`` may be ``yarn``, ``k8s://…`` or ``spark://…``; the packages are
 resolved by the driver and shipped to the executors by Spark itself.
 """
@@ -11,10 +11,15 @@ from __future__ import annotations
 import importlib.metadata
 import os
 import sys
+import tempfile
 from collections.abc import Mapping
 from typing import Any
 
 SCALA_VERSION = "2.13"
+# The Kafka connector release per Spark minor version: one whose dependency
+# spark-token-provider-kafka-0-10 Maven Central serves (not every patch release has it, e.g.
+# 4.0.1); a connector runs on any patch release of its minor version.
+KAFKA_CONNECTOR = {"4.0": "4.0.0", "4.1": "4.1.1", "4.2": "4.2.0"}
 
 
 def packages() -> list[str]:
@@ -30,7 +35,9 @@ def packages() -> list[str]:
         delta = f"io.delta:delta-spark_{spark_mm}_{SCALA_VERSION}:{delta_version}"
     else:
         delta = f"io.delta:delta-spark_{SCALA_VERSION}:{delta_version}"
-    kafka = f"org.apache.spark:spark-sql-kafka-0-10_{SCALA_VERSION}:{spark_version}"
+    spark_minor = ".".join(spark_version.split(".")[:2])
+    kafka_version = KAFKA_CONNECTOR.get(spark_minor, spark_version)
+    kafka = f"org.apache.spark:spark-sql-kafka-0-10_{SCALA_VERSION}:{kafka_version}"
     return [delta, kafka]
 
 
@@ -60,16 +67,45 @@ def base_conf(*, shuffle_partitions: int = 4) -> dict[str, str]:
     }
 
 
+def default_log_path() -> str:
+    """Where the driver JVM's own output goes (Ivy's jar resolution, log4j's console)."""
+    return os.environ.get("WALBUS_SPARK_LOG") or os.path.join(tempfile.gettempdir(), f"walbus-spark-{os.getuid()}.log")
+
+
+def _launch_jvm(settings: Mapping[str, str], log_path: str) -> None:
+    """Start the driver JVM with its stdout/stderr appended to ``log_path``.
+
+    PySpark would start it with this process' terminal as its output, where Ivy prints some
+    hundred lines on a first run and log4j its warnings; Spark's own launcher takes the
+    same settings (``--conf``) either way. Nothing happens when a JVM is already there or
+    when spark-submit started this process (PYSPARK_GATEWAY_PORT).
+    """
+    from pyspark import SparkConf, SparkContext
+    from pyspark.java_gateway import launch_gateway
+
+    with SparkContext._lock:
+        if SparkContext._gateway is not None or "PYSPARK_GATEWAY_PORT" in os.environ:
+            return
+        conf = SparkConf(loadDefaults=False).setAll(list(settings.items()))
+        os.makedirs(os.path.dirname(os.path.abspath(log_path)), exist_ok=True)
+        with open(log_path, "ab") as out:  # the child keeps its own copy of the descriptor
+            gateway = launch_gateway(conf, popen_kwargs={"stdout": out, "stderr": out})  # type: ignore[no-untyped-call]
+        SparkContext._gateway = gateway
+        SparkContext._jvm = gateway.jvm
+
+
 def build_session(
     *,
     master: str | None = None,
     app_name: str = "walbus-warehouse",
     conf: Mapping[str, str] | None = None,
     shuffle_partitions: int = 4,
+    log_path: str | None = None,
 ) -> Any:
     """Create (or return the running) SparkSession with walbus' settings.
 
-    ``master`` None leaves it to spark-submit / SPARK_MASTER (cluster deployments).
+    ``master`` None leaves it to spark-submit / SPARK_MASTER (cluster deployments). The
+    JVM's own output goes to ``log_path`` (default: :func:`default_log_path`), not the terminal.
     """
     from pyspark.sql import SparkSession
 
@@ -89,6 +125,16 @@ def build_session(
     settings.update(conf or {})
     for key, value in settings.items():
         builder = builder.config(key, value)
+    _launch_jvm({**settings, "spark.app.name": app_name, **({"spark.master": master} if master else {})},
+                log_path or default_log_path())
     session = builder.getOrCreate()
     session.sparkContext.setLogLevel("ERROR")
     return session
+
+
+def prefetch_jars() -> list[str]:
+    """Resolve the Delta and Kafka connector jars into Ivy's cache (a local session started
+    and stopped); the Maven coordinates."""
+    session = build_session(master="local[1]", conf={"spark.ui.enabled": "false"}, shuffle_partitions=1)
+    session.stop()
+    return packages()

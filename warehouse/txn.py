@@ -8,8 +8,6 @@ same offsets, see :mod:`warehouse.loads`) redoes exactly the tables it had not c
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,16 +24,17 @@ class Txn:
         """Whether the table at ``path`` already committed this load (or a later one)."""
         return self.replay and applied_version(spark, path, self.app_id) >= self.batch_id
 
-    @contextlib.contextmanager
-    def for_sql(self, spark: SparkSession) -> Iterator[None]:
-        """Session settings that tag the next DML commit (MERGE) with this load's marker."""
-        spark.conf.set("spark.databricks.delta.write.txnAppId", self.app_id)
-        spark.conf.set("spark.databricks.delta.write.txnVersion", str(self.batch_id))
-        try:
-            yield
-        finally:
-            spark.conf.unset("spark.databricks.delta.write.txnAppId")
-            spark.conf.unset("spark.databricks.delta.write.txnVersion")
+    def tagged_session(self, spark: SparkSession) -> SparkSession:
+        """A session whose DML commits (MERGE) carry this load's marker.
+
+        Delta takes a DML statement's marker from session settings. A child session (same
+        SparkContext, cache and Delta logs; settings of its own) keeps the tag off the other
+        tables' commits, which other driver threads make at the same time on ``spark``.
+        """
+        tagged = spark.newSession()
+        tagged.conf.set("spark.databricks.delta.write.txnAppId", self.app_id)
+        tagged.conf.set("spark.databricks.delta.write.txnVersion", str(self.batch_id))
+        return tagged
 
 
 def jvm(spark: SparkSession) -> Any:

@@ -39,7 +39,8 @@ from pyspark.sql.types import (
     TimestampType,
 )
 
-NUMERIC_SCALE: Final = 10
+from warehouse import NUMERIC_SCALE
+
 DECIMAL_PRECISION: Final = 38
 
 _SCALARS: Final[dict[str, DataType]] = {

@@ -1,4 +1,11 @@
-"""Temporary SQL views over a warehouse's Delta tables (see :mod:`warehouse.layout`)."""
+"""Temporary SQL views over a warehouse's Delta tables (see :mod:`warehouse.layout`).
+
+With ``as_of`` (a commit LSN) the views show the tables as they were once every transaction
+committed at or before it was applied: rebuilt from the history table by the rules the
+current table follows (the latest action per key by ``(pg_commit_lsn, pg_seq)``, a
+key-changing update removes the old key, TRUNCATE empties), in one aggregation instead of a
+``ROW_NUMBER()`` view per table. Tables without a primary key have a history view only.
+"""
 
 from __future__ import annotations
 
@@ -6,8 +13,9 @@ from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
 from warehouse import layout
-from warehouse.frame import DELETED
-from warehouse.schema import quote
+from warehouse.current import latest_actions
+from warehouse.frame import DELETED, META_NAMES, prev_name
+from warehouse.schema import PRIMARY_KEY_PROPERTY, existing_columns, quote, table_properties
 from warehouse.txn import jvm
 
 
@@ -24,10 +32,35 @@ def topics(spark: SparkSession, warehouse: str) -> list[str]:
     return [layout.unescape_segment(d) for d in _list_dirs(spark, warehouse)]
 
 
-def register_views(spark: SparkSession, warehouse: str, topic: str | None = None) -> list[str]:
+def as_of(spark: SparkSession, paths: layout.TablePaths, lsn: int) -> tuple[DataFrame, DataFrame | None]:
+    """(history up to commit LSN ``lsn``, the table's rows then with tombstones, or None
+    when the table has no primary key)."""
+    from delta.tables import DeltaTable
+
+    history_path = paths.history
+    history = spark.read.format("delta").load(history_path).where(F.col("pg_commit_lsn") <= F.lit(lsn))
+    keyed = DeltaTable.isDeltaTable(spark, paths.current)
+    pk = [k for k in table_properties(spark, paths.current).get(PRIMARY_KEY_PROPERTY, "").split(",") if k] if keyed else []
+    if not pk:
+        return history, None
+    meta = {*META_NAMES, *(prev_name(k) for k in pk)}
+    columns = existing_columns(history.schema.fields, table_properties(spark, history_path), meta)
+    truncated = history.where(F.col("pg_operation") == "truncate").agg(
+        F.max(F.struct(F.col("pg_commit_lsn").alias("l"), F.col("pg_seq").alias("s"))).alias("t")
+    )
+    after = history.crossJoin(truncated).where(
+        F.col("t").isNull() | (F.struct(F.col("pg_commit_lsn").alias("l"), F.col("pg_seq").alias("s")) > F.col("t"))
+    ).drop("t")
+    return history, latest_actions(after, pk, columns)
+
+
+def register_views(
+    spark: SparkSession, warehouse: str, topic: str | None = None, as_of_lsn: int | None = None
+) -> list[str]:
     """Register each table's live-rows, ``_all`` and ``_history`` views (names in
     :mod:`warehouse.layout`) for ``topic`` (default: the only topic), and
-    ``_walbus_quarantine`` when the topic has quarantined records."""
+    ``_walbus_quarantine`` when the topic has quarantined records; with ``as_of_lsn`` the
+    tables as of that commit LSN (see the module doc)."""
     from delta.tables import DeltaTable
 
     if topic is None:
@@ -46,6 +79,9 @@ def register_views(spark: SparkSession, warehouse: str, topic: str | None = None
         if pair is None:  # _walbus_loads, _walbus_quarantine
             continue
         paths = layout.table_paths(warehouse, topic, *pair)
+        if as_of_lsn is not None:
+            names += _as_of_views(spark, paths, as_of_lsn)
+            continue
         if DeltaTable.isDeltaTable(spark, paths.history):
             _view(spark.read.format("delta").load(paths.history), paths.view("history"))
             names.append(paths.view("history"))
@@ -55,6 +91,20 @@ def register_views(spark: SparkSession, warehouse: str, topic: str | None = None
             _view(current.where(~F.col(DELETED)).drop(DELETED), paths.view(""))
             names += [paths.view("all"), paths.view("")]
     return names
+
+
+def _as_of_views(spark: SparkSession, paths: layout.TablePaths, lsn: int) -> list[str]:
+    from delta.tables import DeltaTable
+
+    if not DeltaTable.isDeltaTable(spark, paths.history):
+        return []
+    history, state = as_of(spark, paths, lsn)
+    _view(history, paths.view("history"))
+    if state is None:
+        return [paths.view("history")]
+    _view(state, paths.view("all"))
+    _view(state.where(~F.col(DELETED)).drop(DELETED), paths.view(""))
+    return [paths.view("history"), paths.view("all"), paths.view("")]
 
 
 def _view(frame: DataFrame, name: str) -> None:

@@ -90,8 +90,15 @@ def test_snapshot_benchmark(services: Services) -> None:
 
 @pytest.mark.spark
 def test_warehouse_benchmark(services: Services) -> None:
-    out = run_bench(services, "warehouse", "--events", "2000", "--incremental", "200", "--skip-wide")
+    out = run_bench(
+        services, "warehouse", "--events", "2000", "--incremental", "200", "--skip-wide", "--tables", "1,2",
+        "--tables-events", "40",
+    )
     loads = [line for line in out if "workload" in line]
-    assert [line["workload"] for line in loads] == ["transactions", "incremental", "incremental"]
-    assert loads[0]["history_rows_added"] == 2000
-    assert all(line["history_rows_added"] == 200 for line in loads[1:])
+    assert [line["workload"] for line in loads] == ["transactions", "tables", "tables", "tables", "incremental", "incremental"]
+    assert loads[0]["walbus"]["history_rows_added"] == 2000
+    assert loads[0]["baseline"]["events"] == 2000
+    assert [line.get("tables") for line in loads[1:3]] == [1, 2]
+    assert all(line["events"] == 40 for line in loads[1:3])
+    assert "seconds_per_extra_table" in loads[3]
+    assert all(line["history_rows_added"] == 200 for line in loads[4:])

@@ -258,6 +258,12 @@ def main(argv: Sequence[str]) -> int:
     parser.add_argument("--no-warehouse", action="store_true", help="skip the Spark step")
     args = parser.parse_args(argv)
     from walbus.logs import setup_logging
+    from warehouse.extra import spark_missing
+
+    missing = None if args.no_warehouse else spark_missing()
+    if missing is not None:
+        print(f"walbus demo: error: {missing} (or run the demo with --no-warehouse)", file=sys.stderr)
+        return 2
 
     setup_logging("warning")
     total = 5 if args.no_warehouse else 6

@@ -1,0 +1,89 @@
+"""The job a data engineer would write instead of walbus' loader: the comparison of
+``python -m bench.warehouse`` (issue 19).
+
+One table, its columns and key known in advance: a Kafka batch read of the whole topic,
+``from_json`` of the envelope, the values picked by column name and cast, a Delta append to
+a history table, and a MERGE of the latest row per key (``row_number`` over the key by
+position) into a current table (deletes delete). Same Spark session, same Delta version.
+
+What it does not do, and walbus does: check records against the contract, drop duplicate
+events (within the load and against the table), fill unchanged TOAST values, guard the
+MERGE against older events, keep tombstones and TRUNCATE, evolve the schema, keep values
+Spark cannot hold exactly, and commit each load exactly once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from pyspark.sql import DataFrame, SparkSession, Window
+from pyspark.sql import functions as F
+
+# what the naive job makes of each PostgreSQL type: a cast from the value's text
+_CASTS = {
+    "int2": "int", "int4": "int", "int8": "bigint", "float4": "float", "float8": "double", "bool": "boolean",
+    "numeric": "decimal(38,10)", "date": "date", "timestamp": "timestamp", "timestamptz": "timestamp",
+}
+_ENVELOPE = (
+    "lsn decimal(20,0), commit_lsn decimal(20,0), seq bigint, xid bigint, operation string, `table` string, "
+    "timestamp string, columns array<string>, `values` array<string>, "
+    "identity struct<columns: array<string>, `values`: array<string>>"
+)
+
+
+def _value(name: str, pg_type: str) -> Any:
+    values = F.map_from_arrays(
+        F.coalesce(F.col("e.columns"), F.col("e.identity.columns")),
+        F.coalesce(F.col("e.values"), F.col("e.identity.values")),
+    )
+    raw = values[name]
+    if pg_type.startswith("_"):  # a one-dimensional text array: '{a,"b c"}'
+        return F.split(F.regexp_replace(raw, r'^\{|\}$|"', ""), ",").alias(name)
+    return raw.cast(_CASTS.get(pg_type, "string")).alias(name)
+
+
+def rows(spark: SparkSession, bootstrap: str, topic: str, columns: Sequence[tuple[str, str]]) -> DataFrame:
+    raw = (
+        spark.read.format("kafka")
+        .option("kafka.bootstrap.servers", bootstrap)
+        .option("subscribe", topic)
+        .option("startingOffsets", "earliest")
+        .option("endingOffsets", "latest")
+        .load()
+    )
+    parsed = raw.select(F.from_json(F.col("value").cast("string"), _ENVELOPE).alias("e"))
+    return parsed.select(
+        F.col("e.commit_lsn").alias("commit_lsn"),
+        F.col("e.seq").alias("seq"),
+        F.col("e.operation").alias("operation"),
+        F.col("e.timestamp").cast("timestamp").alias("txn_timestamp"),
+        *[_value(name, pg_type) for name, pg_type in columns],
+    )
+
+
+def run(spark: SparkSession, bootstrap: str, topic: str, root: str, columns: Sequence[tuple[str, str]]) -> int:
+    """Load ``topic`` (one table, keyed on its first column) into ``root``; events loaded."""
+    from delta.tables import DeltaTable
+
+    key = columns[0][0]
+    events = rows(spark, bootstrap, topic, columns).cache()  # read from Kafka once
+    history, current = f"{root}/history", f"{root}/current"
+    events.write.format("delta").mode("append").save(history)
+    latest = (
+        events.withColumn("_n", F.row_number().over(Window.partitionBy(key).orderBy(F.desc("commit_lsn"), F.desc("seq"))))
+        .where("_n = 1")
+        .drop("_n")
+    )
+    if not DeltaTable.isDeltaTable(spark, current):
+        latest.where("operation != 'delete'").limit(0).write.format("delta").save(current)
+    (
+        DeltaTable.forPath(spark, current).alias("t")
+        .merge(latest.alias("s"), f"t.{key} = s.{key}")
+        .whenMatchedDelete(condition="s.operation = 'delete'")
+        .whenMatchedUpdateAll()
+        .whenNotMatchedInsertAll(condition="s.operation != 'delete'")
+        .execute()
+    )
+    events.unpersist()
+    return int(DeltaTable.forPath(spark, history).history(1).select("operationMetrics").first()[0]["numOutputRows"])

@@ -1,0 +1,61 @@
+"""``walbus warehouse stream``: the load as a Spark Structured Streaming query.
+
+Spark's Kafka source reads the topic; Spark's checkpoint (``--checkpoint``, by default
+``<warehouse>/<topic>/_walbus_stream``) is the offset store, in place of the load log of
+``walbus warehouse load``. Each micro-batch runs the batch load's own per-slice logic
+(:func:`warehouse.job.write_slice`), every Delta write tagged with Delta's idempotent marker
+``(walbus-stream:<topic>, micro-batch id)``: Spark replays an unfinished micro-batch with the
+same id and offsets, and the tables that had committed it skip it. So the job runs unchanged
+under spark-submit on any cluster (Databricks, EMR, YARN, Kubernetes).
+
+Triggers: ``available-now`` (the default: everything up to now, in batches, then exit; the
+nightly run) or a processing-time interval such as ``30 seconds`` (runs until stopped).
+One writer per warehouse and topic: do not mix ``load`` and ``stream`` on one warehouse.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from pyspark.sql import DataFrame, SparkSession
+
+from warehouse import layout
+from warehouse.job import LoadResult, LoadSpec, write_slice
+from warehouse.read import spark_kafka_options
+from warehouse.txn import Txn
+
+log = logging.getLogger("walbus.warehouse")
+AVAILABLE_NOW = "available-now"
+
+
+def stream_app_id(topic: str) -> str:
+    return f"walbus-stream:{topic}"
+
+
+def start_stream(spark: SparkSession, spec: LoadSpec, *, checkpoint: str | None = None, trigger: str = AVAILABLE_NOW) -> Any:
+    """Start the query (a StreamingQuery); the caller awaits it."""
+    reader = spark.readStream.format("kafka")
+    for key, value in spark_kafka_options(spec.kafka).items():
+        reader = reader.option(key, value)
+    raw = (
+        reader.option("subscribe", spec.topic)
+        .option("startingOffsets", "earliest")
+        # records deleted by retention before they were loaded: the query fails, nothing is skipped
+        .option("failOnDataLoss", "true")
+        .option("minPartitions", str(max(spark.sparkContext.defaultParallelism, 1)))
+        .load()
+    )
+
+    def micro_batch(frame: DataFrame, batch_id: int) -> None:
+        result = LoadResult()
+        # replay=True: any micro-batch may be one Spark re-runs after a failure
+        write_slice(frame.sparkSession, spec, frame, Txn(stream_app_id(spec.topic), batch_id, replay=True), result)
+        log.info("micro-batch", extra={"batch": batch_id, "events": result.events,
+                                       "tables": {t: s.as_dict() for t, s in result.tables.items()}})
+
+    writer = raw.writeStream.foreachBatch(micro_batch).option(
+        "checkpointLocation", checkpoint or layout.stream_checkpoint_path(spec.warehouse, spec.topic)
+    )
+    writer = writer.trigger(availableNow=True) if trigger == AVAILABLE_NOW else writer.trigger(processingTime=trigger)
+    return writer.start()
