@@ -31,12 +31,12 @@ from walbus.client._connect import client_kwargs as _client_kwargs
 from walbus.client._connect import topic_partitions
 from walbus.client.metrics import client_metrics
 from walbus.client.progress import SourceProgress
-from walbus.contract import demux_group
+from walbus.contract import TABLE_META_FIELDS, demux_group
 
 log = logging.getLogger("walbus.client.table")
 
 Row = dict[str, Any]
-METADATA_FIELDS = frozenset({"__op", "__lsn", "__commit_lsn", "__seq", "__xid", "__ts"})
+METADATA_FIELDS = frozenset(TABLE_META_FIELDS)  # the per-table topics' fields beside the row
 _INT_METADATA = ("__lsn", "__commit_lsn", "__seq", "__xid")
 _ROW_OPS = frozenset({"c", "u", "r", "d"})
 
