@@ -41,6 +41,9 @@ def role(pg_dsn: str, unique_name: str) -> Iterator[str]:
         conn.execute(sql.SQL("DROP ROLE IF EXISTS {}").format(sql.Identifier(name)))
 
 
+ROLE_PASSWORD = "a-test-role-password"
+
+
 def run_init_script(pg_dsn: str, role: str) -> None:
     params = conninfo_to_dict(pg_dsn)
     env = {**os.environ, "POSTGRES_USER": str(params.get("user", "postgres")), "POSTGRES_DB": str(params["dbname"]),
@@ -62,9 +65,11 @@ def produce_once(dsn: str, bootstrap: str, *extra: str) -> subprocess.CompletedP
 def test_the_hint_for_all_tables_names_a_superuser(pg_dsn: str, kafka_bootstrap: str, role: str) -> None:
     with psycopg.connect(pg_dsn, autocommit=True) as conn:
         conn.execute("CREATE TABLE t (id int PRIMARY KEY)")
-        conn.execute(sql.SQL("CREATE ROLE {} LOGIN REPLICATION").format(sql.Identifier(role)))
+        # with a password of its own: the dev stack's PostgreSQL asks for one over TCP (scram)
+        conn.execute(sql.SQL("CREATE ROLE {} LOGIN REPLICATION PASSWORD {}").format(
+            sql.Identifier(role), sql.Literal(ROLE_PASSWORD)))
         conn.execute(sql.SQL("GRANT SELECT ON t TO {}").format(sql.Identifier(role)))
-    as_role = make_conninfo(pg_dsn, user=role)
+    as_role = make_conninfo(pg_dsn, user=role, password=ROLE_PASSWORD)
     done = produce_once(as_role, kafka_bootstrap)
     assert done.returncode == 2, done.stderr
     assert "a superuser" in done.stderr and "FOR ALL TABLES" in done.stderr
