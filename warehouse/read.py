@@ -401,9 +401,12 @@ def _fast_valid() -> Column:
         (kind(name) == "BIGINT") & (typed(name) >= 0) & (typed(name) < _SEQ_LIMIT if FIELD_BITS[name] < 63 else F.lit(True))
         for name in FIELD_ORDER if name in FIELD_BITS
     ]
+    # a key given twice: orjson keeps the last, the fast parse may not; such rare records take the exact path
+    keys = F.json_object_keys(F.col("value").cast("string"))
     rules = [
         F.col("value").isNotNull() & F.is_valid_utf8(F.col("value")),
         F.col(_FAST).isNotNull(),
+        F.array_size(keys) == F.array_size(F.array_distinct(keys)),
         (kind("v") == "BIGINT") & (typed("v") == CONTRACT_VERSION),
         (kind("operation") == "STRING") & typed("operation").isin(*sorted(OPERATIONS)),
         (kind("table") == "STRING") & typed("table").rlike(_QUALIFIED),
