@@ -146,6 +146,10 @@ def test_dev_cli_up_status_down_twice() -> None:
         pids += [str(info["postgres"]["pid"]), str(info["kafka"]["pid"])]
         env = subprocess.run([*walbus, "env"], capture_output=True, text=True, timeout=60)
         assert env.stdout.startswith("export WALBUS_PG_DSN=") and "WALBUS_KAFKA_BOOTSTRAP=127.0.0.1:" in env.stdout
+        # `up` shows where PostgreSQL is, not its password (only `env` hands that out)
+        password = info["postgres"]["dsn"].split("@")[0].rpartition(":")[2]
+        assert len(password) >= 16 and password in env.stdout
+        assert password not in up.stdout + again.stdout and ":***@" in up.stdout
         down = subprocess.run([*walbus, "down"], capture_output=True, text=True, timeout=120)
         assert down.returncode == 0 and "postgres" in down.stdout and "kafka" in down.stdout
         status = subprocess.run([*walbus, "status"], capture_output=True, text=True, timeout=60)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from walbus.app.dev.kafka import BROKER_COUNTS, KAFKA_VERSION
 from walbus.app.dev.stack import LocalStack, default_state_dir
+from walbus.logs import redact_dsn
 
 
 def main(argv: Sequence[str]) -> int:
@@ -42,7 +43,8 @@ def main(argv: Sequence[str]) -> int:
         was_running = stack.postgres.running() and stack.kafka.running()
         print(f"walbus dev: {'reusing' if was_running else 'starting'} the local stack in {stack.state_dir}", flush=True)
         stack.up()
-        print(f"  postgres  {stack.postgres.dsn}  (pid {stack.postgres.pid})")
+        # the password stays out of the terminal (and its scrollback); `walbus dev env` gives it
+        print(f"  postgres  {redact_dsn(stack.postgres.dsn)}  (pid {stack.postgres.pid})")
         pids = ", ".join(str(n.pid) for n in stack.kafka.nodes)
         print(f"  kafka     {stack.kafka.bootstrap}  (Apache Kafka {stack.kafka.version}, pid {pids})")
         print("  `eval $(walbus dev env)` points the other commands at it")
