@@ -8,10 +8,19 @@ from typing import TYPE_CHECKING
 import pytest
 
 if TYPE_CHECKING:
+    from tests.support.services import Services
     from walbus.client.testing import Pipeline
 
 pytest_plugins = ["walbus.client.testing"]  # the walbus_pipeline fixture
 pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(autouse=True)
+def _walbus_env(services: Services, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The plugin reads the endpoints from the environment, as a team's CI would set them; here
+    they are the suite's own services (which need no environment when the suite starts them)."""
+    monkeypatch.setenv("WALBUS_PG_DSN", services.pg_dsn)
+    monkeypatch.setenv("WALBUS_KAFKA_BOOTSTRAP", services.kafka_bootstrap)
 
 
 async def test_a_subscriber_sees_typed_rows(walbus_pipeline: Pipeline) -> None:
