@@ -12,7 +12,7 @@ Three shortcuts, each with a public-API path that is slower but equally correct
 A shortcut is taken only when the installed aiokafka is one of CHECKED_VERSIONS and
 a probe of the internals it needs passes; otherwise the demux logs once and takes
 the public path (slower, not wrong): an upgrade must not stop the stream.
-tests/test_demux_fetch.py fails when an aiokafka upgrade changes what this relies on.
+tests/integration/test_demux_fetch.py fails when an aiokafka upgrade changes what this relies on.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ The fields come from ``FIELD_ORDER``, the integer widths from ``FIELD_BITS``, th
 from ``OPERATIONS``/``ROW_OPERATIONS``; a field the contract gains without a rule here stops
 the generation. What JSON Schema cannot say (``columns``, ``types`` and ``values`` of one
 length; ``1.0`` is no integer for the contract) is in the descriptions; ``decode_event``
-remains the full check. tests/test_unit_contract_schema.py keeps the published file equal
+remains the full check. tests/unit/test_contract_schema.py keeps the published file equal
 to the generated one.
 """
 
