@@ -125,6 +125,12 @@ def _spec(config: LoadConfig) -> Any:
     )
 
 
+def _first_line(e: BaseException) -> str:
+    """A Spark/JVM error's first line (its trace goes to the log)."""
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
 def load_main(argv: Sequence[str]) -> int:
     config = load_config(LoadConfig, argv, prog="walbus warehouse load", section="warehouse")
     try:
@@ -144,7 +150,7 @@ def load_main(argv: Sequence[str]) -> int:
         return 1
     except Exception as e:  # Spark/JVM failures: one readable line, the trace in the log
         log.debug("load failed", exc_info=True)
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        first = _first_line(e)
         print(f"walbus warehouse load: error: {type(e).__name__}: {first}", file=sys.stderr)
         return 1
     finally:
@@ -168,7 +174,7 @@ def stream_main(argv: Sequence[str]) -> int:
         return 130
     except Exception as e:  # the query's failure: one readable line, the trace in the log
         log.debug("stream failed", exc_info=True)
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        first = _first_line(e)
         print(f"walbus warehouse stream: error: {type(e).__name__}: {first}", file=sys.stderr)
         return 1
     finally:
@@ -203,7 +209,7 @@ def sql_main(argv: Sequence[str]) -> int:
         as_of = Lsn.parse(config.as_of_lsn) if config.as_of_lsn is not None else None
         columns, rows = run_sql(spark, config.warehouse, config.topic, query, config.limit, as_of)
     except Exception as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        first = _first_line(e)
         print(f"walbus warehouse sql: error: {first}", file=sys.stderr)
         return 1
     finally:
