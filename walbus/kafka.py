@@ -308,14 +308,11 @@ async def wait_for_broker(
 Offsets = dict[int, int]  # partition -> offset
 
 
-async def topic_offsets(
-    client_kwargs: dict[str, Any], topic: str, *, within: float = OFFSETS_WAIT_S
-) -> tuple[Offsets, Offsets]:
-    """Each partition's earliest and end offset of ``topic``.
-
-    A retriable fault (a dead partition leader, a broker not ready, a connection lost) is
-    retried with jittered backoff for ``within`` seconds, each time with a new client, so
-    that fresh metadata finds the partition's new leader; other errors are raised at once."""
+async def retry_retriable(op: Callable[[], Awaitable[_T]], what: str, *, within: float = OFFSETS_WAIT_S) -> _T:
+    """``await op()``, again with jittered backoff while it raises a retriable Kafka error
+    (a dead partition leader, a broker not ready, a connection lost), for ``within`` seconds;
+    other errors are raised at once. ``op`` should make a new client each time, so that
+    fresh metadata finds a partition's new leader."""
     from walbus.retry import Backoff
 
     loop = asyncio.get_running_loop()
@@ -323,11 +320,21 @@ async def topic_offsets(
     backoff = Backoff(initial=0.25, maximum=5.0)
     while True:
         try:
-            return await _topic_offsets(client_kwargs, topic)
+            return await op()
         except KafkaError as e:
             if not e.retriable or loop.time() >= deadline:
                 raise
-            await backoff.wait(log, f"reading the offsets of {topic}", e)
+            await backoff.wait(log, what, e)
+
+
+async def topic_offsets(
+    client_kwargs: dict[str, Any], topic: str, *, within: float = OFFSETS_WAIT_S
+) -> tuple[Offsets, Offsets]:
+    """Each partition's earliest and end offset of ``topic``; retriable faults are retried
+    (see ``retry_retriable``)."""
+    return await retry_retriable(
+        lambda: _topic_offsets(client_kwargs, topic), f"reading the offsets of {topic}", within=within
+    )
 
 
 async def _topic_offsets(client_kwargs: dict[str, Any], topic: str) -> tuple[Offsets, Offsets]:

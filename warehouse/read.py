@@ -25,7 +25,7 @@ from walbus.contract import (
     OPERATIONS,
     ROW_OPERATIONS,
 )
-from walbus.kafka import KafkaAdmin, KafkaOptions, topic_offsets
+from walbus.kafka import KafkaAdmin, KafkaOptions, retry_retriable, topic_offsets
 from warehouse.schema import quote
 
 Offsets = dict[int, int]  # partition -> offset
@@ -71,9 +71,14 @@ class TopicBounds:
 
 async def _bounds(options: KafkaOptions, topic: str) -> TopicBounds:
     client_kwargs = options.kafka_client_kwargs()
-    async with KafkaAdmin(client_kwargs=client_kwargs) as admin:
-        if topic not in await admin.list_topics():
-            raise TopicError(f"topic {topic!r} does not exist on {options.kafka_bootstrap}")
+
+    async def topics() -> set[str]:
+        async with KafkaAdmin(client_kwargs=client_kwargs) as admin:
+            return await admin.list_topics()
+
+    # A broker that is down while the load starts is a transient fault, not a failed load.
+    if topic not in await retry_retriable(topics, "listing the topics"):
+        raise TopicError(f"topic {topic!r} does not exist on {options.kafka_bootstrap}")
     earliest, latest = await topic_offsets(client_kwargs, topic)
     return TopicBounds(earliest, latest)
 
