@@ -24,6 +24,7 @@ from walbus.contract import (
     RowImage,
     check_key,
     decode_event,
+    set_table_meta,
     split_table,
     table_topic,
 )
@@ -201,15 +202,8 @@ class Rekeyer:
         return t
 
     @staticmethod
-    def meta(event: ChangeEvent, op: str) -> dict[str, Any]:
-        return {
-            "__op": op,
-            "__lsn": event.lsn,
-            "__commit_lsn": event.commit_lsn,
-            "__seq": event.seq,
-            "__xid": event.xid,
-            "__ts": event.timestamp,
-        }
+    def with_meta(row: dict[str, Any], event: ChangeEvent, op: str) -> dict[str, Any]:
+        return set_table_meta(row, op, event.lsn, event.commit_lsn, event.seq, event.xid, event.timestamp)
 
     def rekey(self, event: ChangeEvent, state: StateView) -> Rekeyed:
         if event.operation == "truncate":
@@ -302,12 +296,7 @@ class Rekeyer:
                 if key != _dumps({col: old[col] for col in shape.pk}):
                     return None
             row = dict(zip(shape.columns, values))  # noqa: B905 -- lengths checked above; strict= costs ~0.2 µs
-            row["__op"] = code
-            row["__lsn"] = ev.lsn
-            row["__commit_lsn"] = ev.commit_lsn
-            row["__seq"] = ev.seq
-            row["__xid"] = ev.xid
-            row["__ts"] = ev.timestamp
+            set_table_meta(row, code, ev.lsn, ev.commit_lsn, ev.seq, ev.xid, ev.timestamp)
             # orjson refuses integers beyond 64 bits (msgspec keeps them, orjson.loads
             # makes floats of them): such rows take the full path, as orjson reads them.
             return ev.table, shape.topic, key, _dumps(row), shape.needs_state
@@ -381,7 +370,7 @@ class Rekeyer:
             out.no_pk = True
             if unchanged:
                 self._fill(row, unchanged, event.identity, None, out)
-            row.update(self.meta(event, OP_CODES[event.operation]))
+            self.with_meta(row, event, OP_CODES[event.operation])
             out.records.append(OutRecord(topic, None, orjson.dumps(row), event.table, compact=False))
             return out
         out.needs_state = bool(unchanged) or not FIXED_WIDTH_TYPES.issuperset(new.types)
@@ -397,7 +386,7 @@ class Rekeyer:
             assert old_key is not None
             out.records.append(OutRecord(topic, old_key, None, event.table))
             out.changes.append((event.table, old_key, None))
-        row.update(self.meta(event, OP_CODES[event.operation]))
+        self.with_meta(row, event, OP_CODES[event.operation])
         value = orjson.dumps(row)
         out.records.append(OutRecord(topic, new_key, value, event.table))
         out.changes.append((event.table, new_key, value))
@@ -437,7 +426,7 @@ class Rekeyer:
         if not event.pk:
             out.no_pk = True
             row = old.as_dict() if old is not None else {}
-            row.update(self.meta(event, "d"))
+            self.with_meta(row, event, "d")
             out.records.append(OutRecord(topic, None, orjson.dumps(row), event.table, compact=False))
             return out
         key = _key_of(old, event.pk)
@@ -449,7 +438,7 @@ class Rekeyer:
             if old is not None:
                 # The identity is the newest truth for the columns it carries.
                 row.update(zip(old.columns, old.values, strict=True))
-            row.update(self.meta(event, "d"))
+            self.with_meta(row, event, "d")
             out.records.append(OutRecord(topic, key, orjson.dumps(row), event.table))
         out.records.append(OutRecord(topic, key, None, event.table))
         out.changes.append((event.table, key, None))
@@ -460,7 +449,7 @@ class Rekeyer:
         topic = self.topic_for(event.table)
         if not event.pk:
             out.no_pk = True
-            marker = orjson.dumps(self.meta(event, "t"))
+            marker = orjson.dumps(self.with_meta({}, event, "t"))
             out.records.append(OutRecord(topic, None, marker, event.table, compact=False))
             return out
         out.needs_state = out.truncate = True

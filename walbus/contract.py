@@ -370,6 +370,33 @@ def check_key(key: bytes | None, event: ChangeEvent) -> None:
 # name); ``__op`` is the operation's code (docs/demux.md).
 TABLE_META_FIELDS: Final = ("__op", "__lsn", "__commit_lsn", "__seq", "__xid", "__ts")
 OP_CODES: Final = {"insert": "c", "update": "u", "delete": "d", "read": "r", "truncate": "t"}
+ROW_OP_CODES: Final = frozenset({"c", "u", "r", "d"})  # a row's codes ("t" marks a truncate)
+_INT_TABLE_META: Final = ("__lsn", "__commit_lsn", "__seq", "__xid")
+
+
+def set_table_meta(row: dict[str, Any], op_code: str, lsn: int, commit_lsn: int, seq: int, xid: int, ts: str) -> dict[str, Any]:
+    """``row`` (changed in place) as a per-table record's value: its columns and the ``__``
+    fields. Positional and in place: the demux calls it once per event."""
+    row["__op"] = op_code
+    row["__lsn"] = lsn
+    row["__commit_lsn"] = commit_lsn
+    row["__seq"] = seq
+    row["__xid"] = xid
+    row["__ts"] = ts
+    return row
+
+
+def pop_table_meta(row: dict[str, Any]) -> dict[str, Any]:
+    """Take the ``__`` fields out of a per-table record's value (``row`` keeps the columns);
+    raises ContractError when ``__op`` is not a row's code or a position field is not an integer."""
+    meta: dict[str, Any] = {k: row.pop(k) for k in TABLE_META_FIELDS if k in row}
+    op = meta.get("__op")
+    if op not in ROW_OP_CODES:
+        raise ContractError(f"unknown or missing __op {op!r}")
+    bad = [k for k in _INT_TABLE_META if k in meta and (type(meta[k]) is not int)]
+    if bad:
+        raise ContractError(f"metadata {bad} must be integers")
+    return meta
 
 
 # -- table names --------------------------------------------------------------------------

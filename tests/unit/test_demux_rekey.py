@@ -405,3 +405,44 @@ def test_unchanged_value_of_an_unknown_row_is_a_rekey_error(rk: Rekeyer) -> None
     deleter = Rekeyer(prefix="walbus", database="shop", emit_delete_records=True)
     deleted = deleter.rekey(event("delete", identity=image(transaction_id=1)), state)
     assert {k: v for k, v in val(deleted.records[0]).items() if k not in META_FIELDS} == {"transaction_id": 1}
+
+
+def test_every_demux_record_reads_back_through_the_contracts_table_meta(rk: Rekeyer) -> None:
+    """One definition of the per-table value: what the demux writes (fast and full path), the
+    contract's reader takes apart into the row and the ``__`` fields."""
+    from walbus.contract import TABLE_META_FIELDS, pop_table_meta
+
+    values = []
+    state = DictState()
+    for op, name in (("insert", "a"), ("update", "b"), ("delete", "b")):
+        ev = event(op, new=None if op == "delete" else image(transaction_id=1, name=name),
+                   identity=image(transaction_id=1) if op == "delete" else None)
+        out = rk.rekey(ev, state)  # the full path
+        state.apply(out.changes)
+        values += [r.value for r in out.records if r.value is not None]
+        if op != "delete":
+            fast = rk.rekey_value(encode_event(**_fields(ev)), state)  # the fast path
+            values += [r.value for r in fast.records if r.value is not None]
+    assert values
+    for value in values:
+        row = orjson.loads(value)
+        meta = pop_table_meta(row)
+        assert tuple(meta) == TABLE_META_FIELDS
+        assert meta["__commit_lsn"] == 0x16B374D848 and meta["__xid"] == 777
+        assert set(row) == {"transaction_id", "name"}
+
+
+def _fields(ev: ChangeEvent) -> dict[str, Any]:
+    assert ev.new is not None
+    return {"lsn": ev.lsn, "commit_lsn": ev.commit_lsn, "seq": ev.seq, "xid": ev.xid, "operation": ev.operation,
+            "table": ev.table, "timestamp": ev.timestamp, "pk": list(ev.pk),
+            "new": {"columns": list(ev.new.columns), "types": list(ev.new.types), "values": list(ev.new.values)},
+            "identity": None}
+
+
+@pytest.mark.parametrize("bad", [{"__op": "x"}, {"__op": "c", "__lsn": True}, {"__op": "u", "__seq": 1.0}, {}])
+def test_contract_refuses_a_table_value_with_bad_meta(bad: dict[str, Any]) -> None:
+    from walbus.contract import ContractError, pop_table_meta
+
+    with pytest.raises(ContractError):
+        pop_table_meta({"id": 1, **bad})

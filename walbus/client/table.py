@@ -31,14 +31,11 @@ from walbus.client._connect import client_kwargs as _client_kwargs
 from walbus.client._connect import topic_partitions
 from walbus.client.metrics import client_metrics
 from walbus.client.progress import SourceProgress
-from walbus.contract import TABLE_META_FIELDS, demux_group
+from walbus.contract import ContractError, demux_group, pop_table_meta
 
 log = logging.getLogger("walbus.client.table")
 
 Row = dict[str, Any]
-METADATA_FIELDS = frozenset(TABLE_META_FIELDS)  # the per-table topics' fields beside the row
-_INT_METADATA = ("__lsn", "__commit_lsn", "__seq", "__xid")
-_ROW_OPS = frozenset({"c", "u", "r", "d"})
 
 
 class TableError(RuntimeError):
@@ -93,13 +90,11 @@ def decode_table_record(key: bytes, value: bytes | None) -> tuple[Any, Row | Non
         return mapping_key, None, {}
     if not isinstance(row, dict):
         raise InvalidTableRecord(f"the value is not a JSON object: {value[:80]!r}" if value else "empty value")
-    meta = {k: row.pop(k) for k in METADATA_FIELDS if k in row}
-    op = meta.get("__op")
-    if op not in _ROW_OPS:
-        raise InvalidTableRecord(f"unknown or missing __op {op!r}")
-    bad = [k for k in _INT_METADATA if k in meta and (not isinstance(meta[k], int) or isinstance(meta[k], bool))]
-    if bad:
-        raise InvalidTableRecord(f"metadata {bad} must be integers")
+    try:
+        meta = pop_table_meta(row)
+    except ContractError as e:
+        raise InvalidTableRecord(str(e)) from None
+    op = meta["__op"]
     clash = [c for c, v in key_obj.items() if c in row and row[c] != v]
     if clash:
         raise InvalidTableRecord(f"the row's key column(s) {clash} differ from the record key")
