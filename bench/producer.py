@@ -196,7 +196,8 @@ def run_producer(
     args = [sys.executable]
     if profile is not None:
         args += ["-m", "cProfile", "-o", str(profile)]
-    args += ["-m", "walbus.app.cli", "produce", "--pg-dsn", dsn, "--kafka-bootstrap", bootstrap, "--slot", slot, "--plugin", plugin,
+    cli = "walbus.app.cli" if (tree / "walbus" / "app" / "cli.py").exists() else "walbus.cli"  # a baseline before the app layer
+    args += ["-m", cli, "produce", "--pg-dsn", dsn, "--kafka-bootstrap", bootstrap, "--slot", slot, "--plugin", plugin,
              "--topic", topic, "--publication", "walbus_bench", "--heartbeat-interval", "0.2", "--log-level", "warning"]
     proc = subprocess.Popen(args, cwd=tree, env={**os.environ, "PYTHONPATH": str(tree)})
     try:
