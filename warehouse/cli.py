@@ -125,10 +125,13 @@ def _spec(config: LoadConfig) -> Any:
     )
 
 
-def _first_line(e: BaseException) -> str:
-    """A Spark/JVM error's first line (its trace goes to the log)."""
+def _failed(command: str, e: BaseException) -> int:
+    """A Spark/JVM failure as one readable line on stderr (the trace goes to the log); exit 1."""
+    log.debug("%s failed", command, exc_info=True)
     text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
+    detail = f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
+    print(f"walbus warehouse {command}: error: {detail}", file=sys.stderr)
+    return 1
 
 
 def load_main(argv: Sequence[str]) -> int:
@@ -148,11 +151,8 @@ def load_main(argv: Sequence[str]) -> int:
     except (LoadError, TopicError) as e:
         print(f"walbus warehouse load: error: {e}", file=sys.stderr)
         return 1
-    except Exception as e:  # Spark/JVM failures: one readable line, the trace in the log
-        log.debug("load failed", exc_info=True)
-        first = _first_line(e)
-        print(f"walbus warehouse load: error: {type(e).__name__}: {first}", file=sys.stderr)
-        return 1
+    except Exception as e:  # Spark/JVM failures
+        return _failed("load", e)
     finally:
         spark.stop()
     for line in result.lines():
@@ -172,11 +172,8 @@ def stream_main(argv: Sequence[str]) -> int:
         query.awaitTermination()
     except KeyboardInterrupt:
         return 130
-    except Exception as e:  # the query's failure: one readable line, the trace in the log
-        log.debug("stream failed", exc_info=True)
-        first = _first_line(e)
-        print(f"walbus warehouse stream: error: {type(e).__name__}: {first}", file=sys.stderr)
-        return 1
+    except Exception as e:  # the query's failure
+        return _failed("stream", e)
     finally:
         spark.stop()
     return 0
@@ -209,9 +206,7 @@ def sql_main(argv: Sequence[str]) -> int:
         as_of = Lsn.parse(config.as_of_lsn) if config.as_of_lsn is not None else None
         columns, rows = run_sql(spark, config.warehouse, config.topic, query, config.limit, as_of)
     except Exception as e:
-        first = _first_line(e)
-        print(f"walbus warehouse sql: error: {first}", file=sys.stderr)
-        return 1
+        return _failed("sql", e)
     finally:
         spark.stop()
     if config.format == "json":
