@@ -6,10 +6,9 @@ payloads go out as bytes, with the WAL position each one starts at.
 Why libpq directly: ``cursor.copy()`` refuses COPY_BOTH, and no SQL can run on a
 replication connection while it streams. We drain everything libpq has buffered
 on each wake-up before yielding to the event loop, because a client that wakes
-once per message doubles the walsender's CPU; and when a wake-up finds only a few
-messages, we let more arrive for a millisecond (:data:`COALESCE_S`) before handing them
-on, so a producer that keeps up with the walsender still works in batches rather than
-paying its per-batch costs (a loop turn, a Kafka request, a status update) every few rows.
+once per message doubles the walsender's CPU. A read does not wait for more messages
+when it finds only a few: measured, waiting a millisecond to coalesce them cost the
+wal2json producer a third of its throughput on a busy machine (docs/producer.md).
 """
 
 from __future__ import annotations
@@ -34,8 +33,6 @@ _XLOGDATA = struct.Struct(">QQq")  # data_start, wal_end, send_time
 _KEEPALIVE = struct.Struct(">QqB")  # wal_end, send_time, reply_requested
 _FEEDBACK = struct.Struct(">cQQQqB")  # 'r', written, flushed, applied, client_time, reply
 
-COALESCE_S = 0.001  # how long a small read waits for more (bounds the latency it adds)
-COALESCE_BELOW = 512  # messages: a read with fewer waits once
 
 
 def quote_ident(name: str) -> str:
@@ -145,7 +142,6 @@ class ReplicationStream:
         out: list[tuple[int, bytes]] = []
         waited = False
         refilled = False
-        coalesced = False
         while len(out) < max_messages:
             nbytes, data = pgconn.get_copy_data(1)
             if nbytes > 0:
@@ -165,11 +161,6 @@ class ReplicationStream:
                 if out and not refilled:
                     # Whatever the kernel already holds costs no wait: take it too.
                     refilled = True
-                    self._consume()
-                    continue
-                if out and not coalesced and len(out) < COALESCE_BELOW:
-                    coalesced = True
-                    await asyncio.sleep(COALESCE_S)
                     self._consume()
                     continue
                 if out or waited:
