@@ -61,7 +61,7 @@ class Dispatcher:
         if len(self._lanes) == 1:
             while True:
                 try:
-                    event = await feed._next_event()
+                    event = feed._take_buffered() or await feed._next_event()
                 except StopAsyncIteration:
                     return
                 await feed.handle(event, self._handler)
@@ -69,7 +69,7 @@ class Dispatcher:
         try:
             while True:
                 try:
-                    event = await feed._next_event()
+                    event = feed._take_buffered() or await feed._next_event()
                 except StopAsyncIteration:
                     break
                 key = order_key(event)
