@@ -379,7 +379,8 @@ class Feed:
         return self
 
     async def __anext__(self) -> FeedEvent:
-        self._use_mode("events")
+        if self._mode != "events" or self._consumer is None:
+            self._use_mode("events")
         self._finish_current()
         return self._take_buffered() or await self._next_event()
 
@@ -443,7 +444,7 @@ class Feed:
         self.stats.delivered += 1
         self._last = rec
         event = rec.event
-        assert isinstance(event, FeedEvent)
+        assert isinstance(event, FeedEvent)  # _accept decodes FeedEvents in events mode
         return deliverable(event, 1, rec)
 
     async def run(self, handler: Callable[[FeedEvent], Awaitable[None]], *, concurrency: int = 1) -> None:
@@ -810,7 +811,7 @@ class Feed:
             self._current = None
         last, self._last = self._last, None
         if last is not None and self._auto_ack and last.outcome == "pending":
-            last.ack()
+            self._acked(last)
 
     def _mark_read_done(self) -> None:
         """Nothing is in the caller's hands: every record read so far is finished."""

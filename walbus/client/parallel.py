@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable, Hashable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from walbus.client.event import FeedEvent
+from walbus.contract import RowImage
 
 if TYPE_CHECKING:
     from walbus.client.feed import Feed
@@ -26,18 +27,46 @@ Handler = Callable[[FeedEvent], Awaitable[None]]
 
 
 def order_key(event: FeedEvent) -> Hashable | None:
-    """The key whose events must stay in order; None for a barrier."""
+    """The key whose events must stay in order; None for a barrier.
+
+    The primary-key values come from the new row, else the identity (``event.key_values()``);
+    an update whose identity holds other key values changed its key.
+    """
     if event.operation == "truncate":
         return None
-    key = event.key_values()
+    pk = event.pk
+    new, ident = event.new, event.identity
+    key = _key_in(new, pk) if new is not None and pk else None
     if key is None:
-        return (event.table,)
-    ident = event.identity
-    if event.operation == "update" and ident is not None:
-        old = {c: v for c, v in zip(ident.columns, ident.values, strict=True) if c in key}
-        if len(old) == len(key) and old != key:
+        key = _key_in(ident, pk) if ident is not None and pk else None
+        if key is None:
+            return (event.table,)
+    elif event.operation == "update" and ident is not None:
+        old = _key_in(ident, pk)
+        if old is not None and old != key:
             return None
-    return (event.table, *key.values())
+    return (event.table, *key)
+
+
+# Column positions by column names (the last of a repeated name, as RowImage.as_dict): a
+# table's events repeat the same names, so each is indexed once.
+_column_index: dict[tuple[str, ...], dict[str, int]] = {}
+_MAX_INDEXED = 4096  # distinct column lists kept; beyond, the memory starts again (schema churn, junk)
+
+
+def _key_in(image: RowImage, pk: tuple[str, ...]) -> tuple[Any, ...] | None:
+    """The values of ``pk``'s columns in ``image``, in key order; None when one is missing."""
+    columns = image.columns
+    index = _column_index.get(columns)
+    if index is None:
+        if len(_column_index) >= _MAX_INDEXED:
+            _column_index.clear()
+        index = _column_index[columns] = {c: i for i, c in enumerate(columns)}
+    values = image.values
+    try:
+        return tuple([values[index[c]] for c in pk])
+    except KeyError:
+        return None
 
 
 def lane_of(key: Hashable, lanes: int) -> int:
