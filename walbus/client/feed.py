@@ -649,12 +649,16 @@ class Feed:
                     return None
                 self._mark_read_done()
                 raise _Stopped
-            await self._idle()
-            wait = 1.0 if deadline is None else deadline - loop.time()
-            if wait <= 0:
-                return None
             try:
-                batches = await consumer.getmany(timeout_ms=max(1, int(min(wait, 1.0) * 1000)))
+                # What the consumer has fetched in the background already: no waiting, so no
+                # commit in between (one per fetch was a broker round trip per ~1 MB of events).
+                batches = await consumer.getmany(timeout_ms=0)
+                if not batches:
+                    await self._idle()
+                    wait = 1.0 if deadline is None else deadline - loop.time()
+                    if wait <= 0:
+                        return None
+                    batches = await consumer.getmany(timeout_ms=max(1, int(min(wait, 1.0) * 1000)))
             except ConsumerStoppedError:
                 raise _Stopped from None
             if batches and self._unloaded:

@@ -64,7 +64,12 @@ def _key_in(image: RowImage, pk: tuple[str, ...]) -> tuple[Any, ...] | None:
         index = _column_index[columns] = {c: i for i, c in enumerate(columns)}
     values = image.values
     try:
-        return tuple([values[index[c]] for c in pk])
+        if len(pk) == 1:  # the common key: no loop
+            return (values[index[pk[0]]],)
+        key = []
+        for c in pk:
+            key.append(values[index[c]])
+        return tuple(key)
     except KeyError:
         return None
 
