@@ -12,6 +12,7 @@ the old key's events and precedes the new key's). A table without a primary key 
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from collections.abc import Awaitable, Callable, Hashable
 from typing import TYPE_CHECKING, Any
 
@@ -81,13 +82,62 @@ def lane_of(key: Hashable, lanes: int) -> int:
         return hash(repr(key)) % lanes
 
 
+class _Lane:
+    """One lane's events, handled one after the other by its own task.
+
+    A deque and two futures instead of an asyncio.Queue: the queue's put/get/task_done
+    bookkeeping was a fifth of run(concurrency=N)'s time per event.
+    """
+
+    __slots__ = ("_wake", "_watchers", "events", "handling")
+
+    def __init__(self) -> None:
+        self.events: deque[FeedEvent] = deque()
+        self.handling = False  # its task is inside the handler
+        self._wake: asyncio.Future[None] | None = None  # its task waits for events
+        self._watchers: list[asyncio.Future[None]] = []  # the dispatcher waits for room or a drain
+
+    @property
+    def idle(self) -> bool:
+        return not self.events and not self.handling
+
+    def push(self, event: FeedEvent) -> None:
+        self.events.append(event)
+        wake = self._wake
+        if wake is not None and not wake.done():
+            wake.set_result(None)
+
+    async def next_event(self) -> FeedEvent:
+        while not self.events:
+            self._wake = asyncio.get_running_loop().create_future()
+            try:
+                await self._wake
+            finally:
+                self._wake = None
+        return self.events.popleft()
+
+    def changed(self) -> asyncio.Future[None]:
+        """Done after the lane's task finished its next event."""
+        watcher: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._watchers.append(watcher)
+        return watcher
+
+    def finished_one(self) -> None:
+        self.handling = False
+        if self._watchers:
+            watchers, self._watchers = self._watchers, []
+            for w in watchers:
+                if not w.done():
+                    w.set_result(None)
+
+
 class Dispatcher:
     def __init__(self, feed: Feed, handler: Handler, concurrency: int) -> None:
         if concurrency < 1:
             raise ValueError("concurrency must be at least 1")
         self._feed = feed
         self._handler = handler
-        self._lanes: list[asyncio.Queue[FeedEvent]] = [asyncio.Queue(LANE_DEPTH) for _ in range(concurrency)]
+        self._lanes = [_Lane() for _ in range(concurrency)]
         self._workers: list[asyncio.Task[None]] = []
 
     async def run(self) -> None:
@@ -99,7 +149,8 @@ class Dispatcher:
                 except StopAsyncIteration:
                     return
                 await feed.handle(event, self._handler)
-        self._workers = [asyncio.create_task(self._work(q)) for q in self._lanes]
+        self._workers = [asyncio.create_task(self._work(lane)) for lane in self._lanes]
+        lanes = self._lanes
         try:
             while True:
                 try:
@@ -110,21 +161,26 @@ class Dispatcher:
                 if key is None:
                     await self._drain()
                     await feed.handle(event, self._handler)
-                else:
-                    await self._put(self._lanes[lane_of(key, len(self._lanes))], event)
+                    continue
+                lane = lanes[lane_of(key, len(lanes))]
+                while len(lane.events) >= LANE_DEPTH:
+                    await self._until(lane.changed())
+                lane.push(event)
             await self._drain()
         finally:
             for w in self._workers:
                 w.cancel()
             await asyncio.gather(*self._workers, return_exceptions=True)
 
-    async def _work(self, lane: asyncio.Queue[FeedEvent]) -> None:
+    async def _work(self, lane: _Lane) -> None:
+        feed, handler = self._feed, self._handler
         while True:
-            event = await lane.get()
+            event = lane.events.popleft() if lane.events else await lane.next_event()
+            lane.handling = True
             try:
-                await self._feed.handle(event, self._handler)
+                await feed.handle(event, handler)
             finally:
-                lane.task_done()
+                lane.finished_one()
 
     async def _until(self, waiting: Awaitable[object]) -> None:
         """Await ``waiting``, but raise at once if a lane's task died (never wait on it forever)."""
@@ -139,11 +195,8 @@ class Dispatcher:
         finally:
             task.cancel()
 
-    async def _put(self, lane: asyncio.Queue[FeedEvent], event: FeedEvent) -> None:
-        if not lane.full():
-            lane.put_nowait(event)
-            return
-        await self._until(lane.put(event))
-
     async def _drain(self) -> None:
-        await self._until(asyncio.gather(*(q.join() for q in self._lanes)))
+        """Until every lane handled all its events (before a barrier, and at the end)."""
+        for lane in self._lanes:
+            while not lane.idle:
+                await self._until(lane.changed())
