@@ -670,6 +670,9 @@ class Feed:
 
     def _next_buffered(self) -> _PartitionState | None:
         """The partition whose next buffered record has the lowest key: merges partitions in commit order."""
+        if len(self._parts) == 1:  # the default single partition: nothing to merge
+            for only in self._parts.values():
+                return only if only.buffer else None
         best: _PartitionState | None = None
         best_key = b""
         for state in self._parts.values():
