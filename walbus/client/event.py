@@ -55,6 +55,15 @@ class FeedEvent(ChangeEvent):
 
 _CHANGE_FIELDS = tuple(f.name for f in fields(ChangeEvent))
 _set = object.__setattr__
+_set_attempt = FeedEvent.__dict__["attempt"].__set__
+_set_settler = FeedEvent.__dict__["_settler"].__set__
+
+
+def deliverable(event: FeedEvent, attempt: int, settler: _Settler | None) -> FeedEvent:
+    """Fill in the FeedEvent's own fields of one built by ``contract.decode_event_as``."""
+    _set_attempt(event, attempt)
+    _set_settler(event, settler)
+    return event
 
 
 def feed_event(event: ChangeEvent, attempt: int, settler: _Settler | None) -> FeedEvent:

@@ -36,6 +36,7 @@ from prometheus_client import CollectorRegistry
 
 from walbus.client._connect import client_kwargs as _client_kwargs
 from walbus.client._connect import read_records, topic_partitions
+from walbus.client.acks import acked_prefix
 from walbus.client.deadletters import (
     DeadLetterWriter,
     Origin,
@@ -44,7 +45,7 @@ from walbus.client.deadletters import (
     origin_of,
     replay_topic,
 )
-from walbus.client.event import FeedEvent, feed_event
+from walbus.client.event import FeedEvent, deliverable, feed_event
 from walbus.client.filters import EventFilter
 from walbus.client.metrics import client_metrics
 from walbus.client.parallel import Dispatcher
@@ -55,6 +56,7 @@ from walbus.client.positions import (
     encode_metadata,
     newest,
     valid_event,
+    valid_event_as,
 )
 from walbus.client.retrying import RetryPolicy
 from walbus.client.start import Start, StartAt, parse_start, start_floor
@@ -101,26 +103,24 @@ class _Stopped(Exception):
     """Internal: the feed was stopped or reached the end it was asked to stop at."""
 
 
-@dataclass(slots=True)
+@dataclass(eq=False, slots=True)
 class _Record:
-    tp: TopicPartition
-    epoch: int
+    """One record read and, once delivered, the event in the caller's hands until it is acked,
+    retried or dead-lettered (the FeedEvent's settler): one object per event."""
+
+    state: _PartitionState  # the partition's state when it was read: invalid once revoked
     offset: int
     position: Position
-    event: ChangeEvent
+    event: ChangeEvent | None  # dropped once acked (the FeedEvent refers to its settler)
     wanted: bool
-    msg: Any = None  # the Kafka record: key, value and headers for a dead letter
-
-
-@dataclass(eq=False, slots=True)
-class _Delivery:
-    """One event in the caller's hands, until it is acked, retried or dead-lettered."""
-
-    feed: Feed
-    rec: _Record
+    msg: Any  # the Kafka record: key, value and headers for a dead letter
     attempt: int = 1
     outcome: Literal["pending", "acked", "retry", "dead"] = "pending"
     error: str = ""
+
+    @property
+    def tp(self) -> TopicPartition:
+        return self.state.tp
 
     @property
     def settled(self) -> bool:
@@ -128,19 +128,21 @@ class _Delivery:
 
     def ack(self) -> None:
         if self.outcome == "pending":
-            self.feed._acked(self)
+            self.state.feed._acked(self)
 
     def nack(self, retry_in: float | None, error: BaseException | str | None) -> None:
         if self.outcome == "pending":
-            self.feed._nacked(self, retry_in, error)
+            self.state.feed._nacked(self, retry_in, error)
 
 
 # Per partition: (assignment epoch, offset after the last record read, highest position read).
 _Marks = dict[TopicPartition, tuple[int, int, Position | None]]
 
 
-@dataclass(slots=True)
+@dataclass(eq=False, slots=True)
 class _PartitionState:
+    feed: Feed
+    tp: TopicPartition
     epoch: int
     seen: Position | None  # highest position read: the duplicate high-water mark
     read_offset: int | None = None  # offset after the last record read
@@ -150,7 +152,8 @@ class _PartitionState:
     end_offset: int | None = None  # until_end: where this partition ended when assigned
     replay: bool = False  # the group's replay topic: dead letters sent back, no duplicate check
     buffer: deque[Any] = field(default_factory=deque)
-    inflight: deque[_Delivery] = field(default_factory=deque)  # delivered, in offset order
+    inflight: deque[_Record] = field(default_factory=deque)  # delivered, in offset order
+    delivered: Position | None = None  # highest position handed to the caller
 
 
 class _Rebalance(ConsumerRebalanceListener):  # type: ignore[misc]
@@ -235,6 +238,7 @@ class Feed:
         self.topic = topic
         self.group_id = group_id
         self.filter = EventFilter(tables, operations)
+        self._wants_all = not self.filter.tables and not self.filter.operations
         self.stats = FeedStats()
         self._kwargs = _client_kwargs(bootstrap_servers, client_kwargs)
         if from_beginning is not None:
@@ -258,6 +262,7 @@ class Feed:
         # Highest position handed to the caller per partition in this run: survives a
         # revoke/re-assign of the same partition, so a run never delivers a position twice.
         self._delivered: dict[TopicPartition, Position] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None  # start()'s
         self._current: _Marks | None = None  # what the caller is handling now
         self._lookahead: _Record | None = None  # transactions(): first record of the next one
         self._holding = False  # transactions(): a transaction is being gathered
@@ -266,10 +271,10 @@ class Feed:
         self._stopping = False
         self._auto_ack = auto_ack
         self._retry = retry or RetryPolicy()
-        self._last: _Delivery | None = None  # the event handed out last (auto-ack)
-        self._retries: list[tuple[float, int, _Delivery]] = []  # heap by due time
+        self._last: _Record | None = None  # the event handed out last (auto-ack)
+        self._retries: list[tuple[float, int, _Record]] = []  # heap by due time
         self._retry_order = itertools.count()
-        self._dead: deque[_Delivery] = deque()  # exhausted, to write to the dead-letter topic
+        self._dead: deque[_Record] = deque()  # exhausted, to write to the dead-letter topic
         self._dlq: DeadLetterWriter | None = None
         self._replay_topic: str | None = None
         if group_id is not None and dead_letters:
@@ -321,7 +326,8 @@ class Feed:
         except BaseException:
             await self._close_clients()  # a failed start leaves the clients' connections open
             raise
-        self._last_commit = asyncio.get_running_loop().time()
+        self._loop = asyncio.get_running_loop()
+        self._last_commit = self._loop.time()
 
     async def stop(self) -> None:
         """Commit what the caller has finished with, leave the group and disconnect."""
@@ -336,7 +342,8 @@ class Feed:
     async def _close_clients(self) -> None:
         consumer, admin = self._consumer, self._admin
         self._consumer = self._admin = None
-        self._parts.clear()
+        for tp in list(self._parts):
+            self._forget(tp)
         self._retries.clear()
         self._dead.clear()
         self._last = None
@@ -372,9 +379,34 @@ class Feed:
         return self
 
     async def __anext__(self) -> FeedEvent:
-        self._use_mode("events")
+        if self._mode != "events" or self._consumer is None:
+            self._use_mode("events")
         self._finish_current()
-        return await self._next_event()
+        return self._take_buffered() or await self._next_event()
+
+    def _take_buffered(self) -> FeedEvent | None:
+        """The next event if it is already fetched and nothing else is due (no await: the hot path).
+
+        None when :meth:`_next_event` must decide: nothing buffered, a commit, retry or dead
+        letter is due, or the assignment changed.
+        """
+        loop = self._loop
+        if loop is None or self._dead or self._unloaded or self._stopping:
+            return None
+        now = loop.time()
+        if self._retries and self._retries[0][0] <= now:
+            return None
+        if now - self._last_commit >= self._commit_interval and self.group_id is not None:
+            return None
+        while True:
+            state = self._next_buffered()
+            if state is None:
+                return None
+            rec = self._accept(state, state.buffer.popleft())
+            if rec is not None:
+                if rec.wanted:
+                    return self._deliver(rec)
+                self.stats.filtered += 1
 
     async def _next_event(self) -> FeedEvent:
         """The next event: a due retry, else the next wanted record (nothing is auto-acked)."""
@@ -389,7 +421,8 @@ class Feed:
             if retried is not None:
                 self.stats.retries += 1
                 self._last = retried
-                return feed_event(retried.rec.event, retried.attempt, retried)
+                assert retried.event is not None  # kept until acked
+                return feed_event(retried.event, retried.attempt, retried)
             wait = self._retries[0][0] - now if self._retries else None
             try:
                 rec = await self._read(None if wait is None else max(wait, 0.001))
@@ -400,11 +433,19 @@ class Feed:
             if not rec.wanted:
                 self.stats.filtered += 1
                 continue
-            delivery = _Delivery(self, rec)
-            self._parts[rec.tp].inflight.append(delivery)
-            self._note_delivered([rec])
-            self._last = delivery
-            return feed_event(rec.event, 1, delivery)
+            return self._deliver(rec)
+
+    def _deliver(self, rec: _Record) -> FeedEvent:
+        """Hand a newly read record's event to the caller (built as a FeedEvent in events mode)."""
+        state = rec.state
+        state.inflight.append(rec)
+        if state.delivered is None or rec.position > state.delivered:
+            state.delivered = rec.position
+        self.stats.delivered += 1
+        self._last = rec
+        event = rec.event
+        assert isinstance(event, FeedEvent)  # _accept decodes FeedEvents in events mode
+        return deliverable(event, 1, rec)
 
     async def run(self, handler: Callable[[FeedEvent], Awaitable[None]], *, concurrency: int = 1) -> None:
         """Call ``handler`` for every event until the feed ends (``until_end``) or is cancelled.
@@ -426,42 +467,53 @@ class Feed:
     async def handle(self, event: FeedEvent, handler: Callable[[FeedEvent], Awaitable[None]]) -> None:
         """Run ``handler`` on ``event`` with the retry policy; ack, or dead-letter when exhausted."""
         delivery = event._settler
-        assert isinstance(delivery, _Delivery), "handle() takes events this feed delivered"
+        assert isinstance(delivery, _Record), "handle() takes events this feed delivered"
+        try:
+            await handler(event)
+        except Exception as e:
+            await self._handle_failed(delivery, handler, e)
+            return
+        if delivery.outcome == "pending":
+            self._acked(delivery)
+
+    async def _handle_failed(self, delivery: _Record, handler: Callable[[FeedEvent], Awaitable[None]], error: Exception) -> None:
+        """Retry a failed handler in place, then dead-letter the event once its attempts are used up."""
         while True:
+            self._log_failure(delivery, error)
+            if delivery.settled:
+                return  # the handler acked or nacked it itself before raising
+            if self._retry.exhausted(delivery.attempt):
+                delivery.error = error_text(error)
+                await self._dead_letter(delivery)
+                return
+            self.stats.retries += 1
+            self._metrics.retries.labels(self.topic, self.group_id or "").inc()
+            await asyncio.sleep(self._retry.delay(delivery.attempt))
+            delivery.attempt += 1
+            assert delivery.event is not None  # kept until acked
             try:
-                await handler(event)
+                await handler(feed_event(delivery.event, delivery.attempt, delivery))
             except Exception as e:
-                self._log_failure(delivery, e)
-                if delivery.settled:
-                    return  # the handler acked or nacked it itself before raising
-                if self._retry.exhausted(delivery.attempt):
-                    delivery.error = error_text(e)
-                    await self._dead_letter(delivery)
-                    return
-                self.stats.retries += 1
-                self._metrics.retries.labels(self.topic, self.group_id or "").inc()
-                await asyncio.sleep(self._retry.delay(delivery.attempt))
-                delivery.attempt += 1
-                event = feed_event(delivery.rec.event, delivery.attempt, delivery)
+                error = e
                 continue
-            event.ack()
+            if delivery.outcome == "pending":
+                self._acked(delivery)
             return
 
     # -- acknowledgement, retries, dead letters -------------------------------------------
 
-    def _acked(self, delivery: _Delivery) -> None:
-        delivery.outcome = "acked"
-        rec = delivery.rec
-        state = self._parts.get(rec.tp)
-        if state is None or state.epoch != rec.epoch:
+    def _acked(self, rec: _Record) -> None:
+        rec.outcome = "acked"
+        rec.event = None  # the FeedEvent refers to rec: no reference cycle to leave to the GC
+        state = rec.state
+        if self._parts.get(state.tp) is not state:
             return  # revoked meanwhile: the new owner takes it from the last commit
-        inflight = state.inflight
-        while inflight and inflight[0].outcome == "acked":
-            done = inflight.popleft().rec
-            if state.done_offset is None or done.offset + 1 > state.done_offset:
-                state.done_offset, state.done_position = done.offset + 1, newest(state.done_position, done.position)
+        done = acked_prefix(state.inflight)
+        if done is not None and (state.done_offset is None or done[0] > state.done_offset):
+            state.done_offset = done[0]
+            state.done_position = done[1] if state.done_position is None or done[1] > state.done_position else state.done_position
 
-    def _nacked(self, delivery: _Delivery, retry_in: float | None, error: BaseException | str | None) -> None:
+    def _nacked(self, delivery: _Record, retry_in: float | None, error: BaseException | str | None) -> None:
         delivery.error = error_text(error if error is not None else "nacked")
         if self._retry.exhausted(delivery.attempt):
             delivery.outcome = "dead"
@@ -469,43 +521,42 @@ class Feed:
             return
         delivery.outcome = "retry"
         delay = self._retry.delay(delivery.attempt) if retry_in is None else max(retry_in, 0.0)
-        due = asyncio.get_running_loop().time() + delay
+        due = (self._loop or asyncio.get_running_loop()).time() + delay
         heapq.heappush(self._retries, (due, next(self._retry_order), delivery))
         self._metrics.retries.labels(self.topic, self.group_id or "").inc()
 
-    def _due_retry(self, now: float) -> _Delivery | None:
+    def _due_retry(self, now: float) -> _Record | None:
         while self._retries and self._retries[0][0] <= now:
             delivery = heapq.heappop(self._retries)[2]
-            if self._valid(delivery.rec):  # else revoked: the new owner reads it again
+            if self._valid(delivery):  # else revoked: the new owner reads it again
                 delivery.attempt += 1
                 delivery.outcome = "pending"
                 return delivery
         return None
 
-    def _log_failure(self, delivery: _Delivery, error: BaseException) -> None:
-        rec = delivery.rec
+    def _log_failure(self, rec: _Record, error: BaseException) -> None:
         log.warning(
             "handler failed",
             extra={"topic": rec.tp.topic, "partition": rec.tp.partition, "offset": rec.offset, "group": self.group_id,
-                   "key": rec.event.key.decode(), "attempt": delivery.attempt, "error": error_text(error)},
+                   "key": event_key(*rec.position).decode(), "attempt": rec.attempt, "error": error_text(error)},
         )
 
     async def _write_dead_letters(self) -> None:
         while self._dead:
             await self._dead_letter(self._dead.popleft())
 
-    async def _dead_letter(self, delivery: _Delivery) -> None:
+    async def _dead_letter(self, delivery: _Record) -> None:
         """Write an exhausted event to the group's dead-letter topic, then ack it: the feed goes on."""
-        rec = delivery.rec
-        origin = origin_of(list(rec.msg.headers or ())) if rec.msg is not None and self._is_replay(rec.tp) else None
+        rec = delivery
+        origin = origin_of(list(rec.msg.headers or ())) if self._is_replay(rec.tp) else None
         origin = origin or Origin(rec.tp.topic, rec.tp.partition, rec.offset)
         fields = {"topic": rec.tp.topic, "partition": rec.tp.partition, "offset": rec.offset, "group": self.group_id,
-                  "key": rec.event.key.decode(), "attempts": delivery.attempt, "error": delivery.error}
+                  "key": event_key(*rec.position).decode(), "attempts": delivery.attempt, "error": delivery.error}
         if self._dlq is None or self.group_id is None:
             log.error("dropping an event whose retries are used up (no consumer group, no dead-letter topic)", extra=fields)
         else:
             headers = dead_letter_headers(error=delivery.error, attempts=delivery.attempt, group=self.group_id, origin=origin)
-            await self._dlq.write(rec.msg.key if rec.msg is not None else rec.event.key, rec.msg.value if rec.msg is not None else rec.event.to_json(), headers)
+            await self._dlq.write(rec.msg.key, rec.msg.value, headers)
             log.error("event sent to the dead-letter topic", extra={**fields, "dead_letter_topic": self._dlq.topic})
         self.stats.dead_letters += 1
         self._metrics.dead_letters.labels(self.topic, self.group_id or "").inc()
@@ -561,8 +612,9 @@ class Feed:
                 continue
             self._current = marks
             self._note_delivered(wanted)
-            first = wanted[0].event
-            return Transaction(first.commit_lsn, first.xid, first.timestamp, tuple(r.event for r in wanted))
+            events = tuple(r.event for r in wanted if r.event is not None)  # all: only acks drop one
+            first = events[0]
+            return Transaction(first.commit_lsn, first.xid, first.timestamp, events)
 
     def _use_mode(self, mode: Literal["events", "transactions"]) -> None:
         if self._consumer is None:
@@ -586,9 +638,9 @@ class Feed:
                 raise _Stopped
             if self._unloaded:
                 await self._load_new_partitions()
-            msg = self._pop_next()
-            if msg is not None:
-                rec = self._accept(msg)
+            ready = self._next_buffered()
+            if ready is not None:
+                rec = self._accept(ready, ready.buffer.popleft())
                 if rec is not None:
                     return rec
                 continue
@@ -597,12 +649,16 @@ class Feed:
                     return None
                 self._mark_read_done()
                 raise _Stopped
-            await self._idle()
-            wait = 1.0 if deadline is None else deadline - loop.time()
-            if wait <= 0:
-                return None
             try:
-                batches = await consumer.getmany(timeout_ms=max(1, int(min(wait, 1.0) * 1000)))
+                # What the consumer has fetched in the background already: no waiting, so no
+                # commit in between (one per fetch was a broker round trip per ~1 MB of events).
+                batches = await consumer.getmany(timeout_ms=0)
+                if not batches:
+                    await self._idle()
+                    wait = 1.0 if deadline is None else deadline - loop.time()
+                    if wait <= 0:
+                        return None
+                    batches = await consumer.getmany(timeout_ms=max(1, int(min(wait, 1.0) * 1000)))
             except ConsumerStoppedError:
                 raise _Stopped from None
             if batches and self._unloaded:
@@ -612,8 +668,11 @@ class Feed:
                 if state is not None:
                     state.buffer.extend(msgs)
 
-    def _pop_next(self) -> Any:
-        """The buffered record with the lowest key: merges partitions in commit order."""
+    def _next_buffered(self) -> _PartitionState | None:
+        """The partition whose next buffered record has the lowest key: merges partitions in commit order."""
+        if len(self._parts) == 1:  # the default single partition: nothing to merge
+            for only in self._parts.values():
+                return only if only.buffer else None
         best: _PartitionState | None = None
         best_key = b""
         for state in self._parts.values():
@@ -621,29 +680,29 @@ class Feed:
                 key = state.buffer[0].key or b""
                 if best is None or key < best_key:
                     best, best_key = state, key
-        return best.buffer.popleft() if best is not None else None
+        return best
 
-    def _accept(self, msg: Any) -> _Record | None:
-        tp = TopicPartition(msg.topic, msg.partition)
-        state = self._parts[tp]
+    def _accept(self, state: _PartitionState, msg: Any) -> _Record | None:
+        """The record of ``msg`` (read from ``state``'s partition) unless it is invalid or a duplicate."""
         state.read_offset = msg.offset + 1
         try:
-            event = valid_event(msg.key, msg.value)
+            # In events mode the event is built as the FeedEvent it will be handed out as.
+            event = valid_event_as(msg.key, msg.value, FeedEvent if self._mode == "events" else ChangeEvent)
         except ContractError as e:
             self._skip_invalid(msg, e)
             return None
-        position = event.position
-        if state.replay:
-            return _Record(tp, state.epoch, msg.offset, position, event, self.filter.wants(event.table, event.operation), msg)
-        if state.seen is not None and position <= state.seen:
-            if self._floor is not None and position <= self._floor:
-                self.stats.before_start += 1
-            else:
-                self.stats.duplicates_skipped += 1
-            return None
-        state.seen = position
-        wanted = self.filter.wants(event.table, event.operation)
-        return _Record(tp, state.epoch, msg.offset, position, event, wanted, msg)
+        position = (event.commit_lsn, event.seq)
+        if not state.replay:
+            seen = state.seen
+            if seen is not None and position <= seen:
+                if self._floor is not None and position <= self._floor:
+                    self.stats.before_start += 1
+                else:
+                    self.stats.duplicates_skipped += 1
+                return None
+            state.seen = position
+        wanted = self._wants_all or self.filter.wants(event.table, event.operation)
+        return _Record(state, msg.offset, position, event, wanted, msg)
 
     def _skip_invalid(self, msg: Any, error: ContractError) -> None:
         # Skipped for good (its offset is committed with the next ones), but never silently.
@@ -721,7 +780,7 @@ class Feed:
             replay = self._is_replay(tp)
             floor = self._floor if tp in self._fresh and not replay else None
             seen = None if replay else newest(stored.get(tp), resumed.get(tp), self._delivered.get(tp), floor)
-            self._parts[tp] = _PartitionState(epoch=epochs[tp], seen=seen, end_offset=ends.get(tp), replay=replay)
+            self._parts[tp] = _PartitionState(self, tp, epochs[tp], seen=seen, end_offset=ends.get(tp), replay=replay)
             log.debug("partition assigned", extra={"topic": tp.topic, "partition": tp.partition, "resume_after": seen})
 
     async def _at_end(self) -> bool:
@@ -759,7 +818,7 @@ class Feed:
             self._current = None
         last, self._last = self._last, None
         if last is not None and self._auto_ack and last.outcome == "pending":
-            last.ack()
+            self._acked(last)
 
     def _mark_read_done(self) -> None:
         """Nothing is in the caller's hands: every record read so far is finished."""
@@ -767,16 +826,23 @@ class Feed:
             self._apply_done(self._marks())
 
     def _note_delivered(self, records: list[_Record]) -> None:
-        delivered = self._delivered
         for r in records:
-            known = delivered.get(r.tp)
-            if known is None or r.position > known:
-                delivered[r.tp] = r.position
+            state = r.state
+            if state.delivered is None or r.position > state.delivered:
+                state.delivered = r.position
         self.stats.delivered += len(records)
 
+    def _forget(self, tp: TopicPartition) -> None:
+        """Drop a partition's state, keeping the highest position this run delivered from it."""
+        state = self._parts.pop(tp, None)
+        if state is not None and state.delivered is not None:
+            known = self._delivered.get(tp)
+            if known is None or state.delivered > known:
+                self._delivered[tp] = state.delivered
+
     def _valid(self, rec: _Record) -> bool:
-        state = self._parts.get(rec.tp)
-        return state is not None and state.epoch == rec.epoch
+        """Whether ``rec``'s partition is still assigned as it was when it was read."""
+        return self._parts.get(rec.state.tp) is rec.state
 
     async def _idle(self) -> None:
         # About to wait for the broker: a good moment to commit, so that a quiet feed's
@@ -819,7 +885,7 @@ class Feed:
         except Exception as e:  # the listener must not fail the rebalance
             log.warning("commit on revoke failed", extra={"error": str(e)})
         for tp in revoked:
-            self._parts.pop(tp, None)
+            self._forget(tp)
 
     async def _start_offsets(self, tps: list[TopicPartition]) -> dict[TopicPartition, int]:
         """Where each partition starts for ``self._start`` (an LSN start reads from the
@@ -877,7 +943,7 @@ class Feed:
         self._unloaded = True
         for tp in assigned:
             self._epochs[tp] = self._epochs.get(tp, 0) + 1
-            self._parts.pop(tp, None)
+            self._forget(tp)
 
 
 class _TransactionStream:

@@ -13,11 +13,13 @@ check this, so it is only a claim to verify (see ``Feed``); version 2 is trusted
 
 from __future__ import annotations
 
+from typing import TypeVar
+
 from walbus.contract import (
     ChangeEvent,
     ContractError,
     check_key,
-    decode_event,
+    decode_event_as,
     event_key,
     parse_event_key,
 )
@@ -29,11 +31,19 @@ _METADATA_PREFIX = "walbus-feed/2:"
 _LEGACY_METADATA_PREFIX = "walbus-feed/1:"
 
 
+_E = TypeVar("_E", bound=ChangeEvent)
+
+
 def valid_event(key: bytes | None, value: bytes | None) -> ChangeEvent:
     """The event of a database-topic record whose key is its own position; else :class:`ContractError`."""
+    return valid_event_as(key, value, ChangeEvent)
+
+
+def valid_event_as(key: bytes | None, value: bytes | None, cls: type[_E]) -> _E:
+    """:func:`valid_event` as an instance of ``cls`` (``contract.decode_event_as``)."""
     if value is None:
         raise ContractError("record without a value")
-    event = decode_event(value)
+    event = decode_event_as(value, cls)
     if key != event_key(event.commit_lsn, event.seq):  # the one text of that position: check_key's test, faster
         check_key(key, event)  # raises, with its message
     return event

@@ -1,0 +1,107 @@
+"""decode_event's fast path (msgspec) against its reference path: the same event or the same error."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import orjson
+from hypothesis import given
+from hypothesis import strategies as st
+
+from tests.support.prop import strict
+from tests.unit.test_prop_contract import events
+from walbus.contract import (
+    ChangeEvent,
+    ContractError,
+    RowImage,
+    _decode_checked,
+    decode_event,
+    encode_event,
+)
+
+
+def _image(image: RowImage | None) -> Any:
+    return None if image is None else (image.columns, image.types, strict(image.values))
+
+
+def _outcome(decode: Any, raw: bytes) -> tuple[Any, ...]:
+    try:
+        ev = decode(raw)
+    except ContractError as e:
+        return ("error", str(e))
+    assert type(ev) is ChangeEvent
+    return ("event", ev.lsn, ev.commit_lsn, ev.seq, ev.xid, ev.operation, ev.table, ev.timestamp, ev.pk,
+            _image(ev.new), _image(ev.identity), ev.unchanged, type(ev.pk), type(ev.unchanged))
+
+
+def _agree(raw: bytes) -> tuple[Any, ...]:
+    fast = _outcome(decode_event, raw)
+    assert fast == _outcome(lambda v: _decode_checked(v, ChangeEvent), raw)
+    return fast
+
+
+@given(events())
+def test_valid_events_decode_alike(kw: dict[str, Any]) -> None:
+    _agree(encode_event(**kw))
+
+
+# What a broken or hostile writer might put anywhere in a value.
+JUNK = st.one_of(
+    st.sampled_from([None, True, False, 0, 1, -1, 1.0, -0.0, 1e300, 2**31, 2**32, 2**32 - 1, 2**63 - 1, 2**63, 2**64 - 1,
+                     2**64, -(2**63), -(2**63) - 1, "", "x", "insert", "a.b", '"a.b".c', ".a", "a.", [], [1], ["a"],
+                     [[1]], {}, {"columns": [], "types": [], "values": []}, {"a": 1}]),
+    st.integers(),
+    st.floats(allow_nan=False, allow_infinity=False),
+    st.text(max_size=8),
+)
+FIELDS = ["v", "lsn", "commit_lsn", "seq", "xid", "operation", "table", "timestamp", "pk", "columns", "types",
+          "values", "identity", "unchanged", "extra"]
+
+
+@st.composite
+def mutated(draw: st.DrawFn) -> bytes:
+    obj: dict[str, Any] = orjson.loads(encode_event(**draw(events())))
+    for _ in range(draw(st.integers(1, 2))):
+        name = draw(st.sampled_from(FIELDS))
+        how = draw(st.sampled_from(["set", "drop", "element", "identity"]))
+        if how == "drop":
+            obj.pop(name, None)
+        elif how == "element" and isinstance(obj.get(name), list) and obj[name]:
+            obj[name][draw(st.integers(0, len(obj[name]) - 1))] = draw(JUNK)
+        elif how == "identity":
+            part = draw(st.sampled_from(["columns", "types", "values", "extra"]))
+            ident = obj.get("identity") if isinstance(obj.get("identity"), dict) else {"columns": ["a"], "types": ["int4"], "values": [1]}
+            obj["identity"] = {**ident, part: draw(JUNK)}
+        else:
+            obj[name] = draw(JUNK)
+    return json.dumps(obj, ensure_ascii=draw(st.booleans())).encode()  # orjson refuses integers beyond 64 bits
+
+
+@given(mutated())
+def test_mutated_events_decode_alike(raw: bytes) -> None:
+    _agree(raw)
+
+
+@given(events(), st.lists(st.tuples(st.integers(0, 400), st.binary(max_size=3)), min_size=1, max_size=3))
+def test_byte_edits_decode_alike(kw: dict[str, Any], edits: list[tuple[int, bytes]]) -> None:
+    raw = bytearray(encode_event(**kw))
+    for at, insert in edits:
+        at %= len(raw)
+        raw[at : at + (1 if insert else 0)] = insert or raw[at : at + 1] * 2
+    _agree(bytes(raw))
+
+
+def test_edge_values_decode_alike() -> None:
+    head = b'{"v":1,"lsn":1,"commit_lsn":2,"seq":0,"xid":3,"operation":"insert","table":"public.t","timestamp":"t",'
+    for values in [b"18446744073709551615", b"18446744073709551616", b"-9223372036854775809", b"9223372036854775807",
+                   b"1e2", b"-0", b"-0.0", b"1e-400", b"1e400", b'"\\ud800"', b'"\xed\xa0\x80"', b'"\xff"', b"[1]",
+                   b'{"a":1}', b"true", b"null", b'"\\u0000"']:
+        _agree(head + b'"pk":[],"columns":["a"],"types":["x"],"values":[' + values + b"]}")
+    for extra in [b'"x":"\xff"', b'"x":1e400', b'"\xff":1', b'"\\u0076":2', b'"v":true', b'"x":' + b"[" * 1100 + b"]" * 1100,
+                  b'"columns":null', b'"identity":null', b'"pk":null', b'"unchanged":null', b'"table":"\\"a.b\\".c"',
+                  b'"table":"a.b.c"', b'"lsn":18446744073709551615', b'"seq":4294967296', b'"operation":"upsert"']:
+        _agree(head + b'"columns":["a"],"types":["x"],"values":[1],' + extra + b"}")
+    assert _agree(head + b'"columns":["a"],"types":["x"],"values":[1]}')[0] == "event"
+    assert _agree(head + b'"pk":[]}')[0] == "error"  # an insert without a row
+    assert _agree(head.replace(b"insert", b"delete") + b'"types":null}')[0] == "event"  # no columns: no row
