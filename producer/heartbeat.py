@@ -72,8 +72,8 @@ class HeartbeatAction:
         try:
             conn = await self._connection()
             await conn.execute(self._query)
-        except (psycopg.Error, OSError) as e:
-            if isinstance(e, psycopg.OperationalError) and self._conn is not None:
+        except Exception as e:  # whatever it is, the next beat tries again on a new connection: never fatal
+            if self._conn is not None:
                 with contextlib.suppress(Exception):
                     await self._conn.close()
             self._failed(f"{type(e).__name__}: {str(e).strip()}")

@@ -98,6 +98,7 @@ class Producer:
             setup.check_server(conn)
             tables = setup.resolve_tables(conn, self.capture)
             setup.check_key_columns(conn, self.capture, tables)
+            setup.warn_lost_changes(conn, cfg.plugin, tables)
             if cfg.plugin == "pgoutput":
                 setup.ensure_publication(conn, cfg.publication_name, self.capture, tables)
             state = setup.check_slot(conn, cfg.slot_name, cfg.plugin, cfg.database)

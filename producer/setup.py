@@ -166,6 +166,33 @@ def check_key_columns(conn: psycopg.Connection[tuple[object, ...]], capture: Cap
             log.warning("--key-columns names a table that is not captured (yet)", extra={"table": pattern})
 
 
+def tables_without_identity(conn: psycopg.Connection[tuple[object, ...]], tables: list[TableName]) -> list[TableName]:
+    """Tables whose updates and deletes carry no old row: REPLICA IDENTITY NOTHING, or DEFAULT
+    without a primary key."""
+    if not tables:
+        return []
+    rows = conn.execute(
+        "SELECT n.nspname, c.relname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
+        "WHERE c.oid = ANY(%s::regclass[]) AND (c.relreplident = 'n' OR (c.relreplident = 'd' AND NOT EXISTS "
+        "(SELECT 1 FROM pg_index i WHERE i.indrelid = c.oid AND i.indisprimary))) ORDER BY 1, 2",
+        ([sql_table(t) for t in tables],),
+    ).fetchall()
+    return [(str(r[0]), str(r[1])) for r in rows]
+
+
+def warn_lost_changes(conn: psycopg.Connection[tuple[object, ...]], plugin: str, tables: list[TableName]) -> None:
+    """wal2json leaves out updates and deletes of a table without a replica identity (a WARNING
+    in the server's log only); pgoutput makes PostgreSQL refuse them instead. Say so at start."""
+    if plugin != "wal2json":
+        return
+    for table in tables_without_identity(conn, tables):
+        log.warning(
+            "wal2json does not decode updates and deletes of a table without a replica identity: they never reach the "
+            f"topic. ALTER TABLE {sql_table(table)} REPLICA IDENTITY FULL (or add a primary key)",
+            extra={"table": qualify_table(*table)},
+        )
+
+
 def list_tables(conn: psycopg.Connection[tuple[object, ...]]) -> list[TableName]:
     rows = conn.execute(
         "SELECT n.nspname, c.relname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "

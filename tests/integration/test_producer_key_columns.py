@@ -32,7 +32,10 @@ def strip_meta(row: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in row.items() if not k.startswith("__")}
 
 
-async def test_keyless_tables_get_their_key_through_the_demux(pg_dsn: str, kafka_bootstrap: str, unique_name: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("plugin", ["pgoutput", "wal2json"])
+async def test_keyless_tables_get_their_key_through_the_demux(
+    pg_dsn: str, kafka_bootstrap: str, unique_name: str, tmp_path: Path, plugin: str,
+) -> None:
     sql(
         pg_dsn,
         # keyless, REPLICA IDENTITY FULL: deletes carry the whole old row, so the key too
@@ -46,7 +49,7 @@ async def test_keyless_tables_get_their_key_through_the_demux(pg_dsn: str, kafka
     )
     source = f"walbus.{unique_name}"
     key_columns = 'public.Log Lines:code,"re,gion";public.audit:code'
-    async with running_producer(pg_dsn, kafka_bootstrap, topic=source, key_columns=key_columns):
+    async with running_producer(pg_dsn, kafka_bootstrap, topic=source, key_columns=key_columns, plugin=plugin):
         log = tmp_path / "demux.log"
         demux = walbus_process(
             ["demux", "--kafka-bootstrap", kafka_bootstrap, "--source-topic", source, "--state-dir", str(tmp_path / "state")], log=log,
@@ -94,3 +97,16 @@ def test_an_unknown_key_column_is_a_configuration_error(pg_dsn: str, kafka_boots
     )
     assert res.returncode == 2 and "public.logs has no column 'nope'" in res.stderr, res.stderr
     assert "Traceback" not in res.stderr
+
+
+async def test_wal2json_losing_changes_of_a_table_without_identity_is_said_at_start(
+    pg_dsn: str, kafka_bootstrap: str, unique_name: str, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """wal2json drops updates and deletes of such a table with only a server-side WARNING: the
+    producer cannot see them, so it says so when it starts."""
+    sql(pg_dsn, "CREATE TABLE keyless (code text)", "CREATE TABLE keyed (id int PRIMARY KEY)",
+        "CREATE TABLE nothing (id int PRIMARY KEY)", "ALTER TABLE nothing REPLICA IDENTITY NOTHING")
+    async with running_producer(pg_dsn, kafka_bootstrap, topic=unique_name, plugin="wal2json"):
+        pass
+    warned = {r.__dict__.get("table") for r in caplog.records if r.getMessage().startswith("wal2json does not decode")}
+    assert warned == {"public.keyless", "public.nothing"}
