@@ -65,13 +65,13 @@ class ProducerConfig(KafkaOptions):
     retry_attempts: int = option(0, help="reconnect attempts after a transient fault (0: forever)")
     retry_max_delay: float = option(60.0, help="longest backoff between reconnects, seconds")
     snapshot_mode: str = option(
-        "initial", help="initial | when_needed | always | never | no_data | initial_only (Debezium's meanings, README)",
+        "initial", help="when to read the tables at start (Debezium's snapshot.mode; docs/operations.md)",
         choices=list(SNAPSHOT_MODES),
     )
     snapshot_workers: int = option(1, help="parallel connections reading the initial snapshot")
     snapshot_fetch_rows: int = option(10000, help="rows fetched per round trip while snapshotting")
     key_columns: str | None = option(
-        None, help="message key columns per table, Debezium's message.key.columns: 'schema.table:col1,col2;other:col' "
+        None, help="message key columns per table, Debezium's message.key.columns: 'public.orders:col1,col2;inventory.*:sku' "
         "(table patterns as --tables; a name holding , : ; or a dot in double quotes)",
     )
     signal_table: str | None = option(None, help="schema.table of the signal table (incremental snapshots)")
