@@ -54,3 +54,19 @@ def test_heartbeat_options_are_checked() -> None:
         load([*BASE, "--heartbeat-action-query", " "])
     cfg = load([*BASE, "--heartbeat-interval", "0"])
     assert cfg.heartbeat_interval == 0
+
+
+def test_a_heartbeat_in_flight_holds_the_slot_like_any_record() -> None:
+    """Heartbeats go on the sink's side-record counter (the last Progress slot): the slot is
+    confirmed past a transaction, or to the idle server position, only once Kafka acknowledged
+    everything sent before, the heartbeat included."""
+    from producer.progress import Progress
+
+    p = Progress(1 + 1, confirmed_lsn=100)  # one partition + the side-record slot
+    p.appended[1] += 1  # a heartbeat sent, not yet acknowledged
+    assert not p.advance_idle(150) and p.confirmed_lsn == 100
+    p.commit(200)
+    assert p.confirmed_lsn == 100
+    p.ack(1, 1)
+    assert p.confirmed_lsn == 200
+    assert p.advance_idle(300) and p.confirmed_lsn == 300
