@@ -111,4 +111,5 @@ async def test_a_failing_action_query_is_counted_and_never_stops_the_stream(
         assert sample(producer.registry, "walbus_producer_connected") == 1
     assert change["operation"] == "insert"
     failures = [r for r in caplog.records if r.getMessage().startswith("heartbeat action query failed")]
-    assert failures and "no_such_table" in str(failures[0].__dict__.get("error"))
+    # (a beat while the previous query still runs is skipped and logged too: look at them all)
+    assert any("no_such_table" in str(r.__dict__.get("error")) for r in failures)
