@@ -12,6 +12,7 @@ which remains the reference.
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
@@ -34,6 +35,8 @@ from walbus.contract import (
     NameMatcher,
     qualify_table,
 )
+
+log = logging.getLogger("walbus.producer.codec")
 
 PG_EPOCH = datetime(2000, 1, 1, tzinfo=UTC)
 Key = tuple[Any, ...]  # primary-key values, in key order
@@ -64,12 +67,16 @@ class CaptureFilter:
     exclude_columns: tuple[str, ...] = ()
     mask_columns: tuple[str, ...] = ()
     signal_table: str | None = None
+    # --key-columns: (table pattern, key columns) in the order given; the first match wins.
+    key_columns: tuple[tuple[str, tuple[str, ...]], ...] = ()
     included: NameMatcher = field(init=False, repr=False, compare=False)
     excluded: NameMatcher = field(init=False, repr=False, compare=False)
     excluded_columns: NameMatcher = field(init=False, repr=False, compare=False)
     masked_columns: NameMatcher = field(init=False, repr=False, compare=False)
+    key_matchers: tuple[tuple[NameMatcher, tuple[str, ...]], ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "key_matchers", tuple((NameMatcher([p]), cols) for p, cols in self.key_columns))
         object.__setattr__(self, "included", NameMatcher(self.tables))
         object.__setattr__(self, "excluded", NameMatcher(self.exclude_tables))
         object.__setattr__(self, "excluded_columns", NameMatcher(self.exclude_columns, parts=3))
@@ -82,6 +89,13 @@ class CaptureFilter:
         if self.included and not self.included.matches_table(table):
             return False
         return not (self.excluded and self.excluded.matches_table(table))
+
+    def key_for(self, schema: str, table: str) -> tuple[str, ...] | None:
+        """The message key columns ``--key-columns`` gives the table (None: its primary key)."""
+        for matcher, cols in self.key_matchers:
+            if matcher.matches(schema, table):
+                return cols
+        return None
 
 
 @dataclass
@@ -120,6 +134,15 @@ class Relation:
     def prepare(self, capture: CaptureFilter) -> Relation:
         q = self.qualified
         self.captured = capture.captures(q)
+        key = capture.key_for(self.schema, self.name)
+        if key is not None:
+            if all(c in self.columns for c in key):
+                self.pk = list(key)
+            else:  # checked at start for the tables that existed; a later table or column change lands here
+                log.warning(
+                    "--key-columns names columns the table lacks: its events keep the table's own primary key",
+                    extra={"table": q, "key_columns": list(key), "primary_key": self.pk},
+                )
         self.keep = [
             i for i, c in enumerate(self.columns) if not capture.excluded_columns.matches(self.schema, self.name, c)
         ]

@@ -16,6 +16,7 @@ from walbus.metrics import DEFAULT_METRICS_ADDR
 _SLOT_NAME = re.compile(r"^[a-z0-9_]{1,63}$")
 _SLOT_UNSAFE = re.compile(r"[^a-z0-9_]")
 _SLOT_PREFIX = "walbus_"
+SNAPSHOT_MODES = ("initial", "when_needed", "always", "never", "no_data", "initial_only")
 
 
 def default_slot_name(database: str) -> str:
@@ -45,7 +46,14 @@ class ProducerConfig(KafkaOptions):
     exclude_tables: list[str] = option([], help="exclude list: table patterns")
     exclude_columns: list[str] = option([], help="schema.table.column patterns left out of events")
     mask_columns: list[str] = option([], help="schema.table.column patterns whose values are replaced by ****")
-    heartbeat_interval: float = option(10.0, help="seconds between status updates that confirm the server's position while captured tables are idle")
+    heartbeat_interval: float = option(
+        10.0, help="seconds between heartbeat records on <topic>.heartbeat (and confirmations of the server's position while "
+        "captured tables are idle); 0: no heartbeat records, the position is still confirmed every 10 s",
+    )
+    heartbeat_action_query: str | None = option(
+        None, help="SQL run on a normal connection at each heartbeat (e.g. an UPDATE of a heartbeat table, so that the slot of "
+        "a quiet database advances); a failure is logged, counted and tried again at the next beat",
+    )
     metrics_port: int = option(0, help="serve Prometheus /metrics, /healthz and /readyz on this port (0: off)", env="legacy")
     metrics_addr: str = option(DEFAULT_METRICS_ADDR, help="address the metrics port binds (0.0.0.0: every interface)")
     drop_slot_on_exit: bool = option(False, help="drop the replication slot when the producer exits")
@@ -56,9 +64,16 @@ class ProducerConfig(KafkaOptions):
     kafka_request_timeout_ms: int = option(30000, help="how long a Kafka batch may wait for its acknowledgement before the stream restarts")
     retry_attempts: int = option(0, help="reconnect attempts after a transient fault (0: forever)")
     retry_max_delay: float = option(60.0, help="longest backoff between reconnects, seconds")
-    snapshot_mode: str = option("initial", help="initial | always | never | initial_only", choices=["initial", "always", "never", "initial_only"])
+    snapshot_mode: str = option(
+        "initial", help="when to read the tables at start (Debezium's snapshot.mode; docs/operations.md)",
+        choices=list(SNAPSHOT_MODES),
+    )
     snapshot_workers: int = option(1, help="parallel connections reading the initial snapshot")
     snapshot_fetch_rows: int = option(10000, help="rows fetched per round trip while snapshotting")
+    key_columns: str | None = option(
+        None, help="message key columns per table, Debezium's message.key.columns: 'public.orders:col1,col2;inventory.*:sku' "
+        "(table patterns as --tables; a name holding , : ; or a dot in double quotes)",
+    )
     signal_table: str | None = option(None, help="schema.table of the signal table (incremental snapshots)")
     incremental_chunk_size: int = option(1024, help="rows per incremental-snapshot chunk")
     log_level: str = option("info", help="debug, info, warning or error")
@@ -94,4 +109,10 @@ def load(argv: Sequence[str] | None) -> ProducerConfig:
         raise ConfigError(f"--slot {cfg.slot!r}: a slot name has 1 to 63 lower-case letters, digits and underscores")
     if cfg.partitions < 1 or (cfg.replication_factor is not None and cfg.replication_factor < 1):
         raise ConfigError("--partitions and --replication-factor must be at least 1")
+    if not cfg.heartbeat_interval >= 0:  # also refuses NaN
+        raise ConfigError("--heartbeat-interval must be 0 (off) or a number of seconds")
+    if cfg.heartbeat_action_query is not None and not cfg.heartbeat_action_query.strip():
+        raise ConfigError("--heartbeat-action-query is empty")
+    if cfg.heartbeat_action_query and not cfg.heartbeat_interval:
+        raise ConfigError("--heartbeat-action-query runs at each heartbeat: set --heartbeat-interval above 0")
     return cfg

@@ -19,6 +19,14 @@ class ProducerMetrics:
         self.connected = Gauge("walbus_producer_connected", "1 while streaming from PostgreSQL", registry=registry)
         self.confirmed_lsn = Gauge("walbus_producer_confirmed_lsn", "Last LSN confirmed to the slot (Kafka acknowledged)", registry=registry)
         self.reconnects = Counter("walbus_producer_reconnects", "Restarts of the stream after a transient fault", registry=registry)
+        self.last_heartbeat = Gauge(
+            "walbus_producer_last_heartbeat_timestamp_seconds", "Unix time of the last heartbeat record sent (0: none yet)",
+            registry=registry,
+        )
+        self.heartbeat_actions = Counter("walbus_producer_heartbeat_actions", "Heartbeat action queries that succeeded", registry=registry)
+        self.heartbeat_action_failures = Counter(
+            "walbus_producer_heartbeat_action_failures", "Heartbeat action queries that failed or were skipped", registry=registry,
+        )
 
 
 class SnapshotMetrics:

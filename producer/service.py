@@ -28,15 +28,16 @@ from producer.config import ProducerConfig, load
 from producer.decoders import Decoder, LogicalMessage, TxnBegin, TxnEnd
 from producer.decoders.pgoutput import PgoutputDecoder
 from producer.decoders.wal2json import Wal2jsonDecoder
+from producer.heartbeat import HeartbeatAction, Heartbeats, action_timeout, confirm_interval
 from producer.incremental import IncrementalSnapshot
 from producer.metrics import ProducerMetrics, SnapshotMetrics
-from producer.offsets import OffsetStore
+from producer.offsets import COMPACTED, OffsetStore
 from producer.progress import Progress
 from producer.replication import ReplicationError, ReplicationStream
 from producer.sink import KafkaSink, SinkError
 from producer.snapshot import InitialSnapshot, SnapshotAborted
 from walbus.config import ConfigError, describe
-from walbus.contract import Lsn, split_table
+from walbus.contract import Lsn, heartbeat_topic, split_table
 from walbus.kafka import (
     DEFAULT_MAX_MESSAGE_BYTES,
     METADATA_WAIT_S,
@@ -69,6 +70,7 @@ class Producer:
             exclude_columns=setup.column_patterns(config.exclude_columns, "--exclude-columns"),
             mask_columns=setup.column_patterns(config.mask_columns, "--mask-columns"),
             signal_table=setup.table_pattern(config.signal_table, "--signal-table") if config.signal_table else None,
+            key_columns=setup.key_column_rules(config.key_columns),
         )
         self._stopping = asyncio.Event()
         self._partitions = 1
@@ -77,6 +79,13 @@ class Producer:
         self.progress: Progress | None = None
         self._failed_at = -1  # the confirmed position when the stream last failed
         self.ready = asyncio.Event()  # set once streaming started (tests, demo)
+        action = (
+            HeartbeatAction(config.pg_dsn, config.heartbeat_action_query, timeout_s=action_timeout(config.heartbeat_interval), metrics=self.metrics)
+            if config.heartbeat_action_query else None
+        )
+        self.heartbeats = Heartbeats(
+            interval=config.heartbeat_interval, source_topic=config.topic_name, slot=config.slot_name, metrics=self.metrics, action=action,
+        )
 
     def stop(self) -> None:
         self._stopping.set()
@@ -88,6 +97,8 @@ class Producer:
         with setup.connect(cfg.pg_dsn) as conn:
             setup.check_server(conn)
             tables = setup.resolve_tables(conn, self.capture)
+            setup.check_key_columns(conn, self.capture, tables)
+            setup.warn_lost_changes(conn, cfg.plugin, tables)
             if cfg.plugin == "pgoutput":
                 setup.ensure_publication(conn, cfg.publication_name, self.capture, tables)
             state = setup.check_slot(conn, cfg.slot_name, cfg.plugin, cfg.database)
@@ -104,6 +115,9 @@ class Producer:
             await admin.ensure_topic(TopicSpec(cfg.topic_name, cfg.partitions, cfg.replication_factor, limit))
             if cfg.transaction_metadata:
                 await admin.ensure_topic(TopicSpec(f"{cfg.topic_name}.transaction", 1, cfg.replication_factor, limit))
+            if cfg.heartbeat_interval:
+                # Compacted: the last heartbeat of each slot is what a consumer needs.
+                await admin.ensure_topic(TopicSpec(heartbeat_topic(cfg.topic_name), 1, cfg.replication_factor, COMPACTED))
             self._partitions = await admin.partitions(cfg.topic_name, wait=METADATA_WAIT_S)
             # An existing topic keeps its own limit: records are checked against what it takes.
             self._max_message_bytes = await admin.max_message_bytes(cfg.topic_name, wait=METADATA_WAIT_S)
@@ -161,6 +175,7 @@ class Producer:
                         raise
         finally:
             self.metrics.connected.set(0)
+            await self.heartbeats.close()
             await offsets.stop()
             if self.incremental is not None:
                 self.incremental.close()
@@ -237,6 +252,8 @@ class Producer:
         in_txn = False
         txn_topic = f"{cfg.topic_name}.transaction" if cfg.transaction_metadata else None
         inc = self.incremental  # incremental snapshot hooks: signals, watermarks, positions
+        heartbeats = self.heartbeats
+        confirm_every = confirm_interval(cfg.heartbeat_interval)
         while not self._stopping.is_set():
             messages = await stream.read(timeout=0.002 if sink.has_open() else 1.0)
             if not messages:
@@ -266,10 +283,12 @@ class Producer:
             if inc is not None:
                 await inc.tick(progress.confirmed_lsn)
             now = time.monotonic()
-            if not in_txn and (stream.position.reply_requested or now - last_feedback >= cfg.heartbeat_interval):
+            if not in_txn and (stream.position.reply_requested or now - last_feedback >= confirm_every):
                 progress.advance_idle(stream.position.wal_end)
+            if heartbeats.due(now):  # inside a long transaction too: the producer is alive
+                await heartbeats.beat(sink, progress, now)
             confirmed = progress.confirmed_lsn
-            if confirmed != sent_lsn or stream.position.reply_requested or now - last_feedback >= min(cfg.heartbeat_interval, 10.0):
+            if confirmed != sent_lsn or stream.position.reply_requested or now - last_feedback >= min(confirm_every, 10.0):
                 await stream.send_feedback(confirmed)
                 sent_lsn = confirmed
                 last_feedback = now

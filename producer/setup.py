@@ -30,6 +30,8 @@ class SlotState:
     plugin: str | None = None
     confirmed_flush_lsn: int = 0
     active_pid: int | None = None
+    # wal_status 'lost': the WAL from its position on is gone (max_slot_wal_keep_size); it cannot stream.
+    lost: bool = False
 
 
 def connect(dsn: str) -> psycopg.Connection[tuple[object, ...]]:
@@ -73,6 +75,122 @@ def column_patterns(patterns: Sequence[str], flag: str) -> tuple[str, ...]:
         return tuple(p for p in patterns if split_pattern(p, 3))
     except ContractError as e:
         raise ConfigError(f"{flag}: {e}") from None
+
+
+def _split_unquoted(text: str, sep: str) -> list[str]:
+    """``text`` split at each ``sep`` outside double quotes."""
+    parts: list[str] = []
+    start = 0
+    quoted = False
+    for i, ch in enumerate(text):
+        if ch == '"':
+            quoted = not quoted  # a doubled quote toggles twice
+        elif ch == sep and not quoted:
+            parts.append(text[start:i])
+            start = i + 1
+    parts.append(text[start:])
+    return parts
+
+
+def key_column_rules(text: str | None, flag: str = "--key-columns") -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """Debezium's ``message.key.columns``: ``table:col,col;table:col``. Tables are table patterns
+    (docs/contract.md), columns exact names; a name holding ``.``, ``"``, ``,``, ``:`` or ``;`` is
+    written in double quotes."""
+    rules: list[tuple[str, tuple[str, ...]]] = []
+    for entry in _split_unquoted(text or "", ";"):
+        if not entry.strip():
+            continue
+        table_cols = _split_unquoted(entry, ":")
+        if len(table_cols) != 2:
+            raise ConfigError(f"{flag}: {entry.strip()!r} is not schema.table:column,column")
+        table = table_pattern(table_cols[0].strip(), flag)
+        try:
+            cols = tuple(split_pattern(c.strip(), 1)[0] for c in _split_unquoted(table_cols[1], ","))
+        except ContractError as e:
+            raise ConfigError(f"{flag}: {entry.strip()!r}: {e}") from None
+        if len(set(cols)) != len(cols):
+            raise ConfigError(f"{flag}: {entry.strip()!r} names a column twice")
+        rules.append((table, cols))
+    return tuple(rules)
+
+
+def table_columns(conn: psycopg.Connection[tuple[object, ...]], table: TableName) -> list[str]:
+    rows = conn.execute(
+        "SELECT attname FROM pg_attribute WHERE attrelid = %s::regclass AND attnum > 0 AND NOT attisdropped ORDER BY attnum",
+        (sql_table(table),),
+    ).fetchall()
+    return [str(r[0]) for r in rows]
+
+
+def identity_columns(conn: psycopg.Connection[tuple[object, ...]], table: TableName) -> list[str]:
+    """The columns the table's replica identity sends as the old row (all of them under FULL)."""
+    row = conn.execute(
+        "SELECT c.relreplident::text, ARRAY(SELECT a.attname::text FROM pg_index i JOIN pg_attribute a "
+        "ON a.attrelid = i.indrelid AND a.attnum = ANY(i.indkey) WHERE i.indrelid = c.oid AND "
+        "CASE c.relreplident WHEN 'd' THEN i.indisprimary WHEN 'i' THEN i.indisreplident ELSE false END) "
+        "FROM pg_class c WHERE c.oid = %s::regclass",
+        (sql_table(table),),
+    ).fetchone()
+    if row is None:
+        return []
+    if row[0] == "f":
+        return table_columns(conn, table)
+    return [str(c) for c in row[1]]  # type: ignore[attr-defined]
+
+
+def check_key_columns(conn: psycopg.Connection[tuple[object, ...]], capture: CaptureFilter, tables: list[TableName]) -> None:
+    """Every captured table a ``--key-columns`` rule names has those columns, in its events
+    (neither excluded nor masked); an exact table name that does not exist is only warned about."""
+    for schema, name in tables:
+        key = capture.key_for(schema, name)
+        if key is None:
+            continue
+        columns = set(table_columns(conn, (schema, name)))
+        qualified = qualify_table(schema, name)
+        missing = [c for c in key if c not in columns]
+        if missing:
+            raise ConfigError(f"--key-columns: table {qualified} has no column {', '.join(repr(c) for c in missing)}")
+        hidden = [c for c in key if capture.excluded_columns.matches(schema, name, c) or capture.masked_columns.matches(schema, name, c)]
+        if hidden:
+            raise ConfigError(f"--key-columns: key column(s) {hidden} of {qualified} are excluded or masked: a key must be in the event")
+        if not set(key) <= set(identity_columns(conn, (schema, name))):
+            log.warning(
+                "the replica identity of a --key-columns table does not hold its key columns: updates that change the key "
+                "leave the old key in per-table topics and deletes go to the demux's dead-letter topic; "
+                f"ALTER TABLE {sql_table((schema, name))} REPLICA IDENTITY FULL (or USING INDEX on the key columns)",
+                extra={"table": qualified, "key_columns": list(key)},
+            )
+    names = {qualify_table(*t) for t in tables}
+    for pattern, _cols in capture.key_columns:
+        if not any(ch in pattern for ch in WILDCARDS) and pattern not in names:
+            log.warning("--key-columns names a table that is not captured (yet)", extra={"table": pattern})
+
+
+def tables_without_identity(conn: psycopg.Connection[tuple[object, ...]], tables: list[TableName]) -> list[TableName]:
+    """Tables whose updates and deletes carry no old row: REPLICA IDENTITY NOTHING, or DEFAULT
+    without a primary key."""
+    if not tables:
+        return []
+    rows = conn.execute(
+        "SELECT n.nspname, c.relname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
+        "WHERE c.oid = ANY(%s::regclass[]) AND (c.relreplident = 'n' OR (c.relreplident = 'd' AND NOT EXISTS "
+        "(SELECT 1 FROM pg_index i WHERE i.indrelid = c.oid AND i.indisprimary))) ORDER BY 1, 2",
+        ([sql_table(t) for t in tables],),
+    ).fetchall()
+    return [(str(r[0]), str(r[1])) for r in rows]
+
+
+def warn_lost_changes(conn: psycopg.Connection[tuple[object, ...]], plugin: str, tables: list[TableName]) -> None:
+    """wal2json leaves out updates and deletes of a table without a replica identity (a WARNING
+    in the server's log only); pgoutput makes PostgreSQL refuse them instead. Say so at start."""
+    if plugin != "wal2json":
+        return
+    for table in tables_without_identity(conn, tables):
+        log.warning(
+            "wal2json does not decode updates and deletes of a table without a replica identity: they never reach the "
+            f"topic. ALTER TABLE {sql_table(table)} REPLICA IDENTITY FULL (or add a primary key)",
+            extra={"table": qualify_table(*table)},
+        )
 
 
 def list_tables(conn: psycopg.Connection[tuple[object, ...]]) -> list[TableName]:
@@ -150,12 +268,13 @@ def ensure_publication(
 
 def slot_state(conn: psycopg.Connection[tuple[object, ...]], slot: str) -> SlotState:
     row = conn.execute(
-        "SELECT plugin, (confirmed_flush_lsn - '0/0')::int8, active_pid, database FROM pg_replication_slots WHERE slot_name = %s",
+        "SELECT plugin, (confirmed_flush_lsn - '0/0')::int8, active_pid, wal_status FROM pg_replication_slots WHERE slot_name = %s",
         (slot,),
     ).fetchone()
     if row is None:
         return SlotState(False)
-    return SlotState(True, str(row[0]), int(str(row[1] or 0)), int(str(row[2])) if row[2] is not None else None)
+    pid = int(str(row[2])) if row[2] is not None else None
+    return SlotState(True, str(row[0]), int(str(row[1] or 0)), pid, lost=row[3] == "lost")
 
 
 def check_slot(conn: psycopg.Connection[tuple[object, ...]], slot: str, plugin: str, database: str) -> SlotState:

@@ -36,6 +36,7 @@ from producer.tablescan import (
     describe_table,
     str_converters,
 )
+from walbus.config import ConfigError
 from walbus.contract import Lsn, decode_event, qualify_table
 
 log = logging.getLogger("walbus.producer.snapshot")
@@ -93,6 +94,37 @@ class SnapshotResult:
     per_table: dict[str, int] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class SnapshotPlan:
+    """What to do at start: recreate the slot, snapshot, or just create the slot."""
+
+    snapshot: bool = False
+    drop_slot: bool = False  # before anything else (interrupted snapshot, lost slot)
+    create_slot: bool = False  # without a snapshot (never, no_data)
+    record_no_data: bool = False  # write initial.status = completed without reading (no_data)
+
+
+def plan_snapshot(mode: str, slot: setup.SlotState, status: str | None) -> SnapshotPlan:
+    """Debezium's snapshot modes over walbus's facts: whether the slot exists or was lost, and
+    the last snapshot's status in the progress store (``running``: interrupted)."""
+    if slot.lost:
+        if mode in ("when_needed", "always"):
+            return SnapshotPlan(snapshot=True, drop_slot=True)
+        raise ConfigError(
+            "the replication slot was invalidated (wal_status lost: its WAL was removed, max_slot_wal_keep_size): it cannot "
+            "stream again. Start once with --snapshot-mode when_needed (drops it, creates it and snapshots), or drop the slot"
+        )
+    if mode in ("never", "no_data"):
+        return SnapshotPlan(create_slot=not slot.exists, record_no_data=mode == "no_data" and status != "completed")
+    if status == "running":  # interrupted: nothing was streamed from the slot yet
+        return SnapshotPlan(snapshot=True, drop_slot=slot.exists)
+    if not slot.exists or mode == "always":
+        return SnapshotPlan(snapshot=True)
+    if mode == "when_needed" and status != "completed":
+        return SnapshotPlan(snapshot=True)  # no offsets: what the slot holds may not be everything
+    return SnapshotPlan()
+
+
 class InitialSnapshot:
     """Decides whether a snapshot is due, creates the slot, and runs it."""
 
@@ -127,30 +159,40 @@ class InitialSnapshot:
         mode = cfg.snapshot_mode
         state: dict[str, Any] = self.offsets.doc.get("initial") or {}
         status = state.get("status")
-        if mode == "never":
-            if not slot.exists:
-                await asyncio.to_thread(self._create_slot_without_snapshot)
-            return True
-        interrupted = status == "running"
+        plan = plan_snapshot(mode, slot, status)
+        interrupted = plan.snapshot and status == "running"
         if interrupted:
             log.warning(
                 "the initial snapshot was interrupted before completion: redoing it",
                 extra={"slot": cfg.slot_name, "attempt": int(state.get("attempt", 1)) + 1},
             )
-        if slot.exists and interrupted:
+        if plan.drop_slot:
             log.warning(
-                "dropping and recreating the slot for the new snapshot: nothing was streamed from it yet, so nothing is lost",
+                "dropping and recreating the slot for the new snapshot"
+                + (": nothing was streamed from it yet, so nothing is lost" if interrupted else ": it was invalidated (wal_status lost)"),
                 extra={"slot": cfg.slot_name},
             )
             await asyncio.to_thread(setup.drop_slot, cfg.pg_dsn, cfg.slot_name)
             slot = setup.SlotState(False)
-        if slot.exists and status != "completed" and mode != "always":
+        if plan.create_slot:
+            await asyncio.to_thread(self._create_slot_without_snapshot)
+        if plan.record_no_data:
+            # Recorded as Debezium records it: a later when_needed/initial start does not read the tables.
+            self.offsets.doc["initial"] = {
+                "status": "completed", "mode": "no_data", "rows": 0, "completed_at": datetime.now(UTC).isoformat(timespec="seconds"),
+            }
+            await self.offsets.save()
+            log.info("snapshot mode no_data: streaming from the slot's position without reading the tables", extra={"slot": cfg.slot_name})
+        if slot.exists and not plan.snapshot and status != "completed" and mode in ("initial", "initial_only"):
             log.info(
                 "the slot exists and no snapshot was recorded for it (created with --snapshot-mode never or before "
-                "snapshots existed): streaming without a snapshot", extra={"slot": cfg.slot_name},
+                "snapshots existed): streaming without a snapshot (--snapshot-mode when_needed would read the tables)",
+                extra={"slot": cfg.slot_name},
             )
-        due = not slot.exists or mode == "always"
-        if due:
+        if plan.snapshot:
+            if slot.exists and not interrupted and mode == "when_needed":
+                log.info("snapshot mode when_needed: the slot exists but no completed snapshot is recorded: reading the tables",
+                         extra={"slot": cfg.slot_name})
             self.result = await self.run(existing_slot=slot.exists, previous=state if interrupted else None)
         return mode != "initial_only"
 

@@ -732,3 +732,52 @@ def table_topic(prefix: str, database: str, schema: str, table: str, *, hashed: 
     if not hashed and len(plain) <= MAX_TOPIC_LENGTH:
         return plain
     return _hashed_topic(head, (database, schema, table), escaped)
+
+
+# -- heartbeats ----------------------------------------------------------------------------
+# The producer's sign of life beside the database topic (docs/contract.md, heartbeats): one
+# small JSON record per --heartbeat-interval, keyed by the slot so the topic can be compacted.
+
+HEARTBEAT_SUFFIX: Final = "heartbeat"
+
+
+def heartbeat_topic(source_topic: str) -> str:
+    """``<database topic>.heartbeat``."""
+    return f"{source_topic}.{HEARTBEAT_SUFFIX}"
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    """One heartbeat: which slot, how far Kafka has acknowledged (``confirmed_lsn``, what the
+    slot is confirmed to), how far the producer has read (``received_lsn``), and when."""
+
+    slot: str
+    confirmed_lsn: int
+    received_lsn: int
+    ts_ms: int
+
+    def key(self) -> bytes:
+        return self.slot.encode()
+
+    def to_json(self) -> bytes:
+        return orjson.dumps({
+            "v": CONTRACT_VERSION, "slot": self.slot, "confirmed_lsn": self.confirmed_lsn,
+            "received_lsn": self.received_lsn, "ts_ms": self.ts_ms,
+        })
+
+
+def decode_heartbeat(value: bytes | str) -> Heartbeat:
+    """A heartbeat record's value; :class:`ContractError` when it is not one."""
+    try:
+        obj = orjson.loads(value)
+    except orjson.JSONDecodeError as e:
+        raise ContractError(f"heartbeat is not JSON: {e}") from None
+    if type(obj) is not dict or obj.get("v") != CONTRACT_VERSION or type(obj.get("slot")) is not str:
+        raise ContractError("heartbeat must be an object with v = 1 and a string slot")
+    ints: list[int] = []
+    for name in ("confirmed_lsn", "received_lsn", "ts_ms"):
+        n = obj.get(name)
+        if type(n) is not int or n < 0:
+            raise ContractError(f"heartbeat field {name} must be a non-negative integer")
+        ints.append(n)
+    return Heartbeat(obj["slot"], *ints)

@@ -1,0 +1,77 @@
+"""Snapshot modes when_needed and no_data (issue 18) against real PostgreSQL and Kafka."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+import psycopg
+import pytest
+
+from tests.support.kafka import read_topic
+from tests.support.pipeline import running_producer
+
+pytestmark = pytest.mark.integration
+
+
+def sql(dsn: str, *statements: str) -> None:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        for s in statements:
+            conn.execute(s)  # type: ignore[arg-type]
+
+
+async def events(bootstrap: str, topic: str, min_count: int = 0) -> list[dict[str, Any]]:
+    return [orjson.loads(v) for _, v in await read_topic(bootstrap, topic, min_count=min_count) if v is not None]
+
+
+def reads(evs: list[dict[str, Any]]) -> list[int]:
+    return sorted(m["values"][0] for m in evs if m["operation"] == "read")
+
+
+async def progress_doc(bootstrap: str, topic: str) -> dict[str, Any]:
+    docs = [orjson.loads(v) for _, v in await read_topic(bootstrap, f"{topic}.progress") if v is not None]
+    return docs[-1] if docs else {}
+
+
+async def test_when_needed_snapshots_a_slot_without_a_recorded_snapshot_once(pg_dsn: str, kafka_bootstrap: str, unique_name: str) -> None:
+    sql(pg_dsn, "CREATE TABLE t (id int PRIMARY KEY)", "INSERT INTO t SELECT generate_series(1, 3)")
+    opts: dict[str, Any] = {"topic": unique_name, "slot": unique_name}
+    async with running_producer(pg_dsn, kafka_bootstrap, snapshot_mode="never", **opts):
+        sql(pg_dsn, "INSERT INTO t VALUES (4)")
+        assert [m["operation"] for m in await events(kafka_bootstrap, unique_name, 1)] == ["insert"]
+    # The slot exists, no completed snapshot is recorded: when_needed reads every row.
+    async with running_producer(pg_dsn, kafka_bootstrap, snapshot_mode="when_needed", **opts):
+        sql(pg_dsn, "INSERT INTO t VALUES (5)")
+        evs = await events(kafka_bootstrap, unique_name, 1 + 4 + 1)
+    assert reads(evs) == [1, 2, 3, 4]
+    assert (await progress_doc(kafka_bootstrap, unique_name))["initial"]["status"] == "completed"
+    # Recorded now: the next when_needed start streams without reading again.
+    async with running_producer(pg_dsn, kafka_bootstrap, snapshot_mode="when_needed", **opts):
+        sql(pg_dsn, "INSERT INTO t VALUES (6)")
+        evs = await events(kafka_bootstrap, unique_name, 1 + 4 + 1 + 1)
+    assert reads(evs) == [1, 2, 3, 4]
+    assert [m["values"][0] for m in evs if m["operation"] == "insert"] == [4, 5, 6]
+
+
+async def test_when_needed_snapshots_a_new_slot(pg_dsn: str, kafka_bootstrap: str, unique_name: str) -> None:
+    sql(pg_dsn, "CREATE TABLE t (id int PRIMARY KEY)", "INSERT INTO t SELECT generate_series(1, 3)")
+    async with running_producer(pg_dsn, kafka_bootstrap, topic=unique_name, snapshot_mode="when_needed"):
+        sql(pg_dsn, "INSERT INTO t VALUES (4)")
+        evs = await events(kafka_bootstrap, unique_name, 4)
+    assert reads(evs) == [1, 2, 3] and [m["operation"] for m in evs][-1] == "insert"
+
+
+async def test_no_data_streams_from_now_and_records_the_snapshot_as_done(pg_dsn: str, kafka_bootstrap: str, unique_name: str) -> None:
+    sql(pg_dsn, "CREATE TABLE t (id int PRIMARY KEY)", "INSERT INTO t SELECT generate_series(1, 3)")
+    opts: dict[str, Any] = {"topic": unique_name, "slot": unique_name}
+    async with running_producer(pg_dsn, kafka_bootstrap, snapshot_mode="no_data", **opts):
+        sql(pg_dsn, "INSERT INTO t VALUES (4)")
+        evs = await events(kafka_bootstrap, unique_name, 1)
+    assert [(m["operation"], m["values"][0]) for m in evs] == [("insert", 4)]
+    initial = (await progress_doc(kafka_bootstrap, unique_name))["initial"]
+    assert initial["status"] == "completed" and initial["mode"] == "no_data"
+    # Like Debezium's: a later when_needed start does not read the tables.
+    async with running_producer(pg_dsn, kafka_bootstrap, snapshot_mode="when_needed", **opts):
+        sql(pg_dsn, "INSERT INTO t VALUES (5)")
+        evs = await events(kafka_bootstrap, unique_name, 2)
+    assert [(m["operation"], m["values"][0]) for m in evs] == [("insert", 4), ("insert", 5)]

@@ -1,0 +1,51 @@
+"""Snapshot modes (issue 18): what each mode does with the facts found at start."""
+
+from __future__ import annotations
+
+import pytest
+
+from producer.config import load
+from producer.setup import SlotState
+from producer.snapshot import SnapshotPlan, plan_snapshot
+from walbus.config import ConfigError
+
+NO_SLOT = SlotState(False)
+SLOT = SlotState(True, "pgoutput", 100)
+LOST = SlotState(True, "pgoutput", 100, lost=True)
+
+
+@pytest.mark.parametrize(("mode", "slot", "status", "plan"), [
+    # initial: a new slot, or an interrupted snapshot; an existing slot without a record streams
+    ("initial", NO_SLOT, None, SnapshotPlan(snapshot=True)),
+    ("initial", SLOT, "completed", SnapshotPlan()),
+    ("initial", SLOT, None, SnapshotPlan()),
+    ("initial", SLOT, "running", SnapshotPlan(snapshot=True, drop_slot=True)),
+    # when_needed: also when no completed snapshot is recorded for an existing slot, or the slot was lost
+    ("when_needed", NO_SLOT, "completed", SnapshotPlan(snapshot=True)),
+    ("when_needed", SLOT, None, SnapshotPlan(snapshot=True)),
+    ("when_needed", SLOT, "completed", SnapshotPlan()),
+    ("when_needed", SLOT, "running", SnapshotPlan(snapshot=True, drop_slot=True)),
+    ("when_needed", LOST, "completed", SnapshotPlan(snapshot=True, drop_slot=True)),
+    # no_data: the slot, no reads, recorded as completed; never: the slot, nothing recorded
+    ("no_data", NO_SLOT, None, SnapshotPlan(create_slot=True, record_no_data=True)),
+    ("no_data", SLOT, "completed", SnapshotPlan()),
+    ("no_data", SLOT, None, SnapshotPlan(record_no_data=True)),
+    ("never", NO_SLOT, None, SnapshotPlan(create_slot=True)),
+    ("never", SLOT, "running", SnapshotPlan()),
+    ("always", SLOT, "completed", SnapshotPlan(snapshot=True)),
+    ("always", LOST, "completed", SnapshotPlan(snapshot=True, drop_slot=True)),
+])
+def test_plan(mode: str, slot: SlotState, status: str | None, plan: SnapshotPlan) -> None:
+    assert plan_snapshot(mode, slot, status) == plan
+
+
+@pytest.mark.parametrize("mode", ["initial", "initial_only", "never", "no_data"])
+def test_a_lost_slot_is_a_configuration_error_that_names_the_way_out(mode: str) -> None:
+    with pytest.raises(ConfigError, match="when_needed"):
+        plan_snapshot(mode, LOST, "completed")
+
+
+def test_the_new_modes_are_accepted() -> None:
+    base = ["--pg-dsn", "dbname=x", "--kafka-bootstrap", "k:1", "--snapshot-mode"]
+    assert load([*base, "when_needed"]).snapshot_mode == "when_needed"
+    assert load([*base, "no_data"]).snapshot_mode == "no_data"
