@@ -53,9 +53,9 @@ from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.client import AIOKafkaClient
 
 from bench.common import ROOT, delete_topics_matching, emit, list_topics, scratch_database
-from bench.soak_feed import table_partition
 from bench.soak_workload import TABLES, Writer
 from walbus.contract import ContractError, check_key, decode_event, split_table, table_topic
+from walbus.kafka import partition_for
 
 PARTITIONS = 2
 TOPIC_PREFIX = "walbus"
@@ -337,7 +337,7 @@ class Soak:
                                    "--state-dir", str(self.workdir / f"demux-{i}")], logs / f"demux-{i}.log")
             for i in range(2)
         ]
-        feed = Service("feed", [py, "-m", "bench.soak_feed", self.topic, self.feed_group, effects_dsn, boot, str(PARTITIONS)],
+        feed = Service("feed", [py, "-m", "bench.soak_feed", self.topic, self.feed_group, effects_dsn, boot],
                        logs / "feed.log")
         return [producer, *demuxes, feed]
 
@@ -615,7 +615,7 @@ class Soak:
             except ContractError:
                 invalid += 1
                 continue
-            misplaced += table_partition(event.table, PARTITIONS) != partition
+            misplaced += partition_for(event.table.encode(), PARTITIONS) != partition
             events.setdefault(event.position, event)
         self.violation(counts, "invalid", invalid, "invalid records in the database topic")
         self.violation(counts, "misplaced", misplaced, "events outside their table's partition")

@@ -1,7 +1,7 @@
-"""A Feed consumer process for the kill -9 test: exactly-once effects through ``resume_after``.
+"""A Feed consumer process for the kill -9 test: exactly-once effects through ``PgPositions``.
 
 Each handled event is stored in PostgreSQL in one transaction with its position; on start,
-the feed resumes after the last stored position. Run: python -m tests.support.feed_worker TOPIC GROUP DSN
+the feed resumes after the last stored position. Run: python -m tests.support.feed_worker TOPIC GROUP DSN BOOTSTRAP
 """
 
 from __future__ import annotations
@@ -11,32 +11,27 @@ import sys
 
 import psycopg
 
-from walbus.client import Feed, Position
+from walbus.client import AlreadyApplied, Feed, PgPositions
 
 TABLES = ["public.transactions", "public.users"]
 
 
 async def main(topic: str, group: str, dsn: str, bootstrap: str, until_end: bool) -> None:
+    positions = PgPositions(dsn, consumer=group)
+    await positions.create_table()
     async with await psycopg.AsyncConnection.connect(dsn) as conn:
         await conn.execute(
             "CREATE TABLE IF NOT EXISTS handled (id bigserial PRIMARY KEY, commit_lsn bigint, seq int,"
             " tbl text, op text, pid int DEFAULT pg_backend_pid())"
         )
         await conn.commit()
-
-        async def resume_after(_topic: str, _partition: int) -> Position | None:
-            cur = await conn.execute("SELECT commit_lsn, seq FROM handled ORDER BY commit_lsn DESC, seq DESC LIMIT 1")
-            row = await cur.fetchone()
-            await conn.commit()
-            return (row[0], row[1]) if row else None
-
         feed = Feed(
             topic,
             start="earliest",
             group_id=group,
             bootstrap_servers=bootstrap,
             tables=TABLES,
-            resume_after=resume_after,
+            resume_after=positions.resume_after,
             commit_interval=0.2,
             until_end=until_end,
             consumer_options={"session_timeout_ms": 6000, "heartbeat_interval_ms": 1000},
@@ -44,11 +39,15 @@ async def main(topic: str, group: str, dsn: str, bootstrap: str, until_end: bool
         async with feed:
             print("started", flush=True)
             async for event in feed:
-                async with conn.transaction():
-                    await conn.execute(
-                        "INSERT INTO handled (commit_lsn, seq, tbl, op) VALUES (%s, %s, %s, %s)",
-                        (event.commit_lsn, event.seq, event.table, event.operation),
-                    )
+                try:
+                    async with conn.transaction():
+                        await positions.mark(conn, event)
+                        await conn.execute(
+                            "INSERT INTO handled (commit_lsn, seq, tbl, op) VALUES (%s, %s, %s, %s)",
+                            (event.commit_lsn, event.seq, event.table, event.operation),
+                        )
+                except AlreadyApplied:
+                    print(f"already applied {event.commit_lsn}/{event.seq}", flush=True)
                 await asyncio.sleep(0.002)  # a handler that takes a little time
         print(f"done {feed.stats}", flush=True)
 

@@ -34,6 +34,7 @@ from walbus.client.deadletters import (
     list_dead_letters,
     replay_dead_letters,
 )
+from walbus.client.effects import AlreadyApplied, PgPositions
 from walbus.client.event import FeedEvent
 from walbus.client.feed import Feed, FeedStats, ResumeAfter, Transaction
 from walbus.client.filters import EventFilter
@@ -44,6 +45,7 @@ from walbus.client.table import InvalidTableRecord, Row, Table, TableChange, Tab
 from walbus.contract import ChangeEvent, Lsn, RowImage
 
 __all__ = [
+    "AlreadyApplied",
     "ChangeEvent",
     "DeadLetter",
     "EventFilter",
@@ -52,6 +54,7 @@ __all__ = [
     "FeedStats",
     "InvalidTableRecord",
     "Lsn",
+    "PgPositions",
     "Position",
     "ResumeAfter",
     "RetryPolicy",

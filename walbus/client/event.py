@@ -5,11 +5,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any, Protocol
 
+from aiokafka import TopicPartition
+
 from walbus.client.typed import typed_image
 from walbus.contract import ChangeEvent
 
 
 class _Settler(Protocol):
+    @property
+    def tp(self) -> TopicPartition: ...
+
     def ack(self) -> None: ...
 
     def nack(self, retry_in: float | None, error: BaseException | str | None) -> None: ...
@@ -43,6 +48,16 @@ class FeedEvent(ChangeEvent):
     @property
     def settled(self) -> bool:
         return self._settler is None or self._settler.settled
+
+    @property
+    def topic(self) -> str | None:
+        """The topic the event was read from (None for an event built by hand)."""
+        return self._settler.tp.topic if self._settler is not None else None
+
+    @property
+    def partition(self) -> int | None:
+        """The partition it was read from: positions are kept per partition."""
+        return self._settler.tp.partition if self._settler is not None else None
 
     def typed_row(self) -> dict[str, Any] | None:
         """The new row with Python values (Decimal, datetime, UUID, lists…; see walbus.client.typed)."""

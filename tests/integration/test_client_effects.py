@@ -1,0 +1,101 @@
+"""PgPositions: a Feed's positions stored with its effects in the real PostgreSQL, against a
+real broker; a second application of the same event (a zombie after a rebalance) rolls back."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import psycopg
+import pytest
+
+from tests.support.cdc_data import workload
+from tests.support.kafka import create_topic, produce
+from walbus.client import AlreadyApplied, Feed, FeedEvent, PgPositions
+
+pytestmark = pytest.mark.integration
+
+
+async def _events(bootstrap: str, topic: str) -> list[FeedEvent]:
+    out: list[FeedEvent] = []
+    async with asyncio.timeout(60), Feed(topic, start="earliest", bootstrap_servers=bootstrap, until_end=True) as feed:
+        async for event in feed:
+            out.append(event)
+    return out
+
+
+async def test_marks_move_forward_and_a_second_application_rolls_back(
+    pg_dsn: str, kafka_bootstrap: str, unique_name: str
+) -> None:
+    changes = workload(random.Random(3), 6, ["public.t"])
+    await create_topic(kafka_bootstrap, unique_name, partitions=2)
+    await produce(kafka_bootstrap, unique_name, [c.record() for c in changes], partition=1)
+    events = await _events(kafka_bootstrap, unique_name)
+    assert len(events) == len(changes) >= 2
+    assert {(e.topic, e.partition) for e in events} == {(unique_name, 1)}
+
+    positions = PgPositions(pg_dsn, consumer="billing")
+    await positions.create_table()
+    await positions.create_table()  # idempotent
+    assert await positions.resume_after(unique_name, 1) is None
+    async with await psycopg.AsyncConnection.connect(pg_dsn) as conn:
+        await conn.execute("CREATE TABLE effects (commit_lsn bigint, seq int)")
+        await conn.commit()
+
+        async def apply(event: FeedEvent) -> bool:
+            try:
+                async with conn.transaction():
+                    await positions.mark(conn, event)
+                    await conn.execute("INSERT INTO effects VALUES (%s, %s)", (event.commit_lsn, event.seq))
+            except AlreadyApplied:
+                return False
+            return True
+
+        first, second = events[0], events[1]
+        assert await apply(first)
+        assert await apply(second)
+        assert await positions.resume_after(unique_name, 1) == (second.commit_lsn, second.seq)
+        # Delivered again (a crash before the broker commit, a rebalance): nothing applied twice.
+        assert not await apply(first)
+        assert not await apply(second)
+        for event in events[2:]:
+            assert await apply(event)
+        cur = await conn.execute("SELECT count(*), count(DISTINCT (commit_lsn, seq)) FROM effects")
+        assert await cur.fetchone() == (len(events), len(events))
+        await conn.commit()
+    # Another consumer name keeps its own positions.
+    assert await PgPositions(pg_dsn, consumer="audit").resume_after(unique_name, 1) is None
+
+
+async def test_a_zombie_that_commits_second_rolls_back(pg_dsn: str, kafka_bootstrap: str, unique_name: str) -> None:
+    """Two members apply the same event at once (the old owner after a rebalance and the new
+    one): the conditional upsert lets one commit; the other waits on the row and then fails."""
+    changes = workload(random.Random(4), 2, ["public.t"])
+    await create_topic(kafka_bootstrap, unique_name)
+    await produce(kafka_bootstrap, unique_name, [c.record() for c in changes])
+    event = (await _events(kafka_bootstrap, unique_name))[0]
+    positions = PgPositions(pg_dsn, consumer="billing", table="positions_zombie")
+    await positions.create_table()
+    async with (
+        await psycopg.AsyncConnection.connect(pg_dsn) as old_owner,
+        await psycopg.AsyncConnection.connect(pg_dsn) as new_owner,
+    ):
+        await positions.mark(old_owner, event)  # the old owner's transaction is open
+        blocked = asyncio.create_task(positions.mark(new_owner, event))
+        await asyncio.sleep(0.5)
+        assert not blocked.done()  # it waits for the old owner's row lock
+        await old_owner.commit()
+        with pytest.raises(AlreadyApplied):
+            await blocked
+        await new_owner.rollback()
+    assert await positions.resume_after(unique_name, 0) == (event.commit_lsn, event.seq)
+
+
+def test_an_event_not_from_a_feed_has_no_position_to_keep() -> None:
+    from walbus.contract import RowImage
+
+    event = FeedEvent(lsn=1, commit_lsn=2, seq=0, xid=3, operation="insert", table="public.t", timestamp="t",
+                      pk=["id"], new=RowImage(["id"], ["int4"], [1]))
+    assert event.topic is None and event.partition is None
+    with pytest.raises(ValueError, match="not delivered by a Feed"):
+        asyncio.run(PgPositions("dbname=unused", consumer="c").mark(None, event))  # type: ignore[arg-type]

@@ -1,0 +1,91 @@
+"""Exactly-once effects in PostgreSQL: a Feed's position stored with the effect.
+
+No broker commit can be atomic with a write to another system, so the position goes into the
+same database transaction as the effect, and the feed resumes after it. ``PgPositions`` is
+that pattern, written once::
+
+    positions = PgPositions(dsn, consumer="billing")
+    await positions.create_table()
+    async with Feed(topic, group_id="billing", resume_after=positions.resume_after) as feed:
+        async for event in feed:
+            try:
+                async with conn.transaction():
+                    await positions.mark(conn, event)  # AlreadyApplied rolls the effect back
+                    await conn.execute(...)  # the effect
+            except AlreadyApplied:
+                pass  # delivered again after a crash or a rebalance: its effect is there already
+
+``mark`` moves the stored position forward or raises, so a member that lost its partition
+in a rebalance and still finishes a handler (a zombie) rolls back instead of applying the
+effect a second time. Positions grow within a partition only in delivery order: use it with
+sequential delivery, not with ``Feed.run(concurrency=N)``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import psycopg
+from psycopg import sql
+
+from walbus.client.event import FeedEvent
+from walbus.client.positions import Position
+
+DEFAULT_TABLE = "walbus_feed_positions"
+
+
+class AlreadyApplied(RuntimeError):
+    """The event's position is not past the stored one: its effect was applied already."""
+
+
+class PgPositions:
+    """Per (consumer, topic, partition): the position of the last event whose effect committed.
+
+    ``dsn``: where the positions table is; ``resume_after`` reads it on its own short
+    connection (it runs when partitions are assigned, perhaps while a handler holds the
+    caller's connection in a transaction). ``mark`` runs on the caller's connection, inside the
+    effect's transaction."""
+
+    def __init__(self, dsn: str, consumer: str, *, table: str = DEFAULT_TABLE, schema: str | None = None) -> None:
+        self.dsn = dsn
+        self.consumer = consumer
+        self.table = sql.Identifier(schema, table) if schema else sql.Identifier(table)
+
+    async def create_table(self) -> None:
+        async with await psycopg.AsyncConnection.connect(self.dsn, autocommit=True) as conn:
+            await conn.execute(
+                sql.SQL(
+                    "CREATE TABLE IF NOT EXISTS {} (consumer text NOT NULL, topic text NOT NULL, partition int NOT NULL,"
+                    " commit_lsn bigint NOT NULL, seq bigint NOT NULL, updated_at timestamptz NOT NULL DEFAULT now(),"
+                    " PRIMARY KEY (consumer, topic, partition))"
+                ).format(self.table)
+            )
+
+    async def resume_after(self, topic: str, partition: int) -> Position | None:
+        """For ``Feed(resume_after=…)``: the last position applied on that partition."""
+        async with await psycopg.AsyncConnection.connect(self.dsn, autocommit=True) as conn:
+            cur = await conn.execute(
+                sql.SQL("SELECT commit_lsn, seq FROM {} WHERE consumer = %s AND topic = %s AND partition = %s").format(self.table),
+                (self.consumer, topic, partition),
+            )
+            row = await cur.fetchone()
+        return (int(row[0]), int(row[1])) if row else None
+
+    async def mark(self, conn: psycopg.AsyncConnection[Any], event: FeedEvent) -> None:
+        """Store ``event``'s position in ``conn``'s open transaction; raises AlreadyApplied (roll
+        the transaction back) when the stored position is not behind it."""
+        if event.topic is None or event.partition is None:
+            raise ValueError("the event was not delivered by a Feed: no topic and partition to keep its position for")
+        cur = await conn.execute(
+            sql.SQL(
+                "INSERT INTO {t} AS p (consumer, topic, partition, commit_lsn, seq) VALUES (%s, %s, %s, %s, %s)"
+                " ON CONFLICT (consumer, topic, partition) DO UPDATE"
+                " SET commit_lsn = EXCLUDED.commit_lsn, seq = EXCLUDED.seq, updated_at = now()"
+                " WHERE (p.commit_lsn, p.seq) < (EXCLUDED.commit_lsn, EXCLUDED.seq)"
+            ).format(t=self.table),
+            (self.consumer, event.topic, event.partition, event.commit_lsn, event.seq),
+        )
+        if cur.rowcount != 1:
+            raise AlreadyApplied(
+                f"{event.topic}[{event.partition}] is already past {event.commit_lsn}/{event.seq} for consumer {self.consumer!r}"
+            )
