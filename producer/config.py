@@ -60,6 +60,9 @@ class ProducerConfig(KafkaOptions):
     snapshot_workers: int = option(1, help="parallel connections reading the initial snapshot")
     snapshot_fetch_rows: int = option(10000, help="rows fetched per round trip while snapshotting")
     signal_table: str | None = option(None, help="schema.table of the signal table (incremental snapshots)")
+    signal_topic: str | None = option(
+        None, help="Kafka topic of signals (records keyed with the database topic's name), created with one partition if missing",
+    )
     incremental_chunk_size: int = option(1024, help="rows per incremental-snapshot chunk")
     log_level: str = option("info", help="debug, info, warning or error")
 
