@@ -249,6 +249,21 @@ class IncrementalSnapshot:
         if pos is not None and not pos.paused and self._chunk is None and time.monotonic() >= self._retry_at:
             self._start_chunk()
 
+    async def save_confirmed(self, confirmed_lsn: int) -> None:
+        """On a graceful stop: the position Kafka acknowledged is saved before exiting (else
+        the next start would resume from an older one, redoing chunks or a finished snapshot)."""
+        task = self._save_task
+        if task is not None:
+            with contextlib.suppress(Exception):
+                await task
+        ready = [p for p in self._pending if p[0] is not None and p[0] <= confirmed_lsn]
+        if ready:
+            self._pending = self._pending[len(ready):]
+            try:
+                await self._save(ready[-1][1])
+            except Exception as e:  # the next start resumes from the last position saved
+                log.warning("saving the incremental snapshot position failed", extra={"error": repr(e)})
+
     # -- signals -----------------------------------------------------------------------------
 
     def _ignore(self, kind: str, reason: str, **details: Any) -> None:

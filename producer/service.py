@@ -294,6 +294,8 @@ class Producer:
         # Graceful stop: everything read is flushed and acknowledged, then confirmed.
         await sink.wait_acked(timeout=60)
         await stream.send_feedback(progress.confirmed_lsn)
+        if inc is not None:
+            await inc.save_confirmed(progress.confirmed_lsn)
         log.info("producer stopped", extra={"confirmed_lsn": str(Lsn(progress.confirmed_lsn))})
 
 
