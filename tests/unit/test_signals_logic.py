@@ -6,10 +6,11 @@ from __future__ import annotations
 from dataclasses import asdict
 
 import orjson
+import pytest
 from prometheus_client import CollectorRegistry
 
 from producer.codec import CaptureFilter, Relation
-from producer.config import ProducerConfig
+from producer.config import ProducerConfig, load
 from producer.incremental import IncrementalSnapshot, Position
 from producer.metrics import SnapshotMetrics
 from producer.offsets import OffsetStore
@@ -147,3 +148,11 @@ def test_topic_signals_save_their_offset_with_their_effect() -> None:
     assert _ignored(registry, "signal-topic") == 1
     inc.reset()  # a new session before anything was saved: back to the saved offset
     assert inc.signal_offset == 3 and inc.position is None
+
+
+def test_signal_topic_option(monkeypatch: pytest.MonkeyPatch) -> None:
+    base = ["--pg-dsn", "postgresql://u@h/shop", "--kafka-bootstrap", "k:9092"]
+    assert load(base).signal_topic is None
+    assert load([*base, "--signal-topic", "ops.signals"]).signal_topic == "ops.signals"
+    monkeypatch.setenv("WALBUS_PRODUCE_SIGNAL_TOPIC", "env.signals")
+    assert load(base).signal_topic == "env.signals"
