@@ -32,7 +32,7 @@ from producer.tablescan import (
     describe_table,
     fetch_fields,
     key_text,
-    max_key,
+    max_key_query,
     select_chunk,
 )
 from walbus.contract import ContractError, qualify_table, split_table
@@ -484,26 +484,38 @@ class IncrementalSnapshot:
         assert scan is not None
         chunk.scan = scan
         role = self._role_for_filters(conn) if chunk.where is not None else ""
+        if chunk.max_key is None:
+            found = self._select(conn, chunk, role, max_key_query(scan, chunk.where))
+            if found is None:
+                return
+            chunk.max_key = [(v or b"").decode() for v in found[0]] if found else None
+        self._watermark(conn, chunk, "low")
+        if chunk.max_key is not None:
+            rows = self._select(conn, chunk, role, select_chunk(scan, chunk.after, chunk.max_key, self.chunk_size, chunk.where))
+            if rows is None:
+                return
+            self._keep_rows(chunk, scan, rows)
+        chunk.exhausted = len(chunk.rows) < self.chunk_size or chunk.last_key == chunk.max_key
+        # The rows are in place before the high watermark exists: the pump cannot see it earlier.
+        self._watermark(conn, chunk, "high")
+
+    def _select(
+        self, conn: psycopg.Connection[tuple[object, ...]], chunk: Chunk, role: str, query: sql.Composed,
+    ) -> list[list[bytes | None]] | None:
+        """The rows of a query of the chunk's table, read only; None when the chunk's filter
+        made it fail (``chunk.failure`` says how)."""
         try:
-            if chunk.max_key is None:
-                with self._read_only(conn, role):
-                    chunk.max_key = max_key(conn, scan, chunk.where)
-            self._watermark(conn, chunk, "low")
-            if chunk.max_key is not None:
-                with self._read_only(conn, role):
-                    rows = fetch_fields(conn, select_chunk(scan, chunk.after, chunk.max_key, self.chunk_size, chunk.where))
-                self._keep_rows(chunk, scan, rows)
+            with self._read_only(conn, role):
+                return fetch_fields(conn, query)
         except psycopg.DatabaseError as e:
             # With a filter, an error of the query (syntax, unknown column, type, division by
             # zero, a write in the read-only transaction) is the filter's: the table fails.
             # A lost connection (OperationalError) is retried as always.
             if chunk.where is None or isinstance(e, psycopg.OperationalError):
                 raise
-            chunk.failure = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
-            return
-        chunk.exhausted = len(chunk.rows) < self.chunk_size or chunk.last_key == chunk.max_key
-        # The rows are in place before the high watermark exists: the pump cannot see it earlier.
-        self._watermark(conn, chunk, "high")
+            text = str(e).strip()
+            chunk.failure = f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
+            return None
 
     @staticmethod
     def _keep_rows(chunk: Chunk, scan: ScanTable, rows: Sequence[Sequence[bytes | None]]) -> None:

@@ -217,14 +217,9 @@ def select_chunk(
     )
 
 
-def max_key(conn: Conn, table: ScanTable, where: str | None = None) -> list[str] | None:
-    """The largest primary key now (text output) of the rows ``where`` holds for, None when
-    there is none. Run as :func:`fetch_fields` does: ``where`` may be anyone's SQL."""
-    rows = fetch_fields(conn, max_key_query(table, where))
-    return None if not rows else [(v or b"").decode() for v in rows[0]]
-
-
 def max_key_query(table: ScanTable, where: str | None = None) -> sql.Composed:
+    """The largest primary key now (text output) of the rows ``where`` holds for; no row when
+    there is none. Run it with :func:`fetch_fields`: ``where`` may be anyone's SQL."""
     # Qualified in ORDER BY: a bare name would mean the ::text output column, sorted as text.
     # No alias: a filter may name the table as select_chunk's query does.
     cols = [sql.SQL("{}.{}").format(table.ident, sql.Identifier(c)) for c in table.relation.pk]
