@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import psycopg
-from psycopg import sql
+from psycopg import pq, sql
 
 from producer.codec import CaptureFilter, Relation, text_converter
 from walbus.contract import FLOAT_SPECIALS, FLOAT_TYPES, INT_TYPES
@@ -156,16 +156,17 @@ def fetch_fields(conn: Conn, query: sql.Composed) -> list[list[bytes | None]]:
     """Every row of ``query`` as its raw text fields (each value's type output text, as COPY
     and pgoutput give it, unescaped; None for NULL).
 
-    Sent with the extended protocol (prepared): a query holding SQL written by someone else
-    (an ``additional-conditions`` filter) runs as one statement or fails to parse — the
-    simple protocol, which COPY always uses, would run ``…; COMMIT; DROP …`` too.
+    Sent with the extended protocol (libpq's PQexecParams, no parameters): a query holding
+    SQL written by someone else (an ``additional-conditions`` filter) runs as one statement
+    or fails to parse. The simple protocol — COPY always uses it, and psycopg does for a
+    query without parameters — would run ``…; COMMIT; DROP …`` too.
     """
-    with conn.cursor() as cur:
-        cur.execute(query, prepare=True)
-        res = cur.pgresult
-        if res is None:
-            return []
-        return [[res.get_value(r, c) for c in range(res.nfields)] for r in range(res.ntuples)]
+    res = conn.pgconn.exec_params(query.as_bytes(conn), [])
+    if res.status != pq.ExecStatus.TUPLES_OK:
+        if not res.error_field(pq.DiagnosticField.SQLSTATE):  # no server error: the connection failed
+            raise psycopg.OperationalError(res.get_error_message(conn.info.encoding) or conn.pgconn.error_message.decode(errors="replace"))
+        raise psycopg.errors.error_from_result(res, encoding=conn.info.encoding)
+    return [[res.get_value(r, c) for c in range(res.nfields)] for r in range(res.ntuples)]
 
 
 def convert_fields(fields: Sequence[bytes | None], converters: Sequence[Any]) -> list[Any]:
