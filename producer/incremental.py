@@ -504,14 +504,16 @@ class IncrementalSnapshot:
     ) -> list[list[bytes | None]] | None:
         """The rows of a query of the chunk's table, read only; None when the chunk's filter
         made it fail (``chunk.failure`` says how)."""
+        timeout = self.config.incremental_filter_timeout if chunk.where is not None else 0.0
         try:
-            with self._read_only(conn, role):
+            with self._read_only(conn, role, timeout):
                 return fetch_fields(conn, query)
         except psycopg.DatabaseError as e:
             # With a filter, an error of the query (syntax, unknown column, type, division by
-            # zero, a write in the read-only transaction) is the filter's: the table fails.
-            # A lost connection (OperationalError) is retried as always.
-            if chunk.where is None or isinstance(e, psycopg.OperationalError):
+            # zero, a write in the read-only transaction, the timeout) is the filter's: the
+            # table fails. A lost connection (OperationalError) is retried as always.
+            transient = isinstance(e, psycopg.OperationalError) and not isinstance(e, psycopg.errors.QueryCanceled)
+            if chunk.where is None or transient:
                 raise
             text = str(e).strip()
             chunk.failure = f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
@@ -529,10 +531,14 @@ class IncrementalSnapshot:
 
     @staticmethod
     @contextlib.contextmanager
-    def _read_only(conn: psycopg.Connection[tuple[object, ...]], role: str) -> Iterator[None]:
-        """A READ ONLY transaction (a filter cannot write), as ``role`` when given."""
+    def _read_only(conn: psycopg.Connection[tuple[object, ...]], role: str, timeout: float) -> Iterator[None]:
+        """A READ ONLY transaction (a filter cannot write), as ``role`` when given, its
+        statements cancelled after ``timeout`` seconds when given (a filter cannot stall
+        the snapshot: its connection is the one every later chunk needs)."""
         with conn.transaction():
             conn.execute("SET TRANSACTION READ ONLY")
+            if timeout > 0:
+                conn.execute(sql.SQL("SET LOCAL statement_timeout = {}").format(sql.Literal(max(1, round(timeout * 1000)))))
             if role:
                 conn.execute(sql.SQL("SET LOCAL ROLE {}").format(sql.Identifier(role)))
                 # RLS would hide rows from that role silently: an error (the table fails) instead.

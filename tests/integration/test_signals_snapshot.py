@@ -82,9 +82,9 @@ async def test_additional_conditions_read_only_matching_rows(pg_dsn: str, kafka_
 
 async def test_a_bad_filter_fails_its_table_only(pg_dsn: str, kafka_bootstrap: str, unique_name: str) -> None:
     """Filters that do not parse, name no column, fail on a row, try a second statement or a
-    write: each fails its own table (metric + log line, not retried); the others are read,
+    write, or run too long: each fails its own table (metric + log line, not retried); the others are read,
     nothing is written, streaming goes on."""
-    tables = ["unknown_col", "div_zero", "two_statements", "writes", "fine"]
+    tables = ["unknown_col", "div_zero", "two_statements", "writes", "sleeps", "fine"]
     sql(pg_dsn, SIGNAL_DDL, "CREATE TABLE victim (id int PRIMARY KEY)", "CREATE TABLE side (x int)",
         "CREATE FUNCTION walbus_write() RETURNS boolean LANGUAGE sql AS 'INSERT INTO side VALUES (1) RETURNING true'",
         *[f"CREATE TABLE {t} (id int PRIMARY KEY, v text)" for t in tables],
@@ -94,9 +94,11 @@ async def test_a_bad_filter_fails_its_table_only(pg_dsn: str, kafka_bootstrap: s
         "div_zero": "1 / (id - id) = 1",
         "two_statements": "true) ; DROP TABLE victim; SELECT (1",
         "writes": "walbus_write()",
+        "sleeps": "pg_sleep(600) IS NOT NULL",  # cancelled by --incremental-filter-timeout
         "fine": "id <= 10",
     }
-    async with running_producer(pg_dsn, kafka_bootstrap, **producer_options(unique_name, 20)) as producer:
+    options = {**producer_options(unique_name, 20), "incremental_filter_timeout": 1.0}
+    async with running_producer(pg_dsn, kafka_bootstrap, **options) as producer:
         signal(pg_dsn, "sig-1", "execute-snapshot", {
             "data-collections": [f"public.{t}" for t in tables],
             "additional-conditions": [{"data-collection": f"public.{t}", "filter": f} for t, f in filters.items()],
