@@ -287,8 +287,16 @@ class IncrementalSnapshot:
 
     def _signal_filters(self, sig_id: str, payload: dict[str, Any], tables: list[str]) -> dict[str, str] | None:
         """``additional-conditions`` ([{"data-collection": t, "filter": sql}]) as table: filter;
-        None (logged) when malformed. Only tables of the signal's ``data-collections`` count."""
+        None (logged) when malformed. Only tables of the signal's ``data-collections`` count.
+        Debezium 2.0's ``additional-condition`` (one filter for every listed table) is read too."""
         listed = payload.get("additional-conditions") or []
+        single = payload.get("additional-condition")
+        if single is not None:
+            if not isinstance(single, str) or not isinstance(listed, list):
+                self._ignore("signal", "additional-condition is not a string", signal=sig_id)
+                return None
+            named = {c.get("data-collection") for c in listed if isinstance(c, dict)}
+            listed = [*({"data-collection": t, "filter": single} for t in tables if t not in named), *listed]
         ok = isinstance(listed, list) and all(
             isinstance(c, dict) and isinstance(c.get("data-collection"), str) and isinstance(c.get("filter"), str) for c in listed
         )

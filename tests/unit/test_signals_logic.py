@@ -77,6 +77,17 @@ def test_additional_conditions_reach_the_position() -> None:
     assert _ignored(registry, "signal") == 0
 
 
+def test_debezium_2_0_additional_condition_applies_to_every_table() -> None:
+    inc, registry = _snapshot()
+    inc.signal("s1", "execute-snapshot", {
+        "data-collections": ["public.a", "public.b"], "additional-condition": "n > 1",
+        "additional-conditions": [{"data-collection": "public.b", "filter": "n > 2"}],  # the specific one wins
+    })
+    assert inc.position is not None and inc.position.filters == {"public.a": "n > 1", "public.b": "n > 2"}
+    inc.signal("s2", "execute-snapshot", {"data-collections": ["public.c"], "additional-condition": 5})
+    assert inc.position.tables == ["public.a", "public.b"] and _ignored(registry, "signal") == 1
+
+
 def test_malformed_additional_conditions_are_ignored_and_counted() -> None:
     inc, registry = _snapshot()
     bad: list[object] = [
