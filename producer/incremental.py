@@ -146,7 +146,9 @@ class IncrementalSnapshot:
         self._filter_role: str | None = None  # the role filtered chunks run as; "" for the producer's own
         # The signal topic's next offset to read; saved with the position, so a signal's
         # effect and its consumption are durable together (exactly once across restarts).
-        self._saved_signal_offset: int | None = offsets.doc.get("signal_offset")
+        # An offset of another topic (--signal-topic changed) means nothing here.
+        same_topic = config.signal_topic is not None and offsets.doc.get("signal_topic") == config.signal_topic
+        self._saved_signal_offset: int | None = offsets.doc.get("signal_offset") if same_topic else None
         self.signal_offset = self._saved_signal_offset
         if self.position is not None:
             self.metrics.begin(KIND, self.position.total_tables or len(self.position.tables))
@@ -659,6 +661,7 @@ class IncrementalSnapshot:
         state: dict[str, Any] = {"incremental": doc, "incremental_done": list(self._done_signals)}
         if self.signal_offset is not None:
             state["signal_offset"] = self.signal_offset
+            state["signal_topic"] = self.config.signal_topic
         self._pending.append([None, state])
         self._eager = self._eager or eager
 

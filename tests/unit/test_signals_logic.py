@@ -20,11 +20,12 @@ from producer.tablescan import ScanTable, max_key_query, select_chunk
 OWN = b"walbus.shop"
 
 
-def _snapshot(doc: dict[str, object] | None = None) -> tuple[IncrementalSnapshot, CollectorRegistry]:
+def _snapshot(doc: dict[str, object] | None = None, *, signal_topic: str = "sigs") -> tuple[IncrementalSnapshot, CollectorRegistry]:
     registry = CollectorRegistry()
     offsets = OffsetStore({}, "walbus.shop", "walbus_shop")  # never started: no I/O here
     offsets.doc = dict(doc or {})
-    cfg = ProducerConfig(pg_dsn="postgresql://u@h/shop", kafka_bootstrap="k:9092", signal_table="public.walbus_signal")
+    cfg = ProducerConfig(pg_dsn="postgresql://u@h/shop", kafka_bootstrap="k:9092", signal_table="public.walbus_signal",
+                         signal_topic=signal_topic)
     capture = CaptureFilter(signal_table="public.walbus_signal")
     return IncrementalSnapshot(cfg, capture, offsets=offsets, metrics=SnapshotMetrics(registry)), registry
 
@@ -143,7 +144,8 @@ def test_signal_topic_records() -> None:
 
 
 def test_topic_signals_save_their_offset_with_their_effect() -> None:
-    inc, registry = _snapshot({"signal_offset": 3})
+    assert _snapshot({"signal_offset": 3, "signal_topic": "old.signals"})[0].signal_offset is None  # another topic's
+    inc, registry = _snapshot({"signal_offset": 3, "signal_topic": "sigs"})
     assert inc.signal_offset == 3
     records = [
         read_signal("sigs", 3, OWN, b"garbage", own_key=OWN),
@@ -153,7 +155,7 @@ def test_topic_signals_save_their_offset_with_their_effect() -> None:
     inc.topic_signals(records)
     assert inc.position is not None and inc.position.signal_id == "sigs@4"
     assert inc.take_eager()
-    assert inc._pending[-1][1]["signal_offset"] == 6
+    assert inc._pending[-1][1]["signal_offset"] == 6 and inc._pending[-1][1]["signal_topic"] == "sigs"
     started = [doc for _, doc in inc._pending if doc["incremental"] is not None]
     assert started[0]["signal_offset"] == 5  # the execute's own save already counts it consumed
     assert _ignored(registry, "signal-topic") == 1
