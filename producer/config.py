@@ -75,7 +75,13 @@ class ProducerConfig(KafkaOptions):
         "(table patterns as --tables; a name holding , : ; or a dot in double quotes)",
     )
     signal_table: str | None = option(None, help="schema.table of the signal table (incremental snapshots)")
+    signal_topic: str | None = option(
+        None, help="Kafka topic of signals (records keyed with the database topic's name), created with one partition if missing",
+    )
     incremental_chunk_size: int = option(1024, help="rows per incremental-snapshot chunk")
+    incremental_filter_timeout: float = option(
+        300.0, help="seconds one query of a table with an additional-conditions filter may run; longer fails the table (0: no limit)",
+    )
     log_level: str = option("info", help="debug, info, warning or error")
 
     @property

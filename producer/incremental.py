@@ -11,26 +11,28 @@ import functools
 import logging
 import time
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
 import orjson
 import psycopg
+from psycopg import sql
 
 from producer.codec import CaptureFilter, EncodedEvent, EventEncoder, Key
 from producer.config import ProducerConfig
 from producer.decoders import LogicalMessage
 from producer.metrics import SnapshotMetrics
 from producer.offsets import OffsetStore
+from producer.signal_topic import TopicSignal
 from producer.tablescan import (
     ScanTable,
-    convert_row,
-    copy_lines,
+    convert_fields,
     describe_table,
+    fetch_fields,
     key_text,
-    max_key,
+    max_key_query,
     select_chunk,
 )
 from walbus.contract import ContractError, qualify_table, split_table
@@ -39,6 +41,7 @@ log = logging.getLogger("walbus.producer.incremental")
 
 WATERMARK_PREFIX = "walbus-watermark"
 MAX_SIGNAL_TABLES = 1000  # tables one execute-snapshot signal may list (docs/contract.md)
+MAX_FILTER_CHARS = 64 * 1024  # all additional-conditions filters of one signal: they are kept in the progress record
 KIND = "incremental"
 
 
@@ -93,6 +96,8 @@ class Position:
     total_tables: int = 0
     started_at: str = ""
     rows: int = 0
+    filters: dict[str, str] = field(default_factory=dict)  # table: its additional-conditions filter (SQL)
+    paused: bool = False  # pause-snapshot: no chunk is read until resume-snapshot
 
     @classmethod
     def load(cls, doc: dict[str, Any] | None) -> Position | None:
@@ -109,8 +114,10 @@ class Chunk:
     rows: list[tuple[Key, list[Any]]] = field(default_factory=list)
     last_key: list[str] | None = None
     max_key: list[str] | None = None
+    where: str | None = None  # the table's additional-conditions filter
     exhausted: bool = False
     skip_reason: str | None = None
+    failure: str | None = None  # the filtered query failed: the table is given up, not retried
 
 
 class IncrementalSnapshot:
@@ -119,7 +126,6 @@ class IncrementalSnapshot:
     def __init__(
         self, config: ProducerConfig, capture: CaptureFilter, *, offsets: OffsetStore, metrics: SnapshotMetrics,
     ) -> None:
-        assert capture.signal_table is not None
         self.config = config
         self.capture = capture
         self.offsets = offsets
@@ -137,13 +143,21 @@ class IncrementalSnapshot:
         self._conn: psycopg.Connection[tuple[object, ...]] | None = None
         self._relids = 1 << 30  # relids of our own relations, out of pgoutput's way
         self._started = time.monotonic()
+        self._filter_role: str | None = None  # the role filtered chunks run as; "" for the producer's own
+        # The signal topic's next offset to read; saved with the position, so a signal's
+        # effect and its consumption are durable together (exactly once across restarts).
+        # An offset of another topic (--signal-topic changed) means nothing here.
+        same_topic = config.signal_topic is not None and offsets.doc.get("signal_topic") == config.signal_topic
+        self._saved_signal_offset: int | None = offsets.doc.get("signal_offset") if same_topic else None
+        self.signal_offset = self._saved_signal_offset
         if self.position is not None:
             self.metrics.begin(KIND, self.position.total_tables or len(self.position.tables))
             self.metrics.tables_remaining.labels(KIND).set(len(self.position.tables))
+            self.metrics.paused.labels(KIND).set(int(self.position.paused))
             log.info(
                 "incremental snapshot resumed",
                 extra={"signal": self.position.signal_id, "table": self.position.tables[0] if self.position.tables else None,
-                       "after_key": self.position.last_key, "tables_left": self.position.tables},
+                       "after_key": self.position.last_key, "tables_left": self.position.tables, "paused": self.position.paused},
             )
 
     # -- session -----------------------------------------------------------------------------
@@ -154,6 +168,8 @@ class IncrementalSnapshot:
         self._chunk = None
         self._pending = []
         self.position = Position.load(self._saved)
+        self.signal_offset = self._saved_signal_offset
+        self.metrics.paused.labels(KIND).set(int(self.position is not None and self.position.paused))
 
     def close(self) -> None:
         if self._conn is not None:
@@ -168,7 +184,7 @@ class IncrementalSnapshot:
         if table == self.capture.signal_table:
             row = ev.row()
             if ev.operation == "insert" and row is not None:
-                self._signal(row)
+                self._signal_row(row)
         chunk = self._chunk
         if chunk is not None and chunk.window.is_open and table == chunk.table:
             if ev.operation == "truncate":
@@ -203,6 +219,11 @@ class IncrementalSnapshot:
         for p in self._pending:
             if p[0] is None:
                 p[0] = end_lsn
+        return self.take_eager()
+
+    def take_eager(self) -> bool:
+        """True (once) when a signal changed the position since the last call: the caller
+        waits for Kafka's acks, then :meth:`save_now`."""
         eager, self._eager = self._eager, False
         return eager
 
@@ -226,8 +247,24 @@ class IncrementalSnapshot:
         if ready and (self._save_task is None or self._save_task.done()):
             self._pending = self._pending[len(ready):]
             self._save_task = asyncio.create_task(self._save(ready[-1][1]))
-        if self.position is not None and self._chunk is None and time.monotonic() >= self._retry_at:
+        pos = self.position
+        if pos is not None and not pos.paused and self._chunk is None and time.monotonic() >= self._retry_at:
             self._start_chunk()
+
+    async def save_confirmed(self, confirmed_lsn: int) -> None:
+        """On a graceful stop: the position Kafka acknowledged is saved before exiting (else
+        the next start would resume from an older one, redoing chunks or a finished snapshot)."""
+        task = self._save_task
+        if task is not None:
+            with contextlib.suppress(Exception):
+                await task
+        ready = [p for p in self._pending if p[0] is not None and p[0] <= confirmed_lsn]
+        if ready:
+            self._pending = self._pending[len(ready):]
+            try:
+                await self._save(ready[-1][1])
+            except Exception as e:  # the next start resumes from the last position saved
+                log.warning("saving the incremental snapshot position failed", extra={"error": repr(e)})
 
     # -- signals -----------------------------------------------------------------------------
 
@@ -250,9 +287,57 @@ class IncrementalSnapshot:
             self._ignore("signal", str(e), signal=sig_id)
             return None
 
-    def _signal(self, row: dict[str, Any]) -> None:
-        """A row inserted into the signal table."""
-        sig_id, sig_type, data = str(row.get("id")), row.get("type"), row.get("data")
+    def _signal_filters(self, sig_id: str, payload: dict[str, Any], tables: list[str]) -> dict[str, str] | None:
+        """``additional-conditions`` ([{"data-collection": t, "filter": sql}]) as table: filter;
+        None (logged) when malformed. Only tables of the signal's ``data-collections`` count.
+        Debezium 2.0's ``additional-condition`` (one filter for every listed table) is read too."""
+        listed = payload.get("additional-conditions") or []
+        single = payload.get("additional-condition")
+        if single is not None:
+            if not isinstance(single, str) or not isinstance(listed, list):
+                self._ignore("signal", "additional-condition is not a string", signal=sig_id)
+                return None
+            named = {c.get("data-collection") for c in listed if isinstance(c, dict)}
+            listed = [*({"data-collection": t, "filter": single} for t in tables if t not in named), *listed]
+        ok = isinstance(listed, list) and all(
+            isinstance(c, dict) and isinstance(c.get("data-collection"), str) and isinstance(c.get("filter"), str) for c in listed
+        )
+        if not ok:
+            self._ignore("signal", 'additional-conditions is not a list of {"data-collection": …, "filter": …}', signal=sig_id)
+            return None
+        if sum(len(c["filter"]) for c in listed) > MAX_FILTER_CHARS:
+            self._ignore("signal", f"additional-conditions filters longer than {MAX_FILTER_CHARS} characters", signal=sig_id)
+            return None
+        filters: dict[str, str] = {}
+        try:
+            for c in listed:
+                filters[qualify_table(*split_table(c["data-collection"]))] = c["filter"].strip()
+        except ContractError as e:
+            self._ignore("signal", f"additional-conditions: {e}", signal=sig_id)
+            return None
+        strays = [t for t in filters if t not in tables]
+        if strays:
+            log.warning("additional-conditions of tables the signal does not snapshot ignored", extra={"signal": sig_id, "tables": strays})
+        return {t: f for t, f in filters.items() if f and t in tables}
+
+    def topic_signals(self, signals: Sequence[TopicSignal]) -> None:
+        """Records of the signal topic, in order. Each one's offset is advanced before its
+        signal is applied, so the position saved for the signal includes its consumption."""
+        for sig in signals:
+            self.signal_offset = sig.offset + 1
+            if sig.problem is not None:
+                self._ignore("signal-topic", sig.problem, signal=sig.sig_id)
+            elif not sig.foreign:
+                log.info("signal received from Kafka", extra={"signal": sig.sig_id, "type": sig.type})
+                self.signal(sig.sig_id, sig.type, sig.payload)
+        if signals:
+            # The latest offset goes with the latest position (eager: saved at once; else with
+            # the next confirmed commit — records that took no effect may be read again).
+            self._mark(eager=False)
+
+    def _signal_row(self, row: dict[str, Any]) -> None:
+        """A row inserted into the signal table (``data``: JSON text)."""
+        sig_id, data = str(row.get("id")), row.get("data")
         try:
             payload = orjson.loads(data) if isinstance(data, str) and data else {}
         except orjson.JSONDecodeError:
@@ -260,6 +345,11 @@ class IncrementalSnapshot:
         if not isinstance(payload, dict):
             self._ignore("signal", "its data is not a JSON object", signal=sig_id, data=str(data)[:200])
             return
+        self.signal(sig_id, row.get("type"), payload)
+
+    def signal(self, sig_id: str, sig_type: object, payload: dict[str, Any]) -> None:
+        """One signal, from the table or the signal topic. Anyone who may insert into the
+        signal table can send it: nothing here may stop the stream."""
         tables = self._signal_tables(sig_id, payload)
         if tables is None:
             return
@@ -268,15 +358,20 @@ class IncrementalSnapshot:
             if not isinstance(kind, str) or kind.lower() != "incremental":
                 self._ignore("signal", "only incremental snapshots can be asked for", signal=sig_id)
                 return
+            filters = self._signal_filters(sig_id, payload, tables)
+            if filters is None:
+                return
             if sig_id in self._done_signals or (self.position is not None and self.position.signal_id == sig_id):
                 return  # replayed after a restart: already done, or being resumed
-            self._execute(sig_id, tables)
+            self._execute(sig_id, tables, filters)
         elif sig_type == "stop-snapshot":
             self._stop(sig_id, tables)
+        elif sig_type in ("pause-snapshot", "resume-snapshot"):
+            self._pause(sig_id, paused=sig_type == "pause-snapshot")
         else:
             log.warning("unknown signal ignored", extra={"signal": sig_id, "type": sig_type})
 
-    def _execute(self, sig_id: str, tables: list[str]) -> None:
+    def _execute(self, sig_id: str, tables: list[str], filters: dict[str, str]) -> None:
         if not tables:
             log.error("execute-snapshot without data-collections ignored", extra={"signal": sig_id})
             return
@@ -285,12 +380,18 @@ class IncrementalSnapshot:
             pos = self.position = Position(sig_id, [], started_at=datetime.now(UTC).isoformat(timespec="seconds"))
             self._started = time.monotonic()
             self.metrics.begin(KIND, 0)
+        # A table already queued keeps the filter it was queued with.
         added = [t for t in dict.fromkeys(tables) if t not in pos.tables]
         pos.tables += added
+        pos.filters.update({t: f for t, f in filters.items() if t in added})
         pos.total_tables += len(added)
         self.metrics.tables_total.labels(KIND).set(pos.total_tables)
         self.metrics.tables_remaining.labels(KIND).set(len(pos.tables))
-        log.info("incremental snapshot started", extra={"signal": sig_id, "tables": added, "queue": pos.tables})
+        log.info(
+            "incremental snapshot started",
+            extra={"signal": sig_id, "tables": added, "queue": pos.tables, "filtered": sorted(t for t in filters if t in added),
+                   "paused": pos.paused},
+        )
         self._mark(eager=True)
 
     def _stop(self, sig_id: str, tables: list[str]) -> None:
@@ -302,12 +403,30 @@ class IncrementalSnapshot:
                 self._chunk = None  # abandon the chunk in flight; its watermarks are ignored
                 pos.last_key = pos.max_key = None
             pos.tables = [t for t in pos.tables if t not in tables]
+            pos.filters = {t: f for t, f in pos.filters.items() if t in pos.tables}
         else:
             pos.tables = []
         log.info("incremental snapshot stopped", extra={"signal": sig_id, "tables": tables or "all", "left": pos.tables})
         self.metrics.tables_remaining.labels(KIND).set(len(pos.tables))
         if not pos.tables:
             self._finish(aborted=True)
+        self._mark(eager=True)
+
+    def _pause(self, sig_id: str, *, paused: bool) -> None:
+        """pause-snapshot / resume-snapshot: a chunk in flight completes, no next one starts
+        while paused; the flag is part of the saved position, so it outlives a restart."""
+        pos = self.position
+        if pos is None:
+            log.warning("no incremental snapshot to pause or resume", extra={"signal": sig_id, "pause": paused})
+            return
+        if pos.paused == paused:
+            return
+        pos.paused = paused
+        self.metrics.paused.labels(KIND).set(int(paused))
+        log.info(
+            "incremental snapshot paused" if paused else "incremental snapshot resumed by signal",
+            extra={"signal": sig_id, "table": pos.tables[0] if pos.tables else None, "after_key": pos.last_key},
+        )
         self._mark(eager=True)
 
     # -- chunks ------------------------------------------------------------------------------
@@ -319,17 +438,28 @@ class IncrementalSnapshot:
             self._finish(aborted=False)
             self._mark(eager=False)
             return
-        chunk = Chunk(uuid.uuid4().hex, pos.tables[0], pos.last_key, max_key=pos.max_key)
+        table = pos.tables[0]
+        chunk = Chunk(uuid.uuid4().hex, table, pos.last_key, max_key=pos.max_key, where=pos.filters.get(table))
         self._chunk = chunk
         self._task = asyncio.create_task(asyncio.to_thread(self._read_chunk, chunk))
         self._task.add_done_callback(functools.partial(self._chunk_read, chunk=chunk))
 
     def _chunk_read(self, task: asyncio.Task[None], *, chunk: Chunk) -> None:
         if task.cancelled() or task.exception() is None:
-            if chunk.skip_reason is not None and self._chunk is chunk:
+            if self._chunk is not chunk:
+                return
+            if chunk.skip_reason is not None:
                 log.warning("table left out of the incremental snapshot", extra={"table": chunk.table, "reason": chunk.skip_reason})
-                self._next_table()
-                self._chunk = None
+                self._give_up_table(chunk)
+            elif chunk.failure is not None:
+                # Not retried: the same filter fails the same way. Streaming goes on.
+                log.error(
+                    "incremental snapshot of table failed: its additional-conditions filter does not work",
+                    extra={"table": chunk.table, "filter": (chunk.where or "")[:500], "error": chunk.failure,
+                           "after_key": chunk.after},
+                )
+                self.metrics.tables_failed.labels(KIND, chunk.table).inc()
+                self._give_up_table(chunk)
             return
         log.warning("incremental snapshot chunk failed, retrying", extra={"table": chunk.table, "error": str(task.exception())})
         self.close()
@@ -343,6 +473,15 @@ class IncrementalSnapshot:
             self._conn = psycopg.connect(self.config.pg_dsn, autocommit=True, application_name="walbus-incremental")
         return self._conn
 
+    def _give_up_table(self, chunk: Chunk) -> None:
+        """The chunk's table is not read (further); the next one is."""
+        self._chunk = None
+        pos = self.position
+        if pos is None or not pos.tables or pos.tables[0] != chunk.table:
+            return  # stopped meanwhile
+        self._next_table()
+        self._mark(eager=False)  # saved with the next confirmed transaction: not tried again after a restart
+
     def _read_chunk(self, chunk: Chunk) -> None:
         """In a thread: low watermark, the chunk's rows, high watermark."""
         conn = self._connection()
@@ -354,21 +493,84 @@ class IncrementalSnapshot:
             return
         assert scan is not None
         chunk.scan = scan
+        role = self._role_for_filters(conn) if chunk.where is not None else ""
         if chunk.max_key is None:
-            chunk.max_key = max_key(conn, scan)
+            found = self._select(conn, chunk, role, max_key_query(scan, chunk.where))
+            if found is None:
+                return
+            chunk.max_key = [(v or b"").decode() for v in found[0]] if found else None
         self._watermark(conn, chunk, "low")
         if chunk.max_key is not None:
-            convs = scan.relation.converters
-            idx = scan.relation.pk_index
-            fields: Sequence[bytes | None] = ()
-            for line in copy_lines(conn, select_chunk(scan, chunk.after, chunk.max_key, self.chunk_size)):
-                values, fields = convert_row(line, convs)
-                chunk.rows.append((tuple(values[i] for i in idx), values))
-            if chunk.rows:
-                chunk.last_key = key_text(fields, scan)
+            rows = self._select(conn, chunk, role, select_chunk(scan, chunk.after, chunk.max_key, self.chunk_size, chunk.where))
+            if rows is None:
+                return
+            self._keep_rows(chunk, scan, rows)
         chunk.exhausted = len(chunk.rows) < self.chunk_size or chunk.last_key == chunk.max_key
         # The rows are in place before the high watermark exists: the pump cannot see it earlier.
         self._watermark(conn, chunk, "high")
+
+    def _select(
+        self, conn: psycopg.Connection[tuple[object, ...]], chunk: Chunk, role: str, query: sql.Composed,
+    ) -> list[list[bytes | None]] | None:
+        """The rows of a query of the chunk's table, read only; None when the chunk's filter
+        made it fail (``chunk.failure`` says how)."""
+        timeout = self.config.incremental_filter_timeout if chunk.where is not None else 0.0
+        try:
+            with self._read_only(conn, role, timeout):
+                return fetch_fields(conn, query)
+        except psycopg.DatabaseError as e:
+            # With a filter, an error of the query (syntax, unknown column, type, division by
+            # zero, a write in the read-only transaction, the timeout) is the filter's: the
+            # table fails. A lost connection (OperationalError) is retried as always.
+            transient = isinstance(e, psycopg.OperationalError) and not isinstance(e, psycopg.errors.QueryCanceled)
+            if chunk.where is None or transient:
+                raise
+            text = str(e).strip()
+            chunk.failure = f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
+            return None
+
+    @staticmethod
+    def _keep_rows(chunk: Chunk, scan: ScanTable, rows: Sequence[Sequence[bytes | None]]) -> None:
+        convs = scan.relation.converters
+        idx = scan.relation.pk_index
+        for fields in rows:
+            values = convert_fields(fields, convs)
+            chunk.rows.append((tuple(values[i] for i in idx), values))
+        if rows:
+            chunk.last_key = key_text(rows[-1], scan)
+
+    @staticmethod
+    @contextlib.contextmanager
+    def _read_only(conn: psycopg.Connection[tuple[object, ...]], role: str, timeout: float) -> Iterator[None]:
+        """A READ ONLY transaction (a filter cannot write), as ``role`` when given, its
+        statements cancelled after ``timeout`` seconds when given (a filter cannot stall
+        the snapshot: its connection is the one every later chunk needs)."""
+        with conn.transaction():
+            conn.execute("SET TRANSACTION READ ONLY")
+            if timeout > 0:
+                conn.execute(sql.SQL("SET LOCAL statement_timeout = {}").format(sql.Literal(max(1, round(timeout * 1000)))))
+            if role:
+                conn.execute(sql.SQL("SET LOCAL ROLE {}").format(sql.Identifier(role)))
+                # RLS would hide rows from that role silently: an error (the table fails) instead.
+                conn.execute("SET LOCAL row_security = off")
+            yield
+
+    def _role_for_filters(self, conn: psycopg.Connection[tuple[object, ...]]) -> str:
+        """Filters are SQL from whoever may send signals: a superuser producer runs them as
+        pg_read_all_data (PostgreSQL 14+: reads everything, nothing more), others as themselves."""
+        if self._filter_role is None:
+            row = conn.execute(
+                "SELECT r.rolsuper, EXISTS (SELECT 1 FROM pg_roles WHERE rolname = 'pg_read_all_data') "
+                "FROM pg_roles r WHERE r.rolname = current_user"
+            ).fetchone()
+            superuser, can_drop = (bool(row[0]), bool(row[1])) if row is not None else (False, False)
+            self._filter_role = "pg_read_all_data" if superuser and can_drop else ""
+            if superuser and not can_drop:
+                log.warning(
+                    "additional-conditions filters run as a superuser (no pg_read_all_data before PostgreSQL 14): connect "
+                    "the producer with a role that has REPLICATION and SELECT on the captured tables only",
+                )
+        return self._filter_role
 
     def _unusable(self, conn: psycopg.Connection[tuple[object, ...]], table: str, scan: ScanTable | None) -> str | None:
         if scan is None:
@@ -433,6 +635,7 @@ class IncrementalSnapshot:
     def _next_table(self) -> None:
         pos = self.position
         assert pos is not None
+        pos.filters.pop(pos.tables[0], None)
         pos.tables = pos.tables[1:]
         pos.last_key = pos.max_key = None
         self.metrics.tables_remaining.labels(KIND).set(len(pos.tables))
@@ -443,6 +646,7 @@ class IncrementalSnapshot:
             return
         seconds = time.monotonic() - self._started
         self.metrics.end(KIND, seconds, aborted=aborted)
+        self.metrics.paused.labels(KIND).set(0)
         if not aborted:
             log.info("incremental snapshot completed", extra={"signal": pos.signal_id, "rows": pos.rows, "seconds": round(seconds, 3)})
         self._done_signals = [*self._done_signals[-19:], pos.signal_id]
@@ -454,7 +658,11 @@ class IncrementalSnapshot:
         """The position changed inside the transaction being decoded: save it once that
         transaction is confirmed (chunks) or before it can be (signals)."""
         doc = None if self.position is None else asdict(self.position)
-        self._pending.append([None, {"incremental": doc, "incremental_done": list(self._done_signals)}])
+        state: dict[str, Any] = {"incremental": doc, "incremental_done": list(self._done_signals)}
+        if self.signal_offset is not None:
+            state["signal_offset"] = self.signal_offset
+            state["signal_topic"] = self.config.signal_topic
+        self._pending.append([None, state])
         self._eager = self._eager or eager
 
     async def _save(self, doc: dict[str, Any]) -> None:
@@ -469,3 +677,4 @@ class IncrementalSnapshot:
             self.offsets.doc.update(before)
             raise
         self._saved = doc["incremental"]
+        self._saved_signal_offset = doc.get("signal_offset", self._saved_signal_offset)

@@ -41,6 +41,11 @@ class SnapshotMetrics:
         self.aborted = Gauge("walbus_snapshot_aborted", "1 when the last snapshot was stopped before completion", ["kind"], registry=registry)
         self.duration = Gauge("walbus_snapshot_duration_seconds", "Duration of the running or last snapshot", ["kind"], registry=registry)
         self.chunks = Counter("walbus_snapshot_chunks", "Incremental snapshot chunks emitted", ["table"], registry=registry)
+        self.tables_failed = Counter(
+            "walbus_snapshot_tables_failed", "Tables whose snapshot was given up: their additional-conditions filter failed",
+            ["kind", "table"], registry=registry,
+        )
+        self.paused = Gauge("walbus_snapshot_paused", "1 while a snapshot is paused (pause-snapshot signal)", ["kind"], registry=registry)
         self.ignored = Counter(
             "walbus_snapshot_ignored_signals", "Signal rows and watermark messages ignored as malformed or over the limits, by kind",
             ["kind"], registry=registry,

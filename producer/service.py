@@ -34,6 +34,7 @@ from producer.metrics import ProducerMetrics, SnapshotMetrics
 from producer.offsets import COMPACTED, OffsetStore
 from producer.progress import Progress
 from producer.replication import ReplicationError, ReplicationStream
+from producer.signal_topic import KafkaSignalChannel
 from producer.sink import KafkaSink, SinkError
 from producer.snapshot import InitialSnapshot, SnapshotAborted
 from walbus.config import ConfigError, describe
@@ -64,6 +65,7 @@ class Producer:
         self.snapshot_metrics = SnapshotMetrics(self.registry)
         self.offsets: OffsetStore | None = None
         self.incremental: IncrementalSnapshot | None = None
+        self.signal_channel: KafkaSignalChannel | None = None
         self.capture = CaptureFilter(
             tables=setup.table_patterns(config.tables, "--tables"),
             exclude_tables=setup.table_patterns(config.exclude_tables, "--exclude-tables"),
@@ -145,8 +147,14 @@ class Producer:
                 cfg, self.capture, offsets=offsets, metrics=self.snapshot_metrics, client_kwargs=client_kwargs,
                 partitions=self._partitions, stopping=self._stopping, new_sink=self._new_sink,
             )
-            if cfg.signal_table:
+            if cfg.signal_table or cfg.signal_topic:
                 self.incremental = IncrementalSnapshot(cfg, self.capture, offsets=offsets, metrics=self.snapshot_metrics)
+            if cfg.signal_topic:
+                assert self.incremental is not None
+                self.signal_channel = KafkaSignalChannel(
+                    client_kwargs, cfg.signal_topic, own_key=cfg.topic_name, replication_factor=cfg.replication_factor,
+                )
+                await self.signal_channel.start(self.incremental.signal_offset)
             try:
                 if not await initial.prepare(slot):
                     log.info("initial snapshot done, exiting (--snapshot-mode initial_only)")
@@ -176,6 +184,8 @@ class Producer:
         finally:
             self.metrics.connected.set(0)
             await self.heartbeats.close()
+            if self.signal_channel is not None:
+                await self.signal_channel.stop()
             await offsets.stop()
             if self.incremental is not None:
                 self.incremental.close()
@@ -233,6 +243,8 @@ class Producer:
             stream.start(cfg.slot_name, 0, decoder.start_options(cfg.publication_name))
             if self.incremental is not None:
                 self.incremental.reset()  # the stream replays from the confirmed position
+                if self.signal_channel is not None:
+                    await self.signal_channel.seek(self.incremental.signal_offset)  # and the signals from the saved offset
             metrics.connected.set(1)
             self.ready.set()
             await self._pump(stream, decoder, sink, progress, backoff)
@@ -281,6 +293,8 @@ class Producer:
                     backoff.reset()
             sink.raise_if_failed()
             if inc is not None:
+                if self.signal_channel is not None:
+                    await self._topic_signals(self.signal_channel, inc, sink)
                 await inc.tick(progress.confirmed_lsn)
             now = time.monotonic()
             if not in_txn and (stream.position.reply_requested or now - last_feedback >= confirm_every):
@@ -299,6 +313,8 @@ class Producer:
         # Graceful stop: everything read is flushed and acknowledged, then confirmed.
         await sink.wait_acked(timeout=60)
         await stream.send_feedback(progress.confirmed_lsn)
+        if inc is not None:
+            await inc.save_confirmed(progress.confirmed_lsn)
         log.info("producer stopped", extra={"confirmed_lsn": str(Lsn(progress.confirmed_lsn))})
 
 
@@ -317,6 +333,19 @@ class Producer:
         for (table, op), n in end.counts.items():
             metrics.events.labels(table, op).inc(n)
         metrics.behind_source_ms.set(max(0.0, time.time() * 1000 - end.commit_unix_us / 1000))
+
+    @staticmethod
+    async def _topic_signals(channel: KafkaSignalChannel, inc: IncrementalSnapshot, sink: KafkaSink) -> None:
+        """Signals from Kafka, between batches. When they changed the position it is saved,
+        with the topic offset after them, before the next poll (a crash before that reads
+        them again: they had no durable effect yet)."""
+        signals = await channel.poll()
+        if not signals:
+            return
+        inc.topic_signals(signals)
+        if inc.take_eager():
+            await sink.wait_acked(timeout=60)
+            await inc.save_now()
 
     @staticmethod
     async def _transaction_record(

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import psycopg
-from psycopg import sql
+from psycopg import pq, sql
 
 from producer.codec import CaptureFilter, Relation, text_converter
 from walbus.contract import FLOAT_SPECIALS, FLOAT_TYPES, INT_TYPES
@@ -152,11 +152,26 @@ def convert_row(line: bytes, converters: Sequence[Any]) -> tuple[list[Any], Sequ
     return [None if f is None else conv(f) for conv, f in zip(converters, fields, strict=True)], fields
 
 
-def copy_lines(conn: Conn, query: sql.Composable) -> Iterator[bytes]:
-    """Each row of ``COPY (query) TO STDOUT`` (text format) as bytes, one at a time."""
-    with conn.cursor() as cur, cur.copy(sql.SQL("COPY ({}) TO STDOUT").format(query)) as copy:
-        for data in copy:
-            yield bytes(data)
+def fetch_fields(conn: Conn, query: sql.Composed) -> list[list[bytes | None]]:
+    """Every row of ``query`` as its raw text fields (each value's type output text, as COPY
+    and pgoutput give it, unescaped; None for NULL).
+
+    Sent with the extended protocol (libpq's PQexecParams, no parameters): a query holding
+    SQL written by someone else (an ``additional-conditions`` filter) runs as one statement
+    or fails to parse. The simple protocol — COPY always uses it, and psycopg does for a
+    query without parameters — would run ``…; COMMIT; DROP …`` too.
+    """
+    res = conn.pgconn.exec_params(query.as_bytes(conn), [])
+    if res.status != pq.ExecStatus.TUPLES_OK:
+        if not res.error_field(pq.DiagnosticField.SQLSTATE):  # no server error: the connection failed
+            raise psycopg.OperationalError(res.get_error_message(conn.info.encoding) or conn.pgconn.error_message.decode(errors="replace"))
+        raise psycopg.errors.error_from_result(res, encoding=conn.info.encoding)
+    return [[res.get_value(r, c) for c in range(res.nfields)] for r in range(res.ntuples)]
+
+
+def convert_fields(fields: Sequence[bytes | None], converters: Sequence[Any]) -> list[Any]:
+    """Raw text fields (:func:`fetch_fields`) as JSON-ready values."""
+    return [None if f is None else conv(f) for conv, f in zip(converters, fields, strict=True)]
 
 
 def copy_table_lines(conn: Conn, table: ScanTable, pages: tuple[int, int | None] | None = None) -> Iterator[bytes]:
@@ -183,23 +198,35 @@ def key_text(fields: Sequence[bytes | None], table: ScanTable) -> list[str]:
     return [(fields[i] or b"").decode() for i in table.relation.pk_index]
 
 
-def select_chunk(table: ScanTable, after: Sequence[str] | None, upto: Sequence[str], limit: int) -> sql.Composed:
-    """The next chunk of an incremental snapshot: keys in (after, upto], key order, ``limit`` rows."""
-    cond = [sql.SQL("({}) <= {}").format(table.pk_list(), table.key_literal(upto))]
+def _filtered(cond: list[sql.Composable], where: str | None) -> sql.Composed:
+    if where:
+        # Parenthesised: ``a OR b`` must not escape the key bounds.
+        cond = [*cond, sql.SQL("({})").format(sql.SQL(where))]
+    return sql.SQL(" AND ").join(cond)
+
+
+def select_chunk(
+    table: ScanTable, after: Sequence[str] | None, upto: Sequence[str], limit: int, where: str | None = None,
+) -> sql.Composed:
+    """The next chunk of an incremental snapshot: keys in (after, upto], key order, ``limit``
+    rows, only those ``where`` (an ``additional-conditions`` filter, SQL) holds for."""
+    cond: list[sql.Composable] = [sql.SQL("({}) <= {}").format(table.pk_list(), table.key_literal(upto))]
     if after is not None:
         cond.append(sql.SQL("({}) > {}").format(table.pk_list(), table.key_literal(after)))
     return sql.SQL("SELECT {} FROM {} WHERE {} ORDER BY {} LIMIT {}").format(
-        table.column_list(), table.ident, sql.SQL(" AND ").join(cond), table.pk_list(), sql.Literal(limit)
+        table.column_list(), table.ident, _filtered(cond, where), table.pk_list(), sql.Literal(limit)
     )
 
 
-def max_key(conn: Conn, table: ScanTable) -> list[str] | None:
-    """The largest primary key now (text output), None for an empty table."""
+def max_key_query(table: ScanTable, where: str | None = None) -> sql.Composed:
+    """The largest primary key now (text output) of the rows ``where`` holds for; no row when
+    there is none. Run it with :func:`fetch_fields`: ``where`` may be anyone's SQL."""
     # Qualified in ORDER BY: a bare name would mean the ::text output column, sorted as text.
-    q = sql.SQL("SELECT {} FROM {} AS t ORDER BY {} LIMIT 1").format(
-        sql.SQL(", ").join(sql.SQL("t.{}::text").format(sql.Identifier(c)) for c in table.relation.pk),
+    # No alias: a filter may name the table as select_chunk's query does.
+    cols = [sql.SQL("{}.{}").format(table.ident, sql.Identifier(c)) for c in table.relation.pk]
+    return sql.SQL("SELECT {} FROM {} WHERE {} ORDER BY {} LIMIT 1").format(
+        sql.SQL(", ").join(sql.SQL("{}::text").format(c) for c in cols),
         table.ident,
-        sql.SQL(", ").join(sql.SQL("t.{} DESC").format(sql.Identifier(c)) for c in table.relation.pk),
+        _filtered([sql.SQL("true")], where),
+        sql.SQL(", ").join(sql.SQL("{} DESC").format(c) for c in cols),
     )
-    row = conn.execute(q).fetchone()
-    return None if row is None else [str(v) for v in row]

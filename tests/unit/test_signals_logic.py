@@ -1,0 +1,171 @@
+"""Snapshot signals without services: additional-conditions, pause/resume and the Kafka
+signal channel's records, as the incremental snapshot takes them."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+
+import orjson
+import pytest
+from prometheus_client import CollectorRegistry
+
+from producer.codec import CaptureFilter, Relation
+from producer.config import ProducerConfig, load
+from producer.incremental import IncrementalSnapshot, Position
+from producer.metrics import SnapshotMetrics
+from producer.offsets import OffsetStore
+from producer.signal_topic import read_signal
+from producer.tablescan import ScanTable, max_key_query, select_chunk
+
+OWN = b"walbus.shop"
+
+
+def _snapshot(doc: dict[str, object] | None = None, *, signal_topic: str = "sigs") -> tuple[IncrementalSnapshot, CollectorRegistry]:
+    registry = CollectorRegistry()
+    offsets = OffsetStore({}, "walbus.shop", "walbus_shop")  # never started: no I/O here
+    offsets.doc = dict(doc or {})
+    cfg = ProducerConfig(pg_dsn="postgresql://u@h/shop", kafka_bootstrap="k:9092", signal_table="public.walbus_signal",
+                         signal_topic=signal_topic)
+    capture = CaptureFilter(signal_table="public.walbus_signal")
+    return IncrementalSnapshot(cfg, capture, offsets=offsets, metrics=SnapshotMetrics(registry)), registry
+
+
+def _ignored(registry: CollectorRegistry, kind: str) -> float:
+    return registry.get_sample_value("walbus_snapshot_ignored_signals_total", {"kind": kind}) or 0.0
+
+
+def _scan() -> ScanTable:
+    rel = Relation(1, "public", "orders", ["id", "color"], ["int4", "text"], [True, False], ["id"], "d").prepare(CaptureFilter())
+    return ScanTable(rel, "r", ["integer", "text"])
+
+
+def test_chunk_query_carries_the_filter_in_parentheses() -> None:
+    q = select_chunk(_scan(), ["10"], ["99"], 5, "color = 'blue' OR color = 'red'").as_string(None)
+    assert "AND (color = 'blue' OR color = 'red') ORDER BY" in q
+    assert '("id") > (\'10\'::integer)' in q  # the key bounds stay outside the filter's OR
+    assert "WHERE (" in select_chunk(_scan(), None, ["99"], 5).as_string(None)
+    assert "color" not in select_chunk(_scan(), None, ["99"], 5).as_string(None).split("WHERE")[1]
+
+
+def test_max_key_query_is_filtered_too() -> None:
+    q = max_key_query(_scan(), "color = 'blue'").as_string(None)
+    assert "WHERE true AND (color = 'blue') ORDER BY" in q
+    assert "(color" not in max_key_query(_scan()).as_string(None)
+
+
+def test_additional_conditions_reach_the_position() -> None:
+    inc, registry = _snapshot()
+    inc.signal("s1", "execute-snapshot", {
+        "data-collections": ["public.orders", "public.items"],
+        "additional-conditions": [
+            {"data-collection": "public.orders", "filter": " color = 'blue' "},
+            {"data-collection": "public.other", "filter": "x = 1"},  # not snapshotted: ignored
+        ],
+    })
+    pos = inc.position
+    assert pos is not None and pos.tables == ["public.orders", "public.items"]
+    assert pos.filters == {"public.orders": "color = 'blue'"}
+    assert Position.load(asdict(pos)) == pos  # saved and resumed with its filters
+    # A table already queued keeps its filter; a new one gets its own.
+    inc.signal("s2", "execute-snapshot", {
+        "data-collections": ["public.orders", "public.more"],
+        "additional-conditions": [{"data-collection": "public.orders", "filter": "true"},
+                                  {"data-collection": "public.more", "filter": "id < 5"}],
+    })
+    assert pos.filters == {"public.orders": "color = 'blue'", "public.more": "id < 5"}
+    inc.signal("s3", "stop-snapshot", {"data-collections": ["public.more"]})
+    assert pos.filters == {"public.orders": "color = 'blue'"}
+    assert _ignored(registry, "signal") == 0
+
+
+def test_debezium_2_0_additional_condition_applies_to_every_table() -> None:
+    inc, registry = _snapshot()
+    inc.signal("s1", "execute-snapshot", {
+        "data-collections": ["public.a", "public.b"], "additional-condition": "n > 1",
+        "additional-conditions": [{"data-collection": "public.b", "filter": "n > 2"}],  # the specific one wins
+    })
+    assert inc.position is not None and inc.position.filters == {"public.a": "n > 1", "public.b": "n > 2"}
+    inc.signal("s2", "execute-snapshot", {"data-collections": ["public.c"], "additional-condition": 5})
+    assert inc.position.tables == ["public.a", "public.b"] and _ignored(registry, "signal") == 1
+
+
+def test_malformed_additional_conditions_are_ignored_and_counted() -> None:
+    inc, registry = _snapshot()
+    bad: list[object] = [
+        "color = 'blue'",
+        [{"data-collection": "public.orders"}],
+        [{"data-collection": "public.orders", "filter": 7}],
+        [{"data-collection": "no_schema.", "filter": "true"}],
+        [{"data-collection": "public.orders", "filter": "x" * 70_000}],
+    ]
+    for i, conditions in enumerate(bad):
+        inc.signal(f"b{i}", "execute-snapshot", {"data-collections": ["public.orders"], "additional-conditions": conditions})
+    assert inc.position is None
+    assert _ignored(registry, "signal") == len(bad)
+
+
+async def test_pause_and_resume_are_saved_and_stop_chunks() -> None:
+    inc, registry = _snapshot()
+    inc.signal("p0", "pause-snapshot", {})  # nothing to pause: a warning, no position
+    assert inc.position is None
+    inc.signal("s1", "execute-snapshot", {"data-collections": ["public.orders"]})
+    assert inc.take_eager()
+    inc.signal("p1", "pause-snapshot", {})
+    assert inc.position is not None and inc.position.paused
+    assert inc.take_eager()  # saved before its transaction may be confirmed
+    assert registry.get_sample_value("walbus_snapshot_paused", {"kind": "incremental"}) == 1
+    saved = inc._pending[-1][1]
+    assert saved["incremental"]["paused"] is True
+    await inc.tick(0)
+    assert inc._chunk is None  # paused: no chunk started
+    # A restart while paused stays paused.
+    again, registry2 = _snapshot(saved)
+    assert again.position is not None and again.position.paused
+    assert registry2.get_sample_value("walbus_snapshot_paused", {"kind": "incremental"}) == 1
+    inc.signal("p2", "pause-snapshot", {})
+    assert not inc.take_eager()  # already paused: nothing changed
+    inc.signal("r1", "resume-snapshot", {})
+    assert not inc.position.paused and inc.take_eager()
+    assert registry.get_sample_value("walbus_snapshot_paused", {"kind": "incremental"}) == 0
+
+
+def test_signal_topic_records() -> None:
+    sig = read_signal("sigs", 4, OWN, orjson.dumps({"type": "execute-snapshot", "data": {"data-collections": ["public.t"]}}), own_key=OWN)
+    assert (sig.sig_id, sig.type, sig.payload, sig.problem, sig.foreign) == (
+        "sigs@4", "execute-snapshot", {"data-collections": ["public.t"]}, None, False)
+    as_text = read_signal("sigs", 5, OWN, orjson.dumps({"type": "stop-snapshot", "data": '{"data-collections": []}'}), own_key=OWN)
+    assert as_text.payload == {"data-collections": []} and as_text.problem is None
+    assert read_signal("sigs", 6, OWN, orjson.dumps({"type": "pause-snapshot"}), own_key=OWN).payload == {}
+    assert read_signal("sigs", 7, b"walbus.other", b"{}", own_key=OWN).foreign
+    assert read_signal("sigs", 8, None, b"{}", own_key=OWN).foreign
+    for value in (None, b"", b"not json", b"[1]", b'{"data": {}}', b'{"type": 3}', b'{"type": "x", "data": [1]}',
+                  b'{"type": "x", "data": "{oops"}'):
+        assert read_signal("sigs", 9, OWN, value, own_key=OWN).problem is not None, value
+
+
+def test_topic_signals_save_their_offset_with_their_effect() -> None:
+    assert _snapshot({"signal_offset": 3, "signal_topic": "old.signals"})[0].signal_offset is None  # another topic's
+    inc, registry = _snapshot({"signal_offset": 3, "signal_topic": "sigs"})
+    assert inc.signal_offset == 3
+    records = [
+        read_signal("sigs", 3, OWN, b"garbage", own_key=OWN),
+        read_signal("sigs", 4, OWN, orjson.dumps({"type": "execute-snapshot", "data": {"data-collections": ["public.t"]}}), own_key=OWN),
+        read_signal("sigs", 5, b"walbus.other", orjson.dumps({"type": "stop-snapshot"}), own_key=OWN),
+    ]
+    inc.topic_signals(records)
+    assert inc.position is not None and inc.position.signal_id == "sigs@4"
+    assert inc.take_eager()
+    assert inc._pending[-1][1]["signal_offset"] == 6 and inc._pending[-1][1]["signal_topic"] == "sigs"
+    started = [doc for _, doc in inc._pending if doc["incremental"] is not None]
+    assert started[0]["signal_offset"] == 5  # the execute's own save already counts it consumed
+    assert _ignored(registry, "signal-topic") == 1
+    inc.reset()  # a new session before anything was saved: back to the saved offset
+    assert inc.signal_offset == 3 and inc.position is None
+
+
+def test_signal_topic_option(monkeypatch: pytest.MonkeyPatch) -> None:
+    base = ["--pg-dsn", "postgresql://u@h/shop", "--kafka-bootstrap", "k:9092"]
+    assert load(base).signal_topic is None
+    assert load([*base, "--signal-topic", "ops.signals"]).signal_topic == "ops.signals"
+    monkeypatch.setenv("WALBUS_PRODUCE_SIGNAL_TOPIC", "env.signals")
+    assert load(base).signal_topic == "env.signals"
