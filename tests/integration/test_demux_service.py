@@ -97,7 +97,7 @@ async def test_key_change_toast_no_pk_delete_records_and_topic_settings(
     proc = DemuxProc(args, tmp_path / "demux.log").start()
     try:
         await wait_caught_up(kafka_bootstrap, f"walbus-demux.{source}", source, procs=[proc])
-        metrics = proc.metrics()
+        metrics = proc.settled_metrics(len(events))
     finally:
         assert proc.stop() == 0, proc.log_tail()
     docs = await read_records(kafka_bootstrap, f"{source}.public.docs")
@@ -148,7 +148,7 @@ async def test_dead_letters_and_store_rebuild(kafka_bootstrap: str, unique_name:
     proc = DemuxProc(demux_args(kafka_bootstrap, source, state), tmp_path / "demux.log").start()
     try:
         await wait_caught_up(kafka_bootstrap, group, source, procs=[proc])
-        metrics = proc.metrics()
+        metrics = proc.settled_metrics(5)
     finally:
         assert proc.stop() == 0, proc.log_tail()
     dlq = await read_records(kafka_bootstrap, f"{source}.dlq")
@@ -174,7 +174,7 @@ async def test_dead_letters_and_store_rebuild(kafka_bootstrap: str, unique_name:
     proc = DemuxProc(demux_args(kafka_bootstrap, source, state), tmp_path / "demux2.log").start()
     try:
         await wait_caught_up(kafka_bootstrap, group, source, procs=[proc])
-        metrics = proc.metrics()
+        metrics = proc.settled_metrics(1)
     finally:
         assert proc.stop() == 0, proc.log_tail()
     assert metrics["walbus_demux_state_resets_total"] == 1
@@ -222,7 +222,7 @@ async def test_producer_replays_are_skipped(kafka_bootstrap: str, unique_name: s
     proc = DemuxProc(demux_args(kafka_bootstrap, source, tmp_path / "state"), tmp_path / "demux2.log").start()
     try:
         await wait_caught_up(kafka_bootstrap, group, source, procs=[proc])
-        metrics = proc.metrics()
+        metrics = proc.settled_metrics(2)
     finally:
         assert proc.stop() == 0, proc.log_tail()
     recs = await read_records(kafka_bootstrap, f"{source}.public.nums")

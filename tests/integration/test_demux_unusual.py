@@ -19,6 +19,7 @@ from tests.support.demux import (
 )
 from tests.support.kafka import (
     create_topic,
+    end_offsets,
     list_topics,
     produce,
     read_records,
@@ -44,7 +45,7 @@ async def _run_demux(bootstrap: str, source: str, tmp_path: Path, name: str) -> 
     proc = DemuxProc(demux_args(bootstrap, source, tmp_path / "state"), tmp_path / f"{name}.log").start()
     try:
         await wait_caught_up(bootstrap, demux_group(source), source, procs=[proc])
-        metrics = proc.metrics()
+        metrics = proc.settled_metrics(sum((await end_offsets(bootstrap, source)).values()))
     finally:
         assert proc.stop() == 0, proc.log_tail()
     return metrics, proc

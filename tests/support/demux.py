@@ -101,6 +101,18 @@ class DemuxProc:
         self._log.close()
         return rc
 
+    def settled_metrics(self, consumed: int, within: float = 30.0) -> dict[str, float]:
+        """/metrics once they count ``consumed`` source records: the group's committed offsets
+        are visible to others a moment before the demux has the commit's answer and counts
+        the transaction's records, dead letters and outputs."""
+        deadline = time.monotonic() + within
+        while True:
+            metrics = self.metrics()
+            done = sum(v for k, v in metrics.items() if k.startswith("walbus_demux_records_consumed_total{"))
+            if done >= consumed or time.monotonic() > deadline:
+                return metrics
+            time.sleep(0.1)
+
     def metrics(self) -> dict[str, float]:
         """Sample name{labels} -> value, from /metrics."""
         text = urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5).read().decode()
