@@ -147,7 +147,8 @@ class Wal2jsonDecoder:
         i = index.get(name)
         if i is None or rel.types[i] != self.catalog.typname(oid):
             return False
-        if modifiers_from_text(rel.types[i], declared) != rel.modifiers[i]:
+        # what the change leaves out (no "type" or "optional") it does not contradict
+        if declared is not None and modifiers_from_text(rel.types[i], declared) != rel.modifiers[i]:
             return False
         return optional is None or optional is not rel.not_null[i]
 
