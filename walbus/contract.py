@@ -329,11 +329,17 @@ def _typmods(obj: Any) -> Mapping[str, tuple[int, ...]]:
     if type(obj) is not dict:
         raise ContractError("field 'typmods' must be an object")
     out: dict[str, tuple[int, ...]] = {}
-    for name, mods in obj.items():
-        if type(mods) is not list or not all(type(m) is int and -TYPMOD_LIMIT <= m < TYPMOD_LIMIT for m in mods):
-            raise ContractError("field 'typmods' must map each column to a list of 32-bit integers")
+    for name, mods in obj.items():  # plain loops: a generator's frame per column costs more here
+        if type(mods) is not list:
+            raise ContractError(_TYPMODS_ERROR)
+        for m in mods:
+            if type(m) is not int or not -TYPMOD_LIMIT <= m < TYPMOD_LIMIT:
+                raise ContractError(_TYPMODS_ERROR)
         out[name] = tuple(mods)
     return out
+
+
+_TYPMODS_ERROR: Final = "field 'typmods' must map each column to a list of 32-bit integers"
 
 
 def _check_names(names: list[Any], where: str) -> None:
