@@ -8,8 +8,9 @@ schema, a type created after start).
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Final, Protocol
 
 import psycopg
 
@@ -25,6 +26,53 @@ class TableInfo:
     pk: tuple[str, ...]
     replident: str  # d f n i
     identity: tuple[str, ...]  # the replica identity's columns (pk, index, all or none)
+    typmods: tuple[int, ...] = ()  # pg_attribute.atttypmod per column (-1: none)
+    not_null: tuple[str, ...] = ()  # the columns with pg_attribute.attnotnull
+
+
+# The types whose modifier an event carries (``typmods``, docs/contract.md), as SQL writes it.
+# Others (interval's fields, extension types) have none there: their typmod means what the
+# type's own typmodout says, which a consumer could not read.
+_LENGTH_TYPES: Final = frozenset({"varchar", "bpchar"})  # typmod = length + 4 (VARHDRSZ)
+_PLAIN_TYPES: Final = frozenset({"bit", "varbit", "time", "timetz", "timestamp", "timestamptz"})
+_MODIFIED_TYPES: Final = _LENGTH_TYPES | _PLAIN_TYPES | {"numeric", "interval"}
+_INTERVAL_FULL_PRECISION: Final = 0xFFFF
+_MODIFIER_TEXT = re.compile(r"\((-?\d+)(?:,(-?\d+))?\)")
+
+
+def _base(typname: str) -> str:
+    return typname[1:] if typname.startswith("_") else typname  # an array: its element's modifier
+
+
+def type_modifiers(typname: str, typmod: int) -> list[int] | None:
+    """The modifier of a column of ``typname`` (``pg_type.typname``) from its atttypmod."""
+    if typmod < 0:
+        return None
+    base = _base(typname)
+    if base == "numeric":
+        packed = typmod - 4
+        scale = ((packed & 0x7FF) ^ 1024) - 1024  # 11 bits, signed since PostgreSQL 15
+        return [(packed >> 16) & 0xFFFF, scale]
+    if base in _LENGTH_TYPES:
+        return [typmod - 4]
+    if base in _PLAIN_TYPES:
+        return [typmod]
+    if base == "interval":
+        precision = typmod & 0xFFFF
+        return None if precision == _INTERVAL_FULL_PRECISION else [precision]
+    return None
+
+
+def modifiers_from_text(typname: str, declared: str | None) -> list[int] | None:
+    """The same from ``format_type``'s text (``numeric(12,2)``, ``timestamp(3) without time
+    zone``, ``interval day to second(3)``), as wal2json writes a column's type."""
+    base = _base(typname)
+    if declared is None or base not in _MODIFIED_TYPES:
+        return None
+    m = _MODIFIER_TEXT.search(declared)
+    if m is None:
+        return None
+    return [int(g) for g in m.groups() if g is not None]
 
 
 class CatalogLookup(Protocol):
@@ -96,7 +144,7 @@ class Catalog:
             raise LookupError(f"table {schema}.{name} not found in the catalog")
         relid, replident = int(str(row[0])), str(row[1])
         cols = conn.execute(
-            "SELECT attname, atttypid::int8 FROM pg_attribute WHERE attrelid = %s AND attnum > 0 "
+            "SELECT attname, atttypid::int8, atttypmod, attnotnull FROM pg_attribute WHERE attrelid = %s AND attnum > 0 "
             "AND NOT attisdropped ORDER BY attnum",
             (relid,),
         ).fetchall()
@@ -110,7 +158,8 @@ class Catalog:
         else:
             identity = ()
         return TableInfo(
-            schema, name, tuple(str(c[0]) for c in cols), tuple(int(str(c[1])) for c in cols), pk, replident, identity
+            schema, name, tuple(str(c[0]) for c in cols), tuple(int(str(c[1])) for c in cols), pk, replident, identity,
+            tuple(int(str(c[2])) for c in cols), tuple(str(c[0]) for c in cols if c[3] is True),
         )
 
     @staticmethod

@@ -115,15 +115,18 @@ class Relation:
     masked: frozenset[int] = frozenset()
     # pre-serialized parts
     table_part: bytes = b""
+    meta_part: bytes = b""  # pk, not_null and typmods: the same on every event of this version
     # The partition key: by table, so per-table order (and with it key changes and truncates,
     # which span keys) survives a multi-partition topic (walbus.kafka.partition_for).
     table_key: bytes = b""
-    pk_part: bytes = b""
     full_part: bytes = b""  # b'"columns":[…],"types":[…],"values":' for rows with every kept column
     pk_index: list[int] = field(default_factory=list)
     ident_idx: list[int] = field(default_factory=list)
     plain: bool = False  # every column kept, none masked
     converters: list[Any] = field(default_factory=list)  # the decoder's, per column
+    # Column metadata (the contract's not_null and typmods), per column; empty: not known.
+    not_null: list[bool] = field(default_factory=list)
+    modifiers: list[list[int] | None] = field(default_factory=list)
     txn_counts: list[int] = field(default_factory=lambda: [0, 0, 0, 0])  # insert update delete truncate
 
     @functools.cached_property
@@ -150,7 +153,7 @@ class Relation:
             i for i, c in enumerate(self.columns) if capture.masked_columns.matches(self.schema, self.name, c)
         )
         self.table_part = FIELD_HEADS["table"] + orjson.dumps(q)
-        self.pk_part = FIELD_HEADS["pk"] + orjson.dumps(self.pk)
+        self.meta_part = self._meta_part()
         self.table_key = q.encode()
         self.full_part = self._image_head(self.keep)
         index = {c: i for i, c in enumerate(self.columns)}
@@ -159,6 +162,18 @@ class Relation:
         self.plain = len(self.keep) == len(self.columns) and not self.masked
         self.ident_idx = [i for i, flag in enumerate(self.identity) if flag and i in kept]
         return self
+
+    def _meta_part(self) -> bytes:
+        """``"pk":[…]`` and, when there are any, the kept columns' ``not_null`` and ``typmods``."""
+        part = FIELD_HEADS["pk"] + orjson.dumps(self.pk)
+        not_null = [self.columns[i] for i in self.keep if i < len(self.not_null) and self.not_null[i]]
+        if not_null:
+            part += FIELD_HEADS["not_null"] + orjson.dumps(not_null)
+        mods = self.modifiers
+        typmods = {self.columns[i]: mods[i] for i in self.keep if i < len(mods) and mods[i] is not None}
+        if typmods:
+            part += FIELD_HEADS["typmods"] + orjson.dumps(typmods)
+        return part
 
     def _image_head(self, idx: Sequence[int], heads: dict[str, bytes] = FIELD_HEADS) -> bytes:
         """``columns`` and ``types`` of the columns ``idx`` and the head of ``values``."""
@@ -292,7 +307,7 @@ class EventEncoder:
             _literal(FIELD_HEADS["commit_lsn"] + b"%d" % self.commit_lsn + FIELD_HEADS["seq"]), b"%d",
             _literal(
                 FIELD_HEADS["xid"] + b"%d" % self.xid + OPERATION_PARTS[operation] + rel.table_part + self._ts_part
-                + rel.pk_part + rel.full_part
+                + rel.meta_part + rel.full_part
             ),
             b"%b", VALUE_END,
         ])
@@ -322,7 +337,7 @@ class EventEncoder:
             OPERATION_PARTS[operation],
             rel.table_part,
             self._ts_part,
-            rel.pk_part,
+            rel.meta_part,
         ]
         masked = rel.masked
         unchanged_names: list[str] = []
@@ -372,6 +387,6 @@ class EventEncoder:
         self.seq = seq + 1
         value = b"".join([
             _INTS % (lsn, self.commit_lsn, seq, self.xid),
-            OPERATION_PARTS["truncate"], rel.table_part, self._ts_part, rel.pk_part, VALUE_END,
+            OPERATION_PARTS["truncate"], rel.table_part, self._ts_part, rel.meta_part, VALUE_END,
         ])
         return EncodedEvent(self._key_template % seq, value, rel.table_key, rel, "truncate")

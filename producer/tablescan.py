@@ -21,6 +21,7 @@ from typing import Any
 import psycopg
 from psycopg import pq, sql
 
+from producer.catalog import type_modifiers
 from producer.codec import CaptureFilter, Relation, text_converter
 from walbus.contract import FLOAT_SPECIALS, FLOAT_TYPES, INT_TYPES
 
@@ -89,7 +90,8 @@ def describe_table(conn: Conn, schema: str, name: str, capture: CaptureFilter, r
         return None
     oid, kind, replident, estimate, pages = int(str(row[0])), str(row[1]), str(row[2]), int(str(row[3])), int(str(row[4]))
     cols = conn.execute(
-        "SELECT a.attname, t.typname, a.atttypid::regtype::text FROM pg_attribute a JOIN pg_type t ON t.oid = a.atttypid "
+        "SELECT a.attname, t.typname, a.atttypid::regtype::text, a.atttypmod, a.attnotnull "
+        "FROM pg_attribute a JOIN pg_type t ON t.oid = a.atttypid "
         "WHERE a.attrelid = %s AND a.attnum > 0 AND NOT a.attisdropped AND a.attgenerated = '' ORDER BY a.attnum",
         (oid,),
     ).fetchall()
@@ -106,7 +108,10 @@ def describe_table(conn: Conn, schema: str, name: str, capture: CaptureFilter, r
     types = [str(c[1]) for c in cols]
     # Read events carry no identity; flags only matter for deletes, which name the key.
     identity = [c in pk for c in columns]
-    rel = Relation(relid, schema, name, columns, types, identity, pk, replident).prepare(capture)
+    rel = Relation(
+        relid, schema, name, columns, types, identity, pk, replident,
+        not_null=[c[4] is True for c in cols], modifiers=[type_modifiers(t, int(str(c[3]))) for t, c in zip(types, cols, strict=True)],
+    ).prepare(capture)
     rel.converters = [text_converter(t) for t in types]
     return ScanTable(rel, kind, [str(c[2]) for c in cols], estimate, pages)
 

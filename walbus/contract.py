@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, fields
 from fnmatch import fnmatchcase
 from typing import Annotated, Any, Final, Literal, TypeVar
@@ -39,6 +39,8 @@ FIELD_ORDER: Final = (
     "table",
     "timestamp",
     "pk",
+    "not_null",
+    "typmods",
     "columns",
     "types",
     "values",
@@ -48,7 +50,10 @@ FIELD_ORDER: Final = (
 
 # The image fields: ``columns``/``types``/``values`` at top level (the new row) and inside ``identity``.
 IMAGE_FIELDS: Final = ("columns", "types", "values")
-ABSENT_FIELDS: Final = frozenset({"columns", "types", "values", "identity", "unchanged"})  # left out when empty
+ABSENT_FIELDS: Final = frozenset({"not_null", "typmods", "columns", "types", "values", "identity", "unchanged"})  # left out when empty
+# The table's column metadata (``not_null``, ``typmods``): of the relation, not of one image, so
+# deletes and truncates carry it too. Optional: events of producers before 2026-11 lack it.
+TYPMOD_LIMIT: Final = 1 << 31  # a modifier is an int32 in PostgreSQL (signed: numeric's scale may be < 0)
 
 # How values are carried, by ``pg_type.typname``: JSON integers, JSON floats (the specials as
 # strings), JSON booleans; every other type as PostgreSQL's text output (docs/contract.md).
@@ -142,6 +147,49 @@ class RowImage:
 
 
 @dataclass(frozen=True, slots=True)
+class ColumnType:
+    """What an event says about one column's type (:meth:`ChangeEvent.column_types`).
+
+    ``modifiers``: the type modifier as SQL writes it, ``(12, 2)`` for ``numeric(12,2)``,
+    ``(40,)`` for ``varchar(40)``, ``(3,)`` for ``timestamp(3)``; an array carries its element's
+    (docs/contract.md lists the types). Empty without one, or from a producer before 2026-11.
+    """
+
+    name: str
+    type: str  # pg_type.typname
+    modifiers: tuple[int, ...] = ()
+    nullable: bool = True
+    primary_key: bool = False
+
+    @property
+    def precision(self) -> int | None:
+        """numeric's precision; for the time types, fractional-second digits."""
+        return self.modifiers[0] if self.modifiers and self._base not in _LENGTH_TYPES else None
+
+    @property
+    def scale(self) -> int | None:
+        """numeric's scale (0 for ``numeric(12)``)."""
+        return self.modifiers[1] if self._base == "numeric" and len(self.modifiers) > 1 else None
+
+    @property
+    def length(self) -> int | None:
+        """The declared length of ``varchar``, ``bpchar`` (``char``), ``bit`` and ``varbit``."""
+        return self.modifiers[0] if self.modifiers and self._base in _LENGTH_TYPES else None
+
+    @property
+    def declared(self) -> str:
+        """The type name with its modifier: ``numeric(12,2)``, ``_varchar(40)``, ``text``."""
+        return f"{self.type}({','.join(map(str, self.modifiers))})" if self.modifiers else self.type
+
+    @property
+    def _base(self) -> str:
+        return self.type[1:] if self.type.startswith("_") else self.type
+
+
+_LENGTH_TYPES: Final = frozenset({"varchar", "bpchar", "bit", "varbit"})
+
+
+@dataclass(frozen=True, slots=True)
 class ChangeEvent:
     """One row change, as carried on the database topic (contract v1)."""
 
@@ -156,6 +204,8 @@ class ChangeEvent:
     new: RowImage | None = None
     identity: RowImage | None = None
     unchanged: tuple[str, ...] = field(default=())
+    not_null: tuple[str, ...] = ()  # the table's NOT NULL columns (key columns among them)
+    typmods: Mapping[str, tuple[int, ...]] = field(default_factory=dict, hash=False)  # column -> modifier
 
     @property
     def key(self) -> bytes:
@@ -188,6 +238,18 @@ class ChangeEvent:
                 return values
         return None
 
+    def column_types(self) -> dict[str, ColumnType]:
+        """Each column of the new row (else of the identity) with its type, modifier,
+        nullability and whether it is a primary-key column; ``{}`` on truncate."""
+        image = self.new if self.new is not None else self.identity
+        if image is None:
+            return {}
+        keys, not_null, typmods = set(self.pk), set(self.not_null), self.typmods
+        return {
+            name: ColumnType(name, type_, typmods.get(name, ()), name not in not_null and name not in keys, name in keys)
+            for name, type_ in zip(image.columns, image.types, strict=True)
+        }
+
     def to_json(self) -> bytes:
         return encode_event(
             lsn=self.lsn,
@@ -201,6 +263,8 @@ class ChangeEvent:
             new=self.new.to_json_obj() if self.new is not None else None,
             identity=self.identity.to_json_obj() if self.identity is not None else None,
             unchanged=list(self.unchanged),
+            not_null=list(self.not_null),
+            typmods={name: list(mods) for name, mods in self.typmods.items()},
         )
 
 
@@ -217,11 +281,15 @@ def encode_event(
     new: dict[str, list[Any]] | None,
     identity: dict[str, list[Any]] | None,
     unchanged: list[str] | None = None,
+    not_null: list[str] | None = None,
+    typmods: dict[str, list[int]] | None = None,
 ) -> bytes:
-    """Serialize one event. ``new``/``identity`` are ``{columns, types, values}`` dicts."""
+    """Serialize one event. ``new``/``identity`` are ``{columns, types, values}`` dicts;
+    ``not_null`` the table's NOT NULL columns, ``typmods`` its columns' type modifiers."""
     fields: dict[str, Any] = {
         "v": CONTRACT_VERSION, "lsn": lsn, "commit_lsn": commit_lsn, "seq": seq, "xid": xid,
         "operation": operation, "table": table, "timestamp": timestamp, "pk": pk,
+        "not_null": not_null or None, "typmods": typmods or None,
         "identity": identity, "unchanged": unchanged or None,
     }
     if new is not None:
@@ -238,6 +306,7 @@ _COMMIT_LSN_LIMIT: Final = 1 << FIELD_BITS["commit_lsn"]
 _SEQ_LIMIT: Final = 1 << FIELD_BITS["seq"]
 _XID_LIMIT: Final = 1 << FIELD_BITS["xid"]
 _NO_NAMES: Final[list[str]] = []
+_NO_TYPMODS: Final[Mapping[str, tuple[int, ...]]] = {}
 
 
 def _image(obj: Any, where: str) -> RowImage:
@@ -252,6 +321,26 @@ def _image(obj: Any, where: str) -> RowImage:
     _check_names(columns, f"{where} columns")
     _check_names(types, f"{where} types")
     return _build(RowImage, _IMAGE_SLOTS, (tuple(columns), tuple(types), tuple(values)))
+
+
+def _typmods(obj: Any) -> Mapping[str, tuple[int, ...]]:
+    """``typmods``: an object of column name -> list of int32s (null: none)."""
+    if obj is None:
+        return _NO_TYPMODS
+    if type(obj) is not dict:
+        raise ContractError("field 'typmods' must be an object")
+    out: dict[str, tuple[int, ...]] = {}
+    for name, mods in obj.items():  # plain loops: a generator's frame per column costs more here
+        if type(mods) is not list:
+            raise ContractError(_TYPMODS_ERROR)
+        for m in mods:
+            if type(m) is not int or not -TYPMOD_LIMIT <= m < TYPMOD_LIMIT:
+                raise ContractError(_TYPMODS_ERROR)
+        out[name] = tuple(mods)
+    return out
+
+
+_TYPMODS_ERROR: Final = "field 'typmods' must map each column to a list of 32-bit integers"
 
 
 def _check_names(names: list[Any], where: str) -> None:
@@ -325,6 +414,13 @@ def _decode_checked(value: bytes | str, cls: type[_E]) -> _E:
     if type(pk) is not list:
         raise ContractError("field 'pk' must be a list")
     _check_names(pk, "pk")
+    not_null = get("not_null")
+    if not_null is None:  # null and absent alike
+        not_null = _NO_NAMES
+    elif type(not_null) is not list:
+        raise ContractError("field 'not_null' must be a list")
+    _check_names(not_null, "not_null")
+    typmods = _typmods(get("typmods"))
     new = _image(obj, "row") if "columns" in obj else None
     if new is None and operation in ROW_OPERATIONS:
         raise ContractError(f"{operation} event without columns/types/values")
@@ -343,7 +439,10 @@ def _decode_checked(value: bytes | str, cls: type[_E]) -> _E:
     ):  # one test for the common case; _int_field names the first bad one
         for name, limit in (("lsn", _LSN_LIMIT), ("commit_lsn", _COMMIT_LSN_LIMIT), ("seq", _SEQ_LIMIT), ("xid", _XID_LIMIT)):
             _int_field(obj, name, limit)
-    fields_in_order = (lsn, commit_lsn, seq, xid, operation, table, timestamp, tuple(pk), new, identity, tuple(unchanged))
+    fields_in_order = (
+        lsn, commit_lsn, seq, xid, operation, table, timestamp, tuple(pk), new, identity, tuple(unchanged),
+        tuple(not_null), typmods,
+    )
     return _build(cls, _EVENT_SLOTS, fields_in_order)
 
 
@@ -361,7 +460,10 @@ def _slot_setters(cls: type, names: tuple[str, ...]) -> tuple[Setter, ...]:
 
 _EVENT_SLOTS: Final = _slot_setters(
     ChangeEvent,
-    ("lsn", "commit_lsn", "seq", "xid", "operation", "table", "timestamp", "pk", "new", "identity", "unchanged"),
+    (
+        "lsn", "commit_lsn", "seq", "xid", "operation", "table", "timestamp", "pk", "new", "identity", "unchanged",
+        "not_null", "typmods",
+    ),
 )
 _IMAGE_SLOTS: Final = _slot_setters(RowImage, ("columns", "types", "values"))
 
@@ -388,6 +490,7 @@ _WireLsn = Annotated[int, msgspec.Meta(ge=0, le=(1 << min(FIELD_BITS["lsn"], 63)
 _WireCommitLsn = Annotated[int, msgspec.Meta(ge=0, le=(1 << min(FIELD_BITS["commit_lsn"], 63)) - 1)]
 _WireSeq = Annotated[int, msgspec.Meta(ge=0, le=(1 << min(FIELD_BITS["seq"], 63)) - 1)]
 _WireXid = Annotated[int, msgspec.Meta(ge=0, le=(1 << min(FIELD_BITS["xid"], 63)) - 1)]
+_WireTypmod = Annotated[int, msgspec.Meta(ge=-TYPMOD_LIMIT, le=TYPMOD_LIMIT - 1)]
 
 
 class _WireImage(msgspec.Struct, forbid_unknown_fields=True, gc=False):
@@ -412,6 +515,8 @@ class _WireEvent(msgspec.Struct, forbid_unknown_fields=True, gc=False):
     values: tuple[_Scalar, ...] | msgspec.UnsetType = msgspec.UNSET
     identity: _WireImage | None = None
     unchanged: tuple[str, ...] = ()
+    not_null: tuple[str, ...] | None = None
+    typmods: dict[str, tuple[_WireTypmod, ...]] | None = None
 
 
 if CONTRACT_VERSION != 1:
@@ -419,7 +524,7 @@ if CONTRACT_VERSION != 1:
 _decode_wire: Final = msgspec.json.Decoder(_WireEvent).decode
 (
     _set_lsn, _set_commit_lsn, _set_seq, _set_xid, _set_operation, _set_table,
-    _set_timestamp, _set_pk, _set_new, _set_identity, _set_unchanged,
+    _set_timestamp, _set_pk, _set_new, _set_identity, _set_unchanged, _set_not_null, _set_typmods,
 ) = _EVENT_SLOTS
 _set_columns, _set_types, _set_values = _IMAGE_SLOTS
 _new: Final = object.__new__
@@ -466,6 +571,9 @@ def _from_wire(w: _WireEvent, cls: type[_E]) -> _E | None:
     _set_new(event, new)
     _set_identity(event, identity)
     _set_unchanged(event, w.unchanged)
+    not_null, typmods = w.not_null, w.typmods
+    _set_not_null(event, () if not_null is None else not_null)
+    _set_typmods(event, _NO_TYPMODS if typmods is None else typmods)
     return event
 
 

@@ -24,6 +24,7 @@ from walbus.contract import (
     KEY_PATTERN,
     OPERATIONS,
     ROW_OPERATIONS,
+    TYPMOD_LIMIT,
 )
 
 # In the source tree (the command is for walbus's developers; the file is published in docs/).
@@ -46,6 +47,11 @@ _DESCRIPTIONS: Final = {
     "table": "schema.table; a part holding a dot or a double quote is double-quoted, inner quotes doubled",
     "timestamp": "commit time, ISO 8601 with offset and microseconds, UTC",
     "pk": "primary-key column names in key order; [] without a primary key",
+    "not_null": "the table's NOT NULL columns (captured ones); absent when none, or from a producer before 2026-11",
+    "typmods": (
+        "type modifier per captured column that has one, as SQL writes it: numeric(12,2) [12,2], varchar(40) [40], "
+        "timestamp(3) [3]; arrays as their element; absent when none"
+    ),
     "columns": "new row's column names (absent on delete and truncate); as long as types and values",
     "types": "pg_type.typname of each column",
     "values": "each column's JSON value",
@@ -81,6 +87,11 @@ def _field_schema(name: str) -> dict[str, Any]:
         return {"type": "string"}
     if name in ("pk", "columns", "unchanged"):
         return dict(_NAMES)
+    if name == "not_null":
+        return {"type": ["array", "null"], "items": {"type": "string"}}
+    if name == "typmods":
+        modifier = {"type": "integer", "minimum": -TYPMOD_LIMIT, "maximum": TYPMOD_LIMIT - 1}
+        return {"type": ["object", "null"], "additionalProperties": {"type": "array", "items": modifier}}
     if name in ("types", "values"):
         return {}  # read only beside columns: see _ROW_IMAGE
     if name == "identity":

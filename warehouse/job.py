@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pyspark import StorageLevel
-from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
 
 from walbus.contract import NameMatcher, split_table
@@ -167,6 +167,8 @@ def _table_meta(events: DataFrame) -> list[dict[str, Any]]:
     position = F.struct(*[F.col(c) for c in ("commit_lsn", "seq")])
     cols = F.coalesce(F.col("columns"), F.col("identity.columns"))
     types = F.coalesce(F.col("types"), F.col("identity.types"))
+    # the declared type, numeric(12,2), where the event gives the column's modifier
+    declared = F.zip_with(cols, types, lambda c, t: _declared(t, F.try_element_at(F.col("typmods"), c)))
     per_table = {
         r["table"]: r.asDict()
         for r in events.groupBy("table")
@@ -181,7 +183,7 @@ def _table_meta(events: DataFrame) -> list[dict[str, Any]]:
     for meta in per_table.values():
         meta["pairs"], meta["unchanged"] = [], []
     pairs = (
-        events.select("table", F.explode(F.zip_with(cols, types, lambda c, t: F.struct(c.alias("c"), t.alias("t")))).alias("p"))
+        events.select("table", F.explode(F.zip_with(cols, declared, lambda c, t: F.struct(c.alias("c"), t.alias("t")))).alias("p"))
         .distinct()
         .collect()
     )
@@ -190,6 +192,12 @@ def _table_meta(events: DataFrame) -> list[dict[str, Any]]:
     for r in events.select("table", F.explode("unchanged").alias("u")).distinct().collect():
         per_table[r["table"]]["unchanged"].append(r["u"])
     return list(per_table.values())
+
+
+def _declared(pg_type: Column, modifiers: Column) -> Column:
+    """walbus.contract.ColumnType.declared in Spark: ``numeric`` and ``[12, 2]`` -> ``numeric(12,2)``."""
+    text = F.concat(pg_type, F.lit("("), F.array_join(modifiers.cast("array<string>"), ","), F.lit(")"))
+    return F.when(F.coalesce(F.array_size(modifiers), F.lit(0)) > 0, text).otherwise(pg_type)
 
 
 def _run_batch(

@@ -46,6 +46,8 @@ _FIELD_TYPES: Final = {
     "table": "string",
     "timestamp": "string",
     "pk": "array<string>",
+    "not_null": "array<string>",
+    "typmods": "map<string, array<int>>",
     "columns": "array<string>",
     "types": "array<string>",
     "values": "array<string>",
@@ -225,6 +227,33 @@ def _names_check(name: str) -> list[tuple[Column, str | Column]]:
     ]
 
 
+def _not_null_checks() -> list[tuple[Column, str | Column]]:
+    """Like :func:`_names_check`, but JSON null is absent too (decode_event)."""
+    present = _field("not_null").isNotNull() & ~F.is_variant_null(_field("not_null"))
+    return [
+        (present & _items("not_null").isNull(), "field 'not_null' must be a list"),
+        (present & ~_strings("not_null"), "not_null: names must be strings"),
+    ]
+
+
+def _int32(item: Column) -> Column:
+    """A JSON integer (not 12.0 or "12") in PostgreSQL's int4 range."""
+    return F.coalesce((F.schema_of_variant(item) == "BIGINT") & F.try_variant_get(item, "$", "int").isNotNull(), F.lit(False))
+
+
+def _typmods_checks() -> list[tuple[Column, str | Column]]:
+    """decode_event's _typmods: null, or an object of column -> list of int32s."""
+    typmods = _field("typmods")
+    present = typmods.isNotNull() & ~F.is_variant_null(typmods)
+    entries = F.try_variant_get(F.col(_WRAPPED), "$[0].typmods", "map<string, variant>")
+    lists = F.map_values(entries)
+    good = F.forall(lists, lambda mods: F.coalesce(F.forall(F.try_variant_get(mods, "$", "array<variant>"), _int32), F.lit(False)))
+    return [
+        (present & ~F.coalesce(F.schema_of_variant(typmods).startswith("OBJECT<"), F.lit(False)), "field 'typmods' must be an object"),
+        (present & ~F.coalesce(good, F.lit(False)), "field 'typmods' must map each column to a list of 32-bit integers"),
+    ]
+
+
 def _image_checks(prefix: str, where: str, present: Column) -> list[tuple[Column, str | Column]]:
     """decode_event's _image: columns, types and values lists of one length, names strings."""
     columns, types, values = (f"{prefix}{part}" for part in ("columns", "types", "values"))
@@ -289,6 +318,8 @@ def _reason() -> Column:
         (~table.rlike(_QUALIFIED), F.concat(F.lit("table name "), _shown("table"), F.lit(" is not 'schema.table'"))),
         (~_is_string("timestamp"), "field 'timestamp' must be a string"),
         *_names_check("pk"),
+        *_not_null_checks(),
+        *_typmods_checks(),
         *_image_checks("", "row", has_row),
         (~has_row & operation.isin(*sorted(ROW_OPERATIONS)), F.concat(operation, F.lit(" event without columns/types/values"))),
         *_image_checks("identity.", "identity", has_identity),
@@ -417,6 +448,8 @@ def _fast_valid() -> Column:
         (kind("table") == "STRING") & typed("table").rlike(_QUALIFIED),
         kind("timestamp") == "STRING",
         _names("pk"),
+        kind("not_null").isNull() | (kind("not_null") == "VOID") | _names("not_null"),
+        _fast_typmods(),
         F.when(kind("columns").isNotNull(), row).otherwise(~typed("operation").isin(*sorted(ROW_OPERATIONS))),
         identity,
         kind("unchanged").isNull() | _names("unchanged"),
@@ -427,6 +460,16 @@ def _fast_valid() -> Column:
     for rule in rules[1:]:
         ok = ok & rule
     return F.coalesce(ok, F.lit(False))
+
+
+def _fast_typmods() -> Column:
+    """Whether ``typmods`` is absent, null or canonical: every value a list of int32s (a name
+    that looks like a type in schema_of_variant's text only sends the record the exact way)."""
+    kind, typed = F.col(_kind("typmods")), F.col(_typed("typmods"))
+    lists_of_ints = kind.startswith("OBJECT<") & ~kind.rlike("ARRAY<(?!BIGINT>)") & typed.isNotNull() & F.forall(
+        F.map_values(typed), lambda mods: mods.isNotNull() & F.forall(mods, lambda m: m.isNotNull())
+    )
+    return kind.isNull() | (kind == "VOID") | lists_of_ints
 
 
 def _slow_field(name: str) -> Column:

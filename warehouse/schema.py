@@ -8,7 +8,9 @@ so the rules are unit-tested without Spark:
   then on;
 * a column whose PostgreSQL type maps to another Spark type fails the load of that table
   with a message saying which column changed from what to what. Nothing is written to the
-  table then. Types that map to the same Spark type (varchar -> text) are fine.
+  table then. Types that map to the same Spark type (varchar -> text) are fine, and so are
+  decimals of another precision or scale (numeric(12,2) -> numeric(14,4)): a new column takes
+  a decimal that holds every version in the load, an existing one keeps its type.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from pyspark.sql import Column, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql.types import DataType, StructField, StructType
 
-from warehouse.types import compatible, describe, spark_type
+from warehouse.types import compatible, describe, spark_type, widest
 
 
 class SchemaChangeError(Exception):
@@ -56,18 +58,21 @@ def plan(
     existing_cols = {c.name: c for c in existing or ()}
     reserved_names = set(reserved)
     seen: dict[str, str] = {}
+    seen_types: dict[str, DataType] = {}
     order: list[str] = []
     for name, pg_type in incoming:
+        spark = spark_type(pg_type, numeric_scale=numeric_scale)
         if name in seen:
-            if seen[name] != pg_type and spark_type(seen[name], numeric_scale=numeric_scale) != spark_type(
-                pg_type, numeric_scale=numeric_scale
-            ):
+            merged = widest(seen_types[name], spark)
+            if merged is None:
                 raise SchemaChangeError(
                     f"{table}: column {name!r} changed type within this load, "
                     f"from {seen[name]} to {pg_type}"
                 )
+            seen_types[name] = merged
             continue
         seen[name] = pg_type
+        seen_types[name] = spark
         order.append(name)
     clashes = sorted(n for n in seen if n in reserved_names)
     if clashes:
@@ -77,7 +82,7 @@ def plan(
     added: list[SourceColumn] = []
     for name in order:
         pg_type = seen[name]
-        incoming_type = spark_type(pg_type, numeric_scale=numeric_scale)
+        incoming_type = seen_types[name]
         old = existing_cols.get(name)
         if old is None:
             col = SourceColumn(name, pg_type, incoming_type)

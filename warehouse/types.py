@@ -11,15 +11,18 @@ else (a numeric beyond the column's decimal, numeric ``NaN``, dates and timestam
 stored as NULL in the typed column **and** its exact PostgreSQL text is kept in the row's
 ``pg_raw_values`` map (column name -> text). Nothing is ever rounded or silently lost.
 
-numeric: the contract carries the type name only (no precision/scale), so ``numeric`` maps
-to ``decimal(38, NUMERIC_SCALE)`` (scale 10 by default: 28 integer digits, 10 fractional).
-Values with more digits on either side, which Spark's 38-digit decimals cannot hold at that
-scale, go to ``pg_raw_values`` as described. An existing table keeps the decimal type it was
-created with.
+numeric: a ``numeric(p,s)`` column (the event's ``typmods``, written into the type as
+``numeric(12,2)`` by the loader) maps to ``decimal(p,s)`` when Spark can hold it (p <= 38,
+0 <= s <= p). Unconstrained ``numeric``, events without ``typmods`` (from producers before
+2026-11) and wider or negative-scale modifiers map to ``decimal(38, NUMERIC_SCALE)`` (scale 10
+by default: 28 integer digits, 10 fractional). Values with more digits on either side than the
+column's decimal holds go to ``pg_raw_values`` as described. An existing table keeps the
+decimal type it was created with (see docs/warehouse.md on ``ALTER TABLE``).
 """
 
 from __future__ import annotations
 
+import re
 from typing import Final
 
 from pyspark.sql import Column
@@ -60,13 +63,37 @@ _SCALARS: Final[dict[str, DataType]] = {
 }
 
 
+_NUMERIC_DECLARED = re.compile(r"numeric\((-?\d+),(-?\d+)\)")
+
+
 def spark_type(pg_type: str, *, numeric_scale: int = NUMERIC_SCALE) -> DataType:
-    """The Spark type of a column of PostgreSQL type ``pg_type`` (unknown types: string)."""
+    """The Spark type of a column of PostgreSQL type ``pg_type`` (unknown types: string);
+    ``pg_type`` may carry its modifier, as :attr:`walbus.contract.ColumnType.declared` writes it."""
     if pg_type.startswith("_") and len(pg_type) > 1:
         return ArrayType(spark_type(pg_type[1:], numeric_scale=numeric_scale), containsNull=True)
-    if pg_type == "numeric":
+    name = pg_type.split("(", 1)[0]
+    if name == "numeric":
+        m = _NUMERIC_DECLARED.fullmatch(pg_type)
+        precision, scale = (int(m.group(1)), int(m.group(2))) if m else (0, -1)
+        if 0 <= scale <= precision <= DECIMAL_PRECISION and precision > 0:
+            return DecimalType(precision, scale)
         return DecimalType(DECIMAL_PRECISION, numeric_scale)
-    return _SCALARS.get(pg_type, StringType())
+    return _SCALARS.get(name, StringType())
+
+
+def widest(a: DataType, b: DataType) -> DataType | None:
+    """A type that holds the values of both (two decimals: the digits of each on either side of
+    the point, within 38), or None when there is none (another type: a schema change)."""
+    if isinstance(a, DecimalType) and isinstance(b, DecimalType):
+        scale = max(a.scale, b.scale)
+        precision = max(a.precision - a.scale, b.precision - b.scale) + scale
+        if precision > DECIMAL_PRECISION:
+            return DecimalType(DECIMAL_PRECISION, min(scale, DECIMAL_PRECISION))
+        return DecimalType(precision, scale)
+    if isinstance(a, ArrayType) and isinstance(b, ArrayType):
+        element = widest(a.elementType, b.elementType)
+        return None if element is None else ArrayType(element, containsNull=True)
+    return a if a == b else None
 
 
 def compatible(existing: DataType, incoming: DataType) -> bool:

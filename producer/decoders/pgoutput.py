@@ -10,7 +10,7 @@ import struct
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from producer.catalog import CatalogLookup
+from producer.catalog import CatalogLookup, type_modifiers
 from producer.codec import (
     PG_EPOCH,
     CaptureFilter,
@@ -29,6 +29,7 @@ _BEGIN = struct.Struct(">QqI")  # final_lsn, commit_ts, xid
 _COMMIT = struct.Struct(">xQQq")  # flags, commit_lsn, end_lsn, commit_ts
 _U32 = struct.Struct(">I")
 _U16 = struct.Struct(">H")
+_TYPE = struct.Struct(">Ii")  # type oid, atttypmod
 _MSG = struct.Struct(">BQ")  # flags, lsn
 _PG_EPOCH_UNIX_US = int(PG_EPOCH.timestamp()) * 1_000_000
 
@@ -156,19 +157,27 @@ class PgoutputDecoder:
         columns: list[str] = []
         types: list[str] = []
         identity: list[bool] = []
+        modifiers: list[list[int] | None] = []
         for _ in range(ncols):
             flags = buf[pos]
             col, pos = _cstring(buf, pos + 1)
-            type_oid = _U32.unpack_from(buf, pos)[0]
-            pos += 8  # type oid + typmod
+            type_oid, typmod = _TYPE.unpack_from(buf, pos)
+            pos += 8
+            typname = self.catalog.typname(type_oid)
             columns.append(col)
-            types.append(self.catalog.typname(type_oid))
+            types.append(typname)
             identity.append(bool(flags & 1))
+            modifiers.append(type_modifiers(typname, typmod))
         invalidate = getattr(self.catalog, "invalidate", None)
         if invalidate is not None:
             invalidate(schema, name)  # a Relation message means its schema may have changed
+        # The message has no nullability: the catalog's, read once per relation version (here).
         info = self.catalog.table(schema, name)
-        rel = Relation(relid, schema, name, columns, types, identity, list(info.pk), replident).prepare(self.capture)
+        not_null = set(info.not_null)
+        rel = Relation(
+            relid, schema, name, columns, types, identity, list(info.pk), replident,
+            not_null=[c in not_null for c in columns], modifiers=modifiers,
+        ).prepare(self.capture)
         rel.converters = [text_converter(t) for t in types]
         old = self.relations.get(relid)
         if old is not None:

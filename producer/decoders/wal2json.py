@@ -17,7 +17,7 @@ from typing import Any
 
 import orjson
 
-from producer.catalog import CatalogLookup, TableInfo
+from producer.catalog import CatalogLookup, TableInfo, modifiers_from_text, type_modifiers
 from producer.codec import CaptureFilter, EventEncoder, Relation, iso_from_pg_text
 from producer.decoders import Item, LogicalMessage, TxnBegin, TxnEnd
 from producer.decoders.pgoutput import DecodeError
@@ -26,6 +26,8 @@ from walbus.contract import BOOL_TYPES, FLOAT_TYPES, INT_TYPES, qualify_table
 log = logging.getLogger("walbus.producer.wal2json")
 
 _NUMERIC_MARK = b'"typeoid":1700,'
+Entry = tuple[Relation, dict[str, int], list[Callable[[Any], Any]]]
+Signature = tuple[str, int, str | None, bool | None]  # name, type oid, declared type, optional
 
 
 def _lsn(text: str) -> int:
@@ -70,11 +72,12 @@ class Wal2jsonDecoder:
         self.catalog = catalog
         self.capture = capture
         self.encoder = EventEncoder()
-        self._relations: dict[tuple[str, str], tuple[Relation, dict[str, int], list[Callable[[Any], Any]]]] = {}
-        # (name, type oid) pairs each cached relation is known to match: checked per event,
-        # so it must cost set look-ups, not catalog calls.
-        self._known: dict[tuple[str, str], set[tuple[str, int]]] = {}
-        self._whole_oids: dict[tuple[str, str], list[int]] = {}  # type oids of the last insert that matched
+        self._relations: dict[tuple[str, str], Entry] = {}
+        # Column signatures each cached relation is known to match: checked per event, so it
+        # must cost set look-ups, not catalog calls. The declared type (with its modifier) and
+        # nullability are in it: ALTER TABLE … TYPE numeric(14,4) keeps the type oid.
+        self._known: dict[tuple[str, str], set[Signature]] = {}
+        self._whole: dict[tuple[str, str], list[Signature]] = {}  # the last insert that matched
         self._captured: dict[tuple[str, str], bool] = {}  # the capture filter's answer per table
         self._relid = 0
         self._counts: dict[tuple[str, str], int] = {}
@@ -88,12 +91,12 @@ class Wal2jsonDecoder:
             "include-timestamp": "1",
             "include-lsn": "1",
             "include-type-oids": "1",
+            "include-typmod": "1",  # "type": "numeric(12,2)"
+            "include-not-null": "1",  # "optional": false
             "include-transaction": "1",
         }
 
-    def _relation(
-        self, schema: str, table: str, cols: list[dict[str, Any]], *, whole: bool = False
-    ) -> tuple[Relation, dict[str, int], list[Callable[[Any], Any]]]:
+    def _relation(self, schema: str, table: str, cols: list[dict[str, Any]], *, whole: bool = False) -> Entry:
         """The relation a change was written with. ``whole``: ``cols`` is the whole row (an
         insert), so its column list is the table's as of that change and must match exactly.
 
@@ -104,52 +107,80 @@ class Wal2jsonDecoder:
         cached = self._relations.get(key)
         if cached is not None:
             if whole:
-                # An insert like the last one matched: two list compares, no per-column look-ups.
-                oids = [c["typeoid"] for c in cols]
-                if oids == self._whole_oids.get(key) and [c["name"] for c in cols] == cached[0].columns:
+                # An insert like the last one matched: one list compare, no per-column look-ups.
+                signature = [(c["name"], c["typeoid"], c.get("type"), c.get("optional")) for c in cols]
+                if signature == self._whole.get(key):
                     return cached
             if self._matches(cached, cols, whole, self._known[key]):
                 if whole:
-                    self._whole_oids[key] = oids
+                    self._whole[key] = signature
                 return cached
         invalidate = getattr(self.catalog, "invalidate", None)
         if invalidate is not None:
             invalidate(schema, table)
         info = self.catalog.table(schema, table)
-        entry = self._build(schema, table, list(info.columns), list(info.type_oids), info)
+        entry = self._from_catalog(schema, table, info)
         if not self._matches(entry, cols, whole, None):
-            entry = self._build(schema, table, [c["name"] for c in cols], [c["typeoid"] for c in cols], info)
+            entry = self._from_change(schema, table, cols, info)
             log.debug("relation from the change's own columns", extra={"table": entry[0].qualified, "columns": entry[0].columns})
         self._relations[key] = entry
         self._known[key] = set()
-        self._whole_oids.pop(key, None)
+        self._whole.pop(key, None)
         return entry
 
-    def _matches(
-        self, entry: tuple[Relation, dict[str, int], list[Callable[[Any], Any]]], cols: list[dict[str, Any]], whole: bool,
-        known: set[tuple[str, int]] | None,
-    ) -> bool:
-        """Whether the change's columns are the relation's (``known``: pairs already checked)."""
+    def _matches(self, entry: Entry, cols: list[dict[str, Any]], whole: bool, known: set[Signature] | None) -> bool:
+        """Whether the change's columns are the relation's (``known``: signatures already checked)."""
         rel, index, _ = entry
         if whole and (len(cols) != len(rel.columns) or any(c["name"] != n for c, n in zip(cols, rel.columns, strict=True))):
             return False
-        if known is not None and all((c["name"], c["typeoid"]) in known for c in cols):
+        signatures = [(c["name"], c["typeoid"], c.get("type"), c.get("optional")) for c in cols]
+        if known is not None and all(s in known for s in signatures):
             return True
-        if not all(c["name"] in index and rel.types[index[c["name"]]] == self.catalog.typname(c["typeoid"]) for c in cols):
+        if not all(self._column_matches(rel, index, s) for s in signatures):
             return False
         if known is not None:
-            known.update((c["name"], c["typeoid"]) for c in cols)
+            known.update(signatures)
         return True
 
+    def _column_matches(self, rel: Relation, index: dict[str, int], signature: Signature) -> bool:
+        name, oid, declared, optional = signature
+        i = index.get(name)
+        if i is None or rel.types[i] != self.catalog.typname(oid):
+            return False
+        # what the change leaves out (no "type" or "optional") it does not contradict
+        if declared is not None and modifiers_from_text(rel.types[i], declared) != rel.modifiers[i]:
+            return False
+        return optional is None or optional is not rel.not_null[i]
+
+    def _from_catalog(self, schema: str, table: str, info: TableInfo) -> Entry:
+        types = [self.catalog.typname(oid) for oid in info.type_oids]
+        typmods = info.typmods or (-1,) * len(types)
+        not_null = set(info.not_null)
+        return self._build(
+            schema, table, list(info.columns), types, info,
+            [type_modifiers(t, m) for t, m in zip(types, typmods, strict=True)], [c in not_null for c in info.columns],
+        )
+
+    def _from_change(self, schema: str, table: str, cols: list[dict[str, Any]], info: TableInfo) -> Entry:
+        """The relation as the change's own columns describe it (``optional``: wal2json's
+        include-not-null, or else the catalog's)."""
+        types = [self.catalog.typname(c["typeoid"]) for c in cols]
+        catalog_not_null = set(info.not_null)
+        return self._build(
+            schema, table, [c["name"] for c in cols], types, info,
+            [modifiers_from_text(t, c.get("type")) for t, c in zip(types, cols, strict=True)],
+            [c["name"] in catalog_not_null if c.get("optional") is None else c["optional"] is False for c in cols],
+        )
+
     def _build(
-        self, schema: str, table: str, columns: list[str], oids: list[int], info: TableInfo
-    ) -> tuple[Relation, dict[str, int], list[Callable[[Any], Any]]]:
-        types = [self.catalog.typname(oid) for oid in oids]
+        self, schema: str, table: str, columns: list[str], types: list[str], info: TableInfo,
+        modifiers: list[list[int] | None], not_null: list[bool],
+    ) -> Entry:
         ident = set(info.identity)
         self._relid += 1
         rel = Relation(
             self._relid, schema, table, columns, types, [c in ident for c in columns],
-            [c for c in info.pk if c in columns], info.replident,
+            [c for c in info.pk if c in columns], info.replident, not_null=not_null, modifiers=modifiers,
         ).prepare(self.capture)
         return rel, {c: i for i, c in enumerate(columns)}, [_value_converter(t) for t in types]
 

@@ -47,6 +47,13 @@ TABLES = [
     "public.t", "a.b.c", '"a.b".c', 'a."b.c"', '"a"b".c', 'a."b', ".x", "x.", '"".x', 'x.""', '"""".x', 'a"b.c',
     '"a""b".c', '"a""b"."c"', '"x"."y"\n', "public.t\n", "a", "", "..", '"."."."', 'ö."日本.語"', "a .b", '"a".b"',
 ]
+# typmods, valid and not: a name that reads like a type in schema_of_variant's text among them
+TYPMODS = [
+    '{"a":[12,2]}', '{"a":[12,2],"b":[40]}', '{"a":[]}', "{}", '{"a":[-2147483648,2147483647]}', '{"a":[12.0]}',
+    '{"a":["12"]}', '{"a":[null]}', '{"a":[2147483648]}', '{"a":[-2147483649]}', '{"a":12}', '{"a":{"b":[1]}}',
+    '{"a":[true]}', '{"a":[1],"b":[1e2]}', '{"ARRAY<STRING>":[1]}', '{"x: ARRAY<BIGINT>, y":["s"]}', '{"a":[[1]]}',
+    "[]", '"a"', "null",
+]
 JUNK = [
     b"", b" ", b"{", b"{nope", b"null", b"[]", b"[{}]", b"1", b'"x"', b"{}", b"\xff\xfe", b'{"v":1\xff}',
     b"\xef\xbb\xbf{}", b"{} x", b"{},{}", b"{}}", b"{} {}", b'{"v":NaN}', b"{'v':1}",
@@ -87,8 +94,10 @@ def mutated_records(draw: st.DrawFn) -> Record:
     key, value = draw(valid_records())
     assert key is not None and value is not None
     fields = _fields(value)
-    names = [*list(fields), "columns", "types", "values", "identity", "unchanged", "pk"]
-    how = draw(st.sampled_from(["key", "junk", "set", "int", "drop", "duplicate", "table", "misalign", "identity", "text"]))
+    names = [*list(fields), "columns", "types", "values", "identity", "unchanged", "pk", "not_null", "typmods"]
+    how = draw(st.sampled_from(
+        ["key", "junk", "set", "int", "drop", "duplicate", "table", "misalign", "identity", "text", "typmods", "typmods"]
+    ))
     if how == "key":
         commit_lsn, seq = parse_event_key(key)
         other = draw(st.sampled_from([
@@ -109,6 +118,10 @@ def mutated_records(draw: st.DrawFn) -> Record:
     elif how == "duplicate":  # the last of two wins, in orjson as in Spark
         name = draw(st.sampled_from(names))
         return key, _dump([*fields.items(), (name, draw(st.sampled_from([*WEIRD, fields.get(name, "null")])))])
+    elif how == "typmods":
+        fields["typmods"] = draw(st.sampled_from(TYPMODS))
+        if draw(st.booleans()):
+            fields["not_null"] = draw(st.sampled_from(['["a"]', "[]", "null", '["a",1]', '"a"']))
     elif how == "table":
         fields["table"] = orjson.dumps(draw(st.sampled_from(TABLES))).decode()
     elif how == "misalign":
@@ -142,6 +155,7 @@ def contract_verdict(key: bytes | None, value: bytes | None) -> tuple[bool, Any]
         qualify_table(*split_table(event.table)), event.commit_lsn, event.seq, event.lsn, event.xid,
         event.operation, event.timestamp, list(event.pk), list(event.new.columns) if event.new else None,
         list(event.new.types) if event.new else None, identity, list(event.unchanged) or None,
+        list(event.not_null) or None, {name: list(mods) for name, mods in event.typmods.items()} or None,
     )
 
 
@@ -160,7 +174,7 @@ def spark_verdicts(spark: Any, batch: list[Record]) -> list[tuple[bool, Any, str
         fields = (
             r["table"], int(r["commit_lsn"]), r["seq"], int(r["lsn"]), xid, r["operation"], r["timestamp"],
             r["pk"] or [], r["columns"], r["types"], (ident["columns"], ident["types"]) if ident else None,
-            r["unchanged"] or None,
+            r["unchanged"] or None, r["not_null"] or None, dict(r["typmods"] or {}) or None,
         ) if valid else None
         out.append((valid, fields, r[INVALID]))
     return out

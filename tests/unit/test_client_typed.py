@@ -146,3 +146,34 @@ def test_array_spaces_and_bounds() -> None:
     assert parse_array(' { 1 , 2 } ', int) == [1, 2]
     assert parse_array("[0:1]={7,8}", int) == [7, 8]
     assert parse_array("{{},{}}") == [[], []]
+
+
+@pytest.mark.parametrize(
+    ("type_name", "text", "modifiers", "expected"),
+    [
+        ("numeric", "12.50", (12, 2), "12.50"),
+        ("numeric", "5", (12, 2), "5.00"),  # a producer that wrote fewer digits: zeros added
+        ("numeric", "1.23456", (12, 2), "1.23456"),  # more digits than the scale: never cut
+        ("numeric", "-0.5", (4, 3), "-0.500"),
+        ("numeric", "NaN", (12, 2), "NaN"),
+        ("numeric", "1200", (5, -2), "1200"),
+        ("numeric", "5", (), "5"),
+        ("_numeric", "{1.5,NULL,2}", (6, 2), ["1.50", None, "2.00"]),
+    ],
+)
+def test_numeric_takes_the_columns_scale(type_name: str, text: str, modifiers: tuple[int, ...], expected: Any) -> None:
+    got = typed_value(type_name, text, modifiers)
+    if isinstance(expected, list):
+        assert [None if g is None else str(g) for g in got] == expected
+    else:
+        assert isinstance(got, Decimal) and str(got) == expected
+
+
+def test_typed_row_uses_the_events_typmods() -> None:
+    event = ChangeEvent(
+        1, 2, 0, 3, "insert", "public.t", "ts", ("id",),
+        RowImage(("id", "amount", "name"), ("int4", "numeric", "varchar"), (1, "7", "x")),
+        typmods={"amount": (12, 2), "name": (40,)},
+    )
+    row = feed_event(event, 1, None).typed_row()
+    assert row == {"id": 1, "amount": Decimal("7.00"), "name": "x"} and str(row["amount"]) == "7.00"

@@ -90,6 +90,13 @@ def reference_decode(value: bytes | str) -> ChangeEvent:
     if not isinstance(pk, list):
         raise ContractError("field 'pk' must be a list")
     _ref_check_names(pk, "pk")
+    not_null = obj.get("not_null")
+    if not_null is None:
+        not_null = []
+    if not isinstance(not_null, list):
+        raise ContractError("field 'not_null' must be a list")
+    _ref_check_names(not_null, "not_null")
+    typmods = _ref_typmods(obj.get("typmods"))
     new = _ref_image(obj, "row") if "columns" in obj else None
     if new is None and operation in ROW_OPERATIONS:
         raise ContractError(f"{operation} event without columns/types/values")
@@ -102,8 +109,21 @@ def reference_decode(value: bytes | str) -> ChangeEvent:
     return ChangeEvent(
         lsn=_ref_int_field(obj, "lsn"), commit_lsn=_ref_int_field(obj, "commit_lsn"), seq=_ref_int_field(obj, "seq"),
         xid=_ref_int_field(obj, "xid"), operation=cast(Operation, operation), table=table, timestamp=timestamp,
-        pk=tuple(pk), new=new, identity=identity, unchanged=tuple(unchanged),
+        pk=tuple(pk), new=new, identity=identity, unchanged=tuple(unchanged), not_null=tuple(not_null), typmods=typmods,
     )
+
+
+def _ref_typmods(obj: Any) -> dict[str, tuple[int, ...]]:
+    if obj is None:
+        return {}
+    if not isinstance(obj, dict):
+        raise ContractError("field 'typmods' must be an object")
+    for mods in obj.values():
+        if not isinstance(mods, list) or not all(
+            isinstance(m, int) and not isinstance(m, bool) and -(2**31) <= m < 2**31 for m in mods
+        ):
+            raise ContractError("field 'typmods' must map each column to a list of 32-bit integers")
+    return {name: tuple(mods) for name, mods in obj.items()}
 
 
 def reference_check_key(key: bytes | None, event: ChangeEvent) -> None:
@@ -124,7 +144,7 @@ def _outcome(decode: Any, raw: bytes | str) -> tuple[str, Any]:
         return ("refused", str(e))
     images = [None if im is None else (im.columns, im.types, strict(im.values)) for im in (ev.new, ev.identity)]
     return ("accepted", (strict([ev.lsn, ev.commit_lsn, ev.seq, ev.xid]), ev.operation, ev.table, ev.timestamp,
-                         ev.pk, images, ev.unchanged))
+                         ev.pk, images, ev.unchanged, ev.not_null, ev.typmods))
 
 
 def assert_same(raw: bytes | str) -> tuple[str, Any]:
@@ -135,7 +155,7 @@ def assert_same(raw: bytes | str) -> tuple[str, Any]:
 
 
 # Values a field may be damaged into: every JSON type, and the edges of the integer fields.
-_EDGE_INTS = [-1, 0, 1, 2**31, 2**32 - 1, 2**32, 2**63, 2**64 - 1, 2**64]
+_EDGE_INTS = [-1, 0, 1, -(2**31), -(2**31) - 1, 2**31 - 1, 2**31, 2**32 - 1, 2**32, 2**63, 2**64 - 1, 2**64]
 _NAMES_DAMAGE = st.lists(st.one_of(st.text(max_size=3), json_values), max_size=3)
 damage = st.one_of(
     json_values,
@@ -144,6 +164,8 @@ damage = st.one_of(
                      *sorted(OPERATIONS), "INSERT"]),
     _NAMES_DAMAGE,
     st.fixed_dictionaries({}, optional={"columns": _NAMES_DAMAGE, "types": _NAMES_DAMAGE, "values": _NAMES_DAMAGE}),
+    st.dictionaries(st.text(max_size=3), st.one_of(st.lists(st.sampled_from([*_EDGE_INTS, 1.0, True]), max_size=2), json_values),
+                    max_size=2),
 )
 _FIELDS = [*FIELD_ORDER, "extra"]
 

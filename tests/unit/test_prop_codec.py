@@ -54,7 +54,11 @@ def cases(draw: st.DrawFn, names: st.SearchStrategy[str]) -> Case:
     ident = draw(st.lists(st.booleans(), min_size=n, max_size=n))
     pk = [c for c, flag in zip(cols, ident, strict=True) if flag]
     replident = draw(st.sampled_from("dfni"))
-    rel = Relation(draw(st.integers(1, 2**32 - 1)), draw(names), draw(names), cols, types, ident, pk, replident)
+    not_null = draw(st.lists(st.booleans(), min_size=n, max_size=n))
+    modifier = st.one_of(st.none(), st.lists(st.integers(-(2**31), 2**31 - 1), min_size=1, max_size=2))
+    modifiers = draw(st.lists(modifier, min_size=n, max_size=n))
+    rel = Relation(draw(st.integers(1, 2**32 - 1)), draw(names), draw(names), cols, types, ident, pk, replident,
+                   not_null=not_null, modifiers=modifiers)
     rel.prepare(CaptureFilter())
     row = st.lists(json_values, min_size=n, max_size=n)
     changes: list[Change] = []
@@ -110,6 +114,8 @@ def reference(case: Case, seq: int, lsn: int, ch: Change) -> bytes:
         lsn=lsn, commit_lsn=case.commit_lsn, seq=seq, xid=case.xid, operation=ch.operation,
         table=qualify_table(rel.schema, rel.name), timestamp=TS, pk=list(rel.pk), new=new_image,
         identity=identity, unchanged=unchanged_names,
+        not_null=[c for c, flag in zip(rel.columns, rel.not_null, strict=True) if flag],
+        typmods={c: m for c, m in zip(rel.columns, rel.modifiers, strict=True) if m is not None},
     )
 
 

@@ -57,12 +57,15 @@ def events(draw: st.DrawFn) -> dict[str, Any]:
         n = draw(st.integers(1, len(cols)))
         identity = {"columns": cols[:n], "types": types[:n], "values": draw(st.lists(json_values, min_size=n, max_size=n))}
     unchanged = draw(st.lists(identifiers, max_size=2)) if operation == "update" else None
+    not_null = draw(st.lists(st.sampled_from(cols), unique=True, max_size=len(cols)))
+    modifier = st.lists(st.integers(-(2**31), 2**31 - 1), min_size=1, max_size=2)
+    typmods = draw(st.dictionaries(st.sampled_from(cols), modifier, max_size=len(cols)))
     commit_lsn, seq = draw(positions)
     return dict(
         lsn=draw(st.integers(0, MAX_LSN)), commit_lsn=commit_lsn, seq=seq, xid=draw(st.integers(0, 2**32 - 1)),
         operation=operation, table=qualify_table(draw(identifiers), draw(identifiers)),
         timestamp=draw(st.sampled_from([TS, "2026-11-22T00:00:27.458750+00:00"])), pk=pk, new=new,
-        identity=identity, unchanged=unchanged,
+        identity=identity, unchanged=unchanged, not_null=not_null, typmods=typmods,
     )
 
 
@@ -80,6 +83,8 @@ def test_encode_decode_round_trips_exactly(kw: dict[str, Any]) -> None:
             assert (list(got.columns), list(got.types)) == (want["columns"], want["types"])
             assert strict(list(got.values)) == strict(want["values"])
     assert list(ev.unchanged) == (kw["unchanged"] or [])
+    assert list(ev.not_null) == kw["not_null"]
+    assert {name: list(mods) for name, mods in ev.typmods.items()} == kw["typmods"]
     assert ev.to_json() == raw  # and back to the very same bytes
     assert ev.key == event_key(kw["commit_lsn"], kw["seq"])
     check_key(ev.key, ev)
@@ -233,3 +238,58 @@ def test_names_that_are_not_strings_are_contract_errors(kw: dict[str, Any], wher
         holder[other].insert(min(at, len(names) - 1), "x")
     with pytest.raises(ContractError):
         decode_event(orjson.dumps(obj))
+
+
+@given(events())
+def test_a_decoder_of_the_first_v1_reads_events_with_column_metadata(kw: dict[str, Any]) -> None:
+    """not_null and typmods are additive: the same event without them decodes to the same
+    row, and a v1 decoder that knows only the first fields ignores them (unknown keys)."""
+    raw = encode_event(**kw)
+    bare = encode_event(**{**kw, "not_null": None, "typmods": None})
+    with_meta, without = decode_event(raw), decode_event(bare)
+    assert (with_meta.new, with_meta.identity, with_meta.pk) == (without.new, without.identity, without.pk)
+    assert (without.not_null, dict(without.typmods)) == ((), {})
+    obj = orjson.loads(raw)
+    assert ("not_null" in obj) == bool(kw["not_null"]) and ("typmods" in obj) == bool(kw["typmods"])
+    first_v1 = {name: obj[name] for name in obj if name not in ("not_null", "typmods")}
+    assert orjson.loads(bare) == first_v1
+
+
+def test_column_types_join_types_modifiers_nullability_and_key() -> None:
+    raw = encode_event(
+        lsn=1, commit_lsn=2, seq=0, xid=3, operation="insert", table="public.t", timestamp=TS, pk=["id", "at"],
+        new={"columns": ["id", "at", "amount", "name", "tags", "note"],
+             "types": ["int4", "timestamp", "numeric", "varchar", "_numeric", "text"],
+             "values": [1, "2026-01-02 03:04:05.123", "12.50", "x", "{1.5}", None]},
+        identity=None, not_null=["amount"], typmods={"at": [3], "amount": [12, 2], "name": [40], "tags": [5, 1]},
+    )
+    types = decode_event(raw).column_types()
+    assert list(types) == ["id", "at", "amount", "name", "tags", "note"]
+    assert [(t.nullable, t.primary_key) for t in types.values()] == [
+        (False, True), (False, True), (False, False), (True, False), (True, False), (True, False)
+    ]
+    amount, name, at, tags, note = types["amount"], types["name"], types["at"], types["tags"], types["note"]
+    assert (amount.precision, amount.scale, amount.length, amount.declared) == (12, 2, None, "numeric(12,2)")
+    assert (name.precision, name.scale, name.length, name.declared) == (None, None, 40, "varchar(40)")
+    assert (at.precision, at.scale, at.declared) == (3, None, "timestamp(3)")
+    assert (tags.precision, tags.scale, tags.declared) == (5, 1, "_numeric(5,1)")
+    assert (note.modifiers, note.precision, note.declared) == ((), None, "text")
+
+
+def test_metadata_fields_are_checked() -> None:
+    base = orjson.loads(encode_event(lsn=1, commit_lsn=2, seq=0, xid=3, operation="truncate", table="public.t",
+                                     timestamp=TS, pk=[], new=None, identity=None))
+    for field, value, message in [
+        ("not_null", "id", "field 'not_null' must be a list"),
+        ("not_null", [1], "not_null: names must be strings"),
+        ("typmods", [[12, 2]], "field 'typmods' must be an object"),
+        ("typmods", {"a": [12.0]}, "must map each column to a list of 32-bit integers"),
+        ("typmods", {"a": [2**31]}, "must map each column to a list of 32-bit integers"),
+        ("typmods", {"a": 12}, "must map each column to a list of 32-bit integers"),
+        ("typmods", {"a": [True]}, "must map each column to a list of 32-bit integers"),
+    ]:
+        with pytest.raises(ContractError, match=re.escape(message)):
+            decode_event(orjson.dumps({**base, field: value}))
+    for field in ("not_null", "typmods"):  # null is absent
+        ev = decode_event(orjson.dumps({**base, field: None}))
+        assert (ev.not_null, dict(ev.typmods)) == ((), {})

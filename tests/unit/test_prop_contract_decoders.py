@@ -32,7 +32,8 @@ def _outcome(decode: Any, raw: bytes) -> tuple[Any, ...]:
         return ("error", str(e))
     assert type(ev) is ChangeEvent
     return ("event", ev.lsn, ev.commit_lsn, ev.seq, ev.xid, ev.operation, ev.table, ev.timestamp, ev.pk,
-            _image(ev.new), _image(ev.identity), ev.unchanged, type(ev.pk), type(ev.unchanged))
+            _image(ev.new), _image(ev.identity), ev.unchanged, type(ev.pk), type(ev.unchanged),
+            ev.not_null, type(ev.not_null), dict(ev.typmods), sorted({type(m) for m in ev.typmods.values()}, key=str))
 
 
 def _agree(raw: bytes) -> tuple[Any, ...]:
@@ -56,7 +57,7 @@ JUNK = st.one_of(
     st.text(max_size=8),
 )
 FIELDS = ["v", "lsn", "commit_lsn", "seq", "xid", "operation", "table", "timestamp", "pk", "columns", "types",
-          "values", "identity", "unchanged", "extra"]
+          "values", "identity", "unchanged", "not_null", "typmods", "extra"]
 
 
 @st.composite

@@ -61,11 +61,11 @@ class FeedEvent(ChangeEvent):
 
     def typed_row(self) -> dict[str, Any] | None:
         """The new row with Python values (Decimal, datetime, UUID, lists…; see walbus.client.typed)."""
-        return typed_image(self.new) if self.new is not None else None
+        return typed_image(self.new, self.typmods) if self.new is not None else None
 
     def typed_identity(self) -> dict[str, Any] | None:
         """The old key (or old row, under ``REPLICA IDENTITY FULL``) with Python values."""
-        return typed_image(self.identity) if self.identity is not None else None
+        return typed_image(self.identity, self.typmods) if self.identity is not None else None
 
 
 _CHANGE_FIELDS = tuple(f.name for f in fields(ChangeEvent))

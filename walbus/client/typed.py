@@ -19,14 +19,19 @@ anything else                  ``str`` as PostgreSQL wrote it (text, varchar, en
 
 A value Python's type cannot hold stays the PostgreSQL text: ``infinity``/``-infinity`` dates
 and timestamps, years before 1 or after 9999 (``BC``), ``24:00:00``. A value masked with
-``--mask-columns`` (``"****"``) stays ``"****"``. Type modifiers (``numeric(12,2)``,
-``varchar(10)``, ``timestamp(3)``) change nothing here: the text already carries the scale and
-precision of each value; a type name written with its modifier is read by its name.
+``--mask-columns`` (``"****"``) stays ``"****"``.
+
+Type modifiers (the event's ``typmods``): a ``numeric(p,s)`` value is given the column's scale
+when its text has fewer fractional digits (``"5"`` -> ``Decimal("5.00")``: exact, only zeros
+are added; PostgreSQL's own output already has them). A value with more digits is never cut.
+``varchar(n)`` and ``timestamp(p)`` values are as PostgreSQL wrote them. A type name written
+with its modifier (``numeric(12,2)``) is read by its name.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import functools
+from collections.abc import Callable, Mapping, Sequence
 from datetime import date, datetime, time
 from decimal import Decimal, InvalidOperation
 from typing import Any
@@ -111,14 +116,30 @@ _FROM_TEXT: dict[str, Callable[[str], Any]] = {
 _UNREPRESENTABLE = ("infinity", "-infinity")
 
 
-def typed_value(type_name: str, value: Any) -> Any:
-    """The Python value of one column value of type ``type_name`` (a ``pg_type.typname``)."""
+def typed_value(type_name: str, value: Any, modifiers: Sequence[int] = ()) -> Any:
+    """The Python value of one column value of type ``type_name`` (a ``pg_type.typname``);
+    ``modifiers``: the column's ``typmods`` entry (``(12, 2)`` for ``numeric(12,2)``)."""
     if value is None or not isinstance(value, str) or value == MASK:
         return value  # JSON null, and ints, floats, bools the contract already sends typed
     type_name = type_name.split("(", 1)[0]  # a type with its modifier, numeric(12,2): the name decides
+    element = type_name[1:] if type_name.startswith("_") else type_name
+    parse = functools.partial(_scalar, element)
+    if element == "numeric" and len(modifiers) == 2 and modifiers[1] > 0:
+        parse = functools.partial(_numeric_with_scale, modifiers[1])
     if type_name.startswith("_"):
-        return parse_array(value, lambda t: _scalar(type_name[1:], t))
-    return _scalar(type_name, value)
+        return parse_array(value, parse)
+    return parse(value)
+
+
+def _numeric_with_scale(scale: int, text: str) -> Any:
+    """A numeric with at least ``scale`` fractional digits (zeros added: never a digit lost)."""
+    value = _scalar("numeric", text)
+    if not isinstance(value, Decimal) or not value.is_finite():
+        return value
+    exponent = value.as_tuple().exponent
+    if isinstance(exponent, int) and -exponent < scale:
+        return value.quantize(Decimal(1).scaleb(-scale))
+    return value
 
 
 def _scalar(type_name: str, text: str) -> Any:
@@ -142,9 +163,12 @@ def _representable_elsewhere(type_name: str, text: str) -> bool:
     return False
 
 
-def typed_image(image: RowImage) -> dict[str, Any]:
-    """A row image as ``{column: Python value}``."""
-    return {c: typed_value(t, v) for c, t, v in zip(image.columns, image.types, image.values, strict=True)}
+def typed_image(image: RowImage, typmods: Mapping[str, Sequence[int]] | None = None) -> dict[str, Any]:
+    """A row image as ``{column: Python value}`` (``typmods``: the event's)."""
+    mods = typmods or {}
+    return {
+        c: typed_value(t, v, mods.get(c, ())) for c, t, v in zip(image.columns, image.types, image.values, strict=True)
+    }
 
 
 # -- arrays ---------------------------------------------------------------------------------
