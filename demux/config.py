@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from walbus.config import ConfigError, load_config, option
-from walbus.contract import MAX_TOPIC_LENGTH, demux_group, unescape_topic_part
+from walbus.contract import MAX_TOPIC_LENGTH, demux_group, side_topic, unescape_topic_part
 from walbus.kafka import DEFAULT_MAX_MESSAGE_BYTES, KafkaOptions
 from walbus.metrics import DEFAULT_METRICS_ADDR
 
@@ -92,7 +92,7 @@ class DemuxConfig(KafkaOptions):
 
     @property
     def dlq(self) -> str:
-        return self.dlq_topic or f"{self.source_topic}.dlq"
+        return self.dlq_topic or side_topic(self.source_topic, "dlq")
 
     @property
     def database_name(self) -> str:

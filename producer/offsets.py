@@ -21,6 +21,7 @@ from typing import Any
 import orjson
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
+from walbus.contract import side_topic
 from walbus.kafka import KafkaAdmin, TopicSpec
 
 log = logging.getLogger("walbus.producer.offsets")
@@ -29,7 +30,7 @@ COMPACTED = (("cleanup.policy", "compact"),)
 
 
 def progress_topic(topic: str) -> str:
-    return f"{topic}.progress"
+    return side_topic(topic, "progress")
 
 
 class OffsetStore:

@@ -38,7 +38,7 @@ from producer.signal_topic import KafkaSignalChannel
 from producer.sink import KafkaSink, SinkError
 from producer.snapshot import InitialSnapshot, SnapshotAborted
 from walbus.config import ConfigError, describe
-from walbus.contract import Lsn, heartbeat_topic, split_table
+from walbus.contract import Lsn, heartbeat_topic, side_topic, split_table
 from walbus.kafka import (
     DEFAULT_MAX_MESSAGE_BYTES,
     METADATA_WAIT_S,
@@ -116,7 +116,7 @@ class Producer:
         async with KafkaAdmin(client_kwargs=client_kwargs) as admin:
             await admin.ensure_topic(TopicSpec(cfg.topic_name, cfg.partitions, cfg.replication_factor, limit))
             if cfg.transaction_metadata:
-                await admin.ensure_topic(TopicSpec(f"{cfg.topic_name}.transaction", 1, cfg.replication_factor, limit))
+                await admin.ensure_topic(TopicSpec(side_topic(cfg.topic_name, "transaction"), 1, cfg.replication_factor, limit))
             if cfg.heartbeat_interval:
                 # Compacted: the last heartbeat of each slot is what a consumer needs.
                 await admin.ensure_topic(TopicSpec(heartbeat_topic(cfg.topic_name), 1, cfg.replication_factor, COMPACTED))
@@ -262,7 +262,7 @@ class Producer:
         sent_lsn = -1
         last_feedback = 0.0
         in_txn = False
-        txn_topic = f"{cfg.topic_name}.transaction" if cfg.transaction_metadata else None
+        txn_topic = side_topic(cfg.topic_name, "transaction") if cfg.transaction_metadata else None
         inc = self.incremental  # incremental snapshot hooks: signals, watermarks, positions
         heartbeats = self.heartbeats
         confirm_every = confirm_interval(cfg.heartbeat_interval)

@@ -592,6 +592,18 @@ def check_key(key: bytes | None, event: ChangeEvent) -> None:
         raise ContractError(f"key {shown!r} is not the event's position {event_key(event.commit_lsn, event.seq)!r}")
 
 
+# -- side topics -------------------------------------------------------------------------
+# Beside a database topic, ``<database topic>.<suffix>``: the demux's dead letters, the
+# producer's progress, transaction metadata and heartbeats. None holds a table's rows.
+SIDE_TOPIC_SUFFIXES: Final = ("dlq", "progress", "transaction", "heartbeat")
+
+
+def side_topic(source_topic: str, suffix: str) -> str:
+    if suffix not in SIDE_TOPIC_SUFFIXES:
+        raise ValueError(f"not a side topic of walbus: {suffix!r}")
+    return f"{source_topic}.{suffix}"
+
+
 # -- per-table topics ---------------------------------------------------------------------
 # A row there is the row's columns plus these fields (they win over a column of the same
 # name); ``__op`` is the operation's code (docs/demux.md).
@@ -851,7 +863,7 @@ HEARTBEAT_SUFFIX: Final = "heartbeat"
 
 def heartbeat_topic(source_topic: str) -> str:
     """``<database topic>.heartbeat``."""
-    return f"{source_topic}.{HEARTBEAT_SUFFIX}"
+    return side_topic(source_topic, HEARTBEAT_SUFFIX)
 
 
 @dataclass(frozen=True)

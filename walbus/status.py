@@ -24,11 +24,11 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from walbus.client.groups import GroupLag, group_lags
+from walbus.contract import SIDE_TOPIC_SUFFIXES
 
 log = logging.getLogger("walbus.status")
 
-# Topics beside a database topic that hold no table's rows (<topic>.<suffix>).
-SIDE_TOPICS = frozenset({"dlq", "progress", "transaction", "heartbeat"})
+SIDE_TOPICS = frozenset(SIDE_TOPIC_SUFFIXES)
 # wal_status of pg_replication_slots, worst last: "lost" means the slot can no longer be used.
 WAL_STATUSES = ("reserved", "extended", "unreserved", "lost")
 # The warehouse's load log file names (warehouse/loads.py): <20-digit id>.<state>.json.
@@ -127,7 +127,13 @@ def topic_kind(database_topic: str, topic: str) -> str | None:
         return "database"
     if not topic.startswith(database_topic + "."):
         return None
-    return "side" if topic.rsplit(".", 1)[-1] in SIDE_TOPICS else "table"
+    rest = topic[len(database_topic) + 1 :]
+    # A table's topic adds its schema and its table (two parts, each escaped: no dot inside);
+    # one part more is a side topic, walbus's own or a user's (a --signal-topic beside it).
+    # The hashed form of a long table topic (ending "--<hash>") may have lost those dots.
+    if rest.rsplit(".", 1)[-1] in SIDE_TOPICS or ("." not in rest and "--" not in rest):
+        return "side"
+    return "table"
 
 
 async def kafka_status(client_kwargs: dict[str, Any], database_topic: str) -> tuple[list[TopicStatus], list[GroupLag]]:

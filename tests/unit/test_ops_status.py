@@ -21,6 +21,20 @@ def test_topic_kinds() -> None:
         assert topic_kind("walbus.shop", f"walbus.shop.{side}") == "side"
     assert topic_kind("walbus.shop", "walbus.shopping") is None
     assert topic_kind("walbus.shop", "other") is None
+    # A user's topic beside it (a --signal-topic) is not a table; a client's DLQ neither.
+    assert topic_kind("walbus.shop", "walbus.shop.signals") == "side"
+    assert topic_kind("walbus.shop", "walbus.shop.billing.dlq") == "side"
+    assert topic_kind("walbus.shop", "walbus.shop.public.Order-20Items") == "table"
+    assert topic_kind("walbus.shop", "walbus.shop.sssssss--0a1b2c3d") == "table"  # hashed, cut inside the schema
+
+
+def test_side_topics_are_named_by_the_contract() -> None:
+    from walbus.contract import heartbeat_topic, side_topic
+
+    assert side_topic("walbus.shop", "progress") == "walbus.shop.progress"
+    assert heartbeat_topic("walbus.shop") == "walbus.shop.heartbeat"
+    with pytest.raises(ValueError):
+        side_topic("walbus.shop", "signals")
 
 
 def write_load(loads: Path, n: int, state: str, end: dict[str, int], at: str = "2026-01-01T00:00:00+00:00") -> None:
