@@ -80,7 +80,7 @@ def rule_exprs() -> list[str]:
 
 
 def test_promtool_accepts_the_rules_and_the_config() -> None:
-    assert "SUCCESS: 15 rules found" in promtool("check", "rules", "walbus-alerts.yml")
+    assert "SUCCESS: 18 rules found" in promtool("check", "rules", "walbus-alerts.yml")
     promtool("check", "config", "prometheus.yml")
 
 
