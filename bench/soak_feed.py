@@ -12,16 +12,24 @@ from __future__ import annotations
 
 import asyncio
 import sys
+from typing import Any
 
 import psycopg
 
-from walbus.client import AlreadyApplied, Feed, PgPositions
+from walbus.client import Feed, FeedEvent, PgPositions
 
 EFFECTS_DDL = (
     "CREATE TABLE IF NOT EXISTS soak_effects (id bigserial PRIMARY KEY, part int NOT NULL,"
     " commit_lsn bigint NOT NULL, seq int NOT NULL, tbl text NOT NULL, op text NOT NULL,"
     " pid int DEFAULT pg_backend_pid())"
 )
+
+
+async def record_effect(conn: psycopg.AsyncConnection[Any], event: FeedEvent) -> None:
+    await conn.execute(
+        "INSERT INTO soak_effects (part, commit_lsn, seq, tbl, op) VALUES (%s, %s, %s, %s, %s)",
+        (event.partition, event.commit_lsn, event.seq, event.table, event.operation),
+    )
 
 
 async def main(topic: str, group: str, dsn: str, bootstrap: str) -> None:
@@ -41,15 +49,7 @@ async def main(topic: str, group: str, dsn: str, bootstrap: str) -> None:
         )
         async with feed:
             async for event in feed:
-                try:
-                    async with conn.transaction():
-                        await positions.mark(conn, event)
-                        await conn.execute(
-                            "INSERT INTO soak_effects (part, commit_lsn, seq, tbl, op) VALUES (%s, %s, %s, %s, %s)",
-                            (event.partition, event.commit_lsn, event.seq, event.table, event.operation),
-                        )
-                except AlreadyApplied:
-                    pass
+                await positions.apply(conn, event, record_effect)
 
 
 if __name__ == "__main__":

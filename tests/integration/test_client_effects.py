@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+from typing import Any
 
 import psycopg
 import pytest
@@ -42,14 +43,11 @@ async def test_marks_move_forward_and_a_second_application_rolls_back(
         await conn.execute("CREATE TABLE effects (commit_lsn bigint, seq int)")
         await conn.commit()
 
+        async def effect(conn: psycopg.AsyncConnection[Any], event: FeedEvent) -> None:
+            await conn.execute("INSERT INTO effects VALUES (%s, %s)", (event.commit_lsn, event.seq))
+
         async def apply(event: FeedEvent) -> bool:
-            try:
-                async with conn.transaction():
-                    await positions.mark(conn, event)
-                    await conn.execute("INSERT INTO effects VALUES (%s, %s)", (event.commit_lsn, event.seq))
-            except AlreadyApplied:
-                return False
-            return True
+            return await positions.apply(conn, event, effect)
 
         first, second = events[0], events[1]
         assert await apply(first)

@@ -8,12 +8,20 @@ from __future__ import annotations
 
 import asyncio
 import sys
+from typing import Any
 
 import psycopg
 
-from walbus.client import AlreadyApplied, Feed, PgPositions
+from walbus.client import Feed, FeedEvent, PgPositions
 
 TABLES = ["public.transactions", "public.users"]
+
+
+async def record_handled(conn: psycopg.AsyncConnection[Any], event: FeedEvent) -> None:
+    await conn.execute(
+        "INSERT INTO handled (commit_lsn, seq, tbl, op) VALUES (%s, %s, %s, %s)",
+        (event.commit_lsn, event.seq, event.table, event.operation),
+    )
 
 
 async def main(topic: str, group: str, dsn: str, bootstrap: str, until_end: bool) -> None:
@@ -39,14 +47,7 @@ async def main(topic: str, group: str, dsn: str, bootstrap: str, until_end: bool
         async with feed:
             print("started", flush=True)
             async for event in feed:
-                try:
-                    async with conn.transaction():
-                        await positions.mark(conn, event)
-                        await conn.execute(
-                            "INSERT INTO handled (commit_lsn, seq, tbl, op) VALUES (%s, %s, %s, %s)",
-                            (event.commit_lsn, event.seq, event.table, event.operation),
-                        )
-                except AlreadyApplied:
+                if not await positions.apply(conn, event, record_handled):
                     print(f"already applied {event.commit_lsn}/{event.seq}", flush=True)
                 await asyncio.sleep(0.002)  # a handler that takes a little time
         print(f"done {feed.stats}", flush=True)

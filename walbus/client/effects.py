@@ -8,12 +8,10 @@ that pattern, written once::
     await positions.create_table()
     async with Feed(topic, group_id="billing", resume_after=positions.resume_after) as feed:
         async for event in feed:
-            try:
-                async with conn.transaction():
-                    await positions.mark(conn, event)  # AlreadyApplied rolls the effect back
-                    await conn.execute(...)  # the effect
-            except AlreadyApplied:
-                pass  # delivered again after a crash or a rebalance: its effect is there already
+            await positions.apply(conn, event, record_invoice)  # False: delivered again, applied already
+
+``apply`` runs ``await effect(conn, event)`` and ``mark`` in one transaction of ``conn``;
+``mark`` alone is for a transaction of your own (it raises AlreadyApplied, roll back then).
 
 ``mark`` moves the stored position forward or raises, so a member that lost its partition
 in a rebalance and still finishes a handler (a zombie) rolls back instead of applying the
@@ -23,6 +21,7 @@ sequential delivery, not with ``Feed.run(concurrency=N)``.
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import psycopg
@@ -32,6 +31,7 @@ from walbus.client.event import FeedEvent
 from walbus.client.positions import Position
 
 DEFAULT_TABLE = "walbus_feed_positions"
+Effect = Callable[["psycopg.AsyncConnection[Any]", FeedEvent], Awaitable[None]]
 
 
 class AlreadyApplied(RuntimeError):
@@ -70,6 +70,17 @@ class PgPositions:
             )
             row = await cur.fetchone()
         return (int(row[0]), int(row[1])) if row else None
+
+    async def apply(self, conn: psycopg.AsyncConnection[Any], event: FeedEvent, effect: Effect) -> bool:
+        """``await effect(conn, event)`` and the position in one transaction of ``conn``; False
+        (and nothing applied) when the event's effect is there already."""
+        try:
+            async with conn.transaction():
+                await self.mark(conn, event)
+                await effect(conn, event)
+        except AlreadyApplied:
+            return False
+        return True
 
     async def mark(self, conn: psycopg.AsyncConnection[Any], event: FeedEvent) -> None:
         """Store ``event``'s position in ``conn``'s open transaction; raises AlreadyApplied (roll
