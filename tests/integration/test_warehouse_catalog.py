@@ -32,10 +32,13 @@ def _cli(cwd: Path, *args: str) -> subprocess.CompletedProcess[bytes]:
                           cwd=cwd, env=env, capture_output=True, timeout=600)
 
 
-def _load(cwd: Path, bootstrap: str, topic: str, warehouse: Path) -> None:
-    done = _cli(cwd, "load", "--kafka-bootstrap", bootstrap, "--topic", topic, "--warehouse", str(warehouse),
+def _load(cwd: Path, bootstrap: str, topic: str, warehouse: Path) -> subprocess.CompletedProcess[bytes]:
+    return _cli(cwd, "load", "--kafka-bootstrap", bootstrap, "--topic", topic, "--warehouse", str(warehouse),
                 "--master", "local[2]", "--shuffle-partitions", "2", "--catalog-database", "dw",
                 "--spark-conf", "spark.ui.enabled=false")
+
+
+def _loaded(done: subprocess.CompletedProcess[bytes]) -> None:
     assert done.returncode == 0, done.stderr.decode()[-3000:]
 
 
@@ -60,11 +63,11 @@ def test_loaded_tables_read_by_name_in_a_new_session(
         first.insert(ODD, PK, {"id": ("int4", k), "ö b": ("text", f"v{k}")})
         first.insert(AUDIT, [], {"what": ("text", f"a{k}")})
     produce_events(kafka_bootstrap, unique_name, first.events)
-    _load(cwd, kafka_bootstrap, unique_name, warehouse)
+    _loaded(_load(cwd, kafka_bootstrap, unique_name, warehouse))
     # a second load: the tables are named already; a new column shows through the catalog
     second = Txn(0x2000).update(ORDERS, PK, {"id": ("int4", 1), "amount": ("numeric", "9"), "note": ("text", "n")})
     produce_events(kafka_bootstrap, unique_name, second.delete(ODD, PK, {"id": ("int4", 2)}).events)
-    _load(cwd, kafka_bootstrap, unique_name, warehouse)
+    _loaded(_load(cwd, kafka_bootstrap, unique_name, warehouse))
     assert sorted(os.listdir(cwd)) == []  # no metastore_db, no derby.log here
     assert {"metastore_db", "derby.log"} <= set(os.listdir(warehouse / CATALOG_DIR))
 
@@ -91,3 +94,11 @@ def test_loaded_tables_read_by_name_in_a_new_session(
     assert found["shop_orders_history"]["n"] == 6 and found["shop_audit_history"]["n"] == 5
 
     assert found["unqualified"]["n"] == 1
+
+    # another topic's table of the same name cannot take the name: the load says so
+    other = f"{unique_name}-other"
+    produce_events(kafka_bootstrap, other, Txn(0x1000).insert(ORDERS, PK, {"id": ("int4", 1)}).events)
+    done = _load(cwd, kafka_bootstrap, other, warehouse)
+    assert done.returncode == 1
+    assert "catalog table `dw`.`shop_orders_history` is " in done.stderr.decode(), done.stderr.decode()[-3000:]
+    assert "one --catalog-database per topic" in done.stderr.decode()

@@ -43,6 +43,21 @@ class StandaloneCluster:
             state: dict[str, Any] = json.load(r)
         return state
 
+    def finished_app(self, name: str, timeout: float = 120) -> tuple[dict[str, Any], list[int]]:
+        """The completed application ``name`` and each worker's count of its finished executors,
+        once the master lists it and every worker has one (the driver's exit reaches the master
+        and then the workers asynchronously)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            apps = [a for a in self.state().get("completedapps", []) if a.get("name") == name]
+            executors = [
+                sum(e.get("appid") == a.get("id") for a in apps for e in self.state(port).get("finishedexecutors", []))
+                for port in self.worker_ui_ports
+            ]
+            if (len(apps) == 1 and all(executors)) or time.monotonic() > deadline:
+                return (apps[0] if len(apps) == 1 else {"found": apps}), executors
+            time.sleep(0.5)
+
     def log_tail(self) -> str:
         return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-2000:]}" for p in sorted(self.logs.glob("*.log")))
 
