@@ -56,7 +56,23 @@ class SparkOptions:
 
 
 @dataclass(kw_only=True)
-class LoadConfig(SparkOptions, KafkaOptions):
+class CatalogOptions:
+    catalog_database: str | None = option(
+        None,
+        help="a database of Spark's Hive catalog: load/stream name each table's Delta tables in it "
+        "(<name>_history, <name>_current; docs/warehouse.md), sql makes it the current database; a local "
+        "warehouse keeps the metastore in <warehouse>/_walbus.catalog; default: no catalog",
+    )
+
+    def __post_init__(self) -> None:
+        if self.catalog_database is not None:
+            from warehouse.catalog import check_database
+
+            check_database(self.catalog_database)  # ValueError: a configuration error
+
+
+@dataclass(kw_only=True)
+class LoadConfig(CatalogOptions, SparkOptions, KafkaOptions):
     topic: str = option(help="the database topic, walbus.<database>")
     warehouse: str = option(help="warehouse root: a directory or a Hadoop filesystem URI (s3a://, hdfs://, …)")
     tables: list[str] = option([], help="only these tables: table patterns (docs/contract.md), comma-separated")
@@ -71,6 +87,7 @@ class LoadConfig(SparkOptions, KafkaOptions):
     )
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.parallel_tables < 1:
             raise ValueError(f"--parallel-tables: {self.parallel_tables} is not a positive number")
 
@@ -90,7 +107,7 @@ class StreamConfig(LoadConfig):
 
 
 @dataclass(kw_only=True)
-class SqlConfig(SparkOptions):
+class SqlConfig(CatalogOptions, SparkOptions):
     warehouse: str = option(help="warehouse root: a directory or a Hadoop filesystem URI")
     topic: str | None = option(None, help="the topic whose tables to expose (needed if the warehouse has several)")
     query: str | None = option(None, help="the SQL query (or give it as the first argument)")
@@ -101,18 +118,20 @@ class SqlConfig(SparkOptions):
     )
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.as_of_lsn is not None:
             Lsn.parse(self.as_of_lsn)  # ValueError: a configuration error
 
 
-def _session(config: SparkOptions) -> Any:
+def _session(config: LoadConfig | SqlConfig) -> Any:
     from warehouse.spark import build_session
 
-    return build_session(
-        master=config.master,
-        conf=config.spark_settings(),
-        shuffle_partitions=config.shuffle_partitions,
-    )
+    conf = config.spark_settings()
+    if config.catalog_database is not None:
+        from warehouse.catalog import session_conf
+
+        conf = {**conf, **session_conf(config.warehouse, conf)}
+    return build_session(master=config.master, conf=conf, shuffle_partitions=config.shuffle_partitions)
 
 
 def _spec(config: LoadConfig) -> Any:
@@ -122,6 +141,7 @@ def _spec(config: LoadConfig) -> Any:
     return LoadSpec(
         kafka, config.topic, config.warehouse, tuple(config.tables), config.numeric_scale,
         skip_invalid=config.skip_invalid, parallel_tables=config.parallel_tables,
+        catalog_database=config.catalog_database,
     )
 
 
@@ -180,13 +200,18 @@ def stream_main(argv: Sequence[str]) -> int:
 
 
 def run_sql(
-    spark: Any, warehouse: str, topic: str | None, query: str, limit: int, as_of_lsn: int | None = None
+    spark: Any, warehouse: str, topic: str | None, query: str, limit: int, as_of_lsn: int | None = None,
+    catalog_database: str | None = None,
 ) -> tuple[list[str], list[Any]]:
-    """Register the warehouse's views (as of ``as_of_lsn``) and run ``query``: (column names, rows)."""
+    """Register the warehouse's views (as of ``as_of_lsn``) and run ``query``: (column names,
+    rows). With ``catalog_database`` the other names are those of that catalog database."""
+    from warehouse.schema import quote
     from warehouse.views import register_views
 
     names = register_views(spark, warehouse, topic, as_of_lsn)
     log.info("views", extra={"views": names})
+    if catalog_database is not None:
+        spark.sql(f"USE {quote(catalog_database)}")
     df = spark.sql(query)
     return list(df.columns), df.limit(limit).collect()
 
@@ -204,7 +229,9 @@ def sql_main(argv: Sequence[str]) -> int:
     spark = _session(config)
     try:
         as_of = Lsn.parse(config.as_of_lsn) if config.as_of_lsn is not None else None
-        columns, rows = run_sql(spark, config.warehouse, config.topic, query, config.limit, as_of)
+        columns, rows = run_sql(
+            spark, config.warehouse, config.topic, query, config.limit, as_of, config.catalog_database
+        )
     except Exception as e:
         return _failed("sql", e)
     finally:

@@ -19,7 +19,7 @@ from pyspark.sql import functions as F
 
 from walbus.contract import NameMatcher, split_table
 from walbus.kafka import KafkaOptions
-from warehouse import NUMERIC_SCALE, layout, loads
+from warehouse import NUMERIC_SCALE, catalog, layout, loads
 from warehouse.current import CURRENT_EXTRA_FIELDS, CURRENT_PROPERTIES, merge_current
 from warehouse.frame import (
     DELETED,
@@ -79,6 +79,7 @@ class LoadSpec:
     numeric_scale: int = NUMERIC_SCALE
     skip_invalid: bool = False  # quarantine records that are not contract-v1 events
     parallel_tables: int = 8  # tables written at once (driver threads, one FAIR pool each)
+    catalog_database: str | None = None  # register the tables in this catalog database
 
 
 @dataclass
@@ -244,6 +245,8 @@ def write_slice(spark: SparkSession, spec: LoadSpec, raw: DataFrame, txn: Txn, r
         for meta in metas:
             result.tables.setdefault(meta["table"], TableSummary(meta["table"]))
         failures = _load_tables(spark, spec, valid, metas, txn, result.tables)
+        if spec.catalog_database is not None:
+            _register(spark, spec, metas)
         result.events += sum(int(m["events"]) for m in metas)
         result.batches.append(txn.batch_id)
         if failures:
@@ -284,6 +287,19 @@ def _load_tables(
         with concurrent.futures.ThreadPoolExecutor(spec.parallel_tables, thread_name_prefix="walbus-table") as pool:
             outcomes = list(pool.map(load_one, metas))
     return [o for o in outcomes if o is not None]
+
+
+def _register(spark: SparkSession, spec: LoadSpec, metas: list[dict[str, Any]]) -> None:
+    """Name the slice's tables in the catalog, one after the other (the metastore client is
+    one connection)."""
+    assert spec.catalog_database is not None
+    for meta in metas:
+        paths = layout.table_paths(spec.warehouse, spec.topic, *split_table(meta["table"]))
+        kinds = tuple(k for k, p in (("history", paths.history), ("current", paths.current)) if table_exists(spark, p))
+        try:
+            catalog.register(spark, spec.catalog_database, paths, kinds)
+        except catalog.CatalogError as e:
+            raise LoadError(str(e)) from None
 
 
 def _quarantine(spark: SparkSession, spec: LoadSpec, raw: DataFrame, txn: Txn, first: Any) -> int:

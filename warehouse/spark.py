@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import os
+import re
 import sys
 import tempfile
 from collections.abc import Mapping
@@ -67,6 +68,15 @@ def base_conf(*, shuffle_partitions: int = 4) -> dict[str, str]:
     }
 
 
+# local[…], or a standalone master on loopback (spark://127.0.0.1:7077, spark://localhost:7077)
+_THIS_HOST_MASTER = re.compile(r"local.*|spark://(localhost|127(\.[0-9]{1,3}){3})(:[0-9]+)?")
+
+
+def on_this_host(master: str) -> bool:
+    """Whether ``master`` runs every executor on this host (local mode or a loopback cluster)."""
+    return _THIS_HOST_MASTER.fullmatch(master) is not None
+
+
 def default_log_path() -> str:
     """Where the driver JVM's own output goes (Ivy's jar resolution, log4j's console)."""
     return os.environ.get("WALBUS_SPARK_LOG") or os.path.join(tempfile.gettempdir(), f"walbus-spark-{os.getuid()}.log")
@@ -113,14 +123,14 @@ def build_session(
     if master:
         builder = builder.master(master)
     settings = base_conf(shuffle_partitions=shuffle_partitions)
-    if master and master.startswith("local"):
-        # local mode talks to itself only: bind the driver to loopback, not to whatever
-        # address the host name resolves to
+    if master and on_this_host(master):
+        # local mode, or a cluster on this host's loopback: its executors reach the driver
+        # on loopback, not on whatever address the host name resolves to
         settings["spark.driver.host"] = "127.0.0.1"
         settings["spark.driver.bindAddress"] = "127.0.0.1"
         os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
-        # local Python workers run this interpreter (and so see walbus and its dependencies),
-        # not whatever `python3` the PATH finds first
+        # Python workers (local or this host's executors) run this interpreter, which sees
+        # walbus and its dependencies, not whatever `python3` the PATH finds first
         os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     settings.update(conf or {})
     for key, value in settings.items():

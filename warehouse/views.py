@@ -29,7 +29,8 @@ def _list_dirs(spark: SparkSession, path: str) -> list[str]:
 
 
 def topics(spark: SparkSession, warehouse: str) -> list[str]:
-    return [layout.unescape_segment(d) for d in _list_dirs(spark, warehouse)]
+    # an escaped topic holds no ".": a directory with one is walbus' own (the catalog's)
+    return [layout.unescape_segment(d) for d in _list_dirs(spark, warehouse) if "." not in d]
 
 
 def as_of(spark: SparkSession, paths: layout.TablePaths, lsn: int) -> tuple[DataFrame, DataFrame | None]:

@@ -21,7 +21,7 @@ from pyspark.sql.types import (
 
 from warehouse import layout
 from warehouse.schema import SchemaChangeError, SourceColumn, plan
-from warehouse.spark import packages
+from warehouse.spark import on_this_host, packages
 from warehouse.types import _numeric_re, compatible, spark_type
 
 
@@ -169,3 +169,13 @@ def test_packages_match_installed_pyspark() -> None:
     assert kafka.endswith(":" + pyspark.__version__)
     assert delta.startswith("io.delta:delta-spark_")
 
+
+
+@pytest.mark.parametrize(
+    ("master", "here"),
+    [("local[2]", True), ("local", True), ("local-cluster[2,1,1024]", True), ("spark://127.0.0.1:7077", True),
+     ("spark://localhost:7077", True), ("spark://10.0.0.5:7077", False), ("spark://127.0.0.1.example:7077", False),
+     ("spark://127.0.0.1:7077,127.0.0.2:7077", False), ("yarn", False), ("k8s://https://127.0.0.1:6443", False)],
+)
+def test_masters_on_this_host_bind_the_driver_to_loopback(master: str, here: bool) -> None:
+    assert on_this_host(master) is here
