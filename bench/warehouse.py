@@ -184,7 +184,7 @@ def main() -> None:
             # Both jobs once on a small topic first: the first Kafka read, Delta write and MERGE
             # of a session load classes and warm the JIT, a cost neither job should carry alone.
             topic = f"bench-wh-warmup-{run}"
-            recs, _, _ = events(2_000, "public.transactions", TX_COLS, TX_TYPES, tx_values)
+            recs, _, _ = events(min(2_000, max(args.events // 10, 100)), "public.transactions", TX_COLS, TX_TYPES, tx_values)
             fill(bootstrap, topic, recs)
             emit(workload="warmup", **compare(spark, bootstrap, topic, root, list(zip(TX_COLS, TX_TYPES, strict=True))))
             topic = f"bench-wh-tx-{run}"

@@ -94,8 +94,11 @@ def test_warehouse_benchmark(services: Services) -> None:
         services, "warehouse", "--events", "2000", "--incremental", "200", "--skip-wide", "--tables", "1,2",
         "--tables-events", "40",
     )
-    loads = [line for line in out if "workload" in line]
-    assert [line["workload"] for line in loads] == ["transactions", "tables", "tables", "tables", "incremental", "incremental"]
+    lines = [line for line in out if "workload" in line]
+    assert [line["workload"] for line in lines] == [
+        "warmup", "transactions", "tables", "tables", "tables", "incremental", "incremental"]
+    assert lines[0]["walbus"]["history_rows_added"] == lines[0]["baseline"]["events"] > 0
+    loads = lines[1:]
     assert loads[0]["walbus"]["history_rows_added"] == 2000
     assert loads[0]["baseline"]["events"] == 2000
     assert [line.get("tables") for line in loads[1:3]] == [1, 2]
