@@ -129,7 +129,9 @@ class Demux:
         if not await wait_for_broker(self.client_kwargs, stop=self._stop):
             return  # stopped (SIGTERM) before Kafka answered
         self._admin = KafkaAdmin(client_kwargs=self.client_kwargs)
-        await self._start_with_retry(self._admin.start, "admin client")
+        if not await self._start_with_retry(self._admin.start, "admin client"):
+            await self._admin.close()
+            return
         self._topics = TopicManager(self._admin, cfg, stop=self._stop)
         consumer = AIOKafkaConsumer(
             **self.client_kwargs,
@@ -148,7 +150,8 @@ class Demux:
         )
         self._consumer = consumer
         try:
-            await self._start_with_retry(consumer.start, "consumer")
+            if not await self._start_with_retry(consumer.start, "consumer"):
+                return  # stopped (SIGTERM) before the consumer could start
             # Records in runs, without a ConsumerRecord each: see demux.aiokafka_adapter.
             self.metrics.aiokafka_shortcuts.labels("runs").set(read_in_runs(consumer))
             if cfg.source_topic not in await consumer.topics():
@@ -158,16 +161,21 @@ class Demux:
         finally:
             await self._shutdown(consumer)
 
-    async def _start_with_retry(self, start: Any, what: str) -> None:
+    async def _start_with_retry(self, start: Any, what: str) -> bool:
+        """Start a client, retrying transient faults; False when stopped before it started
+        (a SIGTERM during the retries is a clean shutdown, not a failure)."""
         backoff = Backoff()
         while True:
             try:
                 await start()
-                return
+                return True
             except (KafkaError, OSError) as e:
                 if self._stop.is_set():
-                    raise
+                    log.info(f"stopped before the {what} started", extra={"error": str(e)})
+                    return False
                 await backoff.wait(log, f"starting the {what}", e, stop=self._stop)
+                if self._stop.is_set():
+                    return False
 
     async def _loop(self, consumer: AIOKafkaConsumer) -> None:
         getmany_backoff = Backoff(initial=0.5, maximum=30.0)

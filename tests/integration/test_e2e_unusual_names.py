@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-import signal
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +18,7 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from tests.support.pipeline import running_producer, walbus_process
+from tests.support.pipeline import running_demux, running_producer
 from tests.support.warehouse import kafka_options
 from walbus.client import Feed, Table
 from walbus.contract import qualify_table, table_topic
@@ -114,12 +113,7 @@ async def test_unusual_names_end_to_end(
     source = f"walbus.{unique_name}"
     quoted = qualify_table("Sales.EU", 'say "hi"')
     async with running_producer(pg_dsn, kafka_bootstrap, topic=source):
-        log = tmp_path / "demux.log"
-        demux = walbus_process(
-            ["demux", "--kafka-bootstrap", kafka_bootstrap, "--source-topic", source, "--state-dir", str(tmp_path / "state")],
-            log=log,
-        )
-        try:
+        with running_demux(kafka_bootstrap, source, tmp_path):
             await asyncio.to_thread(_workload, pg_dsn, big)
             events = []
             async with asyncio.timeout(180), Feed(source, bootstrap_servers=kafka_bootstrap, start="earliest") as feed:
@@ -144,12 +138,6 @@ async def test_unusual_names_end_to_end(
                     await kt.wait_until(last_commit)
                     got = {k: _strip_meta(v) for k, v in kt.items()}
                     assert got == _as_streamed(want, got), (schema, table, {k: str(v)[:200] for k, v in got.items()})
-        except BaseException:
-            print(log.read_text()[-5000:])
-            raise
-        finally:
-            demux.send_signal(signal.SIGTERM)
-            demux.wait(60)
 
     # The warehouse: current tables equal the source, names kept exactly.
     spec = LoadSpec(kafka_options(kafka_bootstrap), source, str(tmp_path / "wh"))

@@ -4,7 +4,6 @@ per-table topic, for keyless tables; and its start-up check."""
 from __future__ import annotations
 
 import asyncio
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -15,7 +14,7 @@ import psycopg
 import pytest
 
 from tests.support.kafka import read_topic
-from tests.support.pipeline import ROOT, running_producer, walbus_process
+from tests.support.pipeline import ROOT, running_demux, running_producer
 from walbus.client import Table
 from walbus.contract import table_topic
 
@@ -50,11 +49,7 @@ async def test_keyless_tables_get_their_key_through_the_demux(
     source = f"walbus.{unique_name}"
     key_columns = 'public.Log Lines:code,"re,gion";public.audit:code'
     async with running_producer(pg_dsn, kafka_bootstrap, topic=source, key_columns=key_columns, plugin=plugin):
-        log = tmp_path / "demux.log"
-        demux = walbus_process(
-            ["demux", "--kafka-bootstrap", kafka_bootstrap, "--source-topic", source, "--state-dir", str(tmp_path / "state")], log=log,
-        )
-        try:
+        with running_demux(kafka_bootstrap, source, tmp_path):
             sql(
                 pg_dsn,
                 """INSERT INTO "Log Lines" VALUES ('a', 'eu', 1), ('b', 'us', 2), ('c', 'eu', 3)""",
@@ -80,12 +75,6 @@ async def test_keyless_tables_get_their_key_through_the_demux(
             assert audit == {"x": {"id": 1, "code": "x"}, "y": {"id": 2, "code": "y"}}
             dead = await read_topic(kafka_bootstrap, f"{source}.dlq", min_count=1, timeout=120, isolation_level="read_committed")
             assert len(dead) == 1 and b"audit" in (dead[0][1] or b"")
-        except BaseException:
-            print(log.read_text()[-5000:])
-            raise
-        finally:
-            demux.send_signal(signal.SIGTERM)
-            demux.wait(60)
 
 
 def test_an_unknown_key_column_is_a_configuration_error(pg_dsn: str, kafka_bootstrap: str, unique_name: str) -> None:

@@ -8,7 +8,7 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +52,27 @@ def walbus_process(args: Sequence[str], *, env: dict[str, str] | None = None, lo
     finally:
         if log:
             out.close()  # type: ignore[union-attr]
+
+
+@contextlib.contextmanager
+def running_demux(bootstrap: str, source: str, workdir: Path) -> Iterator[subprocess.Popen[bytes]]:
+    """A ``walbus demux`` of ``source`` for the body; its log's tail is printed when the body
+    fails, and it gets SIGTERM (then, if it hangs, SIGKILL) whatever happens."""
+    log = workdir / "demux.log"
+    demux = walbus_process(
+        ["demux", "--kafka-bootstrap", bootstrap, "--source-topic", source, "--state-dir", str(workdir / "state")], log=log,
+    )
+    try:
+        yield demux
+    except BaseException:
+        print(log.read_text(errors="replace")[-5000:])
+        raise
+    finally:
+        demux.send_signal(signal.SIGTERM)
+        try:
+            demux.wait(60)
+        except subprocess.TimeoutExpired:
+            kill9(demux)
 
 
 def kill9(proc: subprocess.Popen[bytes]) -> None:
