@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from walbus.config import ConfigError, load_config, option
-from walbus.contract import MAX_TOPIC_LENGTH, demux_group, side_topic, unescape_topic_part
+from walbus.contract import demux_group, side_topic, topic_name_error, unescape_topic_part
 from walbus.kafka import DEFAULT_MAX_MESSAGE_BYTES, KafkaOptions
 from walbus.metrics import DEFAULT_METRICS_ADDR
 
 # What Kafka accepts in a topic name (table names are escaped into it; these are taken as given).
-_TOPIC_NAME = re.compile(r"^[A-Za-z0-9._-]+$")
 
 # Logging levels accepted by --log-level.
 LOG_LEVELS = ["debug", "info", "warning", "error"]
@@ -78,9 +76,9 @@ class DemuxConfig(KafkaOptions):
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 0, got {v}")
         for flag, name in (("--source-topic", self.source_topic), ("--topic-prefix", self.topic_prefix),
                            ("--dlq-topic", self.dlq)):
-            if not _TOPIC_NAME.match(name) or len(name) > MAX_TOPIC_LENGTH:
-                raise ConfigError(f"{flag} must be a Kafka topic name ([A-Za-z0-9._-], at most "
-                                  f"{MAX_TOPIC_LENGTH} characters), got {name!r}")
+            problem = topic_name_error(name)
+            if problem is not None:
+                raise ConfigError(f"{flag} {problem}")
         if self.group_instance_id is not None and not self.group_instance_id.strip():
             raise ConfigError("--group-instance-id must not be empty (leave it unset for dynamic membership)")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:

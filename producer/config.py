@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from walbus.config import ConfigError, load_config, option, parse_dsn
-from walbus.contract import database_topic
+from walbus.contract import MAX_DATABASE_TOPIC_LENGTH, database_topic, topic_name_error
 from walbus.kafka import KafkaOptions
 from walbus.metrics import DEFAULT_METRICS_ADDR
 
@@ -111,6 +111,10 @@ def load(argv: Sequence[str] | None) -> ProducerConfig:
         description="Stream a PostgreSQL database's changes into its Kafka topic.", section="produce",
     )
     _ = cfg.database  # validates the DSN now
+    # The side topics (<topic>.transaction, .heartbeat, …) must be legal names too.
+    problem = topic_name_error(cfg.topic_name, limit=MAX_DATABASE_TOPIC_LENGTH)
+    if problem is not None:
+        raise ConfigError(f"--topic (or --topic-prefix) {problem}")
     if cfg.slot is not None and not _SLOT_NAME.match(cfg.slot):
         raise ConfigError(f"--slot {cfg.slot!r}: a slot name has 1 to 63 lower-case letters, digits and underscores")
     if cfg.partitions < 1 or (cfg.replication_factor is not None and cfg.replication_factor < 1):

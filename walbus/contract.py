@@ -751,6 +751,9 @@ class NameMatcher:
 # of a hash of its exact parts (docs/contract.md).
 
 MAX_TOPIC_LENGTH: Final = 249
+# A database topic leaves room for its side topics' suffixes ('.transaction' is the longest).
+MAX_DATABASE_TOPIC_LENGTH: Final = MAX_TOPIC_LENGTH - 1 - max(len(s) for s in SIDE_TOPIC_SUFFIXES)
+_TOPIC_NAME = re.compile(r"^[A-Za-z0-9._-]+$")
 _SAFE_TOPIC_CHARS: Final = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_")
 _HEX_UPPER: Final = frozenset("0123456789ABCDEF")
 _ESCAPED = re.compile(r"-([0-9A-F]{2})")
@@ -798,10 +801,17 @@ def unescape_topic_part(part: str) -> str:
     return out.decode("utf-8", "surrogatepass")
 
 
-def _hashed_topic(head: str, parts: tuple[str, ...], escaped: list[str]) -> str:
+def topic_name_error(name: str, *, limit: int = MAX_TOPIC_LENGTH) -> str | None:
+    """Why Kafka would refuse ``name`` as a topic (``None``: it would not)."""
+    if not _TOPIC_NAME.match(name) or len(name) > limit or name in (".", ".."):
+        return f"must be a Kafka topic name ([A-Za-z0-9._-], at most {limit} characters), got {name!r}"
+    return None
+
+
+def _hashed_topic(head: str, parts: tuple[str, ...], escaped: list[str], limit: int = MAX_TOPIC_LENGTH) -> str:
     digest = hashlib.sha256("\x00".join(parts).encode("utf-8", "surrogatepass")).hexdigest()[:8]
     suffix = f"--{digest}"
-    room = MAX_TOPIC_LENGTH - len(head) - len(suffix) - (len(escaped) - 1)
+    room = limit - len(head) - len(suffix) - (len(escaped) - 1)
     if room < 2 * len(escaped):
         raise ValueError(f"topic prefix {head!r} leaves no room for the table's name")
     # Share the room between the parts, the shorter ones keeping all they need.
@@ -827,12 +837,13 @@ def _cut_escaped(escaped: str, limit: int) -> str:
 
 
 def database_topic(prefix: str, database: str) -> str:
-    """The database topic's default name: ``<prefix>.<database>`` (database escaped)."""
+    """The database topic's default name: ``<prefix>.<database>`` (database escaped), short
+    enough for its side topics too."""
     head = f"{prefix}."
     escaped = escape_topic_part(database)
-    if len(head) + len(escaped) <= MAX_TOPIC_LENGTH:
+    if len(head) + len(escaped) <= MAX_DATABASE_TOPIC_LENGTH:
         return head + escaped
-    return _hashed_topic(head, (database,), [escaped])
+    return _hashed_topic(head, (database,), [escaped], MAX_DATABASE_TOPIC_LENGTH)
 
 
 def demux_group(source_topic: str) -> str:
