@@ -225,12 +225,13 @@ def throughput(
     """Every run drains a copy of the same slot (pg_copy_logical_replication_slot), so all
     figures of a workload are of one backlog; runs alternate within each round."""
     broker = listener_pid(int(bootstrap.split(",")[0].rsplit(":", 1)[1]))
-    with scratch_database(dsn, f"bench_{workload.lower()}") as db:
+    tag = f"{workload.lower()}_{os.getpid()}"  # slot names are cluster-wide: two runs must not share them
+    with scratch_database(dsn, f"bench_{tag}") as db:
         with psycopg.connect(db, autocommit=True) as conn:
             conn.execute(W1_DDL if workload == "W1" else W2_DDL)
             conn.execute("CREATE PUBLICATION walbus_bench FOR ALL TABLES")
             for plugin in plugins:
-                conn.execute("SELECT pg_create_logical_replication_slot(%s, %s)", (f"origin_{plugin}", plugin))
+                conn.execute("SELECT pg_create_logical_replication_slot(%s, %s)", (f"origin_{plugin}_{tag}", plugin))
         with Stopwatch() as load:
             events = load_w1(db, rows, txns) if workload == "W1" else load_w2(db, rows, txns)
         end = current_lsn(db)
@@ -244,8 +245,8 @@ def throughput(
             runs: dict[str, Run] = {}
             trees = {"producer": ROOT, **({"baseline": baseline} if baseline is not None else {})}
             for name in ("recvlogical", *trees):
-                slot = f"run_{plugin}"
-                copy_slot(db, f"origin_{plugin}", slot)
+                slot = f"run_{plugin}_{tag}"
+                copy_slot(db, f"origin_{plugin}_{tag}", slot)
                 try:
                     if name == "recvlogical":
                         runs[name] = recvlogical(via, slot, plugin, end, broker)
@@ -268,9 +269,9 @@ def throughput(
         if profile:
             # A separate run under cProfile (it slows the process down; the figures above are without it).
             plugin = "pgoutput"
-            prof = Path(f"/tmp/walbus-producer-{workload}.prof")
-            copy_slot(db, f"origin_{plugin}", "prof_pgoutput")
-            run_producer(db, bootstrap, "prof_pgoutput", plugin, f"bench.prof.{workload.lower()}.{int(time.time())}", end, profile=prof)
+            prof = Path(f"/tmp/walbus-producer-{tag}.prof")
+            copy_slot(db, f"origin_{plugin}_{tag}", f"prof_{tag}")
+            run_producer(db, bootstrap, f"prof_{tag}", plugin, f"bench.prof.{workload.lower()}.{int(time.time())}", end, profile=prof)
             top = io.StringIO()
             pstats.Stats(str(prof), stream=top).sort_stats("tottime").print_stats(12)
             lines = [ln.strip() for ln in top.getvalue().splitlines() if ln.strip() and ln.strip()[0].isdigit()]
@@ -289,7 +290,7 @@ def latency(dsn: str, bootstrap: str, rate: int, seconds: float) -> None:
             await admin.ensure_topic(TopicSpec(topic, configs=(("message.timestamp.type", "LogAppendTime"),)))
 
     asyncio.run(make_topic())
-    with scratch_database(dsn, "bench_latency") as db:
+    with scratch_database(dsn, f"bench_latency_{os.getpid()}") as db:
         with psycopg.connect(db, autocommit=True) as conn:
             conn.execute(W1_DDL)
         args = [sys.executable, "-m", "walbus.app.cli", "produce", "--pg-dsn", db, "--kafka-bootstrap", bootstrap, "--topic", topic, "--log-level", "warning"]
@@ -346,7 +347,7 @@ def latency(dsn: str, bootstrap: str, rate: int, seconds: float) -> None:
 
 def rss(dsn: str, bootstrap: str, sizes: list[int]) -> None:
     for size in sizes:
-        with scratch_database(dsn, "bench_rss") as db:
+        with scratch_database(dsn, f"bench_rss_{os.getpid()}") as db:
             with psycopg.connect(db, autocommit=True) as conn:
                 conn.execute(W1_DDL)
                 conn.execute("CREATE PUBLICATION walbus_bench FOR ALL TABLES")

@@ -124,6 +124,7 @@ class Relation:
     ident_idx: list[int] = field(default_factory=list)
     plain: bool = False  # every column kept, none masked
     converters: list[Any] = field(default_factory=list)  # the decoder's, per column
+    kinds: bytes = b""  # the converters' kinds (text_kind), a letter per column, for the native path
     # Column metadata (the contract's not_null and typmods), per column; empty: not known.
     not_null: list[bool] = field(default_factory=list)
     modifiers: list[list[int] | None] = field(default_factory=list)
@@ -208,6 +209,17 @@ def text_converter(typname: str) -> Callable[[bytes], Any]:
     return bytes.decode
 
 
+def text_kind(typname: str) -> bytes:
+    """:func:`text_converter`'s choice as the native path's letter: i(nt) f(loat) b(ool) t(ext)."""
+    if typname in INT_TYPES:
+        return b"i"
+    if typname in FLOAT_TYPES:
+        return b"f"
+    if typname in BOOL_TYPES:
+        return b"b"
+    return b"t"
+
+
 @dataclass(slots=True)
 class EncodedEvent:
     """One event's record (``key``, ``value``) with what the producer knew when it wrote it, so
@@ -279,15 +291,20 @@ class EventEncoder:
         self._row_templates.pop(relid, None)
         self._row_templates.pop(-1 - relid, None)
 
-    def insert(self, rel: Relation, lsn: int, new: list[Any]) -> EncodedEvent:
-        """The hot path: an insert of a relation with no excluded or masked column."""
-        return self._whole_row(rel, "insert", lsn, new)
+    def insert(self, rel: Relation, lsn: int, new: list[Any], rendered: bytes | None = None) -> EncodedEvent:
+        """The hot path: an insert of a relation with no excluded or masked column.
+
+        ``rendered``: ``orjson.dumps(new)`` made already (by the native path); used only when
+        the relation is plain (every value goes out as it is)."""
+        return self._whole_row(rel, "insert", lsn, new, rendered)
 
     def read(self, rel: Relation, lsn: int, new: list[Any]) -> EncodedEvent:
         """A snapshot row (``operation: "read"``): same layout and fast path as an insert."""
         return self._whole_row(rel, "read", lsn, new)
 
-    def _whole_row(self, rel: Relation, operation: str, lsn: int, new: list[Any]) -> EncodedEvent:
+    def _whole_row(
+        self, rel: Relation, operation: str, lsn: int, new: list[Any], rendered: bytes | None = None
+    ) -> EncodedEvent:
         if not rel.plain:
             return self.encode(rel, operation, lsn, new)
         seq = self.seq
@@ -296,7 +313,7 @@ class EventEncoder:
         template = self._row_templates.get(cache_key)
         if template is None:
             template = self._row_templates[cache_key] = self._row_template(rel, operation)
-        value = template % (lsn, seq, orjson.dumps(new))
+        value = template % (lsn, seq, orjson.dumps(new) if rendered is None else rendered)
         pkey = rel.table_key if self.partitioned else b""
         return EncodedEvent(self._key_template % seq, value, pkey, rel, operation, new)
 

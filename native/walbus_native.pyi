@@ -1,0 +1,3 @@
+def decode_tuple(
+    buf: bytes, pos: int, kinds: bytes, render: bool
+) -> tuple[list[object], list[int], int, bytes | None] | None: ...
