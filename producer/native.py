@@ -36,5 +36,5 @@ def decode_tuple() -> DecodeTuple | None:
         log.info("native hot path not installed (pip install ./native builds it): pure Python")
         return None
     decode: DecodeTuple = module.decode_tuple
-    log.info("native hot path on", extra={"module": module.__name__})
+    log.info("native hot path on", extra={"extension": module.__name__})
     return decode
