@@ -273,6 +273,7 @@ class EventEncoder:
         self._ts_part = b""
         self._key_template = b""
         self._row_templates: dict[int, bytes] = {}
+        self._insert_parts: dict[int, tuple[bytes, bytes, bytes, bytes]] = {}
         self.begin(0, 0, "")
 
     def begin(self, commit_lsn: int, xid: int, timestamp_iso: str) -> None:
@@ -284,12 +285,30 @@ class EventEncoder:
         head, dash, tail = KEY_FORMAT.partition("-")
         self._key_template = _literal((head % commit_lsn + dash).encode()) + tail.encode()
         self._row_templates = {}
+        self._insert_parts = {}
 
     def forget(self, relid: int) -> None:
         """A relation was defined anew (a schema change, even inside this transaction): its
         later rows must not reuse the parts cached for its earlier version."""
         self._row_templates.pop(relid, None)
         self._row_templates.pop(-1 - relid, None)
+        self._insert_parts.pop(relid, None)
+
+    def insert_parts(self, rel: Relation) -> tuple[bytes, bytes, bytes, bytes]:
+        """An insert of plain ``rel`` in this transaction as ``(head, mid, tail, end)``: its value
+        is ``head + lsn + mid + seq + tail + values + end`` (numbers in decimal; the native path)."""
+        parts = self._insert_parts.get(rel.relid)
+        if parts is None:
+            parts = self._insert_parts[rel.relid] = self._row_parts(rel, "insert")
+        return parts
+
+    def inserted(self, rel: Relation, new: list[Any], value: bytes) -> EncodedEvent:
+        """The next event: an insert of plain ``rel`` whose value was made from :meth:`insert_parts`
+        with this event's seq."""
+        seq = self.seq
+        self.seq = seq + 1
+        pkey = rel.table_key if self.partitioned else b""
+        return EncodedEvent(self._key_template % seq, value, pkey, rel, "insert", new)
 
     def insert(self, rel: Relation, lsn: int, new: list[Any], rendered: bytes | None = None) -> EncodedEvent:
         """The hot path: an insert of a relation with no excluded or masked column.
@@ -317,17 +336,20 @@ class EventEncoder:
         pkey = rel.table_key if self.partitioned else b""
         return EncodedEvent(self._key_template % seq, value, pkey, rel, operation, new)
 
+    def _row_parts(self, rel: Relation, operation: str) -> tuple[bytes, bytes, bytes, bytes]:
+        """A whole-row event of ``rel`` in this transaction around its lsn, seq and values."""
+        return (
+            _HEAD,
+            FIELD_HEADS["commit_lsn"] + b"%d" % self.commit_lsn + FIELD_HEADS["seq"],
+            FIELD_HEADS["xid"] + b"%d" % self.xid + OPERATION_PARTS[operation] + rel.table_part + self._ts_part
+            + rel.meta_part + rel.full_part,
+            VALUE_END,
+        )
+
     def _row_template(self, rel: Relation, operation: str) -> bytes:
-        """A whole-row event of ``rel`` in this transaction, but for its lsn, seq and values."""
-        return b"".join([
-            _literal(_HEAD), b"%d",
-            _literal(FIELD_HEADS["commit_lsn"] + b"%d" % self.commit_lsn + FIELD_HEADS["seq"]), b"%d",
-            _literal(
-                FIELD_HEADS["xid"] + b"%d" % self.xid + OPERATION_PARTS[operation] + rel.table_part + self._ts_part
-                + rel.meta_part + rel.full_part
-            ),
-            b"%b", VALUE_END,
-        ])
+        """:meth:`_row_parts` as a %-template of (lsn, seq, values)."""
+        head, mid, tail, end = self._row_parts(rel, operation)
+        return b"".join([_literal(head), b"%d", _literal(mid), b"%d", _literal(tail), b"%b", _literal(end)])
 
     def encode(
         self,

@@ -12,7 +12,7 @@ import functools
 import importlib
 import logging
 import os
-from typing import Protocol
+from typing import Any, Protocol, cast
 
 log = logging.getLogger("walbus.producer.native")
 
@@ -23,10 +23,17 @@ class DecodeTuple(Protocol):
     ) -> tuple[list[object], list[int], int, bytes | None] | None: ...
 
 
+class EncodeInserts(Protocol):
+    def __call__(
+        self, messages: list[tuple[int, bytes]], start: int, relid: int, kinds: bytes,
+        parts: tuple[bytes, bytes, bytes, bytes], seq: int, limit: int, /,
+    ) -> list[tuple[list[object], bytes]]: ...
+
+
 @functools.cache
-def decode_tuple() -> DecodeTuple | None:
-    """The extension's tuple decoder, or None for the pure-Python path (decided, and logged,
-    on the first call: after logging is set up)."""
+def _module() -> Any:
+    """The extension, or None for the pure-Python path (decided, and logged, on the first
+    call: after logging is set up)."""
     if os.environ.get("WALBUS_NATIVE", "1").strip().lower() in ("0", "false", "no", "off"):
         log.info("native hot path off (WALBUS_NATIVE=0): pure Python")
         return None
@@ -35,6 +42,17 @@ def decode_tuple() -> DecodeTuple | None:
     except ImportError:
         log.info("native hot path not installed (pip install ./native builds it): pure Python")
         return None
-    decode: DecodeTuple = module.decode_tuple
     log.info("native hot path on", extra={"extension": module.__name__})
-    return decode
+    return module
+
+
+def decode_tuple() -> DecodeTuple | None:
+    """The extension's tuple decoder (None: pure Python)."""
+    module = _module()
+    return None if module is None else cast(DecodeTuple, module.decode_tuple)
+
+
+def encode_inserts() -> EncodeInserts | None:
+    """The extension's run-of-inserts encoder (None: pure Python)."""
+    module = _module()
+    return None if module is None else cast(EncodeInserts, module.encode_inserts)

@@ -135,6 +135,47 @@ fn convert<'py>(py: Python<'py>, kind: u8, raw: &[u8], json: &mut Vec<u8>) -> Op
     }
 }
 
+/// A decoded tuple: its values, the indexes of the unchanged ones, the position after it.
+struct Tuple<'py> {
+    values: Vec<Bound<'py, PyAny>>,
+    unchanged: Vec<usize>,
+    end: usize,
+}
+
+/// The tuple whose column count is at `pos`; its values' JSON array appended to `json`.
+fn read_tuple<'py>(py: Python<'py>, buf: &[u8], pos: usize, kinds: &[u8], json: &mut Vec<u8>) -> Option<Tuple<'py>> {
+    let mut reader = Reader { buf, pos };
+    let n = reader.u16()?;
+    if n != kinds.len() {
+        return None;
+    }
+    let mut values: Vec<Bound<'py, PyAny>> = Vec::with_capacity(n);
+    let mut unchanged: Vec<usize> = Vec::new();
+    json.push(b'[');
+    for (i, &kind) in kinds.iter().enumerate() {
+        if i > 0 {
+            json.push(b',');
+        }
+        match reader.byte()? {
+            b't' => {
+                let size = reader.u32()?;
+                let raw = reader.take(size)?;
+                values.push(convert(py, kind, raw, json)?);
+            }
+            tag @ (b'n' | b'u') => {
+                if tag == b'u' {
+                    unchanged.push(i);
+                }
+                json.extend_from_slice(b"null");
+                values.push(py.None().into_bound(py));
+            }
+            _ => return None,
+        }
+    }
+    json.push(b']');
+    Some(Tuple { values, unchanged, end: reader.pos })
+}
+
 type Decoded<'py> = (Bound<'py, PyList>, Vec<usize>, usize, Option<Bound<'py, PyBytes>>);
 
 /// Decode the tuple whose column count is at `pos` in `buf`, a column of kind `kinds[i]` each.
@@ -152,47 +193,58 @@ fn decode_tuple<'py>(
     kinds: &[u8],
     render: bool,
 ) -> PyResult<Option<Decoded<'py>>> {
-    let mut reader = Reader { buf, pos };
-    let Some(n) = reader.u16() else { return Ok(None) };
-    if n != kinds.len() {
-        return Ok(None);
-    }
-    let mut values: Vec<Bound<'py, PyAny>> = Vec::with_capacity(n);
-    let mut unchanged: Vec<usize> = Vec::new();
-    let mut json: Vec<u8> = Vec::with_capacity(if render { buf.len() + 2 * n + 2 } else { 0 });
-    let mut scratch: Vec<u8> = Vec::new();
-    json.push(b'[');
-    for (i, &kind) in kinds.iter().enumerate() {
-        if i > 0 {
-            json.push(b',');
-        }
-        let Some(tag) = reader.byte() else { return Ok(None) };
-        match tag {
-            b't' => {
-                let Some(size) = reader.u32() else { return Ok(None) };
-                let Some(raw) = reader.take(size) else { return Ok(None) };
-                let out = if render { &mut json } else { scratch.clear(); &mut scratch };
-                let Some(value) = convert(py, kind, raw, out) else { return Ok(None) };
-                values.push(value);
-            }
-            b'n' | b'u' => {
-                if tag == b'u' {
-                    unchanged.push(i);
-                }
-                json.extend_from_slice(b"null");
-                values.push(py.None().into_bound(py));
-            }
-            _ => return Ok(None),
-        }
-    }
-    json.push(b']');
-    let list = PyList::new(py, values)?;
+    let mut json: Vec<u8> = Vec::with_capacity(if render { buf.len() + 2 * kinds.len() + 2 } else { 64 });
+    let Some(t) = read_tuple(py, buf, pos, kinds, &mut json) else { return Ok(None) };
+    let list = PyList::new(py, t.values)?;
     let rendered = if render { Some(PyBytes::new(py, &json)) } else { None };
-    Ok(Some((list, unchanged, reader.pos, rendered)))
+    Ok(Some((list, t.unchanged, t.end, rendered)))
+}
+
+/// The run of Insert messages of relation `relid` that starts at `messages[start]` (at most
+/// `limit`), each as `(values, value)`: `value` is `head + lsn + mid + seq + tail + values' JSON
+/// + end`, `seq` counting up from `seq`. `messages` holds `(lsn, payload)` pairs. The run stops
+/// before the first message that is something else or that the slow path must decide.
+#[pyfunction]
+#[pyo3(signature = (messages, start, relid, kinds, parts, seq, limit))]
+#[allow(clippy::too_many_arguments)]
+fn encode_inserts<'py>(
+    py: Python<'py>,
+    messages: &Bound<'py, PyList>,
+    start: usize,
+    relid: u32,
+    kinds: &[u8],
+    parts: (Bound<'py, PyBytes>, Bound<'py, PyBytes>, Bound<'py, PyBytes>, Bound<'py, PyBytes>),
+    seq: u64,
+    limit: usize,
+) -> PyResult<Bound<'py, PyList>> {
+    let (head, mid, tail, end) = (parts.0.as_bytes(), parts.1.as_bytes(), parts.2.as_bytes(), parts.3.as_bytes());
+    let out = PyList::empty(py);
+    let mut value: Vec<u8> = Vec::new();
+    let mut numbers = itoa::Buffer::new();
+    for i in start..messages.len().min(start.saturating_add(limit)) {
+        let item = messages.get_item(i)?;
+        let (lsn, payload): (u64, Bound<'py, PyBytes>) = item.extract()?;
+        let buf = payload.as_bytes();
+        // 'I', the relation's id, 'N' (a new tuple), then the tuple.
+        if buf.len() < 6 || buf[0] != b'I' || buf[1..5] != relid.to_be_bytes() || buf[5] != b'N' {
+            break;
+        }
+        value.clear();
+        value.extend_from_slice(head);
+        value.extend_from_slice(numbers.format(lsn).as_bytes());
+        value.extend_from_slice(mid);
+        value.extend_from_slice(numbers.format(seq + (i - start) as u64).as_bytes());
+        value.extend_from_slice(tail);
+        let Some(t) = read_tuple(py, buf, 6, kinds, &mut value) else { break };
+        value.extend_from_slice(end);
+        out.append((PyList::new(py, t.values)?, PyBytes::new(py, &value)))?;
+    }
+    Ok(out)
 }
 
 #[pymodule]
 fn walbus_native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(decode_tuple, m)?)?;
+    m.add_function(wrap_pyfunction!(encode_inserts, m)?)?;
     Ok(())
 }
