@@ -30,11 +30,16 @@ class EncodeInserts(Protocol):
     ) -> list[tuple[list[object], bytes]]: ...
 
 
+def switched_off() -> bool:
+    """``WALBUS_NATIVE=0`` (or false, no, off): pure Python even where the extension is installed."""
+    return os.environ.get("WALBUS_NATIVE", "1").strip().lower() in ("0", "false", "no", "off")
+
+
 @functools.cache
 def _module() -> Any:
     """The extension, or None for the pure-Python path (decided, and logged, on the first
     call: after logging is set up)."""
-    if os.environ.get("WALBUS_NATIVE", "1").strip().lower() in ("0", "false", "no", "off"):
+    if switched_off():
         log.info("native hot path off (WALBUS_NATIVE=0): pure Python")
         return None
     try:
