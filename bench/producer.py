@@ -190,7 +190,7 @@ def recvlogical(dsn: str, slot: str, plugin: str, end: int, broker: int | None) 
 
 def run_producer(
     dsn: str, bootstrap: str, slot: str, plugin: str, topic: str, end: int, *, tree: Path = ROOT,
-    broker: int | None = None, profile: Path | None = None,
+    broker: int | None = None, profile: Path | None = None, env: dict[str, str] | None = None,
 ) -> Run:
     """The producer of ``tree`` (this one, or a baseline checkout) draining ``slot`` up to ``end``."""
     args = [sys.executable]
@@ -199,12 +199,15 @@ def run_producer(
     cli = "walbus.app.cli" if (tree / "walbus" / "app" / "cli.py").exists() else "walbus.cli"  # a baseline before the app layer
     args += ["-m", cli, "produce", "--pg-dsn", dsn, "--kafka-bootstrap", bootstrap, "--slot", slot, "--plugin", plugin,
              "--topic", topic, "--publication", "walbus_bench", "--heartbeat-interval", "0.2", "--log-level", "warning"]
-    proc = subprocess.Popen(args, cwd=tree, env={**os.environ, "PYTHONPATH": str(tree)})
+    proc = subprocess.Popen(args, cwd=tree, env={**os.environ, "PYTHONPATH": str(tree), **(env or {})})
     try:
         return measure(proc, dsn, slot, end, broker, until_exit=False)
     finally:
         proc.terminate()
         proc.wait(60)
+
+
+PURE_PYTHON = {"WALBUS_NATIVE": "0"}  # the producer without its compiled hot path (producer.native)
 
 
 def unix_socket_dsn(dsn: str) -> str | None:
@@ -220,17 +223,18 @@ def unix_socket_dsn(dsn: str) -> str | None:
 
 def throughput(
     dsn: str, bootstrap: str, workload: str, rows: int, txns: int, plugins: list[str], *, baseline: Path | None,
-    rounds: int, transports: list[str], profile: bool,
+    rounds: int, transports: list[str], profile: bool, pure: bool,
 ) -> None:
     """Every run drains a copy of the same slot (pg_copy_logical_replication_slot), so all
     figures of a workload are of one backlog; runs alternate within each round."""
     broker = listener_pid(int(bootstrap.split(",")[0].rsplit(":", 1)[1]))
-    with scratch_database(dsn, f"bench_{workload.lower()}") as db:
+    tag = f"{workload.lower()}_{os.getpid()}"  # slot names are cluster-wide: two runs must not share them
+    with scratch_database(dsn, f"bench_{tag}") as db:
         with psycopg.connect(db, autocommit=True) as conn:
             conn.execute(W1_DDL if workload == "W1" else W2_DDL)
             conn.execute("CREATE PUBLICATION walbus_bench FOR ALL TABLES")
             for plugin in plugins:
-                conn.execute("SELECT pg_create_logical_replication_slot(%s, %s)", (f"origin_{plugin}", plugin))
+                conn.execute("SELECT pg_create_logical_replication_slot(%s, %s)", (f"origin_{plugin}_{tag}", plugin))
         with Stopwatch() as load:
             events = load_w1(db, rows, txns) if workload == "W1" else load_w2(db, rows, txns)
         end = current_lsn(db)
@@ -242,16 +246,17 @@ def throughput(
                 emit(bench="producer", kind="skipped", transport=transport, reason="no Unix socket of the server here")
                 continue
             runs: dict[str, Run] = {}
-            trees = {"producer": ROOT, **({"baseline": baseline} if baseline is not None else {})}
+            trees = {"producer": ROOT, **({"pure": ROOT} if pure else {}), **({"baseline": baseline} if baseline is not None else {})}
             for name in ("recvlogical", *trees):
-                slot = f"run_{plugin}"
-                copy_slot(db, f"origin_{plugin}", slot)
+                slot = f"run_{plugin}_{tag}"
+                copy_slot(db, f"origin_{plugin}_{tag}", slot)
                 try:
                     if name == "recvlogical":
                         runs[name] = recvlogical(via, slot, plugin, end, broker)
                     else:
                         topic = f"bench.{workload.lower()}.{plugin}.{name}.{time.time_ns()}"
-                        runs[name] = run_producer(via, bootstrap, slot, plugin, topic, end, tree=trees[name], broker=broker)
+                        runs[name] = run_producer(via, bootstrap, slot, plugin, topic, end, tree=trees[name], broker=broker,
+                                                  env=PURE_PYTHON if name == "pure" else None)
                 finally:
                     drop_slot(db, slot)
             line: dict[str, object] = {
@@ -262,22 +267,24 @@ def throughput(
                 line |= run.figures(name, events)
             line["peak_rss_mb"] = round(runs["producer"].peak_rss_mb, 1)
             line["ratio_to_recvlogical"] = round(runs["recvlogical"].seconds / runs["producer"].seconds, 3)
+            if "pure" in runs:
+                line["pure_ratio_to_recvlogical"] = round(runs["recvlogical"].seconds / runs["pure"].seconds, 3)
             if "baseline" in runs:
                 line["baseline_ratio_to_recvlogical"] = round(runs["recvlogical"].seconds / runs["baseline"].seconds, 3)
             emit(**line)
         if profile:
             # A separate run under cProfile (it slows the process down; the figures above are without it).
             plugin = "pgoutput"
-            prof = Path(f"/tmp/walbus-producer-{workload}.prof")
-            copy_slot(db, f"origin_{plugin}", "prof_pgoutput")
-            run_producer(db, bootstrap, "prof_pgoutput", plugin, f"bench.prof.{workload.lower()}.{int(time.time())}", end, profile=prof)
+            prof = Path(f"/tmp/walbus-producer-{tag}.prof")
+            copy_slot(db, f"origin_{plugin}_{tag}", f"prof_{tag}")
+            run_producer(db, bootstrap, f"prof_{tag}", plugin, f"bench.prof.{workload.lower()}.{int(time.time())}", end, profile=prof)
             top = io.StringIO()
             pstats.Stats(str(prof), stream=top).sort_stats("tottime").print_stats(12)
             lines = [ln.strip() for ln in top.getvalue().splitlines() if ln.strip() and ln.strip()[0].isdigit()]
             emit(bench="producer", kind="profile", workload=workload, plugin=plugin, top_tottime=lines[:12])
 
 
-def latency(dsn: str, bootstrap: str, rate: int, seconds: float) -> None:
+def latency(dsn: str, bootstrap: str, rate: int, seconds: float, *, path: str = "default") -> None:
     from aiokafka import AIOKafkaConsumer
 
     from walbus.kafka import KafkaAdmin, TopicSpec
@@ -289,11 +296,11 @@ def latency(dsn: str, bootstrap: str, rate: int, seconds: float) -> None:
             await admin.ensure_topic(TopicSpec(topic, configs=(("message.timestamp.type", "LogAppendTime"),)))
 
     asyncio.run(make_topic())
-    with scratch_database(dsn, "bench_latency") as db:
+    with scratch_database(dsn, f"bench_latency_{os.getpid()}") as db:
         with psycopg.connect(db, autocommit=True) as conn:
             conn.execute(W1_DDL)
         args = [sys.executable, "-m", "walbus.app.cli", "produce", "--pg-dsn", db, "--kafka-bootstrap", bootstrap, "--topic", topic, "--log-level", "warning"]
-        proc = subprocess.Popen(args, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        proc = subprocess.Popen(args, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), **(PURE_PYTHON if path == "pure" else {})})
         try:
             while True:
                 with psycopg.connect(db, autocommit=True) as conn:
@@ -339,22 +346,22 @@ def latency(dsn: str, bootstrap: str, rate: int, seconds: float) -> None:
 
     lat = sorted(asyncio.run(read()))
     emit(
-        bench="producer", kind="latency", target_rows_per_s=rate, achieved_rows_per_s=round(achieved), events=len(lat),
+        bench="producer", kind="latency", path=path, target_rows_per_s=rate, achieved_rows_per_s=round(achieved), events=len(lat),
         p50_ms=round(lat[len(lat) // 2], 2), p99_ms=round(lat[int(len(lat) * 0.99)], 2), max_ms=round(lat[-1], 2),
     )
 
 
 def rss(dsn: str, bootstrap: str, sizes: list[int]) -> None:
     for size in sizes:
-        with scratch_database(dsn, "bench_rss") as db:
+        with scratch_database(dsn, f"bench_rss_{os.getpid()}") as db:
             with psycopg.connect(db, autocommit=True) as conn:
                 conn.execute(W1_DDL)
                 conn.execute("CREATE PUBLICATION walbus_bench FOR ALL TABLES")
-                conn.execute("SELECT pg_create_logical_replication_slot('prod_rss', 'pgoutput')")
+                conn.execute("SELECT pg_create_logical_replication_slot(%s, 'pgoutput')", (f"prod_rss_{os.getpid()}",))
             with Stopwatch() as load:
                 load_w1(db, size, 1)
             end = current_lsn(db)
-            run = run_producer(db, bootstrap, "prod_rss", "pgoutput", f"bench.rss.{size}.{int(time.time())}", end)
+            run = run_producer(db, bootstrap, f"prod_rss_{os.getpid()}", "pgoutput", f"bench.rss.{size}.{int(time.time())}", end)
             emit(bench="producer", kind="rss", transaction_rows=size, peak_rss_mb=round(run.peak_rss_mb, 1),
                  rows_per_s=round(size / run.seconds), load_seconds=round(load.seconds, 1))
 
@@ -371,18 +378,21 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="profile the pgoutput producer (cProfile)")
     parser.add_argument("--baseline", type=Path, help="a checkout of another walbus whose producer drains the same backlogs too")
     parser.add_argument("--rounds", type=int, default=1, help="runs of each (transport, plugin), alternating")
+    parser.add_argument("--pure", action="store_true",
+                        help="also run this producer with its native hot path off (WALBUS_NATIVE=0), throughput and latency")
     parser.add_argument("--transports", default="tcp,unix", help="tcp (loopback), unix (the server's socket) or both")
     args = parser.parse_args()
     skip = set(filter(None, args.skip.split(",")))
     plugins = [p for p in args.plugins.split(",") if p]
     with services() as (dsn, bootstrap):
         if "throughput" not in skip:
-            opts: dict[str, Any] = {"baseline": args.baseline, "rounds": args.rounds, "profile": args.profile,
+            opts: dict[str, Any] = {"baseline": args.baseline, "rounds": args.rounds, "profile": args.profile, "pure": args.pure,
                                     "transports": [t for t in args.transports.split(",") if t]}
             throughput(dsn, bootstrap, "W1", args.rows, args.txns, plugins, **opts)
             throughput(dsn, bootstrap, "W2", max(args.rows // 4, 1000), args.txns, plugins, **opts)
         if "latency" not in skip:
-            latency(dsn, bootstrap, args.latency_rate, args.latency_seconds)
+            for path in ("default", "pure") if args.pure else ("default",):
+                latency(dsn, bootstrap, args.latency_rate, args.latency_seconds, path=path)
         if "rss" not in skip and args.big_rows:
             rss(dsn, bootstrap, [10_000, args.big_rows])
 

@@ -124,6 +124,7 @@ class Relation:
     ident_idx: list[int] = field(default_factory=list)
     plain: bool = False  # every column kept, none masked
     converters: list[Any] = field(default_factory=list)  # the decoder's, per column
+    kinds: bytes = b""  # the converters' kinds (text_kind), a letter per column, for the native path
     # Column metadata (the contract's not_null and typmods), per column; empty: not known.
     not_null: list[bool] = field(default_factory=list)
     modifiers: list[list[int] | None] = field(default_factory=list)
@@ -208,6 +209,17 @@ def text_converter(typname: str) -> Callable[[bytes], Any]:
     return bytes.decode
 
 
+def text_kind(typname: str) -> bytes:
+    """:func:`text_converter`'s choice as the native path's letter: i(nt) f(loat) b(ool) t(ext)."""
+    if typname in INT_TYPES:
+        return b"i"
+    if typname in FLOAT_TYPES:
+        return b"f"
+    if typname in BOOL_TYPES:
+        return b"b"
+    return b"t"
+
+
 @dataclass(slots=True)
 class EncodedEvent:
     """One event's record (``key``, ``value``) with what the producer knew when it wrote it, so
@@ -261,6 +273,7 @@ class EventEncoder:
         self._ts_part = b""
         self._key_template = b""
         self._row_templates: dict[int, bytes] = {}
+        self._insert_parts: dict[int, tuple[bytes, bytes, bytes, bytes]] = {}
         self.begin(0, 0, "")
 
     def begin(self, commit_lsn: int, xid: int, timestamp_iso: str) -> None:
@@ -272,22 +285,45 @@ class EventEncoder:
         head, dash, tail = KEY_FORMAT.partition("-")
         self._key_template = _literal((head % commit_lsn + dash).encode()) + tail.encode()
         self._row_templates = {}
+        self._insert_parts = {}
 
     def forget(self, relid: int) -> None:
         """A relation was defined anew (a schema change, even inside this transaction): its
         later rows must not reuse the parts cached for its earlier version."""
         self._row_templates.pop(relid, None)
         self._row_templates.pop(-1 - relid, None)
+        self._insert_parts.pop(relid, None)
 
-    def insert(self, rel: Relation, lsn: int, new: list[Any]) -> EncodedEvent:
-        """The hot path: an insert of a relation with no excluded or masked column."""
-        return self._whole_row(rel, "insert", lsn, new)
+    def insert_parts(self, rel: Relation) -> tuple[bytes, bytes, bytes, bytes]:
+        """An insert of plain ``rel`` in this transaction as ``(head, mid, tail, end)``: its value
+        is ``head + lsn + mid + seq + tail + values + end`` (numbers in decimal; the native path)."""
+        parts = self._insert_parts.get(rel.relid)
+        if parts is None:
+            parts = self._insert_parts[rel.relid] = self._row_parts(rel, "insert")
+        return parts
+
+    def inserted(self, rel: Relation, new: list[Any], value: bytes) -> EncodedEvent:
+        """The next event: an insert of plain ``rel`` whose value was made from :meth:`insert_parts`
+        with this event's seq."""
+        seq = self.seq
+        self.seq = seq + 1
+        pkey = rel.table_key if self.partitioned else b""
+        return EncodedEvent(self._key_template % seq, value, pkey, rel, "insert", new)
+
+    def insert(self, rel: Relation, lsn: int, new: list[Any], rendered: bytes | None = None) -> EncodedEvent:
+        """The hot path: an insert of a relation with no excluded or masked column.
+
+        ``rendered``: ``orjson.dumps(new)`` made already (by the native path); used only when
+        the relation is plain (every value goes out as it is)."""
+        return self._whole_row(rel, "insert", lsn, new, rendered)
 
     def read(self, rel: Relation, lsn: int, new: list[Any]) -> EncodedEvent:
         """A snapshot row (``operation: "read"``): same layout and fast path as an insert."""
         return self._whole_row(rel, "read", lsn, new)
 
-    def _whole_row(self, rel: Relation, operation: str, lsn: int, new: list[Any]) -> EncodedEvent:
+    def _whole_row(
+        self, rel: Relation, operation: str, lsn: int, new: list[Any], rendered: bytes | None = None
+    ) -> EncodedEvent:
         if not rel.plain:
             return self.encode(rel, operation, lsn, new)
         seq = self.seq
@@ -296,21 +332,24 @@ class EventEncoder:
         template = self._row_templates.get(cache_key)
         if template is None:
             template = self._row_templates[cache_key] = self._row_template(rel, operation)
-        value = template % (lsn, seq, orjson.dumps(new))
+        value = template % (lsn, seq, orjson.dumps(new) if rendered is None else rendered)
         pkey = rel.table_key if self.partitioned else b""
         return EncodedEvent(self._key_template % seq, value, pkey, rel, operation, new)
 
+    def _row_parts(self, rel: Relation, operation: str) -> tuple[bytes, bytes, bytes, bytes]:
+        """A whole-row event of ``rel`` in this transaction around its lsn, seq and values."""
+        return (
+            _HEAD,
+            FIELD_HEADS["commit_lsn"] + b"%d" % self.commit_lsn + FIELD_HEADS["seq"],
+            FIELD_HEADS["xid"] + b"%d" % self.xid + OPERATION_PARTS[operation] + rel.table_part + self._ts_part
+            + rel.meta_part + rel.full_part,
+            VALUE_END,
+        )
+
     def _row_template(self, rel: Relation, operation: str) -> bytes:
-        """A whole-row event of ``rel`` in this transaction, but for its lsn, seq and values."""
-        return b"".join([
-            _literal(_HEAD), b"%d",
-            _literal(FIELD_HEADS["commit_lsn"] + b"%d" % self.commit_lsn + FIELD_HEADS["seq"]), b"%d",
-            _literal(
-                FIELD_HEADS["xid"] + b"%d" % self.xid + OPERATION_PARTS[operation] + rel.table_part + self._ts_part
-                + rel.meta_part + rel.full_part
-            ),
-            b"%b", VALUE_END,
-        ])
+        """:meth:`_row_parts` as a %-template of (lsn, seq, values)."""
+        head, mid, tail, end = self._row_parts(rel, operation)
+        return b"".join([_literal(head), b"%d", _literal(mid), b"%d", _literal(tail), b"%b", _literal(end)])
 
     def encode(
         self,

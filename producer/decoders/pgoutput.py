@@ -19,8 +19,10 @@ from producer.codec import (
     Relation,
     pg_timestamp_iso,
     text_converter,
+    text_kind,
 )
 from producer.decoders import Item, LogicalMessage, TxnBegin, TxnEnd
+from producer.native import DecodeTuple, EncodeInserts, decode_tuple, encode_inserts
 from producer.replication import quote_ident
 
 log = logging.getLogger("walbus.producer.pgoutput")
@@ -32,6 +34,7 @@ _U16 = struct.Struct(">H")
 _TYPE = struct.Struct(">Ii")  # type oid, atttypmod
 _MSG = struct.Struct(">BQ")  # flags, lsn
 _PG_EPOCH_UNIX_US = int(PG_EPOCH.timestamp()) * 1_000_000
+_INSERT_RUN = 512  # inserts the native path encodes per call: bounds what it holds at once
 
 
 class DecodeError(ValueError):
@@ -46,7 +49,10 @@ def _cstring(buf: bytes, pos: int) -> tuple[str, int]:
 class PgoutputDecoder:
     plugin = "pgoutput"
 
-    def __init__(self, catalog: CatalogLookup, capture: CaptureFilter) -> None:
+    def __init__(self, catalog: CatalogLookup, capture: CaptureFilter, *, native: bool = True) -> None:
+        """``native``: use the compiled tuple decoder when it is there (producer.native)."""
+        self.native: DecodeTuple | None = decode_tuple() if native else None
+        self.native_inserts: EncodeInserts | None = encode_inserts() if native else None
         self.catalog = catalog
         self.capture = capture
         self.encoder = EventEncoder()
@@ -61,15 +67,36 @@ class PgoutputDecoder:
     def decode(self, messages: list[tuple[int, bytes]]) -> Iterator[Item]:
         relations = self.relations
         insert = self.encoder.insert
-        tuple_ = self._tuple
-        for lsn, buf in messages:
+        tuple_ = self._rel_tuple if self.native is None else self._native_tuple
+        native = self.native
+        inserts = self.native_inserts
+        skip = 0  # messages the native path took already
+        for i, (lsn, buf) in enumerate(messages):
+            if skip:
+                skip -= 1
+                continue
             kind = buf[0]
             if kind == 0x49:  # I: the hot path
                 rel = relations.get(_U32.unpack_from(buf, 1)[0])
                 if rel is None:
                     raise DecodeError("insert before its Relation message")
                 if rel.captured:
-                    yield insert(rel, lsn, tuple_(buf, 6, rel.converters)[0])
+                    if inserts is not None and rel.plain:
+                        # Natively: this insert and those that follow it, values and event values.
+                        enc = self.encoder
+                        run = inserts(messages, i, rel.relid, rel.kinds, enc.insert_parts(rel), enc.seq, _INSERT_RUN)
+                        if run:
+                            skip = len(run) - 1
+                            rel.txn_counts[0] += len(run)
+                            for new, value in run:
+                                yield enc.inserted(rel, new, value)
+                            continue
+                    # Natively, the values' JSON comes with them (the encoder uses it when it can).
+                    got = None if native is None else native(buf, 6, rel.kinds, rel.plain)
+                    if got is None:
+                        yield insert(rel, lsn, self._tuple(buf, 6, rel.converters)[0])
+                    else:
+                        yield insert(rel, lsn, got[0], got[3])
                     rel.txn_counts[0] += 1
             elif kind in (0x55, 0x44):  # U D
                 relid = _U32.unpack_from(buf, 1)[0]
@@ -78,21 +105,20 @@ class PgoutputDecoder:
                     raise DecodeError(f"change for relation {relid} before its Relation message")
                 if not rel.captured:
                     continue
-                convs = rel.converters
                 if kind == 0x55:
                     old = None
                     old_full = False
                     pos = 5
                     sub = buf[pos]
                     if sub in (0x4B, 0x4F):  # K (old key) or O (old row)
-                        old, _, pos = tuple_(buf, pos + 1, convs)
+                        old, _, pos = tuple_(buf, pos + 1, rel)
                         old_full = sub == 0x4F
-                    new, unchanged, _ = tuple_(buf, pos + 1, convs)
+                    new, unchanged, _ = tuple_(buf, pos + 1, rel)
                     yield self.encoder.encode(rel, "update", lsn, new, unchanged=unchanged, old=old, old_is_full=old_full)
                     rel.txn_counts[1] += 1
                 else:
                     sub = buf[5]
-                    old, _, _ = tuple_(buf, 6, convs)
+                    old, _, _ = tuple_(buf, 6, rel)
                     yield self.encoder.encode(rel, "delete", lsn, None, old=old, old_is_full=sub == 0x4F)
                     rel.txn_counts[2] += 1
             elif kind == 0x42:  # B
@@ -124,6 +150,16 @@ class PgoutputDecoder:
                 continue
             else:
                 raise DecodeError(f"unknown pgoutput message type {chr(kind)!r}")
+
+    def _rel_tuple(self, buf: bytes, pos: int, rel: Relation) -> tuple[list[Any], list[int], int]:
+        return self._tuple(buf, pos, rel.converters)
+
+    def _native_tuple(self, buf: bytes, pos: int, rel: Relation) -> tuple[list[Any], list[int], int]:
+        assert self.native is not None
+        got = self.native(buf, pos, rel.kinds, False)
+        if got is None:  # something the native path leaves to this one (it decides the errors)
+            return self._tuple(buf, pos, rel.converters)
+        return got[0], got[1], got[2]
 
     @staticmethod
     def _tuple(buf: bytes, pos: int, convs: list[Callable[[bytes], Any]]) -> tuple[list[Any], list[int], int]:
@@ -179,6 +215,7 @@ class PgoutputDecoder:
             not_null=[c in not_null for c in columns], modifiers=modifiers,
         ).prepare(self.capture)
         rel.converters = [text_converter(t) for t in types]
+        rel.kinds = b"".join(text_kind(t) for t in types)
         old = self.relations.get(relid)
         if old is not None:
             rel.txn_counts = old.txn_counts

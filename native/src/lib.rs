@@ -1,0 +1,250 @@
+//! A compiled hot path for decoding logical-replication tuples.
+//!
+//! A leaf: it knows a tuple's wire layout (PostgreSQL's "TupleData": a column count, then per
+//! column a kind byte `n`ull, `u`nchanged TOAST or `t`ext with a length and the text) and how
+//! to turn the text of four kinds of column into values and into compact JSON. It knows
+//! nothing of events, fields or topics: the caller passes one kind letter per column.
+//!
+//! Anything unusual (a malformed tuple, text the fast parsers refuse, a float that is not
+//! finite) makes a call return `None`, and the caller decodes that tuple the slow way: the
+//! slow path decides the errors, so both paths agree on every input.
+
+use pyo3::prelude::*;
+use pyo3::types::{PyBool, PyBytes, PyFloat, PyList, PyString};
+
+/// Column kinds, as the caller spells them.
+const INT: u8 = b'i';
+const FLOAT: u8 = b'f';
+const BOOL: u8 = b'b';
+const TEXT: u8 = b't';
+
+/// Bounds-checked reads of a tuple: `None` when the buffer ends early.
+struct Reader<'a> {
+    buf: &'a [u8],
+    pos: usize,
+}
+
+impl<'a> Reader<'a> {
+    fn byte(&mut self) -> Option<u8> {
+        let b = *self.buf.get(self.pos)?;
+        self.pos += 1;
+        Some(b)
+    }
+
+    fn take(&mut self, n: usize) -> Option<&'a [u8]> {
+        let end = self.pos.checked_add(n)?;
+        let s = self.buf.get(self.pos..end)?;
+        self.pos = end;
+        Some(s)
+    }
+
+    fn u16(&mut self) -> Option<usize> {
+        let s = self.take(2)?;
+        Some(u16::from_be_bytes([s[0], s[1]]) as usize)
+    }
+
+    fn u32(&mut self) -> Option<usize> {
+        let s = self.take(4)?;
+        Some(u32::from_be_bytes([s[0], s[1], s[2], s[3]]) as usize)
+    }
+}
+
+/// `text` as a JSON string, escaped as orjson escapes (short forms for the usual
+/// control characters, `\u00XX` for the others, everything else as UTF-8).
+fn push_json_string(out: &mut Vec<u8>, text: &str) {
+    const HEX: &[u8; 16] = b"0123456789abcdef";
+    out.push(b'"');
+    let bytes = text.as_bytes();
+    let mut start = 0;
+    for (i, &b) in bytes.iter().enumerate() {
+        let short: &[u8] = match b {
+            b'"' => b"\\\"",
+            b'\\' => b"\\\\",
+            b'\n' => b"\\n",
+            b'\r' => b"\\r",
+            b'\t' => b"\\t",
+            0x08 => b"\\b",
+            0x0c => b"\\f",
+            0x00..=0x1f => b"",
+            _ => continue,
+        };
+        out.extend_from_slice(&bytes[start..i]);
+        if short.is_empty() {
+            out.extend_from_slice(b"\\u00");
+            out.push(HEX[(b >> 4) as usize]);
+            out.push(HEX[(b & 0xf) as usize]);
+        } else {
+            out.extend_from_slice(short);
+        }
+        start = i + 1;
+    }
+    out.extend_from_slice(&bytes[start..]);
+    out.push(b'"');
+}
+
+/// A finite float as orjson writes it: Ryū's shortest form, with a `+` on positive exponents.
+fn push_json_float(out: &mut Vec<u8>, value: f64) {
+    let mut buf = ryu::Buffer::new();
+    let text = buf.format_finite(value).as_bytes();
+    match text.iter().position(|&b| b == b'e') {
+        Some(e) if text.get(e + 1) != Some(&b'-') => {
+            out.extend_from_slice(&text[..=e]);
+            out.push(b'+');
+            out.extend_from_slice(&text[e + 1..]);
+        }
+        _ => out.extend_from_slice(text),
+    }
+}
+
+/// One column's text as a Python value, its JSON appended to `json`; `None`: leave it to the slow path.
+fn convert<'py>(py: Python<'py>, kind: u8, raw: &[u8], json: &mut Vec<u8>) -> Option<Bound<'py, PyAny>> {
+    match kind {
+        INT => {
+            let text = std::str::from_utf8(raw).ok()?;
+            let mut buf = itoa::Buffer::new();
+            if let Ok(v) = text.parse::<i64>() {
+                json.extend_from_slice(buf.format(v).as_bytes());
+                Some(v.into_pyobject(py).ok()?.into_any())
+            } else {
+                // orjson writes integers up to 2**64 - 1; larger ones fail there, on the slow path.
+                let v = text.parse::<u64>().ok()?;
+                json.extend_from_slice(buf.format(v).as_bytes());
+                Some(v.into_pyobject(py).ok()?.into_any())
+            }
+        }
+        FLOAT => {
+            // NaN and the infinities (which the caller keeps as text) are the slow path's.
+            let v = std::str::from_utf8(raw).ok()?.parse::<f64>().ok()?;
+            if !v.is_finite() {
+                return None;
+            }
+            push_json_float(json, v);
+            Some(PyFloat::new(py, v).into_any())
+        }
+        BOOL => {
+            let v = raw == b"t";
+            json.extend_from_slice(if v { b"true" } else { b"false" });
+            Some(PyBool::new(py, v).to_owned().into_any())
+        }
+        TEXT => {
+            let text = std::str::from_utf8(raw).ok()?;
+            push_json_string(json, text);
+            Some(PyString::new(py, text).into_any())
+        }
+        _ => None,
+    }
+}
+
+/// A decoded tuple: its values, the indexes of the unchanged ones, the position after it.
+struct Tuple<'py> {
+    values: Vec<Bound<'py, PyAny>>,
+    unchanged: Vec<usize>,
+    end: usize,
+}
+
+/// The tuple whose column count is at `pos`; its values' JSON array appended to `json`.
+fn read_tuple<'py>(py: Python<'py>, buf: &[u8], pos: usize, kinds: &[u8], json: &mut Vec<u8>) -> Option<Tuple<'py>> {
+    let mut reader = Reader { buf, pos };
+    let n = reader.u16()?;
+    if n != kinds.len() {
+        return None;
+    }
+    let mut values: Vec<Bound<'py, PyAny>> = Vec::with_capacity(n);
+    let mut unchanged: Vec<usize> = Vec::new();
+    json.push(b'[');
+    for (i, &kind) in kinds.iter().enumerate() {
+        if i > 0 {
+            json.push(b',');
+        }
+        match reader.byte()? {
+            b't' => {
+                let size = reader.u32()?;
+                let raw = reader.take(size)?;
+                values.push(convert(py, kind, raw, json)?);
+            }
+            tag @ (b'n' | b'u') => {
+                if tag == b'u' {
+                    unchanged.push(i);
+                }
+                json.extend_from_slice(b"null");
+                values.push(py.None().into_bound(py));
+            }
+            _ => return None,
+        }
+    }
+    json.push(b']');
+    Some(Tuple { values, unchanged, end: reader.pos })
+}
+
+type Decoded<'py> = (Bound<'py, PyList>, Vec<usize>, usize, Option<Bound<'py, PyBytes>>);
+
+/// Decode the tuple whose column count is at `pos` in `buf`, a column of kind `kinds[i]` each.
+///
+/// Returns `(values, unchanged, end, json)`: a value per column (`None` for NULL and for an
+/// unchanged TOAST value), the indexes of the unchanged ones, the position after the tuple,
+/// and, when `render`, the values as a compact JSON array (unchanged ones as `null`).
+/// `None` when the slow path must decide (see the module's comment).
+#[pyfunction]
+#[pyo3(signature = (buf, pos, kinds, render))]
+fn decode_tuple<'py>(
+    py: Python<'py>,
+    buf: &[u8],
+    pos: usize,
+    kinds: &[u8],
+    render: bool,
+) -> PyResult<Option<Decoded<'py>>> {
+    let mut json: Vec<u8> = Vec::with_capacity(if render { buf.len() + 2 * kinds.len() + 2 } else { 64 });
+    let Some(t) = read_tuple(py, buf, pos, kinds, &mut json) else { return Ok(None) };
+    let list = PyList::new(py, t.values)?;
+    let rendered = if render { Some(PyBytes::new(py, &json)) } else { None };
+    Ok(Some((list, t.unchanged, t.end, rendered)))
+}
+
+/// The run of Insert messages of relation `relid` that starts at `messages[start]` (at most
+/// `limit`), each as `(values, value)`: `value` is `head + lsn + mid + seq + tail + values' JSON
+/// + end`, `seq` counting up from `seq`. `messages` holds `(lsn, payload)` pairs. The run stops
+/// before the first message that is something else or that the slow path must decide.
+#[pyfunction]
+#[pyo3(signature = (messages, start, relid, kinds, parts, seq, limit))]
+#[allow(clippy::too_many_arguments)]
+fn encode_inserts<'py>(
+    py: Python<'py>,
+    messages: &Bound<'py, PyList>,
+    start: usize,
+    relid: u32,
+    kinds: &[u8],
+    parts: (Bound<'py, PyBytes>, Bound<'py, PyBytes>, Bound<'py, PyBytes>, Bound<'py, PyBytes>),
+    seq: u64,
+    limit: usize,
+) -> PyResult<Bound<'py, PyList>> {
+    let (head, mid, tail, end) = (parts.0.as_bytes(), parts.1.as_bytes(), parts.2.as_bytes(), parts.3.as_bytes());
+    let out = PyList::empty(py);
+    let mut value: Vec<u8> = Vec::new();
+    let mut numbers = itoa::Buffer::new();
+    for i in start..messages.len().min(start.saturating_add(limit)) {
+        let item = messages.get_item(i)?;
+        let (lsn, payload): (u64, Bound<'py, PyBytes>) = item.extract()?;
+        let buf = payload.as_bytes();
+        // 'I', the relation's id, 'N' (a new tuple), then the tuple.
+        if buf.len() < 6 || buf[0] != b'I' || buf[1..5] != relid.to_be_bytes() || buf[5] != b'N' {
+            break;
+        }
+        value.clear();
+        value.extend_from_slice(head);
+        value.extend_from_slice(numbers.format(lsn).as_bytes());
+        value.extend_from_slice(mid);
+        value.extend_from_slice(numbers.format(seq + (i - start) as u64).as_bytes());
+        value.extend_from_slice(tail);
+        let Some(t) = read_tuple(py, buf, 6, kinds, &mut value) else { break };
+        value.extend_from_slice(end);
+        out.append((PyList::new(py, t.values)?, PyBytes::new(py, &value)))?;
+    }
+    Ok(out)
+}
+
+#[pymodule]
+fn walbus_native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(decode_tuple, m)?)?;
+    m.add_function(wrap_pyfunction!(encode_inserts, m)?)?;
+    Ok(())
+}
