@@ -32,7 +32,7 @@ from producer.sink import KafkaSink
 from producer.tablescan import (
     ScanTable,
     convert_line,
-    copy_table_lines,
+    copy_table_blocks,
     describe_table,
     str_converters,
 )
@@ -425,8 +425,8 @@ def _worker(
             convs = table.relation.converters
             str_convs = str_converters(table.relation.types)
             rows: list[list[Any]] = []
-            for line in copy_table_lines(conn, table, part.pages):
-                rows.append(convert_line(line, convs, str_convs))
+            for block in copy_table_blocks(conn, table, part.pages):
+                rows.extend([convert_line(line, convs, str_convs) for line in block])
                 if len(rows) >= fetch_rows:
                     put(Batch(table, rows))
                     rows = []
