@@ -322,9 +322,11 @@ class InitialSnapshot:
             table = batch.table
             rel = table.relation
             seen_tables[rel.qualified] = table
+            read, append = encoder.read, sink.append
             for values in batch.rows:
-                ev = encoder.read(rel, cp, values)
-                await sink.put(ev)
+                ev = read(rel, cp, values)
+                if not append(ev):  # a full batch: the only await
+                    await sink.put(ev)
             gone = earlier.get(rel.qualified)
             if gone and rel.pk_index:
                 idx = rel.pk_index
