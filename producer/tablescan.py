@@ -17,7 +17,7 @@ import re
 import select
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import psycopg
 from psycopg import pq, sql
@@ -198,7 +198,7 @@ def copy_table_blocks(
     return copy_out_blocks(conn, statement.as_bytes(conn), block_rows)
 
 
-def _raise_for(conn: Conn, res: pq.abc.PGresult) -> None:
+def _raise_for(conn: Conn, res: pq.abc.PGresult) -> NoReturn:
     if not res.error_field(pq.DiagnosticField.SQLSTATE):  # no server error: the connection failed
         raise psycopg.OperationalError(res.get_error_message(conn.info.encoding) or conn.pgconn.error_message.decode(errors="replace"))
     raise psycopg.errors.error_from_result(res, encoding=conn.info.encoding)
@@ -232,9 +232,12 @@ def copy_out_blocks(conn: Conn, statement: bytes, block_rows: int) -> Iterator[l
             break
     if block:
         yield block
-    while (end := pgconn.get_result()) is not None:
-        if end.status != pq.ExecStatus.COMMAND_OK:
-            _raise_for(conn, end)
+    failed = None
+    while (end := pgconn.get_result()) is not None:  # every result, or libpq stays busy
+        if end.status != pq.ExecStatus.COMMAND_OK and failed is None:
+            failed = end
+    if failed is not None:
+        _raise_for(conn, failed)
 
 
 def key_text(fields: Sequence[bytes | None], table: ScanTable) -> list[str]:

@@ -17,7 +17,7 @@ import pytest
 from psycopg import sql
 
 from producer.codec import text_converter
-from producer.tablescan import fetch_fields
+from producer.tablescan import copy_out_blocks, fetch_fields
 from tests.support.kafka import read_topic
 from tests.support.pipeline import walbus_process
 
@@ -81,3 +81,18 @@ async def test_snapshot_of_awkward_values_equals_select(pg_dsn: str, kafka_boots
     for key, values in expected.items():
         assert got[key] == values, key
     assert len(got[len(TEXTS) - 1][1]) == 2_000_000
+
+
+def test_an_error_in_the_middle_of_a_copy_is_raised(pg_dsn: str) -> None:
+    """Rows already sent, then the server fails: the read raises the server's error (no
+    silent short read), and the connection is usable after a rollback."""
+    with psycopg.connect(pg_dsn) as conn:
+        blocks = copy_out_blocks(conn, b"COPY (SELECT 1 / (5000 - g) FROM generate_series(1, 6000) g) TO STDOUT", 100)
+        lines: list[bytes] = []
+        with pytest.raises(psycopg.errors.DivisionByZero):
+            for block in blocks:
+                lines.extend(block)
+        assert len(lines) < 5000
+        conn.rollback()
+        assert conn.execute("SELECT 1").fetchone() == (1,)
+        assert sum(len(b) for b in copy_out_blocks(conn, b"COPY (SELECT g FROM generate_series(1, 5000) g) TO STDOUT", 100)) == 5000
