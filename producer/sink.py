@@ -102,18 +102,30 @@ class KafkaSink:
     async def stop(self) -> None:
         await self._producer.stop()
 
-    async def put(self, ev: EncodedEvent) -> None:
-        """Append an event to its partition's open batch, sending that batch first when it is
-        full; a record the topic cannot take is a configuration fault, not something to retry."""
+    def append(self, ev: EncodedEvent) -> bool:
+        """Append an event to its partition's open batch without waiting: False (nothing
+        appended) when that batch is full and must be sent first, which :meth:`put` does.
+        The snapshot's loop calls this, and awaits only once a batch."""
         if len(ev.value) > self._values_surely_fit and not record_fits(self.max_message_bytes, ev.key, ev.value):
             raise oversized_error(self.topic, ev, self.max_message_bytes)
         p = 0 if self.partitions == 1 else _partition_for(ev.partition_key, self.partitions)
         batch = self._open[p]
         if batch is None:
             batch = self._new_batch(p)
-        if batch.append(key=ev.key, value=ev.value, timestamp=None) is None:  # full: send it, start another
-            await self._send(p)
-            self._new_batch(p).append(key=ev.key, value=ev.value, timestamp=None)  # an empty batch takes any record
+        if batch.append(key=ev.key, value=ev.value, timestamp=None) is None:
+            return False
+        self._open_count[p] += 1
+        self.progress.appended[p] += 1
+        return True
+
+    async def put(self, ev: EncodedEvent) -> None:
+        """Append an event to its partition's open batch, sending that batch first when it is
+        full; a record the topic cannot take is a configuration fault, not something to retry."""
+        if self.append(ev):
+            return
+        p = 0 if self.partitions == 1 else _partition_for(ev.partition_key, self.partitions)
+        await self._send(p)
+        self._new_batch(p).append(key=ev.key, value=ev.value, timestamp=None)  # an empty batch takes any record
         self._open_count[p] += 1
         self.progress.appended[p] += 1
 

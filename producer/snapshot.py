@@ -32,7 +32,7 @@ from producer.sink import KafkaSink
 from producer.tablescan import (
     ScanTable,
     convert_line,
-    copy_table_lines,
+    copy_table_blocks,
     describe_table,
     str_converters,
 )
@@ -322,9 +322,11 @@ class InitialSnapshot:
             table = batch.table
             rel = table.relation
             seen_tables[rel.qualified] = table
+            read, append = encoder.read, sink.append
             for values in batch.rows:
-                ev = encoder.read(rel, cp, values)
-                await sink.put(ev)
+                ev = read(rel, cp, values)
+                if not append(ev):  # a full batch: the only await
+                    await sink.put(ev)
             gone = earlier.get(rel.qualified)
             if gone and rel.pk_index:
                 idx = rel.pk_index
@@ -425,8 +427,8 @@ def _worker(
             convs = table.relation.converters
             str_convs = str_converters(table.relation.types)
             rows: list[list[Any]] = []
-            for line in copy_table_lines(conn, table, part.pages):
-                rows.append(convert_line(line, convs, str_convs))
+            for block in copy_table_blocks(conn, table, part.pages):
+                rows.extend([convert_line(line, convs, str_convs) for line in block])
                 if len(rows) >= fetch_rows:
                     put(Batch(table, rows))
                     rows = []

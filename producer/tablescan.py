@@ -4,7 +4,7 @@ Both snapshot kinds read rows here. ``COPY … TO STDOUT`` in text format hands 
 value's type output function text — exactly what pgoutput sends in its tuples — so the
 same :func:`producer.codec.text_converter` gives identical JSON values, and COPY is the
 fastest way PostgreSQL has to hand rows out (no per-row protocol overhead, bounded
-memory: libpq returns one row per CopyData message).
+memory: libpq returns one row per CopyData message, read in blocks of rows).
 
 The column list mirrors pgoutput's Relation message: attnum order, no dropped and no
 generated columns (pgoutput does not send those), so read events carry the same
@@ -14,9 +14,10 @@ generated columns (pgoutput does not send those), so read events carry the same
 from __future__ import annotations
 
 import re
+import select
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import psycopg
 from psycopg import pq, sql
@@ -168,9 +169,7 @@ def fetch_fields(conn: Conn, query: sql.Composed) -> list[list[bytes | None]]:
     """
     res = conn.pgconn.exec_params(query.as_bytes(conn), [])
     if res.status != pq.ExecStatus.TUPLES_OK:
-        if not res.error_field(pq.DiagnosticField.SQLSTATE):  # no server error: the connection failed
-            raise psycopg.OperationalError(res.get_error_message(conn.info.encoding) or conn.pgconn.error_message.decode(errors="replace"))
-        raise psycopg.errors.error_from_result(res, encoding=conn.info.encoding)
+        _raise_for(conn, res)
     return [[res.get_value(r, c) for c in range(res.nfields)] for r in range(res.ntuples)]
 
 
@@ -179,9 +178,12 @@ def convert_fields(fields: Sequence[bytes | None], converters: Sequence[Any]) ->
     return [None if f is None else conv(f) for conv, f in zip(converters, fields, strict=True)]
 
 
-def copy_table_lines(conn: Conn, table: ScanTable, pages: tuple[int, int | None] | None = None) -> Iterator[bytes]:
-    """Every row of a table, in storage order (COPY of a plain table skips the executor), or
-    of the heap pages ``[first, end)`` only (a TID range scan: one table read by several
+def copy_table_blocks(
+    conn: Conn, table: ScanTable, pages: tuple[int, int | None] | None = None, block_rows: int = 4096,
+) -> Iterator[list[bytes]]:
+    """Every row of a table as COPY text lines (each with its newline), in blocks of at most
+    ``block_rows``: in storage order (COPY of a plain table skips the executor), or of the
+    heap pages ``[first, end)`` only (a TID range scan: one table read by several
     connections; ``end`` None: to the last page)."""
     if pages is not None:
         lo, hi = pages
@@ -193,9 +195,49 @@ def copy_table_lines(conn: Conn, table: ScanTable, pages: tuple[int, int | None]
         statement = sql.SQL("COPY {} ({}) TO STDOUT").format(table.ident, table.column_list())
     else:
         statement = sql.SQL("COPY (SELECT {} FROM {}) TO STDOUT").format(table.column_list(), table.ident)
-    with conn.cursor() as cur, cur.copy(statement) as copy:
-        for data in copy:
-            yield bytes(data)
+    return copy_out_blocks(conn, statement.as_bytes(conn), block_rows)
+
+
+def _raise_for(conn: Conn, res: pq.abc.PGresult) -> NoReturn:
+    if not res.error_field(pq.DiagnosticField.SQLSTATE):  # no server error: the connection failed
+        raise psycopg.OperationalError(res.get_error_message(conn.info.encoding) or conn.pgconn.error_message.decode(errors="replace"))
+    raise psycopg.errors.error_from_result(res, encoding=conn.info.encoding)
+
+
+def copy_out_blocks(conn: Conn, statement: bytes, block_rows: int) -> Iterator[list[bytes]]:
+    """The lines of a ``COPY … TO STDOUT``, straight from libpq: every line already in its
+    buffer is taken without a wait (psycopg's ``Copy.read()`` runs its wait machinery once
+    a row, the snapshot's largest cost), and a block goes out before each wait for the
+    network, so a slow server never holds back lines already read."""
+    pgconn = conn.pgconn
+    res = pgconn.exec_(statement)  # COPY always uses the simple protocol; ``statement`` is ours
+    if res.status != pq.ExecStatus.COPY_OUT:
+        _raise_for(conn, res)
+    block: list[bytes] = []
+    get = pgconn.get_copy_data
+    while True:
+        nbytes, data = get(1)  # 1: never blocks; -2 (a broken connection) raises
+        if nbytes > 0:
+            block.append(bytes(data))
+            if len(block) >= block_rows:
+                yield block
+                block = []
+        elif nbytes == 0:  # no whole line buffered: hand over what there is, wait (without the GIL)
+            if block:
+                yield block
+                block = []
+            select.select([pgconn.socket], [], [])
+            pgconn.consume_input()
+        else:  # -1: the COPY is over, its outcome follows
+            break
+    if block:
+        yield block
+    failed = None
+    while (end := pgconn.get_result()) is not None:  # every result, or libpq stays busy
+        if end.status != pq.ExecStatus.COMMAND_OK and failed is None:
+            failed = end
+    if failed is not None:
+        _raise_for(conn, failed)
 
 
 def key_text(fields: Sequence[bytes | None], table: ScanTable) -> list[str]:
