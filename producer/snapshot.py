@@ -22,7 +22,7 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 from psycopg import sql
 
 from producer import setup
-from producer.codec import CaptureFilter, EncodedEvent, EventEncoder
+from producer.codec import CaptureFilter, EncodedEvent, EventEncoder, Relation
 from producer.config import ProducerConfig
 from producer.metrics import SnapshotMetrics
 from producer.offsets import OffsetStore
@@ -37,7 +37,7 @@ from producer.tablescan import (
     str_converters,
 )
 from walbus.config import ConfigError
-from walbus.contract import Lsn, decode_event, qualify_table
+from walbus.contract import MASK, Lsn, decode_event, qualify_table
 
 log = logging.getLogger("walbus.producer.snapshot")
 
@@ -329,9 +329,8 @@ class InitialSnapshot:
                     await sink.put(ev)
             gone = earlier.get(rel.qualified)
             if gone and rel.pk_index:
-                idx = rel.pk_index
                 for values in batch.rows:
-                    gone.discard(orjson.dumps([values[i] for i in idx]))
+                    gone.discard(snapshot_key(rel, values))
             n = len(batch.rows)
             result.rows += n
             result.per_table[rel.qualified] = result.per_table.get(rel.qualified, 0) + n
@@ -390,6 +389,13 @@ class InitialSnapshot:
             await consumer.stop()
         log.info("keys emitted by the interrupted snapshot", extra={"tables": {t: len(k) for t, k in keys.items()}})
         return keys
+
+
+def snapshot_key(rel: Relation, values: list[Any]) -> bytes:
+    """A row's primary key as :func:`emitted_read_key` reads it back from the topic (a masked
+    key column is ``MASK`` there)."""
+    masked = rel.masked
+    return orjson.dumps([MASK if i in masked and values[i] is not None else values[i] for i in rel.pk_index])
 
 
 def emitted_read_key(value: bytes) -> tuple[str, bytes] | None:

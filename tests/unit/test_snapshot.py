@@ -10,7 +10,7 @@ import pytest
 
 from producer.codec import CaptureFilter, EncodedEvent, EventEncoder, Relation, text_converter
 from producer.incremental import ChunkWindow, Position
-from producer.snapshot import _deletes, emitted_read_key
+from producer.snapshot import _deletes, emitted_read_key, snapshot_key
 from producer.tablescan import ScanTable, convert_line, convert_row, copy_field, str_converters
 from walbus.contract import RowImage, decode_event, encode_event, event_key
 
@@ -154,3 +154,21 @@ def test_resumed_snapshot_keys_of_a_table_with_an_excluded_key_column() -> None:
     table = ScanTable(whole, "r", ["int4", "text", "int4"])
     (gone,) = _deletes(enc, table, {read[1]}, 500)
     assert decode_event(gone.value).identity == RowImage(("a", "b"), ("int4", "text"), (1, 2))
+
+
+def test_a_redone_snapshot_keeps_rows_whose_key_column_is_masked() -> None:
+    """The redo compares each row it reads with the keys the interrupted attempt emitted, as
+    read back from the topic. A masked key column is '****' there: compared with the raw
+    value, no row matched and the redo emitted a delete for every row it had just read."""
+    rel = Relation(1, "public", "t", ["code", "v"], ["text", "int4"], [True, False], ["code"]).prepare(
+        CaptureFilter(mask_columns=("public.t.code",))
+    )
+    enc = EventEncoder()
+    enc.begin(500, 0, "2024-01-01T00:00:00.000000+00:00")
+    row = ["secret", 1]
+    read = emitted_read_key(enc.read(rel, 500, list(row)).value)
+    assert read is not None
+    assert read == ("public.t", b'["****"]')
+    assert snapshot_key(rel, row) == read[1]
+    plain = _relation(["id", "v"], ["id"])
+    assert snapshot_key(plain, [7, "x"]) == emitted_read_key(enc.read(plain, 500, [7, "x"]).value)[1]  # type: ignore[index]
