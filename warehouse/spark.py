@@ -61,6 +61,8 @@ def base_conf(*, shuffle_partitions: int = 4) -> dict[str, str]:
         # reads it, in the contract check's parse too (warehouse.read.checked)
         "spark.sql.variant.allowDuplicateKeys": "true",
         "spark.sql.shuffle.partitions": str(shuffle_partitions),
+        # a load writes several tables at once from driver threads, each in a pool of its own
+        "spark.scheduler.mode": "FAIR",
         # Delta reconstructs its snapshot with this many tasks (50 by default): far too many
         # for small tables on a few cores.
         "spark.databricks.delta.snapshotPartitions": str(max(shuffle_partitions, 1)),
