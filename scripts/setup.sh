@@ -23,7 +23,9 @@ if [ ${#need[@]} -gt 0 ]; then
 fi
 
 python3 -m pip install -q --disable-pip-version-check -e '.[test,warehouse]'
-# Spark's Delta and Kafka connector jars (spark.jars.packages) once, into Ivy's cache, so that
+# Spark's Delta and Kafka connector jars (spark.jars.packages, the versions that match the
+# installed pyspark and delta-spark: io.delta:delta-spark_4.2_2.13:4.4.0 and
+# org.apache.spark:spark-sql-kafka-0-10_2.13:4.2.0) once, into Ivy's cache, so that
 # the first `walbus warehouse load` or `walbus demo` does not resolve them; Ivy's output goes
 # to the Spark log file, not here.
 python3 -c '
