@@ -14,6 +14,7 @@ from producer.codec import CaptureFilter, EncodedEvent, EventEncoder, Relation, 
 from producer.decoders import TxnBegin, TxnEnd
 from producer.decoders.pgoutput import PgoutputDecoder
 from producer.progress import Progress
+from tests.support.catalog import StaticCatalog
 from walbus.config import ConfigError, load_config
 from walbus.contract import ContractError, Lsn, decode_event, encode_event, event_key
 from walbus.logs import redact_dsn
@@ -72,24 +73,16 @@ def _tuple(values: list[bytes | None]) -> bytes:
     return out
 
 
-class StaticCatalog:
-    """Type names of a few built-in OIDs (a table, not a database)."""
-
-    def __init__(self) -> None:
-        self.types = {23: "int4", 25: "text", 701: "float8"}
-
-    def typname(self, oid: int) -> str:
-        return self.types[oid]
-
-    def table(self, schema: str, name: str) -> TableInfo:
-        return TableInfo(schema, name, ("id", "t", "f"), (23, 25, 701), ("id",), "d", ("id",))
-
-    def remember_type(self, oid: int, name: str) -> None:
-        self.types[oid] = name
+def three_column_catalog() -> StaticCatalog:
+    """Type names of a few built-in OIDs; every table is (id int4, t text, f float8)."""
+    return StaticCatalog(
+        {23: "int4", 25: "text", 701: "float8"},
+        lambda schema, name: TableInfo(schema, name, ("id", "t", "f"), (23, 25, 701), ("id",), "d", ("id",)),
+    )
 
 
 def test_pgoutput_decoder_from_bytes() -> None:
-    dec = PgoutputDecoder(StaticCatalog(), CaptureFilter())
+    dec = PgoutputDecoder(three_column_catalog(), CaptureFilter())
     relation = b"R" + struct.pack(">I", 99) + b"public\0t\0d" + struct.pack(">H", 3)
     for flag, name, oid in [(1, b"id", 23), (0, b"t", 25), (0, b"f", 701)]:
         relation += bytes([flag]) + name + b"\0" + struct.pack(">Ii", oid, -1)

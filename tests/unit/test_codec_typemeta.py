@@ -12,6 +12,7 @@ from producer.catalog import TableInfo, modifiers_from_text, type_modifiers
 from producer.codec import CaptureFilter, EncodedEvent, EventEncoder, Relation
 from producer.decoders.pgoutput import PgoutputDecoder
 from producer.decoders.wal2json import Wal2jsonDecoder
+from tests.support.catalog import StaticCatalog
 from walbus.contract import decode_event
 
 # (typname, atttypmod, format_type's text, the event's modifier): atttypmod as PostgreSQL 15 stores it.
@@ -81,24 +82,15 @@ def test_a_relation_without_metadata_writes_none() -> None:
     assert "not_null" not in obj and "typmods" not in obj
 
 
-class Catalog:
+def current_catalog() -> StaticCatalog:
     """The catalog as it is now: amount numeric(12,2) NOT NULL, name varchar(40)."""
-
-    def __init__(self) -> None:
-        self.types = {23: "int4", 1700: "numeric", 1043: "varchar"}
-        self.info = TableInfo(
+    return StaticCatalog.of(
+        {23: "int4", 1700: "numeric", 1043: "varchar"},
+        TableInfo(
             "public", "t", ("id", "amount", "name"), (23, 1700, 1043), ("id",), "d", ("id",),
             (-1, ((12 << 16) | 2) + 4, 44), ("id", "amount"),
-        )
-
-    def typname(self, oid: int) -> str:
-        return self.types[oid]
-
-    def table(self, schema: str, name: str) -> TableInfo:
-        return self.info
-
-    def remember_type(self, oid: int, name: str) -> None:
-        self.types[oid] = name
+        ),
+    )
 
 
 def _relation_message(amount_typmod: int) -> bytes:
@@ -120,7 +112,7 @@ def _typmods(items: list[Any]) -> list[Any]:
 
 
 def test_pgoutput_takes_typmods_from_each_relation_message_and_not_null_from_the_catalog() -> None:
-    dec = PgoutputDecoder(Catalog(), CaptureFilter())
+    dec = PgoutputDecoder(current_catalog(), CaptureFilter())
     begin = b"B" + struct.pack(">QqI", 0x200, 0, 42)
     out = list(dec.decode([
         (1, begin), (2, _relation_message(((12 << 16) | 2) + 4)), (3, _pg_insert(b"1", b"1.50", b"a")),
@@ -143,7 +135,7 @@ def _w2j_insert(amount_type: str, amount: str, *, optional: bool | None = False)
 
 
 def test_wal2json_follows_the_declared_type_of_each_change() -> None:
-    dec = Wal2jsonDecoder(Catalog(), CaptureFilter())
+    dec = Wal2jsonDecoder(current_catalog(), CaptureFilter())
     begin = orjson.dumps({"action": "B", "xid": 5, "timestamp": "2026-01-01 00:00:00+00", "lsn": "0/20"})
     out = list(dec.decode([
         (1, begin), (2, _w2j_insert("numeric(12,2)", "1.50")), (3, _w2j_insert("numeric(12,2)", "2.50")),

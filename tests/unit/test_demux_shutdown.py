@@ -10,8 +10,12 @@ from demux.config import parse_config
 from demux.service import Demux
 
 
+def _demux() -> Demux:
+    return Demux(parse_config(["--kafka-bootstrap", "127.0.0.1:1", "--source-topic", "walbus.db"]))
+
+
 def test_stop_during_start_retries_ends_cleanly() -> None:
-    demux = Demux(parse_config(["--kafka-bootstrap", "127.0.0.1:1", "--source-topic", "walbus.db"]))
+    demux = _demux()
     attempts = 0
 
     async def start() -> None:
@@ -27,7 +31,7 @@ def test_stop_during_start_retries_ends_cleanly() -> None:
 
 
 def test_start_retries_until_it_succeeds() -> None:
-    demux = Demux(parse_config(["--kafka-bootstrap", "127.0.0.1:1", "--source-topic", "walbus.db"]))
+    demux = _demux()
     attempts = 0
 
     async def start() -> None:

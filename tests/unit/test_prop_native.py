@@ -15,6 +15,7 @@ from producer.catalog import TableInfo
 from producer.codec import CaptureFilter, EncodedEvent, text_converter
 from producer.decoders.pgoutput import PgoutputDecoder
 from producer.native import decode_tuple, switched_off
+from tests.support.catalog import StaticCatalog
 from tests.support.prop import FLOAT_SPECIALS, columns, strict
 from walbus.contract import qualify_table
 
@@ -63,25 +64,14 @@ def _tuple(cells: list[bytes | str | None]) -> bytes:
     return out
 
 
-class Tables:
-    """The catalog of one generated table (a table, not a database)."""
-
-    def __init__(self, cols: list[str], types: list[str], pk: list[str]) -> None:
-        self.info = TableInfo("s", "t", tuple(cols), tuple(TYPES[t] for t in types), tuple(pk), "d", tuple(pk))
-        self.types = {oid: name for name, oid in TYPES.items()}
-
-    def typname(self, oid: int) -> str:
-        return self.types[oid]
-
-    def table(self, schema: str, name: str) -> TableInfo:
-        return self.info
-
-    def remember_type(self, oid: int, name: str) -> None:
-        self.types[oid] = name
+def one_table(cols: list[str], types: list[str], pk: list[str]) -> StaticCatalog:
+    """The catalog of one generated table."""
+    info = TableInfo("s", "t", tuple(cols), tuple(TYPES[t] for t in types), tuple(pk), "d", tuple(pk))
+    return StaticCatalog.of({oid: name for name, oid in TYPES.items()}, info)
 
 
 @st.composite
-def streams(draw: st.DrawFn) -> tuple[Tables, CaptureFilter, list[tuple[int, bytes]]]:
+def streams(draw: st.DrawFn) -> tuple[StaticCatalog, CaptureFilter, list[tuple[int, bytes]]]:
     cols = draw(columns(1, 5))
     types = [draw(st.sampled_from(sorted(TYPES))) for _ in cols]
     pk = cols[: draw(st.integers(0, len(cols)))]
@@ -115,10 +105,10 @@ def streams(draw: st.DrawFn) -> tuple[Tables, CaptureFilter, list[tuple[int, byt
             msg = draw(st.sampled_from([msg[: draw(st.integers(5, len(msg)))], msg.replace(b"t\0", b"x\0", 1)]))
         msgs.append(msg)
     msgs.append(b"C" + struct.pack(">bQQq", 0, 0x900, 0x930, 12345))
-    return Tables(cols, types, pk), capture, [(0x100 + i, m) for i, m in enumerate(msgs)]
+    return one_table(cols, types, pk), capture, [(0x100 + i, m) for i, m in enumerate(msgs)]
 
 
-def outcome(native: bool, tables: Tables, capture: CaptureFilter, msgs: list[tuple[int, bytes]]) -> list[Any]:
+def outcome(native: bool, tables: StaticCatalog, capture: CaptureFilter, msgs: list[tuple[int, bytes]]) -> list[Any]:
     """Each item the decoder gives, then the error that stopped it (if one did)."""
     out: list[Any] = []
     try:
@@ -140,7 +130,7 @@ def test_the_native_path_is_there_where_it_can_be_built() -> None:
 
 @settings(max_examples=250)
 @given(streams())
-def test_native_and_pure_python_give_the_same_items(stream: tuple[Tables, CaptureFilter, list[tuple[int, bytes]]]) -> None:
+def test_native_and_pure_python_give_the_same_items(stream: tuple[StaticCatalog, CaptureFilter, list[tuple[int, bytes]]]) -> None:
     tables, capture, msgs = stream
     assert outcome(True, tables, capture, msgs) == outcome(False, tables, capture, msgs)
 
