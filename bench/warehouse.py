@@ -1,7 +1,6 @@
 """Warehouse load throughput on local[2]; prints JSON lines.
 
     python -m bench.warehouse [--kafka-bootstrap 127.0.0.1:9092] [--events 100000] [--tables 1,16,200]
-        [--sections transactions,wide,tables,incremental] [--profile]
 
 1. ``transactions``: N contract-v1 events of pgkafka's table (80% inserts, 15% updates,
    5% deletes, 500-event transactions) into a fresh topic, then one walbus load and the
@@ -14,10 +13,6 @@
 4. ``incremental``: 10,000 more events over an N-event table, and over one of N/10 events:
    the load time must not scale with the table's size.
 
-``--profile`` adds, after each measured load, the Spark jobs it ran (from Spark's event log):
-per call site, how many jobs and their summed wall time (jobs of concurrent table writers
-overlap, so the sum may exceed the load's seconds).
-
 Events are synthetic (written with record batches, as the producer would): this measures
 the loader, not the producer. Without --kafka-bootstrap, WALBUS_KAFKA_BOOTSTRAP or a
 local stack (``walbus dev``) is used.
@@ -27,8 +22,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import glob
-import os
 import random
 import shutil
 import tempfile
@@ -37,13 +30,10 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-import orjson
-
 from bench.common import emit, fill_topic, services
 from walbus.contract import encode_event, event_key
 from walbus.kafka import KafkaOptions
 
-SECTIONS = ("transactions", "wide", "tables", "incremental")
 TS = "2024-01-02T03:04:05.123456+00:00"
 TX_COLS = ["transaction_id", "user_id", "amount"]
 TX_TYPES = ["int4", "int4", "int4"]
@@ -111,76 +101,9 @@ def fill(bootstrap: str, topic: str, records: list[tuple[bytes, bytes]]) -> None
     asyncio.run(_fill(bootstrap, topic, records))
 
 
-class JobLog:
-    """Spark's own view of a load: the jobs it ran, read back from the event log."""
-
-    def __init__(self, directory: str | None) -> None:
-        self.directory = directory
-
-    def conf(self) -> dict[str, str]:
-        if self.directory is None:
-            return {}
-        return {"spark.eventLog.enabled": "true", "spark.eventLog.dir": self.directory, "spark.eventLog.compress": "false"}
-
-    def _events(self) -> list[dict[str, Any]]:
-        assert self.directory is not None
-        out: list[dict[str, Any]] = []
-        # Spark 4 rolls the log into files under one directory per application
-        for name in glob.glob(os.path.join(self.directory, "**", "events_*"), recursive=True):
-            with open(name, "rb") as fh:
-                for line in fh:
-                    if line.endswith(b"\n") and b'"SparkListenerJob' in line:  # a line being written is skipped
-                        out.append(orjson.loads(line))
-        return out
-
-    def jobs(self, since_ms: int, until_ms: int, top: int = 12) -> dict[str, Any]:
-        """Jobs submitted in [since_ms, until_ms]: per call site, count and summed seconds;
-        and the time no job ran (driver-only: planning, Delta log work, commits)."""
-        starts: dict[int, tuple[int, str]] = {}
-        ends: dict[int, int] = {}
-        for e in self._events():
-            if e["Event"] == "SparkListenerJobStart" and since_ms <= e["Submission Time"] <= until_ms:
-                props = e.get("Properties") or {}
-                # Delta's own jobs say what they are in their description ("Delta: …")
-                site = " @ ".join(filter(None, (props.get("spark.job.description"), props.get("callSite.short")))) or "?"
-                starts[e["Job ID"]] = (e["Submission Time"], site)
-            elif e["Event"] == "SparkListenerJobEnd":
-                ends[e["Job ID"]] = e["Completion Time"]
-        sites: dict[str, list[float]] = {}
-        spans: list[tuple[int, int]] = []
-        for job, (start, site) in starts.items():
-            end = ends.get(job, start)
-            spans.append((start, end))
-            entry = sites.setdefault(site, [0, 0.0])
-            entry[0] += 1
-            entry[1] += (end - start) / 1000
-        busy, cursor = 0, since_ms
-        for start, end in sorted(spans):
-            start = max(start, cursor)
-            if end > start:
-                busy += end - start
-                cursor = end
-        ranked = sorted(sites.items(), key=lambda kv: -kv[1][1])
-        return {
-            "jobs": len(starts), "jobs_busy_s": round(busy / 1000, 2),
-            "no_job_s": round((until_ms - since_ms - busy) / 1000, 2),
-            "by_call_site": [{"site": k, "jobs": int(v[0]), "s": round(v[1], 2)} for k, v in ranked[:top]],
-        }
-
-
-JOBS = JobLog(None)
-
-
-def _profiled(label: str, started_ms: int, out: dict[str, Any]) -> None:
-    if JOBS.directory is not None:
-        time.sleep(0.5)  # the event log is flushed at each job's end, on Spark's listener thread
-        emit(profile=label, seconds=out["seconds"], **JOBS.jobs(started_ms, int(time.time() * 1000)))
-
-
 def load(spark: Any, bootstrap: str, topic: str, warehouse: str) -> dict[str, Any]:
     from warehouse.job import LoadSpec, run_load
 
-    started_ms = int(time.time() * 1000)
     started = time.monotonic()
     result = run_load(spark, LoadSpec(KafkaOptions(kafka_bootstrap=bootstrap), topic, warehouse))
     seconds = time.monotonic() - started
@@ -194,7 +117,6 @@ def load(spark: Any, bootstrap: str, topic: str, warehouse: str) -> dict[str, An
         out.update(history_rows_added=summary.history_rows, current_inserted=summary.inserted,
                    current_updated=summary.updated)
         out["phases_s"].update(summary.seconds)
-    _profiled(f"walbus {topic}", started_ms, out)
     return out
 
 
@@ -202,13 +124,10 @@ def baseline(spark: Any, bootstrap: str, topic: str, root: str, columns: list[tu
     """The naive job (bench/warehouse_baseline.py) over the same topic, in the same session."""
     from bench import warehouse_baseline
 
-    started_ms = int(time.time() * 1000)
     started = time.monotonic()
     n = warehouse_baseline.run(spark, bootstrap, topic, f"{root}/baseline-{topic}", columns)
     seconds = time.monotonic() - started
-    out = {"events": n, "seconds": round(seconds, 2), "events_per_s": round(n / seconds)}
-    _profiled(f"baseline {topic}", started_ms, out)
-    return out
+    return {"events": n, "seconds": round(seconds, 2), "events_per_s": round(n / seconds)}
 
 
 def compare(spark: Any, bootstrap: str, topic: str, root: str, columns: list[tuple[str, str]]) -> dict[str, Any]:
@@ -248,28 +167,16 @@ def main() -> None:
     ap.add_argument("--driver-memory", default="3g")
     ap.add_argument("--skip-wide", action="store_true")
     ap.add_argument("--skip-incremental", action="store_true")
-    ap.add_argument("--sections", default=",".join(SECTIONS),
-                    help=f"sections to run after the warm-up (comma-separated, of {','.join(SECTIONS)})")
-    ap.add_argument("--profile", action="store_true", help="print each load's Spark jobs by call site")
     ap.add_argument("--tables", default="1,16", help="table counts of the many-tables load (comma-separated; empty: skip)")
     ap.add_argument("--tables-events", type=int, default=2_000, help="events of each many-tables load")
     args = ap.parse_args()
-    sections = set(filter(None, args.sections.split(","))) - ({"wide"} if args.skip_wide else set()) - (
-        {"incremental"} if args.skip_incremental else set())
-    if not args.tables:
-        sections.discard("tables")
-    if sections - set(SECTIONS):
-        ap.error(f"unknown sections: {sorted(sections - set(SECTIONS))}")
     from warehouse.spark import build_session
 
     with services() as (_, env_bootstrap):
         bootstrap = args.kafka_bootstrap or env_bootstrap
-        root = tempfile.mkdtemp(prefix="walbus-bench-warehouse-")
-        if args.profile:
-            JOBS.directory = os.path.join(root, "_eventlog")
-            os.makedirs(JOBS.directory)
         spark = build_session(master=args.master, shuffle_partitions=args.shuffle_partitions,
-                              conf={"spark.driver.memory": args.driver_memory, "spark.ui.enabled": "false", **JOBS.conf()})
+                              conf={"spark.driver.memory": args.driver_memory, "spark.ui.enabled": "false"})
+        root = tempfile.mkdtemp(prefix="walbus-bench-warehouse-")
         run = uuid.uuid4().hex[:8]
         try:
             emit(bench="warehouse", master=args.master, events=args.events, spark=spark.version,
@@ -280,19 +187,18 @@ def main() -> None:
             recs, _, _ = events(min(2_000, max(args.events // 10, 100)), "public.transactions", TX_COLS, TX_TYPES, tx_values)
             fill(bootstrap, topic, recs)
             emit(workload="warmup", **compare(spark, bootstrap, topic, root, list(zip(TX_COLS, TX_TYPES, strict=True))))
-            if "transactions" in sections:
-                topic = f"bench-wh-tx-{run}"
-                recs, _, _ = events(args.events, "public.transactions", TX_COLS, TX_TYPES, tx_values)
-                fill(bootstrap, topic, recs)
-                emit(workload="transactions", **compare(spark, bootstrap, topic, root, list(zip(TX_COLS, TX_TYPES, strict=True))))
-            if "wide" in sections:
+            topic = f"bench-wh-tx-{run}"
+            recs, _, _ = events(args.events, "public.transactions", TX_COLS, TX_TYPES, tx_values)
+            fill(bootstrap, topic, recs)
+            emit(workload="transactions", **compare(spark, bootstrap, topic, root, list(zip(TX_COLS, TX_TYPES, strict=True))))
+            if not args.skip_wide:
                 topic = f"bench-wh-wide-{run}"
                 recs, _, _ = events(args.events, "public.wide", [c for c, _ in WIDE], [t for _, t in WIDE], wide_values)
                 fill(bootstrap, topic, recs)
                 emit(workload="wide", columns=len(WIDE), **compare(spark, bootstrap, topic, root, WIDE))
-            if "tables" in sections:
+            if args.tables:
                 tables_sweep(spark, bootstrap, root, run, [int(t) for t in args.tables.split(",")], args.tables_events)
-            if "incremental" in sections:
+            if not args.skip_incremental:
                 incremental(spark, bootstrap, root, run, args.events, args.incremental)
         finally:
             spark.stop()

@@ -31,9 +31,7 @@ if command -v cargo >/dev/null; then
 else
   echo "setup: no cargo: the producer falls back to its pure-Python path (install Rust, then pip install ./native)"
 fi
-# Spark's Delta and Kafka connector jars (spark.jars.packages, the versions that match the
-# installed pyspark and delta-spark: io.delta:delta-spark_4.2_2.13:4.4.0 and
-# org.apache.spark:spark-sql-kafka-0-10_2.13:4.2.0) once, into Ivy's cache, so that
+# Spark's Delta and Kafka connector jars (spark.jars.packages) once, into Ivy's cache, so that
 # the first `walbus warehouse load` or `walbus demo` does not resolve them; Ivy's output goes
 # to the Spark log file, not here.
 python3 -c '

@@ -27,8 +27,8 @@ from pyspark.sql import functions as F
 from pyspark.sql.types import BooleanType, StructField
 
 from warehouse.frame import DELETED, META_FIELDS, POSITION, prev_name
-from warehouse.schema import SourceColumn, qcol, quote, sql_string
-from warehouse.txn import Txn, last_commit_metrics, table_properties
+from warehouse.schema import SourceColumn, qcol, quote, sql_string, table_properties
+from warehouse.txn import Txn, last_commit_metrics
 
 TRUNCATED_PROPERTY: Final = "walbus.truncatedAt"
 CURRENT_EXTRA_FIELDS: Final = (StructField(DELETED, BooleanType(), False),)
@@ -110,11 +110,9 @@ def merge_current(
     columns: Sequence[SourceColumn],
     txn: Txn,
     truncate: tuple[int, int] | None,
-    *,
-    empty: bool = False,
 ) -> CurrentResult:
-    """MERGE the load's latest action per key; ``empty``: the table was created by this
-    load and holds no rows, so every action is an insert and a plain append does it."""
+    from delta.tables import DeltaTable
+
     if txn.applied(spark, path):
         inserted = updated = deleted = 0
         skipped = True
@@ -124,65 +122,33 @@ def merge_current(
         if truncate is not None and (floor is None or truncate > floor):
             floor = truncate
         source = latest_actions(rows.where(_after(floor)), pk, columns).localCheckpoint()
+        cond: Column = F.lit(True)
+        for k in pk:
+            cond = cond & (F.col(f"t.{quote(k)}") == F.col(f"s.{quote(k)}"))
         bounds, deleted = _source_stats(source, pk[0])
-        if empty:
-            inserted, updated = _append(spark, path, source, txn), 0
-        else:
-            inserted, updated = _merge(spark, path, source, pk, columns, txn, bounds)
+        if bounds is not None:
+            # a target-only predicate: Delta prunes the files outside the load's key range
+            cond = cond & F.col(f"t.{quote(pk[0])}").between(F.lit(bounds[0]), F.lit(bounds[1]))
+        meta_names = [f.name for f in META_FIELDS]
+        all_cols = [*meta_names, *[c.name for c in columns], DELETED]
+        tombstone_set: dict[str, str | Column] = {quote(c): f"s.{quote(c)}" for c in [*meta_names, DELETED]}
+        full_set: dict[str, str | Column] = {quote(c): f"s.{quote(c)}" for c in all_cols}
+        (
+            DeltaTable.forPath(txn.tagged_session(spark), path)
+            .alias("t")
+            .merge(source.alias("s"), cond)
+            # a tombstone keeps the row's last values, with the delete's position
+            .whenMatchedUpdate(condition=f"{_newer('s', 't')} AND s.{DELETED}", set=tombstone_set)
+            .whenMatchedUpdate(condition=_newer("s", "t"), set=full_set)
+            .whenNotMatchedInsert(values=full_set)
+            .execute()
+        )
+        metrics = last_commit_metrics(spark, path)
+        inserted = int(metrics.get("numTargetRowsInserted", 0))
+        updated = int(metrics.get("numTargetRowsUpdated", 0))
     if truncate is not None:
         deleted += _apply_truncate(spark, path, truncate)
     return CurrentResult(inserted, updated, deleted, skipped)
-
-
-def _append(spark: SparkSession, path: str, source: DataFrame, txn: Txn) -> int:
-    """The latest actions into a table without rows (what the MERGE would insert, minus
-    its join); rows inserted."""
-    order = spark.read.format("delta").load(path).columns
-    (
-        source.select(*[qcol(c) for c in order])
-        .write.format("delta")
-        .mode("append")
-        .option("txnAppId", txn.app_id)
-        .option("txnVersion", txn.batch_id)
-        .save(path)
-    )
-    return int(last_commit_metrics(spark, path).get("numOutputRows", 0))
-
-
-def _merge(
-    spark: SparkSession,
-    path: str,
-    source: DataFrame,
-    pk: Sequence[str],
-    columns: Sequence[SourceColumn],
-    txn: Txn,
-    bounds: tuple[Any, Any] | None,
-) -> tuple[int, int]:
-    """The LSN-guarded MERGE of the latest actions; (rows inserted, rows updated)."""
-    from delta.tables import DeltaTable
-
-    cond: Column = F.lit(True)
-    for k in pk:
-        cond = cond & (F.col(f"t.{quote(k)}") == F.col(f"s.{quote(k)}"))
-    if bounds is not None:
-        # a target-only predicate: Delta prunes the files outside the load's key range
-        cond = cond & F.col(f"t.{quote(pk[0])}").between(F.lit(bounds[0]), F.lit(bounds[1]))
-    meta_names = [f.name for f in META_FIELDS]
-    all_cols = [*meta_names, *[c.name for c in columns], DELETED]
-    tombstone_set: dict[str, str | Column] = {quote(c): f"s.{quote(c)}" for c in [*meta_names, DELETED]}
-    full_set: dict[str, str | Column] = {quote(c): f"s.{quote(c)}" for c in all_cols}
-    (
-        DeltaTable.forPath(txn.tagged_session(spark), path)
-        .alias("t")
-        .merge(source.alias("s"), cond)
-        # a tombstone keeps the row's last values, with the delete's position
-        .whenMatchedUpdate(condition=f"{_newer('s', 't')} AND s.{DELETED}", set=tombstone_set)
-        .whenMatchedUpdate(condition=_newer("s", "t"), set=full_set)
-        .whenNotMatchedInsert(values=full_set)
-        .execute()
-    )
-    metrics = last_commit_metrics(spark, path)
-    return int(metrics.get("numTargetRowsInserted", 0)), int(metrics.get("numTargetRowsUpdated", 0))
 
 
 def _apply_truncate(spark: SparkSession, path: str, position: tuple[int, int]) -> int:

@@ -25,26 +25,13 @@ class HistoryResult:
 
 
 def write_history(
-    spark: SparkSession,
-    path: str,
-    rows: DataFrame,
-    columns: list[SourceColumn],
-    pk: list[str],
-    txn: Txn,
-    *,
-    empty: bool = False,
-    one_file: bool = False,
+    spark: SparkSession, path: str, rows: DataFrame, columns: list[SourceColumn], pk: list[str], txn: Txn
 ) -> HistoryResult:
     """Append the load's new events; with a primary key each row keeps the key it had before
-    the event (``_walbus_prev_<key>``), so a key-changing update says which row it moved.
-    ``empty``: the table was created by this load, so no row of it can be a duplicate.
-    ``one_file``: the rows are few enough for one sorted file (a global sort would first
-    sample them in a job of its own)."""
+    the event (``_walbus_prev_<key>``), so a key-changing update says which row it moved."""
     if txn.applied(spark, path):
         return HistoryResult(0, True)
     rows = rows.select(*table_columns(columns, pk)).dropDuplicates(list(POSITION))
-    if empty:
-        return _append(spark, path, rows, txn, one_file)
     bounds = rows.agg(F.min("pg_commit_lsn").alias("lo"), F.max("pg_commit_lsn").alias("hi")).first()
     if bounds is None or bounds["lo"] is None:
         return HistoryResult(0, False)
@@ -54,13 +41,9 @@ def write_history(
         .where(F.col("pg_commit_lsn").between(bounds["lo"], bounds["hi"]))
         .select(*POSITION)
     )
-    return _append(spark, path, rows.join(existing, list(POSITION), "left_anti"), txn, one_file)
-
-
-def _append(spark: SparkSession, path: str, fresh: DataFrame, txn: Txn, one_file: bool) -> HistoryResult:
-    ordered = fresh.repartition(1).sortWithinPartitions(*POSITION) if one_file else fresh.orderBy(*POSITION)
+    fresh = rows.join(existing, list(POSITION), "left_anti").orderBy(*POSITION)
     (
-        ordered.write.format("delta")
+        fresh.write.format("delta")
         .mode("append")
         .option("txnAppId", txn.app_id)
         .option("txnVersion", txn.batch_id)

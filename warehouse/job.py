@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
-import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from pyspark import StorageLevel
 from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
 
@@ -50,9 +50,10 @@ from warehouse.schema import (
     existing_columns,
     plan,
     table_exists,
+    table_properties,
 )
 from warehouse.toast import resolve_unchanged
-from warehouse.txn import Txn, table_properties
+from warehouse.txn import Txn
 
 log = logging.getLogger("walbus.warehouse")
 
@@ -62,12 +63,6 @@ HISTORY_PROPERTIES = {
     "delta.minReaderVersion": "2",
     "delta.minWriterVersion": "5",
 }
-
-
-# A table with at most this many events in a load is written as one sorted history file,
-# and its typed rows are computed twice (history, current) rather than materialized: for
-# few rows a Spark job costs more than the work it would save.
-SMALL_TABLE_EVENTS = 50_000
 
 
 class LoadError(Exception):
@@ -231,10 +226,8 @@ def _run_batch(
 def write_slice(spark: SparkSession, spec: LoadSpec, raw: DataFrame, txn: Txn, result: LoadResult) -> None:
     """One slice of the topic (Kafka rows) into every table, each write tagged with ``txn``:
     the whole of a batch load, and the body of each micro-batch of ``walbus warehouse stream``."""
+    events = parse_events(raw).persist(StorageLevel.MEMORY_AND_DISK)
     started = time.monotonic()
-    # Materialized once, as rows with a plan of their own: every later query (the meta, each
-    # table's writes) starts from them instead of re-planning the parse's large expressions.
-    events = parse_events(raw).localCheckpoint(eager=True)
     try:
         bad = events.where(invalid_events()).select("kafka_partition", "kafka_offset", INVALID).first()
         if bad is not None:
@@ -263,7 +256,7 @@ def write_slice(spark: SparkSession, spec: LoadSpec, raw: DataFrame, txn: Txn, r
                 "every run replays it until the table is fixed (or left out with --tables)."
             )
     finally:
-        release(events)
+        events.unpersist()
 
 
 def _load_tables(
@@ -279,9 +272,6 @@ def _load_tables(
     tables overlap those waits. Returns the schema-change failures (the other tables load)."""
 
     def load_one(meta: dict[str, Any]) -> str | None:
-        # one FAIR pool per writer thread: a big table's tasks do not queue the small jobs
-        # of the other tables behind them (Spark's default is FIFO across the session)
-        spark.sparkContext.setLocalProperty("spark.scheduler.pool", threading.current_thread().name)
         table = meta["table"]
         summary = summaries[table]
         try:
@@ -381,10 +371,9 @@ def _load_table(
         if missing:
             raise SchemaChangeError(f"{table}: primary-key column(s) {missing} missing from the events")
     history_meta = [*META_FIELDS, *prev_fields(schema_plan.columns, pk)]
-    history_created = ensure_table(spark, paths.history, history_meta, schema_plan, HISTORY_PROPERTIES)
-    current_created = False
+    ensure_table(spark, paths.history, history_meta, schema_plan, HISTORY_PROPERTIES)
     if pk:
-        current_created = ensure_table(
+        ensure_table(
             spark,
             paths.current,
             [*META_FIELDS, *CURRENT_EXTRA_FIELDS],
@@ -397,14 +386,11 @@ def _load_table(
     known = {c.name for c in columns}
     unchanged = [c for c in (meta["unchanged"] or []) if c in known and c not in pk]
     if pk and unchanged:
-        rows = resolve_unchanged(spark, rows, pk, unchanged, None if current_created else paths.current)
-    small = int(meta["events"]) <= SMALL_TABLE_EVENTS
-    materialized = not small or bool(pk and unchanged)
-    if materialized:  # computed once for the history append and the current MERGE
-        rows = rows.localCheckpoint(eager=True)
+        rows = resolve_unchanged(spark, rows, pk, unchanged, paths.current)
+    rows = rows.persist(StorageLevel.MEMORY_AND_DISK)
     try:
         started = time.monotonic()
-        history = write_history(spark, paths.history, rows, columns, pk, txn, empty=history_created, one_file=small)
+        history = write_history(spark, paths.history, rows, columns, pk, txn)
         summary.timed("history", started)
         summary.history_rows += history.written
         summary.already_loaded = history.skipped
@@ -412,21 +398,14 @@ def _load_table(
             truncate = meta["truncate"]
             position = (int(truncate["commit_lsn"]), int(truncate["seq"])) if truncate is not None else None
             started = time.monotonic()
-            current = merge_current(spark, paths.current, rows, pk, columns, txn, position, empty=current_created)
+            current = merge_current(spark, paths.current, rows, pk, columns, txn, position)
             summary.timed("current", started)
             summary.inserted += current.inserted
             summary.updated += current.updated
             summary.deleted += current.deleted
             summary.already_loaded = summary.already_loaded and current.skipped
     finally:
-        if materialized:
-            release(rows)
-
-
-def release(checkpointed: DataFrame) -> None:
-    """Free the blocks of a ``localCheckpoint()`` now, not at the JVM's next garbage
-    collection (a stream's micro-batches would pile them up meanwhile)."""
-    checkpointed._jdf.queryExecution().analyzed().rdd().unpersist(False)
+        rows.unpersist()
 
 
 def _check_primary_key(spark: SparkSession, table: str, path: str, pk: list[str]) -> None:

@@ -28,7 +28,7 @@ import orjson
 from pyspark.sql import SparkSession
 
 from warehouse.read import Offsets
-from warehouse.txn import jvm, read_file
+from warehouse.txn import jvm
 
 _NAME = re.compile(r"^(\d{20})\.(planned|committed)\.json$")
 
@@ -65,8 +65,19 @@ def last_load(spark: SparkSession, path: str) -> Load | None:
     if latest is None:
         return None
     state = "committed" if latest[1] else "planned"
-    obj = orjson.loads(read_file(spark, f"{path}/{latest[0]:020d}.{state}.json"))
+    obj = orjson.loads(_read(spark, f"{path}/{latest[0]:020d}.{state}.json"))
     return Load(latest[0], state, _offsets(obj["start"]), _offsets(obj["end"]))
+
+
+def _read(spark: SparkSession, path: str) -> bytes:
+    fs, hpath = _fs(spark, path)
+    stream = fs.open(hpath)
+    try:
+        gw = jvm(spark)
+        data = gw.org.apache.commons.io.IOUtils.toByteArray(stream)
+        return bytes(data)
+    finally:
+        stream.close()
 
 
 def record(spark: SparkSession, path: str, load: Load, summary: dict[str, Any] | None = None) -> None:

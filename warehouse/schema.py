@@ -23,7 +23,6 @@ from pyspark.sql import Column, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql.types import DataType, StructField, StructType
 
-from warehouse.txn import table_properties
 from warehouse.types import compatible, describe, spark_type, widest
 
 
@@ -116,6 +115,11 @@ def existing_columns(fields: Iterable[StructField], properties: Mapping[str, str
     ]
 
 
+def table_properties(spark: SparkSession, path: str) -> dict[str, str]:
+    rows = spark.sql(f"SHOW TBLPROPERTIES delta.{quote(path)}").collect()
+    return {r["key"]: r["value"] for r in rows}
+
+
 def quote(name: str) -> str:
     """A Spark SQL identifier for any name: backticks, inner backticks doubled."""
     return "`" + name.replace("`", "``") + "`"
@@ -138,9 +142,8 @@ def ensure_table(
     meta_fields: Iterable[StructField],
     schema_plan: SchemaPlan,
     properties: Mapping[str, str],
-) -> bool:
-    """Create the Delta table, or add the planned columns; record the pg types. True when
-    the table was created now (it holds no rows yet).
+) -> None:
+    """Create the Delta table, or add the planned columns; record the pg types.
 
     Each step is its own Delta commit and idempotent, so a crash between two of them is
     repaired by the next load.
@@ -155,7 +158,7 @@ def ensure_table(
         for key, value in props.items():
             builder = builder.property(key, value)
         builder.execute()
-        return True
+        return
     current = {f.name for f in spark.read.format("delta").load(path).schema.fields}
     # metadata fields too: a table written by an older walbus lacks the newer ones
     wanted = [*meta_fields, *(StructField(c.name, c.spark, True) for c in schema_plan.columns)]
@@ -164,21 +167,9 @@ def ensure_table(
         cols = ", ".join(f"{quote(f.name)} {f.dataType.simpleString()}" for f in missing)
         spark.sql(f"ALTER TABLE delta.{quote(path)} ADD COLUMNS ({cols})")
     old = table_properties(spark, path)
-    if any(not _holds(k, old.get(k), v) for k, v in props.items()):
+    if any(old.get(k) != v for k, v in props.items()):
         assignments = ", ".join(f"'{k}' = {sql_string(v)}" for k, v in props.items())
         spark.sql(f"ALTER TABLE delta.{quote(path)} SET TBLPROPERTIES ({assignments})")
-    return False
-
-
-_PROTOCOL_VERSIONS = ("delta.minReaderVersion", "delta.minWriterVersion")
-
-
-def _holds(key: str, old: str | None, wanted: str) -> bool:
-    """Whether the table's property already gives what walbus asks for: a protocol version
-    at least the one asked (deletion vectors raise the current table's to 3 and 7)."""
-    if key in _PROTOCOL_VERSIONS and old is not None:
-        return int(old) >= int(wanted)
-    return old == wanted
 
 
 def sql_string(value: str) -> str:

@@ -11,7 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import orjson
 from pyspark.sql import SparkSession
 
 
@@ -52,18 +51,6 @@ def _jvm_snapshot(spark: SparkSession, path: str) -> Any:
     return log.update(False, gw.scala.Option.empty(), gw.scala.Option.empty())
 
 
-def read_file(spark: SparkSession, path: str) -> bytes:
-    """A whole (small) file, read on the driver through the Hadoop FileSystem API: any
-    warehouse URI works and no Spark job is spent on it."""
-    gw = jvm(spark)
-    hpath = gw.org.apache.hadoop.fs.Path(path)
-    stream = hpath.getFileSystem(spark._jsparkSession.sessionState().newHadoopConf()).open(hpath)
-    try:
-        return bytes(gw.org.apache.commons.io.IOUtils.toByteArray(stream))
-    finally:
-        stream.close()
-
-
 def applied_version(spark: SparkSession, path: str, app_id: str) -> int:
     """The last txnVersion the table committed for ``app_id`` (-1: none, or no table)."""
     from delta.tables import DeltaTable
@@ -78,25 +65,9 @@ def applied_version(spark: SparkSession, path: str, app_id: str) -> int:
     return int(value.get()) if value.isDefined() else -1
 
 
-def table_properties(spark: SparkSession, path: str) -> dict[str, str]:
-    """The table's properties as SHOW TBLPROPERTIES lists the ones walbus sets (its
-    configuration and protocol versions), from the driver's snapshot: no Spark job."""
-    snapshot = _jvm_snapshot(spark, path)
-    configuration = jvm(spark).scala.jdk.javaapi.CollectionConverters.asJava(snapshot.metadata().configuration())
-    protocol = snapshot.protocol()
-    return {
-        **{str(k): str(v) for k, v in configuration.items()},
-        "delta.minReaderVersion": str(protocol.minReaderVersion()),
-        "delta.minWriterVersion": str(protocol.minWriterVersion()),
-    }
-
-
 def last_commit_metrics(spark: SparkSession, path: str) -> dict[str, str]:
-    """Operation metrics of the table's latest commit (the write just made: one writer),
-    from the commit's own file in the Delta log (DeltaTable.history() runs Spark jobs)."""
-    version = int(_jvm_snapshot(spark, path).version())
-    for line in read_file(spark, f"{path.rstrip('/')}/_delta_log/{version:020d}.json").splitlines():
-        action = orjson.loads(line)
-        if "commitInfo" in action:
-            return {str(k): str(v) for k, v in (action["commitInfo"].get("operationMetrics") or {}).items()}
-    return {}
+    """Operation metrics of the table's latest commit (the write just made: one writer)."""
+    from delta.tables import DeltaTable
+
+    row = DeltaTable.forPath(spark, path).history(1).select("operationMetrics").first()
+    return dict(row["operationMetrics"] or {}) if row is not None else {}

@@ -15,8 +15,8 @@ from pyspark.sql import functions as F
 from warehouse import layout
 from warehouse.current import latest_actions
 from warehouse.frame import DELETED, META_NAMES, prev_name
-from warehouse.schema import PRIMARY_KEY_PROPERTY, existing_columns, quote
-from warehouse.txn import jvm, table_properties
+from warehouse.schema import PRIMARY_KEY_PROPERTY, existing_columns, quote, table_properties
+from warehouse.txn import jvm
 
 
 def _list_dirs(spark: SparkSession, path: str) -> list[str]:
