@@ -30,6 +30,7 @@ from psycopg.conninfo import make_conninfo
 
 from walbus.contract import database_topic
 from walbus.contract import table_topic as contract_table_topic
+from walbus.logs import redact_dsn
 
 DATABASE_PREFIX = "walbus_demo"
 TABLE_DDL = "CREATE TABLE transactions (transaction_id INT PRIMARY KEY, user_id INT, amount INT)"
@@ -72,6 +73,12 @@ def step(n: int, total: int, text: str) -> None:
     print(f"\n[{n}/{total}] {text}", flush=True)
 
 
+def endpoints_text(dsn: str, bootstrap: str) -> str:
+    """Where the demo's stack listens, for the terminal: the password stays out (`walbus dev
+    env` prints the whole DSN for whoever asks for it)."""
+    return f"  postgres {redact_dsn(dsn)}\n  kafka    {bootstrap}"
+
+
 @contextlib.contextmanager
 def endpoints(state_dir: Path | None) -> Iterator[tuple[str, str]]:
     dsn, bootstrap = os.environ.get("WALBUS_PG_DSN"), os.environ.get("WALBUS_KAFKA_BOOTSTRAP")
@@ -86,7 +93,7 @@ def endpoints(state_dir: Path | None) -> Iterator[tuple[str, str]]:
     was_running = stack.postgres.running() and stack.kafka.running()
     with Ticker("local PostgreSQL + Kafka" + (" (running already)" if was_running else " (the first run fetches Kafka's jars)")):
         stack.up()
-    print(f"  postgres {stack.postgres.dsn}\n  kafka    {stack.kafka.bootstrap}")
+    print(endpoints_text(stack.postgres.dsn, stack.kafka.bootstrap))
     try:
         yield stack.postgres.dsn, stack.kafka.bootstrap
     finally:
