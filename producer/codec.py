@@ -199,18 +199,9 @@ def _to_bool(raw: bytes) -> bool:
     return raw == b"t"
 
 
-def text_converter(typname: str) -> Callable[[bytes], Any]:
-    if typname in INT_TYPES:
-        return int
-    if typname in FLOAT_TYPES:
-        return _to_float
-    if typname in BOOL_TYPES:
-        return _to_bool
-    return bytes.decode
-
-
 def text_kind(typname: str) -> bytes:
-    """:func:`text_converter`'s choice as the native path's letter: i(nt) f(loat) b(ool) t(ext)."""
+    """How a type's text becomes a JSON value, as a letter (the native path takes these):
+    i(nt) f(loat) b(ool) t(ext)."""
     if typname in INT_TYPES:
         return b"i"
     if typname in FLOAT_TYPES:
@@ -218,6 +209,14 @@ def text_kind(typname: str) -> bytes:
     if typname in BOOL_TYPES:
         return b"b"
     return b"t"
+
+
+_CONVERTERS: dict[bytes, Callable[[bytes], Any]] = {b"i": int, b"f": _to_float, b"b": _to_bool, b"t": bytes.decode}
+
+
+def text_converter(typname: str) -> Callable[[bytes], Any]:
+    """The pure-Python converter of :func:`text_kind`'s choice."""
+    return _CONVERTERS[text_kind(typname)]
 
 
 @dataclass(slots=True)
