@@ -36,6 +36,7 @@ from producer.tablescan import (
     select_chunk,
 )
 from walbus.contract import ContractError, qualify_table, split_table
+from walbus.retry import Backoff
 
 log = logging.getLogger("walbus.producer.incremental")
 
@@ -117,7 +118,7 @@ class Chunk:
     where: str | None = None  # the table's additional-conditions filter
     exhausted: bool = False
     skip_reason: str | None = None
-    failure: str | None = None  # the filtered query failed: the table is given up, not retried
+    failure: str | None = None  # the table's query failed (not the connection): given up, not retried
 
 
 class IncrementalSnapshot:
@@ -137,6 +138,7 @@ class IncrementalSnapshot:
         self._chunk: Chunk | None = None
         self._task: asyncio.Task[None] | None = None
         self._retry_at = 0.0
+        self._backoff = Backoff(initial=2.0, maximum=60.0)  # a lost connection or a failover: retried forever
         self._pending: list[list[Any]] = []  # [end_lsn | None, position doc | None], in order
         self._eager = False  # a signal changed the position in the transaction being decoded
         self._save_task: asyncio.Task[None] | None = None
@@ -446,27 +448,34 @@ class IncrementalSnapshot:
 
     def _chunk_read(self, task: asyncio.Task[None], *, chunk: Chunk) -> None:
         if task.cancelled() or task.exception() is None:
+            self._backoff.reset()
             if self._chunk is not chunk:
                 return
             if chunk.skip_reason is not None:
                 log.warning("table left out of the incremental snapshot", extra={"table": chunk.table, "reason": chunk.skip_reason})
                 self._give_up_table(chunk)
             elif chunk.failure is not None:
-                # Not retried: the same filter fails the same way. Streaming goes on.
+                # Not retried: the same query fails the same way (a filter's error, a missing
+                # SELECT right). The queue and streaming go on; a new signal tries it again.
                 log.error(
-                    "incremental snapshot of table failed: its additional-conditions filter does not work",
-                    extra={"table": chunk.table, "filter": (chunk.where or "")[:500], "error": chunk.failure,
+                    "incremental snapshot of table failed: its additional-conditions filter does not work"
+                    if chunk.where is not None else "incremental snapshot of table failed",
+                    extra={"table": chunk.table, "filter": (chunk.where or "")[:500] or None, "error": chunk.failure,
                            "after_key": chunk.after},
                 )
                 self.metrics.tables_failed.labels(KIND, chunk.table).inc()
                 self._give_up_table(chunk)
             return
-        log.warning("incremental snapshot chunk failed, retrying", extra={"table": chunk.table, "error": str(task.exception())})
         self.close()
         self._conn = None
         if self._chunk is chunk:
             self._chunk = None
-            self._retry_at = time.monotonic() + 2.0
+            self._backoff.failures += 1
+            delay = self._backoff.next_delay()
+            self._retry_at = time.monotonic() + delay
+            log.warning("incremental snapshot chunk failed, retrying",
+                        extra={"table": chunk.table, "error": str(task.exception()), "attempt": self._backoff.failures,
+                               "retry_in_s": round(delay, 3)})
 
     def _connection(self) -> psycopg.Connection[tuple[object, ...]]:
         if self._conn is None or self._conn.closed:
@@ -519,11 +528,13 @@ class IncrementalSnapshot:
             with self._read_only(conn, role, timeout):
                 return fetch_fields(conn, query)
         except psycopg.DatabaseError as e:
-            # With a filter, an error of the query (syntax, unknown column, type, division by
-            # zero, a write in the read-only transaction, the timeout) is the filter's: the
-            # table fails. A lost connection (OperationalError) is retried as always.
-            transient = isinstance(e, psycopg.OperationalError) and not isinstance(e, psycopg.errors.QueryCanceled)
-            if chunk.where is None or transient:
+            # An error of the query itself fails the table: with a filter, the filter's (syntax,
+            # unknown column, type, division by zero, a write in the read-only transaction, the
+            # timeout); without one, the table's (no SELECT right, row-level security). Retrying
+            # would block the queue behind it for good. A lost connection (OperationalError)
+            # is retried, as is a cancel that no filter timeout of ours asked for.
+            filtered = chunk.where is not None
+            if isinstance(e, psycopg.OperationalError) and not (filtered and isinstance(e, psycopg.errors.QueryCanceled)):
                 raise
             text = str(e).strip()
             chunk.failure = f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__

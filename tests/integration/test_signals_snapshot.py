@@ -181,3 +181,30 @@ async def test_filters_of_a_least_privileged_producer(pg_dsn: str, kafka_bootstr
         assert conn.execute("SELECT count(*) FROM side").fetchone() == (0,)
     events = await events_of(kafka_bootstrap, unique_name)
     assert sorted(e["values"][0] for e in events if e["operation"] == "read") == list(range(2, 31, 2))
+
+
+async def test_a_table_the_role_cannot_read_fails_without_blocking_the_queue(
+    pg_dsn: str, kafka_bootstrap: str, unique_name: str, role: str,  # noqa: F811
+) -> None:
+    """No SELECT right on a queued table (no filter): the chunk query fails the same way every
+    time, so the table fails (metric, log line) and the tables behind it are read. It used to
+    be retried every 2 s forever, and the snapshot never completed."""
+    sql(pg_dsn, SIGNAL_DDL,
+        "CREATE TABLE secret (id int PRIMARY KEY)", "CREATE TABLE open_one (id int PRIMARY KEY)",
+        "INSERT INTO secret SELECT generate_series(1, 20)", "INSERT INTO open_one SELECT generate_series(1, 25)",
+        f'CREATE ROLE "{role}" LOGIN REPLICATION PASSWORD \'{ROLE_PASSWORD}\'',
+        f'GRANT SELECT ON walbus_signal, open_one TO "{role}"',
+        f"CREATE PUBLICATION walbus_{unique_name} FOR ALL TABLES")
+    as_role = make_conninfo(pg_dsn, user=role, password=ROLE_PASSWORD)
+    async with running_producer(as_role, kafka_bootstrap, **producer_options(unique_name, 10)) as producer:
+        signal(pg_dsn, "sig-1", "execute-snapshot", {"data-collections": ["public.secret", "public.open_one"]})
+        reg = producer.registry
+        await wait_sample(reg, "walbus_snapshot_completed", {"kind": "incremental"}, 1, within=60)
+        assert reg.get_sample_value("walbus_snapshot_tables_failed_total", {"kind": "incremental", "table": "public.secret"}) == 1
+        assert reg.get_sample_value("walbus_snapshot_tables_failed_total", {"kind": "incremental", "table": "public.open_one"}) is None
+        # Streaming of the unreadable table goes on (pgoutput needs no SELECT right).
+        sql(pg_dsn, "INSERT INTO secret VALUES (100)")
+        await wait_slot_caught_up(pg_dsn, unique_name)
+    events = await events_of(kafka_bootstrap, unique_name)
+    assert sorted(e["values"][0] for e in events if e["operation"] == "read") == list(range(1, 26))
+    assert [e["values"] for e in events if e["operation"] == "insert" and e["table"] == "public.secret"] == [[100]]
