@@ -99,10 +99,17 @@ class Position:
     rows: int = 0
     filters: dict[str, str] = field(default_factory=dict)  # table: its additional-conditions filter (SQL)
     paused: bool = False  # pause-snapshot: no chunk is read until resume-snapshot
+    # Every execute-snapshot merged into this one after the first (signal_id): a replay of
+    # one of them must not queue again a table this snapshot has finished.
+    merged_signals: list[str] = field(default_factory=list)
+
+    def handled(self, sig_id: str) -> bool:
+        return sig_id == self.signal_id or sig_id in self.merged_signals
 
     @classmethod
     def load(cls, doc: dict[str, Any] | None) -> Position | None:
-        return None if not doc else cls(**doc)
+        # Fields a later version added are left out: a downgraded producer still resumes.
+        return None if not doc else cls(**{k: v for k, v in doc.items() if k in cls.__dataclass_fields__})
 
 
 @dataclass
@@ -363,7 +370,7 @@ class IncrementalSnapshot:
             filters = self._signal_filters(sig_id, payload, tables)
             if filters is None:
                 return
-            if sig_id in self._done_signals or (self.position is not None and self.position.signal_id == sig_id):
+            if sig_id in self._done_signals or (self.position is not None and self.position.handled(sig_id)):
                 return  # replayed after a restart: already done, or being resumed
             self._execute(sig_id, tables, filters)
         elif sig_type == "stop-snapshot":
@@ -382,6 +389,8 @@ class IncrementalSnapshot:
             pos = self.position = Position(sig_id, [], started_at=datetime.now(UTC).isoformat(timespec="seconds"))
             self._started = time.monotonic()
             self.metrics.begin(KIND, 0)
+        elif not pos.handled(sig_id):
+            pos.merged_signals = [*pos.merged_signals[-99:], sig_id]
         # A table already queued keeps the filter it was queued with.
         added = [t for t in dict.fromkeys(tables) if t not in pos.tables]
         pos.tables += added
@@ -660,7 +669,7 @@ class IncrementalSnapshot:
         self.metrics.paused.labels(KIND).set(0)
         if not aborted:
             log.info("incremental snapshot completed", extra={"signal": pos.signal_id, "rows": pos.rows, "seconds": round(seconds, 3)})
-        self._done_signals = [*self._done_signals[-19:], pos.signal_id]
+        self._done_signals = [*self._done_signals, pos.signal_id, *pos.merged_signals][-100:]  # ids of ≤ 64 characters
         self.position = None
 
     # -- persistence -------------------------------------------------------------------------

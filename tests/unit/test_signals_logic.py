@@ -169,3 +169,25 @@ def test_signal_topic_option(monkeypatch: pytest.MonkeyPatch) -> None:
     assert load([*base, "--signal-topic", "ops.signals"]).signal_topic == "ops.signals"
     monkeypatch.setenv("WALBUS_PRODUCE_SIGNAL_TOPIC", "env.signals")
     assert load(base).signal_topic == "env.signals"
+
+
+def test_a_replayed_second_signal_does_not_queue_finished_tables_again() -> None:
+    """A second execute-snapshot joins the running one. After a restart the stream replays from
+    the confirmed position, which can lie before that signal while the saved position already
+    holds its effect: replayed, it must not queue again a table the snapshot has finished."""
+    inc, _ = _snapshot()
+    inc.signal("s1", "execute-snapshot", {"data-collections": ["public.orders"]})
+    inc.signal("s2", "execute-snapshot", {"data-collections": ["public.items", "public.more"]})
+    pos = inc.position
+    assert pos is not None and pos.tables == ["public.orders", "public.items", "public.more"]
+    inc._next_table()
+    inc._next_table()  # orders and items are done
+    resumed, _ = _snapshot({"incremental": asdict(pos)})
+    resumed.signal("s2", "execute-snapshot", {"data-collections": ["public.items", "public.more"]})  # the replay
+    assert resumed.position is not None and resumed.position.tables == ["public.more"]
+    # Once finished, both signals count as done: a replay of either starts nothing.
+    resumed._next_table()
+    resumed._finish(aborted=False)
+    for sig in ("s1", "s2"):
+        resumed.signal(sig, "execute-snapshot", {"data-collections": ["public.items"]})
+        assert resumed.position is None
