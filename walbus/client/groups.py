@@ -7,6 +7,7 @@ committed offset. Lag in seconds: how long ago the oldest record the group has n
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -62,9 +63,18 @@ async def group_lags(client_kwargs: Mapping[str, Any], *, topics: Sequence[str] 
     admin = AIOKafkaAdminClient(**kwargs)
     await admin.start()
     try:
+        groups = sorted({g for g, *_ in await admin.list_consumer_groups()})
+        # One OffsetFetch per group, a few in flight at once: a cluster with hundreds of
+        # groups answers in a few round trips, not hundreds in a row.
+        limit = asyncio.Semaphore(16)
+
+        async def offsets_of(group: str) -> Any:
+            async with limit:
+                return await admin.list_consumer_group_offsets(group)
+
         committed: dict[tuple[str, str], dict[TopicPartition, int]] = {}
-        for group, *_ in await admin.list_consumer_groups():
-            for tp, om in (await admin.list_consumer_group_offsets(group)).items():
+        for group, offsets in zip(groups, await asyncio.gather(*(offsets_of(g) for g in groups)), strict=True):
+            for tp, om in offsets.items():
                 if om.offset >= 0 and _wanted(tp.topic, topics, prefix):
                     committed.setdefault((group, tp.topic), {})[tp] = om.offset
     finally:
@@ -78,11 +88,14 @@ async def group_lags(client_kwargs: Mapping[str, Any], *, topics: Sequence[str] 
         ends: dict[TopicPartition, int] = await consumer.end_offsets(all_tps)
         now_ms = time.time() * 1000
         out: list[GroupLag] = []
+        ages: dict[tuple[TopicPartition, int], float] = {}  # groups at the same position: one fetch
         for (group, topic), offsets in sorted(committed.items()):
             parts = []
             for tp, offset in sorted(offsets.items()):
                 behind = max(ends[tp] - offset, 0)
-                seconds = await _age_at(consumer, tp, offset, now_ms) if behind else 0.0
+                if behind and (tp, offset) not in ages:
+                    ages[tp, offset] = await _age_at(consumer, tp, offset, now_ms)
+                seconds = ages[tp, offset] if behind else 0.0
                 parts.append(PartitionLag(tp.partition, offset, ends[tp], behind, seconds))
             out.append(GroupLag(group, topic, tuple(parts)))
         return out
