@@ -154,9 +154,9 @@ def profile_summary(prof: cProfile.Profile, top: int) -> list[dict[str, Any]]:
 # counted in the stage of the Python function that called them.
 STAGES: list[tuple[str, tuple[str, ...]]] = [
     ("re-keying (demux.rekey: msgspec decode, key and row JSON)", ("demux/rekey.py",)),
-    # demux/aiokafka_adapter.py is mostly the demux' own fetch path (runs of records): fetch work.
-    ("fetch (aiokafka consumer and demux.aiokafka_adapter: batch unpacking, CRC, records or runs)",
-     ("aiokafka/consumer/", "aiokafka/record/", "demux/aiokafka_adapter.py")),
+    # walbus/aiokafka_shortcuts.py is mostly the demux' own fetch path (runs of records): fetch work.
+    ("fetch (aiokafka consumer and walbus.aiokafka_shortcuts: batch unpacking, CRC, records or runs)",
+     ("aiokafka/consumer/", "aiokafka/record/", "walbus/aiokafka_shortcuts.py")),
     ("batch append (aiokafka BatchBuilder)", ("producer/message_accumulator.py",)),
     ("produce requests and transactions (aiokafka sender, protocol encoding, CRC32C)",
      ("aiokafka/producer/", "aiokafka/protocol/", "aiokafka/client.py")),

@@ -22,12 +22,12 @@ from aiokafka.errors import (
 )
 from prometheus_client import CollectorRegistry
 
-from demux.aiokafka_adapter import SHORTCUTS, flatten, read_in_runs
 from demux.config import DemuxConfig, parse_config
 from demux.metrics import DemuxMetrics
 from demux.rekey import Rekeyer
 from demux.topics import TopicManager
 from demux.worker import PartitionWorker
+from walbus.aiokafka_shortcuts import SHORTCUTS, flatten, read_in_runs
 from walbus.config import describe
 from walbus.kafka import KafkaAdmin, wait_for_broker
 from walbus.logs import setup_logging
@@ -152,7 +152,7 @@ class Demux:
         try:
             if not await self._start_with_retry(consumer.start, "consumer"):
                 return  # stopped (SIGTERM) before the consumer could start
-            # Records in runs, without a ConsumerRecord each: see demux.aiokafka_adapter.
+            # Records in runs, without a ConsumerRecord each: see walbus.aiokafka_shortcuts.
             self.metrics.aiokafka_shortcuts.labels("runs").set(read_in_runs(consumer))
             if cfg.source_topic not in await consumer.topics():
                 log.warning("source topic does not exist yet; waiting for it", extra={"topic": cfg.source_topic})

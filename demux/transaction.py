@@ -15,8 +15,8 @@ from typing import Any
 
 from aiokafka import AIOKafkaProducer, TopicPartition
 
-from demux.aiokafka_adapter import OutputBatch, fenced
 from demux.metrics import DemuxMetrics
+from walbus.aiokafka_shortcuts import OutputBatch, fenced
 from walbus.kafka import DEFAULT_MAX_MESSAGE_BYTES, RECORD_OVERHEAD_BYTES
 
 log = logging.getLogger("walbus.demux")

@@ -20,7 +20,6 @@ from typing import Any
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.errors import KafkaError
 
-from demux.aiokafka_adapter import NO_HEADERS, SHORTCUTS, SourceRecord
 from demux.config import DemuxConfig
 from demux.dead_letter import dead_letter_record
 from demux.ktable import read_ktable_raw
@@ -30,6 +29,7 @@ from demux.rekey import FastRecord, OutRecord, Rekeyed, Rekeyer, RekeyError, sin
 from demux.state import StateStore
 from demux.topics import TopicInfo, TopicManager
 from demux.transaction import PartitionTransaction
+from walbus.aiokafka_shortcuts import NO_HEADERS, SHORTCUTS, SourceRecord
 from walbus.contract import ChangeEvent, ContractError
 from walbus.kafka import partition_for, record_fits
 
@@ -227,7 +227,7 @@ class PartitionWorker:
                     keep = table in tracked
                     if parts == 1:  # batches and tracked tables change only outside this loop
                         cur_topic, cur_batch, cur_keep = topic, batch, keep
-                if direct:  # aiokafka's Cython builder (demux.aiokafka_adapter.OutputBatch)
+                if direct:  # aiokafka's Cython builder (walbus.aiokafka_shortcuts.OutputBatch)
                     rel = batch.count
                     if batch.records.append(rel, None, out_key, out_value, no_headers) is None:
                         return i, hit  # full

@@ -388,6 +388,24 @@ def decode_event_as(value: bytes | str, cls: type[_E]) -> _E:
     return _decode_checked(value, cls) if event is None else event
 
 
+def decode_keyed_event_as(key: bytes | None, value: bytes | None, cls: type[_E]) -> _E:
+    """The event of a database-topic record whose key is its own position (else
+    :class:`ContractError`), as :func:`decode_event_as` builds it: the consumers' hot path."""
+    if value is None:
+        raise ContractError("record without a value")
+    try:
+        wire = _decode_wire(value)
+    except (msgspec.DecodeError, ValueError, RecursionError):
+        event = _decode_checked(value, cls)
+    else:
+        built = _from_wire(wire, cls)
+        event = _decode_checked(value, cls) if built is None else built
+    commit_lsn, seq = event.commit_lsn, event.seq
+    if key != _KEY_BYTES_FORMAT % (commit_lsn, seq):
+        check_key(key, event)  # raises unless the key is another text of the position, with its message
+    return event
+
+
 def _decode_checked(value: bytes | str, cls: type[_E]) -> _E:
     """The reference decoder: every check in the order the messages promise."""
     try:
@@ -545,11 +563,12 @@ def _from_wire(w: _WireEvent, cls: type[_E]) -> _E | None:
     columns, types, values = w.columns, w.types, w.values
     new: RowImage | None = None
     if columns is not msgspec.UNSET:
-        if types is msgspec.UNSET or values is msgspec.UNSET:
+        if types is msgspec.UNSET or values is msgspec.UNSET or not len(columns) == len(types) == len(values):
             return None
-        new = _wire_image(columns, types, values)
-        if new is None:
-            return None
+        new = _new(RowImage)
+        _set_columns(new, columns)
+        _set_types(new, types)
+        _set_values(new, values)
     elif w.operation in ROW_OPERATIONS:
         return None
     ident = w.identity

@@ -1,4 +1,4 @@
-"""The demux' shortcuts through aiokafka's internals (demux.aiokafka_adapter) and its version guard.
+"""The demux' shortcuts through aiokafka's internals (walbus.aiokafka_shortcuts) and its version guard.
 
 The unit tests fail when an aiokafka upgrade changes what the adapter relies on;
 runs of aiokafka's records equal its ConsumerRecords against the real broker, on a
@@ -24,11 +24,11 @@ from aiokafka.producer.transaction_manager import TransactionState
 from aiokafka.record.memory_records import MemoryRecords
 
 import demux.service
-from demux import aiokafka_adapter as adapter
 from demux.config import DemuxConfig
 from demux.service import Demux
 from tests.support.demux import ev
 from tests.support.kafka import create_topic, end_offsets, produce, read_records
+from walbus import aiokafka_shortcuts as adapter
 from walbus.metrics import new_registry
 
 Row = tuple[int, bytes | None, bytes | None]

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
-from typing import Any, Protocol
+from typing import Any, Final, Protocol
 
 from aiokafka import TopicPartition
 
@@ -70,15 +71,10 @@ class FeedEvent(ChangeEvent):
 
 _CHANGE_FIELDS = tuple(f.name for f in fields(ChangeEvent))
 _set = object.__setattr__
-_set_attempt = FeedEvent.__dict__["attempt"].__set__
-_set_settler = FeedEvent.__dict__["_settler"].__set__
-
-
-def deliverable(event: FeedEvent, attempt: int, settler: _Settler | None) -> FeedEvent:
-    """Fill in the FeedEvent's own fields of one built by ``contract.decode_event_as``."""
-    _set_attempt(event, attempt)
-    _set_settler(event, settler)
-    return event
+# The FeedEvent's own fields, set on one built by ``contract.decode_event_as`` (which leaves
+# them unset): its slots' setters, called directly (the class is frozen).
+set_attempt: Final[Callable[[FeedEvent, int], None]] = FeedEvent.__dict__["attempt"].__set__
+set_settler: Final[Callable[[FeedEvent, _Settler | None], None]] = FeedEvent.__dict__["_settler"].__set__
 
 
 def feed_event(event: ChangeEvent, attempt: int, settler: _Settler | None) -> FeedEvent:

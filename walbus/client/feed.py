@@ -34,6 +34,7 @@ from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.errors import ConsumerStoppedError, KafkaError
 from prometheus_client import CollectorRegistry
 
+from walbus.aiokafka_shortcuts import read_in_runs
 from walbus.client._connect import client_kwargs as _client_kwargs
 from walbus.client._connect import read_records, topic_partitions
 from walbus.client.acks import acked_prefix
@@ -45,7 +46,9 @@ from walbus.client.deadletters import (
     origin_of,
     replay_topic,
 )
-from walbus.client.event import FeedEvent, deliverable, feed_event
+from walbus.client.event import FeedEvent, feed_event
+from walbus.client.event import set_attempt as _set_attempt
+from walbus.client.event import set_settler as _set_settler
 from walbus.client.filters import EventFilter
 from walbus.client.metrics import client_metrics
 from walbus.client.parallel import Dispatcher
@@ -267,6 +270,7 @@ class Feed:
         self._lookahead: _Record | None = None  # transactions(): first record of the next one
         self._holding = False  # transactions(): a transaction is being gathered
         self._mode: Literal["events", "transactions"] | None = None
+        self._runs = False  # the consumer hands over runs of records (aiokafka shortcut)
         self._last_commit = 0.0
         self._stopping = False
         self._auto_ack = auto_ack
@@ -326,6 +330,9 @@ class Feed:
         except BaseException:
             await self._close_clients()  # a failed start leaves the clients' connections open
             raise
+        # One list of records per record batch, without a ConsumerRecord each
+        # (walbus.aiokafka_shortcuts); each record is still decoded only when it is reached.
+        self._runs = read_in_runs(consumer)
         self._loop = asyncio.get_running_loop()
         self._last_commit = self._loop.time()
 
@@ -381,8 +388,10 @@ class Feed:
     async def __anext__(self) -> FeedEvent:
         if self._mode != "events" or self._consumer is None:
             self._use_mode("events")
-        self._finish_current()
-        return self._take_buffered() or await self._next_event()
+        if self._last is not None or self._current is not None:
+            self._finish_current()
+        event = self._take_buffered()
+        return event if event is not None else await self._next_event()
 
     def _take_buffered(self) -> FeedEvent | None:
         """The next event if it is already fetched and nothing else is due (no await: the hot path).
@@ -439,13 +448,15 @@ class Feed:
         """Hand a newly read record's event to the caller (built as a FeedEvent in events mode)."""
         state = rec.state
         state.inflight.append(rec)
-        if state.delivered is None or rec.position > state.delivered:
+        delivered = state.delivered
+        if delivered is None or rec.position > delivered:
             state.delivered = rec.position
         self.stats.delivered += 1
         self._last = rec
-        event = rec.event
-        assert isinstance(event, FeedEvent)  # _accept decodes FeedEvents in events mode
-        return deliverable(event, 1, rec)
+        event: Any = rec.event  # a FeedEvent: _accept decodes FeedEvents in events mode
+        _set_attempt(event, 1)
+        _set_settler(event, rec)
+        return event  # type: ignore[no-any-return]
 
     async def run(self, handler: Callable[[FeedEvent], Awaitable[None]], *, concurrency: int = 1) -> None:
         """Call ``handler`` for every event until the feed ends (``until_end``) or is cancelled.
@@ -508,7 +519,16 @@ class Feed:
         state = rec.state
         if self._parts.get(state.tp) is not state:
             return  # revoked meanwhile: the new owner takes it from the last commit
-        done = acked_prefix(state.inflight)
+        inflight = state.inflight
+        if len(inflight) == 1 and inflight[0] is rec:  # acked in order, the usual case
+            inflight.pop()
+            if state.done_offset is None or rec.offset >= state.done_offset:
+                state.done_offset = rec.offset + 1
+                position = state.done_position
+                if position is None or rec.position > position:
+                    state.done_position = rec.position
+            return
+        done = acked_prefix(inflight)
         if done is not None and (state.done_offset is None or done[0] > state.done_offset):
             state.done_offset = done[0]
             state.done_position = done[1] if state.done_position is None or done[1] > state.done_position else state.done_position
@@ -663,10 +683,15 @@ class Feed:
                 raise _Stopped from None
             if batches and self._unloaded:
                 await self._load_new_partitions()
+            runs = self._runs
             for tp, msgs in batches.items():
                 state = self._parts.get(tp)
                 if state is not None:
-                    state.buffer.extend(msgs)
+                    if runs:
+                        for run in msgs:
+                            state.buffer.extend(run)
+                    else:
+                        state.buffer.extend(msgs)
 
     def _next_buffered(self) -> _PartitionState | None:
         """The partition whose next buffered record has the lowest key: merges partitions in commit order."""
@@ -689,7 +714,7 @@ class Feed:
             # In events mode the event is built as the FeedEvent it will be handed out as.
             event = valid_event_as(msg.key, msg.value, FeedEvent if self._mode == "events" else ChangeEvent)
         except ContractError as e:
-            self._skip_invalid(msg, e)
+            self._skip_invalid(state.tp, msg, e)
             return None
         position = (event.commit_lsn, event.seq)
         if not state.replay:
@@ -704,15 +729,15 @@ class Feed:
         wanted = self._wants_all or self.filter.wants(event.table, event.operation)
         return _Record(state, msg.offset, position, event, wanted, msg)
 
-    def _skip_invalid(self, msg: Any, error: ContractError) -> None:
+    def _skip_invalid(self, tp: TopicPartition, msg: Any, error: ContractError) -> None:
         # Skipped for good (its offset is committed with the next ones), but never silently.
         self.stats.invalid_skipped += 1
-        self._metrics.invalid_records.labels("feed", msg.topic).inc()
+        self._metrics.invalid_records.labels("feed", tp.topic).inc()
         log.error(
             "skipping a record that is not a valid walbus v1 event",
             extra={
-                "topic": msg.topic,
-                "partition": msg.partition,
+                "topic": tp.topic,
+                "partition": tp.partition,
                 "offset": msg.offset,
                 "key": repr(msg.key[:40]) if msg.key is not None else None,
                 "error": str(error),

@@ -18,8 +18,7 @@ from typing import TypeVar
 from walbus.contract import (
     ChangeEvent,
     ContractError,
-    check_key,
-    decode_event_as,
+    decode_keyed_event_as,
     event_key,
     parse_event_key,
 )
@@ -41,12 +40,7 @@ def valid_event(key: bytes | None, value: bytes | None) -> ChangeEvent:
 
 def valid_event_as(key: bytes | None, value: bytes | None, cls: type[_E]) -> _E:
     """:func:`valid_event` as an instance of ``cls`` (``contract.decode_event_as``)."""
-    if value is None:
-        raise ContractError("record without a value")
-    event = decode_event_as(value, cls)
-    if key != event_key(event.commit_lsn, event.seq):  # the one text of that position: check_key's test, faster
-        check_key(key, event)  # raises, with its message
-    return event
+    return decode_keyed_event_as(key, value, cls)
 
 
 def position_of_key(key: bytes | None) -> Position | None:

@@ -1,16 +1,16 @@
-"""Every use the demux makes of aiokafka's internals, in one place, with its version guard.
+"""Every use walbus makes of aiokafka's internals, in one place, with its version guard.
 
 Three shortcuts, each with a public-API path that is slower but equally correct
 (docs/demux.md, "aiokafka shortcuts"):
 
-* runs: the demux' consumer hands over one list of aiokafka's Cython records per
-  record batch instead of one ConsumerRecord each (scoped to one consumer);
+* runs: a consumer (the demux', a Feed's) hands over one list of aiokafka's Cython
+  records per record batch instead of one ConsumerRecord each (scoped to one consumer);
 * direct append: records go into aiokafka's Cython batch builder without its
   per-record Python wrapper;
 * fenced probe: whether a transactional producer is fenced or broken.
 
 A shortcut is taken only when the installed aiokafka is one of CHECKED_VERSIONS and
-a probe of the internals it needs passes; otherwise the demux logs once and takes
+a probe of the internals it needs passes; otherwise walbus logs once and takes
 the public path (slower, not wrong): an upgrade must not stop the stream.
 tests/integration/test_demux_fetch.py fails when an aiokafka upgrade changes what this relies on.
 """
@@ -34,7 +34,7 @@ from aiokafka.producer.message_accumulator import BatchBuilder
 from aiokafka.producer.transaction_manager import TransactionManager
 from aiokafka.record.memory_records import MemoryRecords
 
-log = logging.getLogger("walbus.demux")
+log = logging.getLogger("walbus.kafka")
 
 # (major, minor) releases whose internals the shortcuts were read against and tested with.
 CHECKED_VERSIONS: Final = ((0, 14),)
@@ -43,7 +43,7 @@ NO_HEADERS: Final[list[tuple[str, bytes]]] = []
 
 
 class SourceRecord(Protocol):
-    """What the demux reads of a source record: a ConsumerRecord or aiokafka's Cython record."""
+    """What walbus reads of a source record: a ConsumerRecord or aiokafka's Cython record."""
 
     @property
     def offset(self) -> int: ...
@@ -272,13 +272,13 @@ class Shortcuts:
 
 def _decide(version: str) -> Shortcuts:
     if not version_checked(version):
-        log.warning("aiokafka %s is not one the demux' shortcuts were checked against; using its public API "
+        log.warning("aiokafka %s is not one walbus's shortcuts were checked against; using its public API "
                     "(slower)", version, extra={"aiokafka": version, "checked": [list(v) for v in CHECKED_VERSIONS]})
         return Shortcuts(version, runs=False, direct_append=False, fenced=False)
     shortcuts = Shortcuts(version, runs=_probe_runs(), direct_append=_probe_direct_append(), fenced=_probe_fenced())
     off = [name for name, on in shortcuts.as_labels().items() if not on]
     if off:
-        log.warning("aiokafka's internals are not what the demux' shortcuts expect; using its public API for them "
+        log.warning("aiokafka's internals are not what walbus's shortcuts expect; using its public API for them "
                     "(slower)", extra={"aiokafka": version, "shortcuts_off": off})
     return shortcuts
 
