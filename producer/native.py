@@ -9,10 +9,10 @@ it does not handle, and the caller then takes the pure-Python path, which decide
 from __future__ import annotations
 
 import functools
-import importlib
 import logging
-import os
 from typing import Any, Protocol, cast
+
+from walbus.native import native_module, switched_off
 
 log = logging.getLogger("walbus.producer.native")
 
@@ -30,24 +30,17 @@ class EncodeInserts(Protocol):
     ) -> list[tuple[list[object], bytes]]: ...
 
 
-def switched_off() -> bool:
-    """``WALBUS_NATIVE=0`` (or false, no, off): pure Python even where the extension is installed."""
-    return os.environ.get("WALBUS_NATIVE", "1").strip().lower() in ("0", "false", "no", "off")
-
-
 @functools.cache
 def _module() -> Any:
-    """The extension, or None for the pure-Python path (decided, and logged, on the first
-    call: after logging is set up)."""
-    if switched_off():
+    """The extension, or None for the pure-Python path (logged on the first call: after
+    logging is set up)."""
+    module = native_module()
+    if module is not None:
+        log.info("native hot path on", extra={"extension": module.__name__})
+    elif switched_off():
         log.info("native hot path off (WALBUS_NATIVE=0): pure Python")
-        return None
-    try:
-        module = importlib.import_module("walbus_native")
-    except ImportError:
+    else:
         log.info("native hot path not installed (pip install ./native builds it): pure Python")
-        return None
-    log.info("native hot path on", extra={"extension": module.__name__})
     return module
 
 

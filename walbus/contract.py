@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+import sys
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, fields
 from fnmatch import fnmatchcase
@@ -22,6 +23,8 @@ from typing import Annotated, Any, Final, Literal, TypeVar
 
 import msgspec
 import orjson
+
+from walbus.native import native_module
 
 CONTRACT_VERSION: Final = 1
 
@@ -380,6 +383,10 @@ def decode_event_as(value: bytes | str, cls: type[_E]) -> _E:
     The subclass's own fields are left unset, for the caller to fill (the client's FeedEvent
     is built so, without copying a ChangeEvent's fields over).
     """
+    if _decode_native is not None and type(value) is bytes:
+        native = _decode_native(value, cls)
+        if native is not None:
+            return native  # type: ignore[no-any-return]
     try:
         wire = _decode_wire(value)
     except (msgspec.DecodeError, ValueError, RecursionError):  # ValueError: bad UTF-8; the full path says why
@@ -393,13 +400,9 @@ def decode_keyed_event_as(key: bytes | None, value: bytes | None, cls: type[_E])
     :class:`ContractError`), as :func:`decode_event_as` builds it: the consumers' hot path."""
     if value is None:
         raise ContractError("record without a value")
-    try:
-        wire = _decode_wire(value)
-    except (msgspec.DecodeError, ValueError, RecursionError):
-        event = _decode_checked(value, cls)
-    else:
-        built = _from_wire(wire, cls)
-        event = _decode_checked(value, cls) if built is None else built
+    event = _decode_native(value, cls) if _decode_native is not None and type(value) is bytes else None
+    if event is None:
+        event = decode_event_as(value, cls)
     commit_lsn, seq = event.commit_lsn, event.seq
     if key != _KEY_BYTES_FORMAT % (commit_lsn, seq):
         check_key(key, event)  # raises unless the key is another text of the position, with its message
@@ -476,14 +479,13 @@ def _slot_setters(cls: type, names: tuple[str, ...]) -> tuple[Setter, ...]:
     return tuple(cls.__dict__[name].__set__ for name in names)
 
 
-_EVENT_SLOTS: Final = _slot_setters(
-    ChangeEvent,
-    (
-        "lsn", "commit_lsn", "seq", "xid", "operation", "table", "timestamp", "pk", "new", "identity", "unchanged",
-        "not_null", "typmods",
-    ),
+_EVENT_SLOT_NAMES: Final = (
+    "lsn", "commit_lsn", "seq", "xid", "operation", "table", "timestamp", "pk", "new", "identity", "unchanged",
+    "not_null", "typmods",
 )
-_IMAGE_SLOTS: Final = _slot_setters(RowImage, ("columns", "types", "values"))
+_IMAGE_SLOT_NAMES: Final = ("columns", "types", "values")
+_EVENT_SLOTS: Final = _slot_setters(ChangeEvent, _EVENT_SLOT_NAMES)
+_IMAGE_SLOTS: Final = _slot_setters(RowImage, _IMAGE_SLOT_NAMES)
 
 
 def _build(cls: type[_T], setters: tuple[Setter, ...], values: tuple[Any, ...]) -> _T:
@@ -594,6 +596,31 @@ def _from_wire(w: _WireEvent, cls: type[_E]) -> _E | None:
     _set_not_null(event, () if not_null is None else not_null)
     _set_typmods(event, _NO_TYPMODS if typmods is None else typmods)
     return event
+
+
+def _native_event_decoder() -> Callable[[bytes, type[Any]], Any] | None:
+    """The compiled decoder (walbus_native.EventDecoder), told the wire form from here; None
+    without the extension. It takes a strict subset of what _WireEvent takes and builds the same
+    event; None from it means this module's decoders decide (tests/unit/test_prop_contract_decoders.py)."""
+    module = native_module()
+    if module is None or not hasattr(module, "EventDecoder"):
+        return None
+    wire = ("v", "lsn", "commit_lsn", "seq", "xid", "operation", "table", "timestamp", "pk", *IMAGE_FIELDS,
+            "identity", "unchanged", "not_null", "typmods")
+    if set(wire) != set(FIELD_ORDER) or len(wire) != len(FIELD_ORDER):
+        raise TypeError("walbus.contract's native decoder does not name every field of FIELD_ORDER")
+    limits = [(1 << min(FIELD_BITS[name], 63)) - 1 for name in ("lsn", "commit_lsn", "seq", "xid")]
+    decoder = module.EventDecoder(
+        list(wire), list(IMAGE_FIELDS), limits, CONTRACT_VERSION, TYPMOD_LIMIT,
+        [(sys.intern(op), op in ROW_OPERATIONS) for op in sorted(OPERATIONS)],
+        [sys.intern(name) for name in _EVENT_SLOT_NAMES], [sys.intern(name) for name in _IMAGE_SLOT_NAMES],
+        RowImage, object.__new__, _NO_TYPMODS,
+    )
+    decode: Callable[[bytes, type[Any]], Any] = decoder.decode
+    return decode
+
+
+_decode_native: Final = _native_event_decoder()
 
 
 def check_key(key: bytes | None, event: ChangeEvent) -> None:

@@ -12,6 +12,8 @@
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyBytes, PyFloat, PyList, PyString};
 
+mod event;
+
 /// Column kinds, as the caller spells them.
 const INT: u8 = b'i';
 const FLOAT: u8 = b'f';
@@ -246,5 +248,6 @@ fn encode_inserts<'py>(
 fn walbus_native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(decode_tuple, m)?)?;
     m.add_function(wrap_pyfunction!(encode_inserts, m)?)?;
+    m.add_class::<event::EventDecoder>()?;
     Ok(())
 }

@@ -1,10 +1,13 @@
-"""decode_event's fast path (msgspec) against its reference path: the same event or the same error."""
+"""decode_event's fast paths (the compiled decoder, when built, and msgspec) against its
+reference path: the same event or the same error."""
 
 from __future__ import annotations
 
 import json
+import shutil
 from typing import Any
 
+import msgspec
 import orjson
 from hypothesis import given
 from hypothesis import strategies as st
@@ -16,9 +19,15 @@ from walbus.contract import (
     ContractError,
     RowImage,
     _decode_checked,
+    _decode_native,
+    _decode_wire,
+    _from_wire,
     decode_event,
+    decode_keyed_event_as,
     encode_event,
+    event_key,
 )
+from walbus.native import switched_off
 
 
 def _image(image: RowImage | None) -> Any:
@@ -36,10 +45,55 @@ def _outcome(decode: Any, raw: bytes) -> tuple[Any, ...]:
             ev.not_null, type(ev.not_null), dict(ev.typmods), sorted({type(m) for m in ev.typmods.values()}, key=str))
 
 
+def _msgspec_path(raw: bytes) -> ChangeEvent:
+    try:
+        event = _from_wire(_decode_wire(raw), ChangeEvent)
+    except (msgspec.DecodeError, ValueError, RecursionError):
+        event = None
+    return _decode_checked(raw, ChangeEvent) if event is None else event
+
+
 def _agree(raw: bytes) -> tuple[Any, ...]:
-    fast = _outcome(decode_event, raw)
-    assert fast == _outcome(lambda v: _decode_checked(v, ChangeEvent), raw)
-    return fast
+    reference = _outcome(lambda v: _decode_checked(v, ChangeEvent), raw)
+    assert _outcome(decode_event, raw) == reference
+    assert _outcome(_msgspec_path, raw) == reference
+    if _decode_native is not None:
+        native = _decode_native(raw, ChangeEvent)  # None: declined, the paths above decide
+        if native is not None:
+            assert _outcome(lambda _: native, raw) == reference
+    return reference
+
+
+def test_the_native_decoder_is_there_where_it_can_be_built() -> None:
+    """CI builds the extension (scripts/setup.sh): a build without it would test one path less."""
+    assert _decode_native is not None or shutil.which("cargo") is None or switched_off()
+
+
+def test_the_native_decoder_takes_the_producers_usual_events() -> None:
+    if _decode_native is None:
+        return  # pure Python here (see the test above)
+    for kw in USUAL:
+        raw = encode_event(**kw)
+        native = _decode_native(raw, ChangeEvent)
+        assert native is not None, kw
+        assert _outcome(lambda _, event=native: event, raw) == _outcome(lambda v: _decode_checked(v, ChangeEvent), raw)
+        key = event_key(kw["commit_lsn"], kw["seq"])
+        assert decode_keyed_event_as(key, raw, ChangeEvent) == native
+
+
+USUAL: list[dict[str, Any]] = [
+    {"lsn": 10, "commit_lsn": 20, "seq": 0, "xid": 7, "operation": "insert", "table": "public.orders",
+     "timestamp": "2024-05-01T12:00:00.000001+00:00", "pk": ["id"], "not_null": ["id"], "typmods": {"amount": [12, 2]},
+     "new": {"columns": ["id", "amount", "note", "ok", "ratio"], "types": ["int4", "numeric", "text", "bool", "float8"],
+             "values": [1, "12.50", 'a "quoted"\n ünïcode \u0000 text', True, 0.25]}, "identity": None},
+    {"lsn": 11, "commit_lsn": 20, "seq": 1, "xid": 7, "operation": "update", "table": "public.orders", "timestamp": "t",
+     "pk": ["id"], "new": {"columns": ["id", "note"], "types": ["int4", "text"], "values": [1, None]},
+     "identity": {"columns": ["id"], "types": ["int4"], "values": [2]}, "unchanged": ["note"]},
+    {"lsn": 12, "commit_lsn": 20, "seq": 2, "xid": 7, "operation": "delete", "table": "s.t", "timestamp": "t",
+     "pk": [], "new": None, "identity": {"columns": ["a"], "types": ["text"], "values": ["x"]}},
+    {"lsn": 2**63 - 1, "commit_lsn": 2**63 - 1, "seq": 2**32 - 1, "xid": 2**63 - 1, "operation": "truncate",
+     "table": "public.t", "timestamp": "t", "pk": [], "new": None, "identity": None},
+]
 
 
 @given(events())
@@ -106,3 +160,17 @@ def test_edge_values_decode_alike() -> None:
     assert _agree(head + b'"columns":["a"],"types":["x"],"values":[1]}')[0] == "event"
     assert _agree(head + b'"pk":[]}')[0] == "error"  # an insert without a row
     assert _agree(head.replace(b"insert", b"delete") + b'"types":null}')[0] == "event"  # no columns: no row
+
+
+def test_what_the_native_decoder_caches_is_checked_as_each_field_needs() -> None:
+    """The compiled decoder keeps the objects of repeated names and strings. A string one field
+    accepts (an empty timestamp, a null not_null) must not pass where another field refuses it
+    (an empty table name, a null pk): found by the property test above, in one process."""
+    head = b'{"v":1,"lsn":1,"commit_lsn":2,"seq":0,"xid":3,"operation":"delete",'
+    for first, second in [
+        (b'"table":"public.t","timestamp":"","pk":[]}', b'"table":"","timestamp":"t","pk":[]}'),
+        (b'"table":"public.t","timestamp":"t","not_null":null}', b'"table":"public.t","timestamp":"t","pk":null}'),
+        (b'"table":"public.t","timestamp":"t","pk":["a"],"not_null":["a"]}', b'"table":"public.t","timestamp":"t","pk":["a"]}'),
+    ]:
+        assert _agree(head + first)[0] == "event"
+        _agree(head + second)

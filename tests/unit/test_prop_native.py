@@ -14,10 +14,11 @@ from hypothesis import strategies as st
 from producer.catalog import TableInfo
 from producer.codec import CaptureFilter, EncodedEvent, text_converter
 from producer.decoders.pgoutput import PgoutputDecoder
-from producer.native import decode_tuple, switched_off
+from producer.native import decode_tuple
 from tests.support.catalog import StaticCatalog
 from tests.support.prop import FLOAT_SPECIALS, columns, strict
 from walbus.contract import qualify_table
+from walbus.native import switched_off
 
 # A type name per kind of converter (and a few that are text to the decoder).
 TYPES = {"int2": 21, "int4": 23, "int8": 20, "oid": 26, "float4": 700, "float8": 701, "bool": 16, "text": 25,

@@ -1,0 +1,671 @@
+//! A database-topic value (one event's JSON object) decoded straight into the caller's event
+//! objects: the consumers' hot path.
+//!
+//! A leaf like the tuple decoder: the caller names the wire fields and the object attributes
+//! (in the orders documented at `EventDecoder::new`), the operations and the limits; this code
+//! spells none of them. It accepts a strict subset of what the caller's reference decoder
+//! accepts: anything else (an unknown or repeated field, a value of another JSON type, a
+//! number out of its range, a nested value, a quoted table name, escapes it cannot decode)
+//! makes `decode` return `None`, and the caller decodes that value the slow way, which
+//! decides and words the errors. Both paths build equal objects (the caller's property tests).
+
+use std::borrow::Cow;
+use std::collections::HashMap;
+use std::fmt;
+use std::sync::Mutex;
+
+use pyo3::exceptions::PyValueError;
+use pyo3::ffi;
+use pyo3::prelude::*;
+use pyo3::types::{PyBool, PyDict, PyFloat, PyString, PyTuple, PyType};
+use serde::de::{self, DeserializeSeed, Deserializer, MapAccess, SeqAccess, Visitor};
+use serde_json::value::RawValue;
+
+// The wire fields, by the index of their name in `EventDecoder::new`'s `wire_names`.
+const VERSION: usize = 0;
+const INTS: [usize; 4] = [1, 2, 3, 4]; // lsn, commit_lsn, seq, xid
+const OPERATION: usize = 5;
+const TABLE: usize = 6;
+const TIMESTAMP: usize = 7;
+const PK: usize = 8;
+const COLUMNS: usize = 9;
+const TYPES: usize = 10;
+const VALUES: usize = 11;
+const IDENTITY: usize = 12;
+const UNCHANGED: usize = 13;
+const NOT_NULL: usize = 14;
+const TYPMODS: usize = 15;
+const WIRE_FIELDS: usize = 16;
+const EVENT_ATTRS: usize = 13;
+const IMAGE_FIELDS: usize = 3;
+
+type Str<'a> = Cow<'a, str>;
+
+/// A JSON string, borrowed from the input when it holds no escapes.
+struct StrSeed;
+
+impl<'de> DeserializeSeed<'de> for StrSeed {
+    type Value = Str<'de>;
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
+        d.deserialize_str(StrVisitor)
+    }
+}
+
+struct StrVisitor;
+
+impl<'de> Visitor<'de> for StrVisitor {
+    type Value = Str<'de>;
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("a string")
+    }
+    fn visit_borrowed_str<E: de::Error>(self, v: &'de str) -> Result<Self::Value, E> {
+        Ok(Cow::Borrowed(v))
+    }
+    fn visit_str<E: de::Error>(self, v: &str) -> Result<Self::Value, E> {
+        Ok(Cow::Owned(v.to_owned()))
+    }
+    fn visit_string<E: de::Error>(self, v: String) -> Result<Self::Value, E> {
+        Ok(Cow::Owned(v))
+    }
+}
+
+/// A JSON array of strings (not null).
+struct NamesSeed;
+
+impl<'de> DeserializeSeed<'de> for NamesSeed {
+    type Value = Vec<Str<'de>>;
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
+        d.deserialize_seq(NamesVisitor)
+    }
+}
+
+struct NamesVisitor;
+
+impl<'de> Visitor<'de> for NamesVisitor {
+    type Value = Vec<Str<'de>>;
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("an array of strings")
+    }
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+        let mut out = Vec::with_capacity(seq.size_hint().unwrap_or(8));
+        while let Some(s) = seq.next_element_seed(StrSeed)? {
+            out.push(s);
+        }
+        Ok(out)
+    }
+}
+
+/// One column value: a JSON scalar.
+enum Scalar<'a> {
+    Null,
+    Bool(bool),
+    Int(i64),
+    Float(f64),
+    Text(Str<'a>),
+}
+
+// Integers beyond 64 bits reach a visitor as floats (serde_json); the reference decoder and
+// this one could read them differently, so floats this large, and zeros (1e-400 reads as
+// 0.0), are the slow path's.
+const FLOAT_LIMIT: f64 = 9.2e18;
+
+struct ScalarVisitor;
+
+impl<'de> Visitor<'de> for ScalarVisitor {
+    type Value = Scalar<'de>;
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("a JSON scalar")
+    }
+    fn visit_unit<E: de::Error>(self) -> Result<Self::Value, E> {
+        Ok(Scalar::Null)
+    }
+    fn visit_bool<E: de::Error>(self, v: bool) -> Result<Self::Value, E> {
+        Ok(Scalar::Bool(v))
+    }
+    fn visit_i64<E: de::Error>(self, v: i64) -> Result<Self::Value, E> {
+        Ok(Scalar::Int(v))
+    }
+    fn visit_u64<E: de::Error>(self, v: u64) -> Result<Self::Value, E> {
+        i64::try_from(v).map(Scalar::Int).map_err(|_| E::custom(""))
+    }
+    fn visit_f64<E: de::Error>(self, v: f64) -> Result<Self::Value, E> {
+        if v.is_finite() && v != 0.0 && v.abs() < FLOAT_LIMIT {
+            Ok(Scalar::Float(v))
+        } else {
+            Err(E::custom(""))
+        }
+    }
+    fn visit_borrowed_str<E: de::Error>(self, v: &'de str) -> Result<Self::Value, E> {
+        Ok(Scalar::Text(Cow::Borrowed(v)))
+    }
+    fn visit_str<E: de::Error>(self, v: &str) -> Result<Self::Value, E> {
+        Ok(Scalar::Text(Cow::Owned(v.to_owned())))
+    }
+    fn visit_string<E: de::Error>(self, v: String) -> Result<Self::Value, E> {
+        Ok(Scalar::Text(Cow::Owned(v)))
+    }
+}
+
+struct ScalarSeed;
+
+impl<'de> DeserializeSeed<'de> for ScalarSeed {
+    type Value = Scalar<'de>;
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
+        d.deserialize_any(ScalarVisitor)
+    }
+}
+
+struct ScalarsSeed;
+
+impl<'de> DeserializeSeed<'de> for ScalarsSeed {
+    type Value = Vec<Scalar<'de>>;
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
+        d.deserialize_seq(ScalarsVisitor)
+    }
+}
+
+struct ScalarsVisitor;
+
+impl<'de> Visitor<'de> for ScalarsVisitor {
+    type Value = Vec<Scalar<'de>>;
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("an array of scalars")
+    }
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+        let mut out = Vec::with_capacity(seq.size_hint().unwrap_or(8));
+        while let Some(v) = seq.next_element_seed(ScalarSeed)? {
+            out.push(v);
+        }
+        Ok(out)
+    }
+}
+
+/// An unsigned integer (a negative zero reads as 0, as everywhere else).
+struct UintSeed;
+
+impl<'de> DeserializeSeed<'de> for UintSeed {
+    type Value = u64;
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
+        d.deserialize_u64(UintVisitor)
+    }
+}
+
+struct UintVisitor;
+
+impl<'de> Visitor<'de> for UintVisitor {
+    type Value = u64;
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("an unsigned integer")
+    }
+    fn visit_u64<E: de::Error>(self, v: u64) -> Result<Self::Value, E> {
+        Ok(v)
+    }
+    fn visit_i64<E: de::Error>(self, v: i64) -> Result<Self::Value, E> {
+        u64::try_from(v).map_err(|_| E::custom(""))
+    }
+}
+
+/// A signed integer within ±`limit` (`-limit <= v < limit`).
+struct BoundedIntVisitor(i64);
+
+impl<'de> Visitor<'de> for BoundedIntVisitor {
+    type Value = i64;
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("a bounded integer")
+    }
+    fn visit_i64<E: de::Error>(self, v: i64) -> Result<Self::Value, E> {
+        if -self.0 <= v && v < self.0 {
+            Ok(v)
+        } else {
+            Err(E::custom(""))
+        }
+    }
+    fn visit_u64<E: de::Error>(self, v: u64) -> Result<Self::Value, E> {
+        let v = i64::try_from(v).map_err(|_| E::custom(""))?;
+        self.visit_i64(v)
+    }
+}
+
+struct BoundedIntsVisitor(i64);
+
+impl<'de> Visitor<'de> for BoundedIntsVisitor {
+    type Value = Vec<i64>;
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("an array of bounded integers")
+    }
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+        let mut out = Vec::new();
+        while let Some(v) = seq.next_element_seed(BoundedIntSeed(self.0))? {
+            out.push(v);
+        }
+        Ok(out)
+    }
+}
+
+struct BoundedIntSeed(i64);
+
+impl<'de> DeserializeSeed<'de> for BoundedIntSeed {
+    type Value = i64;
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
+        d.deserialize_i64(BoundedIntVisitor(self.0))
+    }
+}
+
+struct BoundedIntsSeed(i64);
+
+impl<'de> DeserializeSeed<'de> for BoundedIntsSeed {
+    type Value = Vec<i64>;
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
+        d.deserialize_seq(BoundedIntsVisitor(self.0))
+    }
+}
+
+type Typmods<'a> = Vec<(Str<'a>, Vec<i64>)>;
+
+/// An object of column name to a list of modifiers, or null.
+struct TypmodsSeed(i64);
+
+impl<'de> DeserializeSeed<'de> for TypmodsSeed {
+    type Value = Option<Typmods<'de>>;
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
+        d.deserialize_option(TypmodsVisitor(self.0))
+    }
+}
+
+struct TypmodsVisitor(i64);
+
+impl<'de> Visitor<'de> for TypmodsVisitor {
+    type Value = Option<Typmods<'de>>;
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("an object of modifier lists or null")
+    }
+    fn visit_none<E: de::Error>(self) -> Result<Self::Value, E> {
+        Ok(None)
+    }
+    fn visit_unit<E: de::Error>(self) -> Result<Self::Value, E> {
+        Ok(None)
+    }
+    fn visit_some<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
+        d.deserialize_map(self)
+    }
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+        let mut out = Vec::new();
+        while let Some(name) = map.next_key_seed(StrSeed)? {
+            out.push((name, map.next_value_seed(BoundedIntsSeed(self.0))?));
+        }
+        Ok(Some(out))
+    }
+}
+
+/// A row image object: exactly the three named fields (the names as their raw JSON: cached).
+struct Image<'a> {
+    columns: &'a RawValue,
+    types: &'a RawValue,
+    values: Vec<Scalar<'a>>,
+}
+
+struct ImageSeed<'n>(&'n [String; IMAGE_FIELDS]);
+
+impl<'de> DeserializeSeed<'de> for ImageSeed<'_> {
+    type Value = Option<Image<'de>>;
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
+        d.deserialize_option(self)
+    }
+}
+
+impl<'de> Visitor<'de> for ImageSeed<'_> {
+    type Value = Option<Image<'de>>;
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("a row image or null")
+    }
+    fn visit_none<E: de::Error>(self) -> Result<Self::Value, E> {
+        Ok(None)
+    }
+    fn visit_unit<E: de::Error>(self) -> Result<Self::Value, E> {
+        Ok(None)
+    }
+    fn visit_some<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
+        d.deserialize_map(self)
+    }
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+        let (mut columns, mut types, mut values) = (None, None, None);
+        while let Some(key) = map.next_key_seed(StrSeed)? {
+            match self.0.iter().position(|n| *n == key) {
+                Some(0) if columns.is_none() => columns = Some(map.next_value::<&'de RawValue>()?),
+                Some(1) if types.is_none() => types = Some(map.next_value::<&'de RawValue>()?),
+                Some(2) if values.is_none() => values = Some(map.next_value_seed(ScalarsSeed)?),
+                _ => return Err(de::Error::custom("")), // unknown or repeated
+            }
+        }
+        match (columns, types, values) {
+            (Some(columns), Some(types), Some(values)) => Ok(Some(Image { columns, types, values })),
+            _ => Err(de::Error::custom("")),
+        }
+    }
+}
+
+/// The fields of one value, as read. Names, the table and the timestamp stay raw JSON: they
+/// repeat from event to event, and their Python objects come from a cache.
+#[derive(Default)]
+struct Wire<'a> {
+    seen: [bool; WIRE_FIELDS],
+    version: u64,
+    ints: [u64; 4],
+    operation: Str<'a>,
+    table: Option<&'a RawValue>,
+    timestamp: Option<&'a RawValue>,
+    pk: Option<&'a RawValue>,
+    columns: Option<&'a RawValue>,
+    types: Option<&'a RawValue>,
+    values: Vec<Scalar<'a>>,
+    identity: Option<Image<'a>>,
+    unchanged: Option<&'a RawValue>,
+    not_null: Option<&'a RawValue>,
+    typmods: Option<Typmods<'a>>,
+}
+
+struct WireSeed<'d>(&'d EventDecoder);
+
+impl<'de> DeserializeSeed<'de> for WireSeed<'_> {
+    type Value = Wire<'de>;
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
+        d.deserialize_map(self)
+    }
+}
+
+impl<'de> Visitor<'de> for WireSeed<'_> {
+    type Value = Wire<'de>;
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("an event object")
+    }
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+        let decoder = self.0;
+        let mut w = Wire::default();
+        while let Some(key) = map.next_key_seed(StrSeed)? {
+            let Some(i) = decoder.wire_names.iter().position(|n| *n == key) else {
+                return Err(de::Error::custom("")); // an unknown field
+            };
+            if w.seen[i] {
+                return Err(de::Error::custom("")); // a repeated field
+            }
+            w.seen[i] = true;
+            match i {
+                VERSION => w.version = map.next_value_seed(UintSeed)?,
+                1..=4 => {
+                    let v = map.next_value_seed(UintSeed)?;
+                    if v > decoder.int_limits[i - 1] {
+                        return Err(de::Error::custom(""));
+                    }
+                    w.ints[i - 1] = v;
+                }
+                OPERATION => w.operation = map.next_value_seed(StrSeed)?,
+                TABLE => w.table = Some(map.next_value()?),
+                TIMESTAMP => w.timestamp = Some(map.next_value()?),
+                PK => w.pk = Some(map.next_value()?),
+                COLUMNS => w.columns = Some(map.next_value()?),
+                TYPES => w.types = Some(map.next_value()?),
+                VALUES => w.values = map.next_value_seed(ScalarsSeed)?,
+                IDENTITY => w.identity = map.next_value_seed(ImageSeed(&decoder.image_names))?,
+                UNCHANGED => w.unchanged = Some(map.next_value()?),
+                NOT_NULL => w.not_null = Some(map.next_value()?),
+                TYPMODS => w.typmods = map.next_value_seed(TypmodsSeed(decoder.typmod_limit))?,
+                _ => return Err(de::Error::custom("")),
+            }
+        }
+        Ok(w)
+    }
+}
+
+/// Decodes database-topic values into the caller's (slotted, possibly frozen) event classes.
+#[pyclass(frozen, module = "walbus_native")]
+pub struct EventDecoder {
+    wire_names: [String; WIRE_FIELDS],
+    image_names: [String; IMAGE_FIELDS],
+    int_limits: [u64; 4],
+    version: u64,
+    typmod_limit: i64,
+    operations: Vec<(String, Py<PyString>, bool)>, // name, the caller's string, whether it needs a row
+    event_attrs: Vec<Py<PyString>>,
+    image_attrs: Vec<Py<PyString>>,
+    image_class: Py<PyType>,
+    object_new: Py<PyAny>,
+    no_typmods: Py<PyAny>,
+    cache: Mutex<Cache>,
+}
+
+// Entries per map before it starts again empty: a table's names are a few entries, and
+// a topic with thousands of tables or ever-changing names must not grow it without bound.
+const CACHE_LIMIT: usize = 4096;
+
+/// Python objects of raw JSON that repeats from event to event. Tuples and strings only:
+/// immutable, so events may share them.
+#[derive(Default)]
+struct Cache {
+    names: HashMap<Box<[u8]>, (Py<PyTuple>, usize)>, // a name array (or null): the tuple, its length
+    tables: HashMap<Box<[u8]>, Py<PyString>>,         // a plain table name
+    texts: HashMap<Box<[u8]>, Py<PyString>>,          // any other string (a timestamp)
+}
+
+fn remember<V>(map: &mut HashMap<Box<[u8]>, V>, raw: &[u8], value: V) {
+    if map.len() >= CACHE_LIMIT {
+        map.clear();
+    }
+    map.insert(raw.into(), value);
+}
+
+fn array<const N: usize>(names: Vec<String>, what: &str) -> PyResult<[String; N]> {
+    names.try_into().map_err(|_| PyValueError::new_err(format!("{what}: expected {N} names")))
+}
+
+/// `obj.name = value` as `object.__setattr__` does it: through the class's slot descriptor,
+/// past a frozen class's own `__setattr__`.
+fn set(obj: &Bound<'_, PyAny>, name: &Py<PyString>, value: &Bound<'_, PyAny>) -> PyResult<()> {
+    // SAFETY: three valid object pointers, borrowed for the call; PyObject_GenericSetAttr
+    // takes its own references.
+    let rc = unsafe { ffi::PyObject_GenericSetAttr(obj.as_ptr(), name.as_ptr(), value.as_ptr()) };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(PyErr::fetch(obj.py()))
+    }
+}
+
+/// The tuple of a raw name array (null: the empty tuple, when `nullable`) and its length;
+/// None when it is not one (the slow path decides).
+fn names<'py>(py: Python<'py>, cache: &mut Cache, raw: Option<&RawValue>, nullable: bool) -> PyResult<Option<(Bound<'py, PyTuple>, usize)>> {
+    let Some(raw) = raw else { return Ok(Some((PyTuple::empty(py), 0))) };
+    let text = raw.get().as_bytes();
+    if nullable && text == b"null" {
+        return Ok(Some((PyTuple::empty(py), 0))); // not cached: null is no name array where null is refused
+    }
+    if let Some((tuple, n)) = cache.names.get(text) {
+        return Ok(Some((tuple.bind(py).clone(), *n)));
+    }
+    let mut de = serde_json::Deserializer::from_slice(text);
+    let Ok(list) = NamesSeed.deserialize(&mut de) else { return Ok(None) };
+    let tuple = PyTuple::new(py, list.iter().map(|n| PyString::new(py, n)))?;
+    remember(&mut cache.names, text, (tuple.clone().unbind(), list.len()));
+    Ok(Some((tuple, list.len())))
+}
+
+/// The string of a raw JSON string, when `accept` takes it; None otherwise.
+/// `cache` holds only strings `accept` took.
+fn string<'py>(
+    py: Python<'py>,
+    cache: &mut HashMap<Box<[u8]>, Py<PyString>>,
+    raw: Option<&RawValue>,
+    accept: fn(&str) -> bool,
+) -> PyResult<Option<Bound<'py, PyString>>> {
+    let Some(raw) = raw else { return Ok(None) };
+    let text = raw.get().as_bytes();
+    if let Some(s) = cache.get(text) {
+        return Ok(Some(s.bind(py).clone()));
+    }
+    let mut de = serde_json::Deserializer::from_slice(text);
+    let Ok(s) = StrSeed.deserialize(&mut de) else { return Ok(None) };
+    if !accept(&s) {
+        return Ok(None);
+    }
+    let out = PyString::new(py, &s);
+    remember(cache, text, out.clone().unbind());
+    Ok(Some(out))
+}
+
+fn any_text(_: &str) -> bool {
+    true
+}
+
+fn scalar<'py>(py: Python<'py>, v: &Scalar<'_>) -> PyResult<Bound<'py, PyAny>> {
+    Ok(match v {
+        Scalar::Null => py.None().into_bound(py),
+        Scalar::Bool(b) => PyBool::new(py, *b).to_owned().into_any(),
+        Scalar::Int(i) => i.into_pyobject(py)?.into_any(),
+        Scalar::Float(f) => PyFloat::new(py, *f).into_any(),
+        Scalar::Text(s) => PyString::new(py, s).into_any(),
+    })
+}
+
+impl EventDecoder {
+    /// A table name without quotes and with one dot inside: the plain `schema.table`.
+    fn plain_table(table: &str) -> bool {
+        !table.contains('"') && table.matches('.').count() == 1 && !table.starts_with('.') && !table.ends_with('.')
+    }
+
+    /// A row image, or None when its names are not name arrays of the values' length.
+    fn image<'py>(
+        &self,
+        py: Python<'py>,
+        cache: &mut Cache,
+        columns: Option<&RawValue>,
+        types: Option<&RawValue>,
+        values: &[Scalar<'_>],
+    ) -> PyResult<Option<Bound<'py, PyAny>>> {
+        let Some((columns, n)) = names(py, cache, columns, false)? else { return Ok(None) };
+        let Some((types, m)) = names(py, cache, types, false)? else { return Ok(None) };
+        if n != m || m != values.len() {
+            return Ok(None);
+        }
+        let image = self.object_new.bind(py).call1((self.image_class.bind(py),))?;
+        set(&image, &self.image_attrs[0], columns.as_any())?;
+        set(&image, &self.image_attrs[1], types.as_any())?;
+        let values = PyTuple::new(py, values.iter().map(|v| scalar(py, v)).collect::<PyResult<Vec<_>>>()?)?;
+        set(&image, &self.image_attrs[2], values.as_any())?;
+        Ok(Some(image))
+    }
+}
+
+#[pymethods]
+impl EventDecoder {
+    /// `wire_names`: the 16 wire fields, in this order: version, lsn, commit_lsn, seq, xid,
+    /// operation, table, timestamp, pk, columns, types, values (the new row's three), identity,
+    /// unchanged, not_null, typmods. `image_names`: an identity object's columns, types,
+    /// values. `int_limits`: the largest lsn, commit_lsn, seq, xid. `operations`: each
+    /// operation's name and whether it needs a new row. `event_attrs`: the 13 attributes set
+    /// on an event, in this order: lsn, commit_lsn, seq, xid, operation, table, timestamp, pk,
+    /// new, identity, unchanged, not_null, typmods; `image_attrs`: a row image's three.
+    #[new]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        wire_names: Vec<String>,
+        image_names: Vec<String>,
+        int_limits: [u64; 4],
+        version: u64,
+        typmod_limit: i64,
+        operations: Vec<(Bound<'_, PyString>, bool)>,
+        event_attrs: Vec<Bound<'_, PyString>>,
+        image_attrs: Vec<Bound<'_, PyString>>,
+        image_class: Bound<'_, PyType>,
+        object_new: Bound<'_, PyAny>,
+        no_typmods: Bound<'_, PyAny>,
+    ) -> PyResult<Self> {
+        if event_attrs.len() != EVENT_ATTRS || image_attrs.len() != IMAGE_FIELDS {
+            return Err(PyValueError::new_err("expected 13 event and 3 image attributes"));
+        }
+        let operations = operations
+            .into_iter()
+            .map(|(name, row)| Ok((name.to_str()?.to_owned(), name.unbind(), row)))
+            .collect::<PyResult<Vec<_>>>()?;
+        Ok(EventDecoder {
+            wire_names: array(wire_names, "wire_names")?,
+            image_names: array(image_names, "image_names")?,
+            int_limits,
+            version,
+            typmod_limit,
+            operations,
+            event_attrs: event_attrs.into_iter().map(Bound::unbind).collect(),
+            image_attrs: image_attrs.into_iter().map(Bound::unbind).collect(),
+            image_class: image_class.unbind(),
+            object_new: object_new.unbind(),
+            no_typmods: no_typmods.unbind(),
+            cache: Mutex::new(Cache::default()),
+        })
+    }
+
+    /// The event of `value` as an instance of `cls` (its own further attributes left unset),
+    /// or None when the slow path must decide.
+    fn decode<'py>(&self, py: Python<'py>, value: &[u8], cls: &Bound<'py, PyType>) -> PyResult<Option<Bound<'py, PyAny>>> {
+        let mut de = serde_json::Deserializer::from_slice(value);
+        let Ok(w) = WireSeed(self).deserialize(&mut de) else { return Ok(None) };
+        if de.end().is_err() || !w.seen[VERSION] || w.version != self.version || !INTS.iter().all(|&i| w.seen[i]) {
+            return Ok(None);
+        }
+        if !(w.seen[OPERATION] && w.seen[TABLE] && w.seen[TIMESTAMP]) {
+            return Ok(None);
+        }
+        let Some((_, operation, needs_row)) = self.operations.iter().find(|(n, _, _)| *n == w.operation) else {
+            return Ok(None);
+        };
+        let has_row = w.seen[COLUMNS];
+        if !has_row && *needs_row || has_row && !(w.seen[TYPES] && w.seen[VALUES]) {
+            return Ok(None);
+        }
+        let mut cache = self.cache.lock().map_err(|_| PyValueError::new_err("walbus_native: cache poisoned"))?;
+        let cache = &mut *cache;
+        let Some(table) = string(py, &mut cache.tables, w.table, Self::plain_table)? else { return Ok(None) };
+        let Some(timestamp) = string(py, &mut cache.texts, w.timestamp, any_text)? else { return Ok(None) };
+        let Some((pk, _)) = names(py, cache, w.pk, false)? else { return Ok(None) };
+        let Some((unchanged, _)) = names(py, cache, w.unchanged, false)? else { return Ok(None) };
+        let Some((not_null, _)) = names(py, cache, w.not_null, true)? else { return Ok(None) };
+        if !has_row && w.types.is_some() && names(py, cache, w.types, false)?.is_none() {
+            return Ok(None); // types without columns: no row, but still an array of names
+        }
+        let new = if has_row {
+            let Some(image) = self.image(py, cache, w.columns, w.types, &w.values)? else { return Ok(None) };
+            image
+        } else {
+            py.None().into_bound(py)
+        };
+        let identity = match &w.identity {
+            Some(i) => {
+                let Some(image) = self.image(py, cache, Some(i.columns), Some(i.types), &i.values)? else { return Ok(None) };
+                image
+            }
+            None => py.None().into_bound(py),
+        };
+        let event = self.object_new.bind(py).call1((cls,))?;
+        let attrs = &self.event_attrs;
+        for (k, v) in w.ints.iter().enumerate() {
+            set(&event, &attrs[k], v.into_pyobject(py)?.as_any())?;
+        }
+        set(&event, &attrs[4], operation.bind(py).as_any())?;
+        set(&event, &attrs[5], table.as_any())?;
+        set(&event, &attrs[6], timestamp.as_any())?;
+        set(&event, &attrs[7], pk.as_any())?;
+        set(&event, &attrs[8], &new)?;
+        set(&event, &attrs[9], &identity)?;
+        set(&event, &attrs[10], unchanged.as_any())?;
+        set(&event, &attrs[11], not_null.as_any())?;
+        let typmods = match &w.typmods {
+            None => self.no_typmods.bind(py).clone(),
+            Some(entries) => {
+                let dict = PyDict::new(py);
+                for (name, mods) in entries {
+                    dict.set_item(PyString::new(py, name), PyTuple::new(py, mods)?)?;
+                }
+                dict.into_any()
+            }
+        };
+        set(&event, &attrs[12], &typmods)?;
+        Ok(Some(event))
+    }
+}
