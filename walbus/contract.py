@@ -614,7 +614,7 @@ def _native_event_decoder() -> Callable[[bytes, type[Any]], Any] | None:
         list(wire), list(IMAGE_FIELDS), limits, CONTRACT_VERSION, TYPMOD_LIMIT,
         [(sys.intern(op), op in ROW_OPERATIONS) for op in sorted(OPERATIONS)],
         [sys.intern(name) for name in _EVENT_SLOT_NAMES], [sys.intern(name) for name in _IMAGE_SLOT_NAMES],
-        RowImage, object.__new__, _NO_TYPMODS,
+        RowImage, _NO_TYPMODS,
     )
     decode: Callable[[bytes, type[Any]], Any] = decoder.decode
     return decode

@@ -12,6 +12,7 @@
 use std::borrow::Cow;
 use std::collections::HashMap;
 use std::fmt;
+use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::Mutex;
 
 use pyo3::exceptions::PyValueError;
@@ -428,7 +429,6 @@ pub struct EventDecoder {
     event_attrs: Vec<Py<PyString>>,
     image_attrs: Vec<Py<PyString>>,
     image_class: Py<PyType>,
-    object_new: Py<PyAny>,
     no_typmods: Py<PyAny>,
     cache: Mutex<Cache>,
 }
@@ -437,16 +437,36 @@ pub struct EventDecoder {
 // a topic with thousands of tables or ever-changing names must not grow it without bound.
 const CACHE_LIMIT: usize = 4096;
 
+/// FNV-1a: the keys are short JSON texts the caller's own producer wrote, looked up once or
+/// twice per event; SipHash's flood resistance is not needed for a bounded cache.
+#[derive(Default)]
+struct Fnv(u64);
+
+impl Hasher for Fnv {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        let mut h = if self.0 == 0 { 0xcbf2_9ce4_8422_2325 } else { self.0 };
+        for &b in bytes {
+            h = (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3);
+        }
+        self.0 = h;
+    }
+}
+
+type Map<V> = HashMap<Box<[u8]>, V, BuildHasherDefault<Fnv>>;
+
 /// Python objects of raw JSON that repeats from event to event. Tuples and strings only:
 /// immutable, so events may share them.
 #[derive(Default)]
 struct Cache {
-    names: HashMap<Box<[u8]>, (Py<PyTuple>, usize)>, // a name array (or null): the tuple, its length
-    tables: HashMap<Box<[u8]>, Py<PyString>>,         // a plain table name
-    texts: HashMap<Box<[u8]>, Py<PyString>>,          // any other string (a timestamp)
+    names: Map<(Py<PyTuple>, usize)>, // a name array: the tuple, its length
+    tables: Map<Py<PyString>>,         // a plain table name
+    texts: Map<Py<PyString>>,          // any other string (a timestamp)
 }
 
-fn remember<V>(map: &mut HashMap<Box<[u8]>, V>, raw: &[u8], value: V) {
+fn remember<V>(map: &mut Map<V>, raw: &[u8], value: V) {
     if map.len() >= CACHE_LIMIT {
         map.clear();
     }
@@ -472,6 +492,26 @@ fn set(obj: &Bound<'_, PyAny>, name: &Py<PyString>, value: &Bound<'_, PyAny>) ->
 
 /// The tuple of a raw name array (null: the empty tuple, when `nullable`) and its length;
 /// None when it is not one (the slow path decides).
+/// A new, empty instance of `cls`, as `object.__new__(cls)` makes it; None for a class with
+/// a `__new__` of its own (the slow path builds that one).
+fn alloc<'py>(cls: &Bound<'py, PyType>) -> PyResult<Option<Bound<'py, PyAny>>> {
+    // SAFETY: cls and object are live type objects; the slots read are their tp_new and
+    // tp_alloc; tp_alloc returns a new reference, or NULL with an exception set.
+    unsafe {
+        let t = cls.as_ptr().cast::<ffi::PyTypeObject>();
+        let object_new = ffi::PyType_GetSlot(std::ptr::addr_of_mut!(ffi::PyBaseObject_Type), ffi::Py_tp_new);
+        if ffi::PyType_GetSlot(t, ffi::Py_tp_new) != object_new {
+            return Ok(None);
+        }
+        let slot = ffi::PyType_GetSlot(t, ffi::Py_tp_alloc);
+        if slot.is_null() {
+            return Ok(None);
+        }
+        let tp_alloc: ffi::allocfunc = std::mem::transmute(slot);
+        Bound::from_owned_ptr_or_err(cls.py(), tp_alloc(t, 0)).map(Some)
+    }
+}
+
 fn names<'py>(py: Python<'py>, cache: &mut Cache, raw: Option<&RawValue>, nullable: bool) -> PyResult<Option<(Bound<'py, PyTuple>, usize)>> {
     let Some(raw) = raw else { return Ok(Some((PyTuple::empty(py), 0))) };
     let text = raw.get().as_bytes();
@@ -492,7 +532,7 @@ fn names<'py>(py: Python<'py>, cache: &mut Cache, raw: Option<&RawValue>, nullab
 /// `cache` holds only strings `accept` took.
 fn string<'py>(
     py: Python<'py>,
-    cache: &mut HashMap<Box<[u8]>, Py<PyString>>,
+    cache: &mut Map<Py<PyString>>,
     raw: Option<&RawValue>,
     accept: fn(&str) -> bool,
 ) -> PyResult<Option<Bound<'py, PyString>>> {
@@ -545,7 +585,7 @@ impl EventDecoder {
         if n != m || m != values.len() {
             return Ok(None);
         }
-        let image = self.object_new.bind(py).call1((self.image_class.bind(py),))?;
+        let Some(image) = alloc(self.image_class.bind(py))? else { return Ok(None) };
         set(&image, &self.image_attrs[0], columns.as_any())?;
         set(&image, &self.image_attrs[1], types.as_any())?;
         let values = PyTuple::new(py, values.iter().map(|v| scalar(py, v)).collect::<PyResult<Vec<_>>>()?)?;
@@ -575,7 +615,6 @@ impl EventDecoder {
         event_attrs: Vec<Bound<'_, PyString>>,
         image_attrs: Vec<Bound<'_, PyString>>,
         image_class: Bound<'_, PyType>,
-        object_new: Bound<'_, PyAny>,
         no_typmods: Bound<'_, PyAny>,
     ) -> PyResult<Self> {
         if event_attrs.len() != EVENT_ATTRS || image_attrs.len() != IMAGE_FIELDS {
@@ -595,7 +634,6 @@ impl EventDecoder {
             event_attrs: event_attrs.into_iter().map(Bound::unbind).collect(),
             image_attrs: image_attrs.into_iter().map(Bound::unbind).collect(),
             image_class: image_class.unbind(),
-            object_new: object_new.unbind(),
             no_typmods: no_typmods.unbind(),
             cache: Mutex::new(Cache::default()),
         })
@@ -642,7 +680,7 @@ impl EventDecoder {
             }
             None => py.None().into_bound(py),
         };
-        let event = self.object_new.bind(py).call1((cls,))?;
+        let Some(event) = alloc(cls)? else { return Ok(None) };
         let attrs = &self.event_attrs;
         for (k, v) in w.ints.iter().enumerate() {
             set(&event, &attrs[k], v.into_pyobject(py)?.as_any())?;

@@ -59,11 +59,10 @@ from walbus.client.positions import (
     encode_metadata,
     newest,
     valid_event,
-    valid_event_as,
 )
 from walbus.client.retrying import RetryPolicy
 from walbus.client.start import Start, StartAt, parse_start, start_floor
-from walbus.contract import ChangeEvent, ContractError, event_key
+from walbus.contract import ChangeEvent, ContractError, decode_keyed_event_as, event_key
 
 log = logging.getLogger("walbus.client.feed")
 
@@ -407,10 +406,17 @@ class Feed:
             return None
         if now - self._last_commit >= self._commit_interval and self.group_id is not None:
             return None
+        parts = self._parts
         while True:
-            state = self._next_buffered()
-            if state is None:
-                return None
+            if len(parts) == 1:  # the default single partition: nothing to merge
+                state = next(iter(parts.values()))
+                if not state.buffer:
+                    return None
+            else:
+                found = self._next_buffered()
+                if found is None:
+                    return None
+                state = found
             rec = self._accept(state, state.buffer.popleft())
             if rec is not None:
                 if rec.wanted:
@@ -712,7 +718,7 @@ class Feed:
         state.read_offset = msg.offset + 1
         try:
             # In events mode the event is built as the FeedEvent it will be handed out as.
-            event = valid_event_as(msg.key, msg.value, FeedEvent if self._mode == "events" else ChangeEvent)
+            event = decode_keyed_event_as(msg.key, msg.value, FeedEvent if self._mode == "events" else ChangeEvent)
         except ContractError as e:
             self._skip_invalid(state.tp, msg, e)
             return None
