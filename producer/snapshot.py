@@ -433,7 +433,7 @@ def _worker(
             convs = table.relation.converters
             str_convs = str_converters(table.relation.types)
             rows: list[list[Any]] = []
-            for block in copy_table_blocks(conn, table, part.pages):
+            for block in copy_table_blocks(conn, table, part.pages, stop=cancel):
                 rows.extend([convert_line(line, convs, str_convs) for line in block])
                 if len(rows) >= fetch_rows:
                     put(Batch(table, rows))

@@ -13,8 +13,10 @@ generated columns (pgoutput does not send those), so read events carry the same
 
 from __future__ import annotations
 
+import contextlib
 import re
 import select
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn
@@ -180,6 +182,7 @@ def convert_fields(fields: Sequence[bytes | None], converters: Sequence[Any]) ->
 
 def copy_table_blocks(
     conn: Conn, table: ScanTable, pages: tuple[int, int | None] | None = None, block_rows: int = 4096,
+    stop: threading.Event | None = None,
 ) -> Iterator[list[bytes]]:
     """Every row of a table as COPY text lines (each with its newline), in blocks of at most
     ``block_rows``: in storage order (COPY of a plain table skips the executor), or of the
@@ -195,7 +198,15 @@ def copy_table_blocks(
         statement = sql.SQL("COPY {} ({}) TO STDOUT").format(table.ident, table.column_list())
     else:
         statement = sql.SQL("COPY (SELECT {} FROM {}) TO STDOUT").format(table.column_list(), table.ident)
-    return copy_out_blocks(conn, statement.as_bytes(conn), block_rows)
+    return copy_out_blocks(conn, statement.as_bytes(conn), block_rows, stop)
+
+
+class CopyStopped(Exception):
+    """``stop`` was set while a COPY waited for the server; the COPY was cancelled."""
+
+
+# How often a COPY waiting for the server looks at its ``stop`` (a lock wait, a stalled server).
+STOP_CHECK_S = 0.5
 
 
 def _raise_for(conn: Conn, res: pq.abc.PGresult) -> NoReturn:
@@ -204,14 +215,51 @@ def _raise_for(conn: Conn, res: pq.abc.PGresult) -> NoReturn:
     raise psycopg.errors.error_from_result(res, encoding=conn.info.encoding)
 
 
-def copy_out_blocks(conn: Conn, statement: bytes, block_rows: int) -> Iterator[list[bytes]]:
+def _wait_readable(conn: Conn, stop: threading.Event | None) -> None:
+    """Until the connection has input (without the GIL); cancels the statement and raises
+    :class:`CopyStopped` once ``stop`` is set."""
+    while not select.select([conn.pgconn.socket], [], [], STOP_CHECK_S)[0]:
+        if stop is not None and stop.is_set():
+            try:
+                conn.cancel_safe(timeout=5.0)
+            except psycopg.Error:
+                pass  # the caller closes the connection, which ends the statement too
+            else:
+                _drain(conn.pgconn)  # cancelled: the server ends the statement at once
+            raise CopyStopped("stopped while the COPY waited for the server")
+
+
+def _drain(pgconn: Any) -> None:
+    """Read a cancelled statement's rest, so the connection takes the next one."""
+    with contextlib.suppress(psycopg.Error):
+        while (res := pgconn.get_result()) is not None:
+            if res.status == pq.ExecStatus.COPY_OUT:
+                while pgconn.get_copy_data(0)[0] >= 0:
+                    pass
+
+
+def copy_out_blocks(
+    conn: Conn, statement: bytes, block_rows: int, stop: threading.Event | None = None,
+) -> Iterator[list[bytes]]:
     """The lines of a ``COPY … TO STDOUT``, straight from libpq: every line already in its
     buffer is taken without a wait (psycopg's ``Copy.read()`` runs its wait machinery once
     a row, the snapshot's largest cost), and a block goes out before each wait for the
-    network, so a slow server never holds back lines already read."""
+    network, so a slow server never holds back lines already read.
+
+    ``stop`` set while it waits for the server (a table lock, a stalled server) cancels the
+    COPY and raises :class:`CopyStopped`: a producer asked to stop is not held by a wait
+    that may never end."""
     pgconn = conn.pgconn
-    res = pgconn.exec_(statement)  # COPY always uses the simple protocol; ``statement`` is ours
-    if res.status != pq.ExecStatus.COPY_OUT:
+    pgconn.send_query(statement)  # COPY always uses the simple protocol; ``statement`` is ours
+    while pgconn.is_busy():  # before its first row a COPY may wait long: on a lock
+        _wait_readable(conn, stop)
+        pgconn.consume_input()
+    res = pgconn.get_result()
+    if res is None or res.status != pq.ExecStatus.COPY_OUT:
+        if res is None:
+            raise psycopg.OperationalError("COPY returned no result")
+        while pgconn.get_result() is not None:  # the rest, or libpq stays busy
+            pass
         _raise_for(conn, res)
     block: list[bytes] = []
     get = pgconn.get_copy_data
@@ -226,7 +274,7 @@ def copy_out_blocks(conn: Conn, statement: bytes, block_rows: int) -> Iterator[l
             if block:
                 yield block
                 block = []
-            select.select([pgconn.socket], [], [])
+            _wait_readable(conn, stop)
             pgconn.consume_input()
         else:  # -1: the COPY is over, its outcome follows
             break

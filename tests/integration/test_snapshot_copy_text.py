@@ -9,6 +9,7 @@ are what the stream's converters make of the value's own text output, fetched ro
 from __future__ import annotations
 
 import subprocess
+import threading
 from pathlib import Path
 
 import orjson
@@ -17,7 +18,7 @@ import pytest
 from psycopg import sql
 
 from producer.codec import text_converter
-from producer.tablescan import copy_out_blocks, fetch_fields
+from producer.tablescan import CopyStopped, copy_out_blocks, fetch_fields
 from tests.support.kafka import read_topic
 from tests.support.pipeline import walbus_process
 
@@ -96,3 +97,36 @@ def test_an_error_in_the_middle_of_a_copy_is_raised(pg_dsn: str) -> None:
         conn.rollback()
         assert conn.execute("SELECT 1").fetchone() == (1,)
         assert sum(len(b) for b in copy_out_blocks(conn, b"COPY (SELECT g FROM generate_series(1, 5000) g) TO STDOUT", 100)) == 5000
+
+
+def test_a_copy_waiting_for_a_lock_stops_when_asked(pg_dsn: str) -> None:
+    """The snapshot's COPY waits on a table another session holds locked: setting its stop
+    ends the read (the COPY is cancelled) instead of a wait that lasts as long as the lock.
+    The wait used to have no timeout, so a producer stopped mid-snapshot hung there."""
+    with psycopg.connect(pg_dsn, autocommit=True) as setup:
+        setup.execute("CREATE TABLE locked (id int)")
+        setup.execute("INSERT INTO locked SELECT generate_series(1, 10)")
+    with psycopg.connect(pg_dsn) as holder, psycopg.connect(pg_dsn) as reader:
+        holder.execute("LOCK TABLE locked IN ACCESS EXCLUSIVE MODE")
+        stop = threading.Event()
+        outcome: list[BaseException | int] = []
+
+        def read() -> None:
+            try:
+                outcome.append(sum(len(b) for b in copy_out_blocks(reader, b"COPY locked TO STDOUT", 100, stop)))
+            except BaseException as e:
+                outcome.append(e)
+
+        thread = threading.Thread(target=read, daemon=True)
+        thread.start()
+        thread.join(1.0)
+        assert thread.is_alive()  # waiting for the lock
+        stop.set()
+        thread.join(60)  # not a speed check: before the fix it waited until the lock went
+        alive = thread.is_alive()
+        holder.rollback()  # releases the lock either way, so the thread ends
+        thread.join(60)
+        assert not alive
+        assert len(outcome) == 1 and isinstance(outcome[0], CopyStopped)
+        reader.rollback()
+        assert reader.execute("SELECT count(*) FROM locked").fetchone() == (10,)  # the connection is usable
