@@ -163,7 +163,12 @@ class Wal2jsonDecoder:
 
     def _from_change(self, schema: str, table: str, cols: list[dict[str, Any]], info: TableInfo) -> Entry:
         """The relation as the change's own columns describe it (``optional``: wal2json's
-        include-not-null, or else the catalog's)."""
+        include-not-null, or else the catalog's). An update's or delete's ``cols`` are its new
+        row and then its identity: a key column in both is one column of the relation."""
+        firsts: dict[str, dict[str, Any]] = {}
+        for c in cols:
+            firsts.setdefault(c["name"], c)
+        cols = list(firsts.values())
         types = [self.catalog.typname(c["typeoid"]) for c in cols]
         catalog_not_null = set(info.not_null)
         return self._build(

@@ -145,3 +145,24 @@ def test_wal2json_follows_the_declared_type_of_each_change() -> None:
     assert _typmods(out) == [{"amount": [12, 2], "name": [40]}] * 2 + [{"amount": [14, 4], "name": [40]}] * 2
     not_null = [orjson.loads(i.value).get("not_null") for i in out if isinstance(i, EncodedEvent)]
     assert not_null == [["id", "amount"]] * 3 + [["id"]]
+
+
+def test_wal2json_relation_from_an_updates_own_columns_names_each_column_once() -> None:
+    """An update whose columns do not match the catalog (amount retyped since) builds its
+    relation from the change's own columns: the new row's and the identity's. The key column
+    is in both; it used to appear twice in the event, the first time as an unchanged null."""
+    dec = Wal2jsonDecoder(current_catalog(), CaptureFilter())
+    begin = orjson.dumps({"action": "B", "xid": 5, "timestamp": "2026-01-01 00:00:00+00", "lsn": "0/20"})
+    update = orjson.dumps({"action": "U", "schema": "public", "table": "t", "lsn": "0/30", "columns": [
+        {"name": "id", "type": "integer", "typeoid": 23, "value": 1},
+        {"name": "amount", "type": "integer", "typeoid": 23, "value": 7},  # int4 then, numeric in the catalog now
+        {"name": "name", "type": "character varying(40)", "typeoid": 1043, "value": "a"},
+    ], "identity": [{"name": "id", "type": "integer", "typeoid": 23, "value": 1}]})
+    out = [orjson.loads(i.value) for i in dec.decode([(1, begin), (2, update)]) if isinstance(i, EncodedEvent)]
+    assert len(out) == 1
+    event = out[0]
+    assert event["columns"] == ["id", "amount", "name"]
+    assert event["values"] == [1, 7, "a"]
+    assert event["types"] == ["int4", "int4", "varchar"]
+    assert "unchanged" not in event or event["unchanged"] == []
+    assert event["identity"]["columns"] == ["id"] and event["identity"]["values"] == [1]
