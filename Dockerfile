@@ -18,7 +18,7 @@ ENV WALBUS_DEMUX_STATE_DIR=/var/lib/walbus/demux
 ENTRYPOINT []
 
 FROM base AS warehouse
-# Spark runs on the JVM: `walbus warehouse load|sql` need a Java runtime (Debian's default: 17 or 21, both fit Spark 4.0).
+# Spark runs on the JVM: `walbus warehouse load|sql` need a Java runtime (Debian's default: 17 or 21, Spark 4.2 runs on Java 17+).
 RUN apt-get update && apt-get install -y --no-install-recommends default-jre-headless \
     && rm -rf /var/lib/apt/lists/*
 USER walbus

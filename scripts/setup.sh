@@ -24,14 +24,17 @@ fi
 
 python3 -m pip install -q --disable-pip-version-check -e '.[test,warehouse]'
 # The producer's compiled hot path (native/, Rust: pyo3 + maturin, release profile) when a
-# Rust toolchain is here; without one the producer runs its pure-Python path, same bytes.
+# Rust toolchain is here (it also holds the consumers' event decoder); without one walbus runs
+# its pure-Python paths, same results.
 if command -v cargo >/dev/null; then
   python3 -m pip install -q --disable-pip-version-check ./native
   echo "setup: native hot path built (walbus_native)"
 else
   echo "setup: no cargo: the producer falls back to its pure-Python path (install Rust, then pip install ./native)"
 fi
-# Spark's Delta and Kafka connector jars (spark.jars.packages) once, into Ivy's cache, so that
+# Spark's Delta and Kafka connector jars (spark.jars.packages, the versions that match the
+# installed pyspark and delta-spark: io.delta:delta-spark_4.2_2.13:4.4.0 and
+# org.apache.spark:spark-sql-kafka-0-10_2.13:4.2.0) once, into Ivy's cache, so that
 # the first `walbus warehouse load` or `walbus demo` does not resolve them; Ivy's output goes
 # to the Spark log file, not here.
 python3 -c '
