@@ -82,6 +82,23 @@ def default_log_path() -> str:
     return os.environ.get("WALBUS_SPARK_LOG") or os.path.join(tempfile.gettempdir(), f"walbus-spark-{os.getuid()}.log")
 
 
+def default_sql_warehouse() -> str:
+    """Spark's session-catalog directory for a driver on this host (see :func:`sql_warehouse_conf`)."""
+    return os.path.join(tempfile.gettempdir(), f"walbus-spark-warehouse-{os.getuid()}")
+
+
+def sql_warehouse_conf(master: str | None) -> dict[str, str]:
+    """``spark.sql.warehouse.dir`` in the temp directory when the driver runs on this host: a
+    local or loopback master, or none outside spark-submit (PySpark's ``local[*]``).
+
+    Spark's in-memory catalog creates its default database's directory on its first use (a
+    load's too), by default ``./spark-warehouse``: an empty directory left in the working
+    directory; walbus' tables live at their Delta paths. A cluster keeps its own setting.
+    """
+    here = on_this_host(master) if master else "PYSPARK_GATEWAY_PORT" not in os.environ
+    return {"spark.sql.warehouse.dir": default_sql_warehouse()} if here else {}
+
+
 def _launch_jvm(settings: Mapping[str, str], log_path: str) -> None:
     """Start the driver JVM with its stdout/stderr appended to ``log_path``.
 
@@ -132,6 +149,7 @@ def build_session(
         # Python workers (local or this host's executors) run this interpreter, which sees
         # walbus and its dependencies, not whatever `python3` the PATH finds first
         os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    settings.update(sql_warehouse_conf(master))
     settings.update(conf or {})
     for key, value in settings.items():
         builder = builder.config(key, value)

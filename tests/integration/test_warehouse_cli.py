@@ -17,6 +17,8 @@ from warehouse import layout
 
 pytestmark = [pytest.mark.spark, pytest.mark.integration]
 
+ROOT = Path(__file__).resolve().parents[2]
+
 TABLES = ["shop.a", "shop.b", "shop.c"]
 PER_TABLE = 200
 
@@ -95,6 +97,30 @@ def test_load_killed_mid_way_then_rerun_is_exact(
         ]
         assert [(r["id"], r["v"]) for r in live] == expected
     assert f"{0:020d}.committed.json" in {p.name for p in loads_dir.iterdir()}
+
+
+def test_load_leaves_the_terminal_and_the_working_directory_clean(
+    kafka_bootstrap: str, unique_name: str, tmp_path: Path
+) -> None:
+    cwd, log = tmp_path / "cwd", tmp_path / "spark.log"
+    cwd.mkdir()
+    produce_events(kafka_bootstrap, unique_name, Txn(0x1000).insert(TABLES[0], ["id"], {"id": ("int4", 1)}).events)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "WALBUS_SPARK_LOG": str(log)}
+    done = subprocess.run(
+        _cli("load", "--kafka-bootstrap", kafka_bootstrap, "--topic", unique_name,
+             "--warehouse", str(tmp_path / "wh"), "--master", "local[1]", "--spark-conf", "spark.ui.enabled=false"),
+        cwd=cwd, env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"{TABLES[0]}: 1 events, history +1,"), done.stdout
+    assert [line for line in done.stderr.splitlines() if not line.startswith("loaded 1 events in ")] == [], done.stderr
+    # Ivy's jar resolution (printed on every start, the cache warm or not) and log4j's lines
+    # went to the log file
+    spark_log = log.read_text(errors="replace")
+    assert ":: resolving dependencies ::" in spark_log and "log4j" in spark_log
+    # nothing of Spark's in the working directory (an empty artifacts/ or spark-warehouse/)
+    assert os.listdir(cwd) == []
 
 
 def test_cli_reports_failures_clearly(tmp_path: Path, kafka_bootstrap: str, unique_name: str) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 
 import pytest
@@ -21,7 +22,13 @@ from pyspark.sql.types import (
 
 from warehouse import layout
 from warehouse.schema import SchemaChangeError, SourceColumn, plan
-from warehouse.spark import KAFKA_CONNECTOR, on_this_host, packages
+from warehouse.spark import (
+    KAFKA_CONNECTOR,
+    default_sql_warehouse,
+    on_this_host,
+    packages,
+    sql_warehouse_conf,
+)
 from warehouse.types import _numeric_re, compatible, spark_type
 
 
@@ -183,3 +190,19 @@ def test_packages_match_installed_pyspark() -> None:
 )
 def test_masters_on_this_host_bind_the_driver_to_loopback(master: str, here: bool) -> None:
     assert on_this_host(master) is here
+
+
+@pytest.mark.parametrize(("master", "here"), [("local[1]", True), ("spark://127.0.0.1:7077", True), (None, True),
+                                              ("yarn", False), ("spark://10.0.0.5:7077", False)])
+def test_a_driver_on_this_host_keeps_the_session_catalog_out_of_the_cwd(
+    master: str | None, here: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("PYSPARK_GATEWAY_PORT", raising=False)
+    expected = {"spark.sql.warehouse.dir": default_sql_warehouse()} if here else {}
+    assert sql_warehouse_conf(master) == expected
+    assert not default_sql_warehouse().startswith(os.getcwd())
+
+
+def test_under_spark_submit_the_session_catalog_is_the_submitters(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PYSPARK_GATEWAY_PORT", "12345")
+    assert sql_warehouse_conf(None) == {}
