@@ -43,6 +43,7 @@ const IMAGE_FIELDS: usize = 3;
 type Str<'a> = Cow<'a, str>;
 
 /// A JSON string, borrowed from the input when it holds no escapes.
+#[derive(Clone, Copy)]
 struct StrSeed;
 
 impl<'de> DeserializeSeed<'de> for StrSeed {
@@ -70,31 +71,33 @@ impl<'de> Visitor<'de> for StrVisitor {
     }
 }
 
-/// A JSON array of strings (not null).
-struct NamesSeed;
+/// A JSON array (not null) of what `S` reads.
+#[derive(Clone, Copy)]
+struct ListSeed<S>(S);
 
-impl<'de> DeserializeSeed<'de> for NamesSeed {
-    type Value = Vec<Str<'de>>;
+impl<'de, S: DeserializeSeed<'de> + Copy> DeserializeSeed<'de> for ListSeed<S> {
+    type Value = Vec<S::Value>;
     fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
-        d.deserialize_seq(NamesVisitor)
+        d.deserialize_seq(self)
     }
 }
 
-struct NamesVisitor;
-
-impl<'de> Visitor<'de> for NamesVisitor {
-    type Value = Vec<Str<'de>>;
+impl<'de, S: DeserializeSeed<'de> + Copy> Visitor<'de> for ListSeed<S> {
+    type Value = Vec<S::Value>;
     fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("an array of strings")
+        f.write_str("an array")
     }
     fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
         let mut out = Vec::with_capacity(seq.size_hint().unwrap_or(8));
-        while let Some(s) = seq.next_element_seed(StrSeed)? {
-            out.push(s);
+        while let Some(v) = seq.next_element_seed(self.0)? {
+            out.push(v);
         }
         Ok(out)
     }
 }
+
+const NAMES: ListSeed<StrSeed> = ListSeed(StrSeed);
+const SCALARS: ListSeed<ScalarSeed> = ListSeed(ScalarSeed);
 
 /// One column value: a JSON scalar.
 enum Scalar<'a> {
@@ -147,37 +150,13 @@ impl<'de> Visitor<'de> for ScalarVisitor {
     }
 }
 
+#[derive(Clone, Copy)]
 struct ScalarSeed;
 
 impl<'de> DeserializeSeed<'de> for ScalarSeed {
     type Value = Scalar<'de>;
     fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
         d.deserialize_any(ScalarVisitor)
-    }
-}
-
-struct ScalarsSeed;
-
-impl<'de> DeserializeSeed<'de> for ScalarsSeed {
-    type Value = Vec<Scalar<'de>>;
-    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
-        d.deserialize_seq(ScalarsVisitor)
-    }
-}
-
-struct ScalarsVisitor;
-
-impl<'de> Visitor<'de> for ScalarsVisitor {
-    type Value = Vec<Scalar<'de>>;
-    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("an array of scalars")
-    }
-    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
-        let mut out = Vec::with_capacity(seq.size_hint().unwrap_or(8));
-        while let Some(v) = seq.next_element_seed(ScalarSeed)? {
-            out.push(v);
-        }
-        Ok(out)
     }
 }
 
@@ -227,22 +206,7 @@ impl<'de> Visitor<'de> for BoundedIntVisitor {
     }
 }
 
-struct BoundedIntsVisitor(i64);
-
-impl<'de> Visitor<'de> for BoundedIntsVisitor {
-    type Value = Vec<i64>;
-    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("an array of bounded integers")
-    }
-    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
-        let mut out = Vec::new();
-        while let Some(v) = seq.next_element_seed(BoundedIntSeed(self.0))? {
-            out.push(v);
-        }
-        Ok(out)
-    }
-}
-
+#[derive(Clone, Copy)]
 struct BoundedIntSeed(i64);
 
 impl<'de> DeserializeSeed<'de> for BoundedIntSeed {
@@ -252,33 +216,47 @@ impl<'de> DeserializeSeed<'de> for BoundedIntSeed {
     }
 }
 
-struct BoundedIntsSeed(i64);
-
-impl<'de> DeserializeSeed<'de> for BoundedIntsSeed {
-    type Value = Vec<i64>;
-    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
-        d.deserialize_seq(BoundedIntsVisitor(self.0))
-    }
-}
-
 type Typmods<'a> = Vec<(Str<'a>, Vec<i64>)>;
 
-/// An object of column name to a list of modifiers, or null.
+/// An object of column name to a list of modifiers (null: see `Nullable`).
+#[derive(Clone, Copy)]
 struct TypmodsSeed(i64);
 
 impl<'de> DeserializeSeed<'de> for TypmodsSeed {
-    type Value = Option<Typmods<'de>>;
+    type Value = Typmods<'de>;
     fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
-        d.deserialize_option(TypmodsVisitor(self.0))
+        d.deserialize_map(self)
     }
 }
 
-struct TypmodsVisitor(i64);
-
-impl<'de> Visitor<'de> for TypmodsVisitor {
-    type Value = Option<Typmods<'de>>;
+impl<'de> Visitor<'de> for TypmodsSeed {
+    type Value = Typmods<'de>;
     fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("an object of modifier lists or null")
+        f.write_str("an object of modifier lists")
+    }
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+        let mut out = Vec::new();
+        while let Some(name) = map.next_key_seed(StrSeed)? {
+            out.push((name, map.next_value_seed(ListSeed(BoundedIntSeed(self.0)))?));
+        }
+        Ok(out)
+    }
+}
+
+/// What `S` reads, or JSON null.
+struct Nullable<S>(S);
+
+impl<'de, S: DeserializeSeed<'de>> DeserializeSeed<'de> for Nullable<S> {
+    type Value = Option<S::Value>;
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
+        d.deserialize_option(self)
+    }
+}
+
+impl<'de, S: DeserializeSeed<'de>> Visitor<'de> for Nullable<S> {
+    type Value = Option<S::Value>;
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("a value or null")
     }
     fn visit_none<E: de::Error>(self) -> Result<Self::Value, E> {
         Ok(None)
@@ -287,14 +265,7 @@ impl<'de> Visitor<'de> for TypmodsVisitor {
         Ok(None)
     }
     fn visit_some<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
-        d.deserialize_map(self)
-    }
-    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
-        let mut out = Vec::new();
-        while let Some(name) = map.next_key_seed(StrSeed)? {
-            out.push((name, map.next_value_seed(BoundedIntsSeed(self.0))?));
-        }
-        Ok(Some(out))
+        self.0.deserialize(d).map(Some)
     }
 }
 
@@ -308,25 +279,16 @@ struct Image<'a> {
 struct ImageSeed<'n>(&'n [String; IMAGE_FIELDS]);
 
 impl<'de> DeserializeSeed<'de> for ImageSeed<'_> {
-    type Value = Option<Image<'de>>;
+    type Value = Image<'de>;
     fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
-        d.deserialize_option(self)
+        d.deserialize_map(self)
     }
 }
 
 impl<'de> Visitor<'de> for ImageSeed<'_> {
-    type Value = Option<Image<'de>>;
+    type Value = Image<'de>;
     fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("a row image or null")
-    }
-    fn visit_none<E: de::Error>(self) -> Result<Self::Value, E> {
-        Ok(None)
-    }
-    fn visit_unit<E: de::Error>(self) -> Result<Self::Value, E> {
-        Ok(None)
-    }
-    fn visit_some<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
-        d.deserialize_map(self)
+        f.write_str("a row image")
     }
     fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
         let (mut columns, mut types, mut values) = (None, None, None);
@@ -334,12 +296,12 @@ impl<'de> Visitor<'de> for ImageSeed<'_> {
             match self.0.iter().position(|n| *n == key) {
                 Some(0) if columns.is_none() => columns = Some(map.next_value::<&'de RawValue>()?),
                 Some(1) if types.is_none() => types = Some(map.next_value::<&'de RawValue>()?),
-                Some(2) if values.is_none() => values = Some(map.next_value_seed(ScalarsSeed)?),
+                Some(2) if values.is_none() => values = Some(map.next_value_seed(SCALARS)?),
                 _ => return Err(de::Error::custom("")), // unknown or repeated
             }
         }
         match (columns, types, values) {
-            (Some(columns), Some(types), Some(values)) => Ok(Some(Image { columns, types, values })),
+            (Some(columns), Some(types), Some(values)) => Ok(Image { columns, types, values }),
             _ => Err(de::Error::custom("")),
         }
     }
@@ -405,11 +367,11 @@ impl<'de> Visitor<'de> for WireSeed<'_> {
                 PK => w.pk = Some(map.next_value()?),
                 COLUMNS => w.columns = Some(map.next_value()?),
                 TYPES => w.types = Some(map.next_value()?),
-                VALUES => w.values = map.next_value_seed(ScalarsSeed)?,
-                IDENTITY => w.identity = map.next_value_seed(ImageSeed(&decoder.image_names))?,
+                VALUES => w.values = map.next_value_seed(SCALARS)?,
+                IDENTITY => w.identity = map.next_value_seed(Nullable(ImageSeed(&decoder.image_names)))?,
                 UNCHANGED => w.unchanged = Some(map.next_value()?),
                 NOT_NULL => w.not_null = Some(map.next_value()?),
-                TYPMODS => w.typmods = map.next_value_seed(TypmodsSeed(decoder.typmod_limit))?,
+                TYPMODS => w.typmods = map.next_value_seed(Nullable(TypmodsSeed(decoder.typmod_limit)))?,
                 _ => return Err(de::Error::custom("")),
             }
         }
@@ -522,7 +484,7 @@ fn names<'py>(py: Python<'py>, cache: &mut Cache, raw: Option<&RawValue>, nullab
         return Ok(Some((tuple.bind(py).clone(), *n)));
     }
     let mut de = serde_json::Deserializer::from_slice(text);
-    let Ok(list) = NamesSeed.deserialize(&mut de) else { return Ok(None) };
+    let Ok(list) = NAMES.deserialize(&mut de) else { return Ok(None) };
     let tuple = PyTuple::new(py, list.iter().map(|n| PyString::new(py, n)))?;
     remember(&mut cache.names, text, (tuple.clone().unbind(), list.len()));
     Ok(Some((tuple, list.len())))

@@ -54,6 +54,14 @@ async def events_of(bootstrap: str, topic: str) -> list[dict[str, Any]]:
     return [orjson.loads(v) for _, v in await read_topic(bootstrap, topic) if v]
 
 
+def least_privileged(pg_dsn: str, name: str, unique_name: str, readable: str) -> str:
+    """A producer role with REPLICATION and SELECT on the signal table and ``readable`` only,
+    a publication of all tables for it; its DSN."""
+    sql(pg_dsn, f'CREATE ROLE "{name}" LOGIN REPLICATION PASSWORD \'{ROLE_PASSWORD}\'',
+        f'GRANT SELECT ON walbus_signal, {readable} TO "{name}"', f"CREATE PUBLICATION walbus_{unique_name} FOR ALL TABLES")
+    return make_conninfo(pg_dsn, user=name, password=ROLE_PASSWORD)
+
+
 SIGNAL_DDL = "CREATE TABLE walbus_signal (id varchar(64) PRIMARY KEY, type varchar(32) NOT NULL, data text)"
 
 
@@ -162,11 +170,8 @@ async def test_filters_of_a_least_privileged_producer(pg_dsn: str, kafka_bootstr
     sql(pg_dsn, SIGNAL_DDL, "CREATE TABLE side (x int)",
         "CREATE FUNCTION walbus_write() RETURNS boolean LANGUAGE sql AS 'INSERT INTO side VALUES (1) RETURNING true'",
         "CREATE TABLE good (id int PRIMARY KEY)", "CREATE TABLE bad (id int PRIMARY KEY)",
-        "INSERT INTO good SELECT generate_series(1, 30)", "INSERT INTO bad SELECT generate_series(1, 30)",
-        f'CREATE ROLE "{role}" LOGIN REPLICATION PASSWORD \'{ROLE_PASSWORD}\'',
-        f'GRANT SELECT ON walbus_signal, good, bad TO "{role}"',
-        f"CREATE PUBLICATION walbus_{unique_name} FOR ALL TABLES")
-    as_role = make_conninfo(pg_dsn, user=role, password=ROLE_PASSWORD)
+        "INSERT INTO good SELECT generate_series(1, 30)", "INSERT INTO bad SELECT generate_series(1, 30)")
+    as_role = least_privileged(pg_dsn, role, unique_name, "good, bad")
     async with running_producer(as_role, kafka_bootstrap, **producer_options(unique_name, 10)) as producer:
         signal(pg_dsn, "sig-1", "execute-snapshot", {
             "data-collections": ["public.good", "public.bad"],
@@ -191,11 +196,8 @@ async def test_a_table_the_role_cannot_read_fails_without_blocking_the_queue(
     be retried every 2 s forever, and the snapshot never completed."""
     sql(pg_dsn, SIGNAL_DDL,
         "CREATE TABLE secret (id int PRIMARY KEY)", "CREATE TABLE open_one (id int PRIMARY KEY)",
-        "INSERT INTO secret SELECT generate_series(1, 20)", "INSERT INTO open_one SELECT generate_series(1, 25)",
-        f'CREATE ROLE "{role}" LOGIN REPLICATION PASSWORD \'{ROLE_PASSWORD}\'',
-        f'GRANT SELECT ON walbus_signal, open_one TO "{role}"',
-        f"CREATE PUBLICATION walbus_{unique_name} FOR ALL TABLES")
-    as_role = make_conninfo(pg_dsn, user=role, password=ROLE_PASSWORD)
+        "INSERT INTO secret SELECT generate_series(1, 20)", "INSERT INTO open_one SELECT generate_series(1, 25)")
+    as_role = least_privileged(pg_dsn, role, unique_name, "open_one")
     async with running_producer(as_role, kafka_bootstrap, **producer_options(unique_name, 10)) as producer:
         signal(pg_dsn, "sig-1", "execute-snapshot", {"data-collections": ["public.secret", "public.open_one"]})
         reg = producer.registry
