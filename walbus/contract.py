@@ -384,9 +384,14 @@ def decode_event_as(value: bytes | str, cls: type[_E]) -> _E:
     is built so, without copying a ChangeEvent's fields over).
     """
     if _decode_native is not None and type(value) is bytes:
-        native = _decode_native(value, cls)
+        native: _E | None = _decode_native(value, cls)
         if native is not None:
-            return native  # type: ignore[no-any-return]
+            return native
+    return _decode_python(value, cls)
+
+
+def _decode_python(value: bytes | str, cls: type[_E]) -> _E:
+    """msgspec, then the reference checks for what it does not take."""
     try:
         wire = _decode_wire(value)
     except (msgspec.DecodeError, ValueError, RecursionError):  # ValueError: bad UTF-8; the full path says why
@@ -397,12 +402,17 @@ def decode_event_as(value: bytes | str, cls: type[_E]) -> _E:
 
 def decode_keyed_event_as(key: bytes | None, value: bytes | None, cls: type[_E]) -> _E:
     """The event of a database-topic record whose key is its own position (else
-    :class:`ContractError`), as :func:`decode_event_as` builds it: the consumers' hot path."""
+    :class:`ContractError`), as :func:`decode_event_as` builds it: the consumers' hot path.
+
+    A caller that decodes many records calls :data:`try_decode_keyed_event` first, and this
+    only when it returns None."""
+    if try_decode_keyed_event is not None:
+        native: _E | None = try_decode_keyed_event(key, value, cls)
+        if native is not None:
+            return native
     if value is None:
         raise ContractError("record without a value")
-    event = _decode_native(value, cls) if _decode_native is not None and type(value) is bytes else None
-    if event is None:
-        event = decode_event_as(value, cls)
+    event = _decode_python(value, cls)  # the compiled decoder declined the value or its key
     commit_lsn, seq = event.commit_lsn, event.seq
     if key != _KEY_BYTES_FORMAT % (commit_lsn, seq):
         check_key(key, event)  # raises unless the key is another text of the position, with its message
@@ -598,29 +608,41 @@ def _from_wire(w: _WireEvent, cls: type[_E]) -> _E | None:
     return event
 
 
-def _native_event_decoder() -> Callable[[bytes, type[Any]], Any] | None:
+def _native_event_decoder() -> Any:
     """The compiled decoder (walbus_native.EventDecoder), told the wire form from here; None
     without the extension. It takes a strict subset of what _WireEvent takes and builds the same
     event; None from it means this module's decoders decide (tests/unit/test_prop_contract_decoders.py)."""
     module = native_module()
-    if module is None or not hasattr(module, "EventDecoder"):
-        return None
+    if module is None or not hasattr(getattr(module, "EventDecoder", None), "decode_keyed"):
+        return None  # no extension, or one built before the keyed decoder: the Python paths
     wire = ("v", "lsn", "commit_lsn", "seq", "xid", "operation", "table", "timestamp", "pk", *IMAGE_FIELDS,
             "identity", "unchanged", "not_null", "typmods")
     if set(wire) != set(FIELD_ORDER) or len(wire) != len(FIELD_ORDER):
         raise TypeError("walbus.contract's native decoder does not name every field of FIELD_ORDER")
     limits = [(1 << min(FIELD_BITS[name], 63)) - 1 for name in ("lsn", "commit_lsn", "seq", "xid")]
-    decoder = module.EventDecoder(
+    key_format = re.fullmatch(r"%0(\d+)X(.*)%0(\d+)X", KEY_FORMAT)
+    if key_format is None:
+        raise TypeError("walbus.contract's native decoder does not know KEY_FORMAT")
+    return module.EventDecoder(
         list(wire), list(IMAGE_FIELDS), limits, CONTRACT_VERSION, TYPMOD_LIMIT,
         [(sys.intern(op), op in ROW_OPERATIONS) for op in sorted(OPERATIONS)],
         [sys.intern(name) for name in _EVENT_SLOT_NAMES], [sys.intern(name) for name in _IMAGE_SLOT_NAMES],
         RowImage, _NO_TYPMODS,
+        [int(key_format[1]), int(key_format[3])], key_format[2].encode(),
     )
-    decode: Callable[[bytes, type[Any]], Any] = decoder.decode
-    return decode
 
 
-_decode_native: Final = _native_event_decoder()
+_native_decoder: Final = _native_event_decoder()
+_decode_native: Final[Callable[[bytes, type[Any]], Any] | None] = (
+    None if _native_decoder is None else _native_decoder.decode
+)
+try_decode_keyed_event: Final[Callable[[bytes | None, bytes | None, type[Any]], Any] | None] = (
+    None if _native_decoder is None else _native_decoder.decode_keyed
+)
+"""``(key, value, cls) -> event | None``: the compiled decoder of a keyed record, without
+:func:`decode_keyed_event_as`'s Python call around it; None from it (a value it does not take,
+a key other than the position's one text) means :func:`decode_keyed_event_as` decides. None
+itself without the extension."""
 
 
 def check_key(key: bytes | None, event: ChangeEvent) -> None:

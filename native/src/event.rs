@@ -18,7 +18,7 @@ use std::sync::Mutex;
 use pyo3::exceptions::PyValueError;
 use pyo3::ffi;
 use pyo3::prelude::*;
-use pyo3::types::{PyBool, PyDict, PyFloat, PyString, PyTuple, PyType};
+use pyo3::types::{PyBool, PyBytes, PyDict, PyFloat, PyString, PyTuple, PyType};
 use serde::de::{self, DeserializeSeed, Deserializer, MapAccess, SeqAccess, Visitor};
 use serde_json::value::RawValue;
 
@@ -392,7 +392,42 @@ pub struct EventDecoder {
     image_attrs: Vec<Py<PyString>>,
     image_class: Py<PyType>,
     no_typmods: Py<PyAny>,
+    key_format: Option<KeyFormat>, // None: decode_keyed declines every record
     cache: Mutex<Cache>,
+}
+
+/// A record key's one text of a position: (commit_lsn, seq) in upper-case hex, zero-padded to
+/// fixed widths, with a separator between them.
+struct KeyFormat {
+    widths: [usize; 2],
+    separator: Vec<u8>,
+}
+
+impl KeyFormat {
+    /// Whether `key` is the text of `(commit_lsn, seq)` (false too when a number is wider than
+    /// its width: the caller's own formatting decides about those).
+    fn matches(&self, key: &[u8], commit_lsn: u64, seq: u64) -> bool {
+        let [a, b] = self.widths;
+        let sep = self.separator.as_slice();
+        key.len() == a + sep.len() + b
+            && hex_is(&key[..a], commit_lsn)
+            && &key[a..a + sep.len()] == sep
+            && hex_is(&key[a + sep.len()..], seq)
+    }
+}
+
+/// Whether `text` is `v` in upper-case hex, zero-padded to exactly `text.len()` digits.
+fn hex_is(text: &[u8], v: u64) -> bool {
+    const DIGITS: &[u8; 16] = b"0123456789ABCDEF";
+    let n = text.len();
+    if n < 16 && v >> (4 * n) != 0 {
+        return false;
+    }
+    text.iter().enumerate().all(|(i, &c)| {
+        let shift = 4 * (n - 1 - i);
+        let nibble = if shift >= 64 { 0 } else { (v >> shift) & 0xF };
+        c == DIGITS[nibble as usize]
+    })
 }
 
 // Entries per map before it starts again empty: a table's names are a few entries, and
@@ -565,7 +600,11 @@ impl EventDecoder {
     /// operation's name and whether it needs a new row. `event_attrs`: the 13 attributes set
     /// on an event, in this order: lsn, commit_lsn, seq, xid, operation, table, timestamp, pk,
     /// new, identity, unchanged, not_null, typmods; `image_attrs`: a row image's three.
+    /// `key_widths` and `key_separator`: a record key's text of (commit_lsn, seq), each in
+    /// upper-case hex zero-padded to its width (without them `decode_keyed` declines every
+    /// record: a caller built before it constructs the decoder as before).
     #[new]
+    #[pyo3(signature = (wire_names, image_names, int_limits, version, typmod_limit, operations, event_attrs, image_attrs, image_class, no_typmods, key_widths=None, key_separator=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         wire_names: Vec<String>,
@@ -578,6 +617,8 @@ impl EventDecoder {
         image_attrs: Vec<Bound<'_, PyString>>,
         image_class: Bound<'_, PyType>,
         no_typmods: Bound<'_, PyAny>,
+        key_widths: Option<[usize; 2]>,
+        key_separator: Option<Vec<u8>>,
     ) -> PyResult<Self> {
         if event_attrs.len() != EVENT_ATTRS || image_attrs.len() != IMAGE_FIELDS {
             return Err(PyValueError::new_err("expected 13 event and 3 image attributes"));
@@ -597,6 +638,7 @@ impl EventDecoder {
             image_attrs: image_attrs.into_iter().map(Bound::unbind).collect(),
             image_class: image_class.unbind(),
             no_typmods: no_typmods.unbind(),
+            key_format: key_widths.zip(key_separator).map(|(widths, separator)| KeyFormat { widths, separator }),
             cache: Mutex::new(Cache::default()),
         })
     }
@@ -604,10 +646,36 @@ impl EventDecoder {
     /// The event of `value` as an instance of `cls` (its own further attributes left unset),
     /// or None when the slow path must decide.
     fn decode<'py>(&self, py: Python<'py>, value: &[u8], cls: &Bound<'py, PyType>) -> PyResult<Option<Bound<'py, PyAny>>> {
+        self.decode_record(py, None, value, cls)
+    }
+
+    /// `decode` of a record whose key must be the event's own position: None also when the key
+    /// or the value is not bytes, or the key is not the one text of the position (the slow path
+    /// decides: it accepts no other key than the caller's own check does).
+    fn decode_keyed<'py>(
+        &self,
+        py: Python<'py>,
+        key: &Bound<'py, PyAny>,
+        value: &Bound<'py, PyAny>,
+        cls: &Bound<'py, PyType>,
+    ) -> PyResult<Option<Bound<'py, PyAny>>> {
+        let (Ok(key), Ok(value)) = (key.cast::<PyBytes>(), value.cast::<PyBytes>()) else { return Ok(None) };
+        self.decode_record(py, Some(key.as_bytes()), value.as_bytes(), cls)
+    }
+}
+
+impl EventDecoder {
+    fn decode_record<'py>(&self, py: Python<'py>, key: Option<&[u8]>, value: &[u8], cls: &Bound<'py, PyType>) -> PyResult<Option<Bound<'py, PyAny>>> {
         let mut de = serde_json::Deserializer::from_slice(value);
         let Ok(w) = WireSeed(self).deserialize(&mut de) else { return Ok(None) };
         if de.end().is_err() || !w.seen[VERSION] || w.version != self.version || !INTS.iter().all(|&i| w.seen[i]) {
             return Ok(None);
+        }
+        if let Some(key) = key {
+            let Some(format) = &self.key_format else { return Ok(None) };
+            if !format.matches(key, w.ints[1], w.ints[2]) {
+                return Ok(None);
+            }
         }
         if !(w.seen[OPERATION] && w.seen[TABLE] && w.seen[TIMESTAMP]) {
             return Ok(None);

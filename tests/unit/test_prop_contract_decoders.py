@@ -22,10 +22,12 @@ from walbus.contract import (
     _decode_native,
     _decode_wire,
     _from_wire,
+    check_key,
     decode_event,
     decode_keyed_event_as,
     encode_event,
     event_key,
+    try_decode_keyed_event,
 )
 from walbus.native import switched_off
 
@@ -174,3 +176,52 @@ def test_what_the_native_decoder_caches_is_checked_as_each_field_needs() -> None
     ]:
         assert _agree(head + first)[0] == "event"
         _agree(head + second)
+
+
+def _keyed_outcome(decode: Any, key: Any, raw: bytes) -> tuple[Any, ...]:
+    def event(_: bytes) -> ChangeEvent:
+        return decode(key, raw)  # type: ignore[no-any-return]
+
+    return _outcome(event, raw)
+
+
+def _reference_keyed(key: Any, raw: bytes) -> ChangeEvent:
+    event = _decode_checked(raw, ChangeEvent)
+    check_key(key, event)
+    return event
+
+
+def _keys(commit_lsn: int, seq: int) -> dict[str, Any]:
+    key = event_key(commit_lsn, seq)
+    return {"canonical": key, "lower": key.lower(), "short": key[1:], "long": b"0" + key, "next": event_key(commit_lsn, (seq + 1) % 2**32),
+            "separator": key.replace(b"-", b":"), "none": None}
+
+
+@given(events(), st.sampled_from(sorted(_keys(0, 0))))
+def test_keyed_records_decode_alike(kw: dict[str, Any], which: str) -> None:
+    """The compiled keyed decoder takes the position's one key text and declines every other
+    key; decode_keyed_event_as then decides as the reference does (key first parsed, then checked)."""
+    raw = encode_event(**kw)
+    key = _keys(kw["commit_lsn"], kw["seq"])[which]
+    reference = _keyed_outcome(lambda k, v: _reference_keyed(k, v), key, raw)
+    assert _keyed_outcome(lambda k, v: decode_keyed_event_as(k, v, ChangeEvent), key, raw) == reference
+    if try_decode_keyed_event is None:
+        return
+    native = try_decode_keyed_event(key, raw, ChangeEvent)
+    if key != event_key(kw["commit_lsn"], kw["seq"]):
+        assert native is None  # the Python path decides every other key
+    elif _decode_native is not None and _decode_native(raw, ChangeEvent) is not None:
+        assert native is not None and _keyed_outcome(lambda _k, _v: native, key, raw) == reference
+
+
+def test_the_keyed_decoder_declines_what_is_not_bytes() -> None:
+    if try_decode_keyed_event is None:
+        return
+    raw = encode_event(**USUAL[0])
+    key = event_key(USUAL[0]["commit_lsn"], USUAL[0]["seq"])
+    assert try_decode_keyed_event(key, raw, ChangeEvent) is not None
+    for k, v in ((key, None), (None, raw), (key, raw.decode()), (bytearray(key), raw), (key, memoryview(raw))):
+        assert try_decode_keyed_event(k, v, ChangeEvent) is None
+    # Wider than the key's width: Python's %X would print more digits; the Python path decides.
+    big = {**USUAL[0], "seq": 0}
+    assert try_decode_keyed_event(event_key(big["commit_lsn"], 0), encode_event(**big), ChangeEvent) is not None
