@@ -13,12 +13,12 @@ use std::borrow::Cow;
 use std::collections::HashMap;
 use std::fmt;
 use std::hash::{BuildHasherDefault, Hasher};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use pyo3::exceptions::PyValueError;
 use pyo3::ffi;
 use pyo3::prelude::*;
-use pyo3::types::{PyBool, PyBytes, PyDict, PyFloat, PyString, PyTuple, PyType};
+use pyo3::types::{PyBool, PyBytes, PyDict, PyFloat, PyList, PyString, PyTuple, PyType};
 use serde::de::{self, DeserializeSeed, Deserializer, MapAccess, SeqAccess, Visitor};
 use serde_json::value::RawValue;
 
@@ -391,7 +391,9 @@ pub struct EventDecoder {
     event_attrs: Vec<Py<PyString>>,
     image_attrs: Vec<Py<PyString>>,
     image_class: Py<PyType>,
+    image_layout: Layout,
     no_typmods: Py<PyAny>,
+    layouts: Mutex<Vec<(Py<PyType>, Arc<Layout>)>>, // the event classes decoded into so far
     key_format: Option<KeyFormat>, // None: decode_keyed declines every record
     cache: Mutex<Cache>,
 }
@@ -474,6 +476,70 @@ fn array<const N: usize>(names: Vec<String>, what: &str) -> PyResult<[String; N]
     names.try_into().map_err(|_| PyValueError::new_err(format!("{what}: expected {N} names")))
 }
 
+/// How the decoder stores attributes on a new instance of a class.
+enum Layout {
+    /// The byte offset of each attribute's slot in an instance: a plain pointer store, as the
+    /// slot's descriptor makes it, without looking the descriptor up (16 stores an event).
+    Slots(Vec<usize>),
+    /// Through the class's descriptors, `object.__setattr__`'s way (what `probe` did not prove plain).
+    Generic,
+}
+
+// Event classes whose layout is kept; more start the list again (a caller uses one or two).
+const LAYOUT_LIMIT: usize = 16;
+
+/// Where `cls`'s instances keep `attrs`. Each must be a member descriptor (what `__slots__`
+/// and slotted dataclasses make); its offset is found by storing a new object through the
+/// descriptor on an empty instance and finding that object's address, once, among the
+/// instance's words. Anything else (another descriptor, no match, two matches, a class with
+/// its own `__new__`) gives `Layout::Generic`.
+fn probe(cls: &Bound<'_, PyType>, attrs: &[Py<PyString>]) -> PyResult<Layout> {
+    let py = cls.py();
+    let member = py.import("types")?.getattr("MemberDescriptorType")?;
+    let basicsize: usize = cls.getattr("__basicsize__")?.extract()?;
+    let Some(instance) = alloc(cls)? else { return Ok(Layout::Generic) };
+    let word = std::mem::size_of::<*mut ffi::PyObject>();
+    let header = std::mem::size_of::<ffi::PyObject>();
+    let mut offsets: Vec<usize> = Vec::with_capacity(attrs.len());
+    for name in attrs {
+        if !cls.getattr(name.bind(py))?.get_type().is(&member) {
+            return Ok(Layout::Generic);
+        }
+        let marker = PyList::empty(py); // a new object: its address is nowhere else
+        set(&instance, name, marker.as_any())?;
+        let base = instance.as_ptr().cast::<u8>().cast_const();
+        let mut hits = (header..=basicsize.saturating_sub(word)).step_by(word).filter(|&offset| {
+            // SAFETY: offset + word <= basicsize: inside the instance; offsets are multiples of
+            // the word size from an object's (word-aligned) address.
+            unsafe { base.add(offset).cast::<*mut ffi::PyObject>().read() == marker.as_ptr() }
+        });
+        match (hits.next(), hits.next()) {
+            (Some(offset), None) if !offsets.contains(&offset) => offsets.push(offset),
+            _ => return Ok(Layout::Generic),
+        }
+    }
+    Ok(Layout::Slots(offsets))
+}
+
+/// Attribute `i` (named `attrs[i]`) of a new instance `obj`, stored as `layout` says.
+fn store(obj: &Bound<'_, PyAny>, layout: &Layout, attrs: &[Py<PyString>], i: usize, value: &Bound<'_, PyAny>) -> PyResult<()> {
+    match layout {
+        Layout::Slots(offsets) => {
+            // SAFETY: obj is an instance of the class probed for `offsets`, which hold object
+            // pointers (member slots); the slot takes a new reference and gives up its old one,
+            // as the member descriptor's setter does.
+            unsafe {
+                let slot = obj.as_ptr().cast::<u8>().add(offsets[i]).cast::<*mut ffi::PyObject>();
+                let old = slot.read();
+                slot.write(value.clone().into_ptr());
+                ffi::Py_XDECREF(old);
+            }
+            Ok(())
+        }
+        Layout::Generic => set(obj, &attrs[i], value),
+    }
+}
+
 /// `obj.name = value` as `object.__setattr__` does it: through the class's slot descriptor,
 /// past a frozen class's own `__setattr__`.
 fn set(obj: &Bound<'_, PyAny>, name: &Py<PyString>, value: &Bound<'_, PyAny>) -> PyResult<()> {
@@ -487,8 +553,6 @@ fn set(obj: &Bound<'_, PyAny>, name: &Py<PyString>, value: &Bound<'_, PyAny>) ->
     }
 }
 
-/// The tuple of a raw name array (null: the empty tuple, when `nullable`) and its length;
-/// None when it is not one (the slow path decides).
 /// A new, empty instance of `cls`, as `object.__new__(cls)` makes it; None for a class with
 /// a `__new__` of its own (the slow path builds that one).
 fn alloc<'py>(cls: &Bound<'py, PyType>) -> PyResult<Option<Bound<'py, PyAny>>> {
@@ -509,6 +573,8 @@ fn alloc<'py>(cls: &Bound<'py, PyType>) -> PyResult<Option<Bound<'py, PyAny>>> {
     }
 }
 
+/// The tuple of a raw name array (null: the empty tuple, when `nullable`) and its length;
+/// None when it is not one (the slow path decides).
 fn names<'py>(py: Python<'py>, cache: &mut Cache, raw: Option<&RawValue>, nullable: bool) -> PyResult<Option<(Bound<'py, PyTuple>, usize)>> {
     let Some(raw) = raw else { return Ok(Some((PyTuple::empty(py), 0))) };
     let text = raw.get().as_bytes();
@@ -583,10 +649,11 @@ impl EventDecoder {
             return Ok(None);
         }
         let Some(image) = alloc(self.image_class.bind(py))? else { return Ok(None) };
-        set(&image, &self.image_attrs[0], columns.as_any())?;
-        set(&image, &self.image_attrs[1], types.as_any())?;
+        let (layout, attrs) = (&self.image_layout, &self.image_attrs);
+        store(&image, layout, attrs, 0, columns.as_any())?;
+        store(&image, layout, attrs, 1, types.as_any())?;
         let values = PyTuple::new(py, values.iter().map(|v| scalar(py, v)).collect::<PyResult<Vec<_>>>()?)?;
-        set(&image, &self.image_attrs[2], values.as_any())?;
+        store(&image, layout, attrs, 2, values.as_any())?;
         Ok(Some(image))
     }
 }
@@ -623,6 +690,8 @@ impl EventDecoder {
         if event_attrs.len() != EVENT_ATTRS || image_attrs.len() != IMAGE_FIELDS {
             return Err(PyValueError::new_err("expected 13 event and 3 image attributes"));
         }
+        let image_attrs: Vec<Py<PyString>> = image_attrs.into_iter().map(Bound::unbind).collect();
+        let image_layout = probe(&image_class, &image_attrs)?;
         let operations = operations
             .into_iter()
             .map(|(name, row)| Ok((name.to_str()?.to_owned(), name.unbind(), row)))
@@ -635,7 +704,9 @@ impl EventDecoder {
             typmod_limit,
             operations,
             event_attrs: event_attrs.into_iter().map(Bound::unbind).collect(),
-            image_attrs: image_attrs.into_iter().map(Bound::unbind).collect(),
+            image_attrs,
+            image_layout,
+            layouts: Mutex::new(Vec::new()),
             image_class: image_class.unbind(),
             no_typmods: no_typmods.unbind(),
             key_format: key_widths.zip(key_separator).map(|(widths, separator)| KeyFormat { widths, separator }),
@@ -647,6 +718,12 @@ impl EventDecoder {
     /// or None when the slow path must decide.
     fn decode<'py>(&self, py: Python<'py>, value: &[u8], cls: &Bound<'py, PyType>) -> PyResult<Option<Bound<'py, PyAny>>> {
         self.decode_record(py, None, value, cls)
+    }
+
+    /// Whether events of `cls` get their attributes by plain slot stores (else through the
+    /// class's descriptors): for tests and diagnostics.
+    fn stores_directly(&self, cls: &Bound<'_, PyType>) -> PyResult<bool> {
+        Ok(matches!(*self.layout(cls)?, Layout::Slots(_)) && matches!(self.image_layout, Layout::Slots(_)))
     }
 
     /// `decode` of a record whose key must be the event's own position: None also when the key
@@ -665,7 +742,27 @@ impl EventDecoder {
 }
 
 impl EventDecoder {
+    /// How `cls` holds the event attributes: probed once per class (outside the cache's lock:
+    /// the probe runs Python code).
+    fn layout(&self, cls: &Bound<'_, PyType>) -> PyResult<Arc<Layout>> {
+        let poisoned = || PyValueError::new_err("walbus_native: layouts poisoned");
+        {
+            let layouts = self.layouts.lock().map_err(|_| poisoned())?;
+            if let Some((_, layout)) = layouts.iter().find(|(c, _)| c.as_ptr() == cls.as_ptr()) {
+                return Ok(layout.clone());
+            }
+        }
+        let layout = Arc::new(probe(cls, &self.event_attrs)?);
+        let mut layouts = self.layouts.lock().map_err(|_| poisoned())?;
+        if layouts.len() >= LAYOUT_LIMIT {
+            layouts.clear();
+        }
+        layouts.push((cls.clone().unbind(), layout.clone()));
+        Ok(layout)
+    }
+
     fn decode_record<'py>(&self, py: Python<'py>, key: Option<&[u8]>, value: &[u8], cls: &Bound<'py, PyType>) -> PyResult<Option<Bound<'py, PyAny>>> {
+        let layout = self.layout(cls)?;
         let mut de = serde_json::Deserializer::from_slice(value);
         let Ok(w) = WireSeed(self).deserialize(&mut de) else { return Ok(None) };
         if de.end().is_err() || !w.seen[VERSION] || w.version != self.version || !INTS.iter().all(|&i| w.seen[i]) {
@@ -711,18 +808,18 @@ impl EventDecoder {
             None => py.None().into_bound(py),
         };
         let Some(event) = alloc(cls)? else { return Ok(None) };
-        let attrs = &self.event_attrs;
+        let (layout, attrs) = (&*layout, &self.event_attrs);
         for (k, v) in w.ints.iter().enumerate() {
-            set(&event, &attrs[k], v.into_pyobject(py)?.as_any())?;
+            store(&event, layout, attrs, k, v.into_pyobject(py)?.as_any())?;
         }
-        set(&event, &attrs[4], operation.bind(py).as_any())?;
-        set(&event, &attrs[5], table.as_any())?;
-        set(&event, &attrs[6], timestamp.as_any())?;
-        set(&event, &attrs[7], pk.as_any())?;
-        set(&event, &attrs[8], &new)?;
-        set(&event, &attrs[9], &identity)?;
-        set(&event, &attrs[10], unchanged.as_any())?;
-        set(&event, &attrs[11], not_null.as_any())?;
+        store(&event, layout, attrs, 4, operation.bind(py).as_any())?;
+        store(&event, layout, attrs, 5, table.as_any())?;
+        store(&event, layout, attrs, 6, timestamp.as_any())?;
+        store(&event, layout, attrs, 7, pk.as_any())?;
+        store(&event, layout, attrs, 8, &new)?;
+        store(&event, layout, attrs, 9, &identity)?;
+        store(&event, layout, attrs, 10, unchanged.as_any())?;
+        store(&event, layout, attrs, 11, not_null.as_any())?;
         let typmods = match &w.typmods {
             None => self.no_typmods.bind(py).clone(),
             Some(entries) => {
@@ -733,7 +830,7 @@ impl EventDecoder {
                 dict.into_any()
             }
         };
-        set(&event, &attrs[12], &typmods)?;
+        store(&event, layout, attrs, 12, &typmods)?;
         Ok(Some(event))
     }
 }

@@ -225,3 +225,37 @@ def test_the_keyed_decoder_declines_what_is_not_bytes() -> None:
     # Wider than the key's width: Python's %X would print more digits; the Python path decides.
     big = {**USUAL[0], "seq": 0}
     assert try_decode_keyed_event(event_key(big["commit_lsn"], 0), encode_event(**big), ChangeEvent) is not None
+
+
+def test_the_native_decoder_stores_slots_directly_and_falls_back_where_it_cannot() -> None:
+    """Slotted event classes (ChangeEvent, the client's FeedEvent, their slotted subclasses)
+    get plain slot stores; a class whose attribute is not a slot goes through its descriptors,
+    and every class decodes to equal events."""
+    from dataclasses import dataclass, fields
+
+    from walbus.client.event import FeedEvent
+    from walbus.contract import _native_decoder
+
+    if _native_decoder is None:
+        return
+
+    @dataclass(frozen=True, slots=True)
+    class Tagged(ChangeEvent):
+        tag: str = ""
+
+    class WithDict(ChangeEvent):
+        pass
+
+    class Computed(ChangeEvent):
+        __slots__ = ()
+        xid = property(lambda self: 0)  # type: ignore[assignment]
+
+    for cls in (ChangeEvent, FeedEvent, Tagged, WithDict):
+        assert _native_decoder.stores_directly(cls), cls
+    assert not _native_decoder.stores_directly(Computed)
+    raw = encode_event(**USUAL[0])
+    expected = decode_event(raw)
+    for cls in (ChangeEvent, FeedEvent, Tagged, WithDict):
+        event = _native_decoder.decode(raw, cls)
+        assert type(event) is cls
+        assert all(getattr(event, f.name) == getattr(expected, f.name) for f in fields(ChangeEvent))
