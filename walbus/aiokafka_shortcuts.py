@@ -159,6 +159,24 @@ def read_in_runs(consumer: AIOKafkaConsumer) -> bool:
     return True
 
 
+# Turns of the event loop aiokafka's fetcher needs, after getmany took a partition's records,
+# to send the next fetch for it: its routine wakes on the consume signal (asyncio.wait's
+# callback, then the routine's step), starts a task per node, and that task's first step writes
+# the request. Public behaviour, not internals: with fewer turns the fetch only goes out later.
+FETCH_SEND_TURNS: Final = 4
+
+
+async def send_next_fetch() -> None:
+    """Let a consumer's fetcher send its next fetch request now, right after getmany returned
+    records: the answer then arrives while the caller handles these, instead of after it.
+
+    For a caller whose hot path never yields to the loop (a Feed, the demux): measured on
+    ``bench.client`` (300k events, 5 rounds), the Feed went from 0.70-0.74 to 0.82-0.87 of
+    a raw consumer's rate."""
+    for _ in range(FETCH_SEND_TURNS):
+        await asyncio.sleep(0)
+
+
 def flatten(items: list[Any]) -> list[SourceRecord]:
     """getmany's list for one partition -> its records in offset order (runs or records alike)."""
     if items and isinstance(items[0], list):

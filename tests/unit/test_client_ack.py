@@ -5,6 +5,8 @@ from __future__ import annotations
 import random
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from walbus.client import RetryPolicy
 from walbus.client.event import feed_event
@@ -53,3 +55,42 @@ def test_lanes_are_stable_and_spread() -> None:
     assert lanes == [lane_of(k, 8) for k in keys]
     assert set(lanes) == set(range(8))
     assert 0 <= lane_of(("t", [1, 2]), 8) < 8  # an unhashable value falls back to its text
+
+
+def _reference_order_key(event: ChangeEvent) -> object:
+    """The order key spelled out plainly (what parallel.order_key computes with its caches)."""
+    if event.operation == "truncate":
+        return None
+
+    def key_in(image: RowImage | None) -> tuple[object, ...] | None:
+        if image is None or not event.pk:
+            return None
+        row = dict(zip(image.columns, image.values, strict=True))  # the last of a repeated name
+        return tuple(row[c] for c in event.pk) if all(c in row for c in event.pk) else None
+
+    key = key_in(event.new)
+    if key is None:
+        key = key_in(event.identity)
+        return (event.table,) if key is None else (event.table, *key)
+    old = key_in(event.identity) if event.operation == "update" else None
+    return None if old is not None and old != key else (event.table, *key)
+
+
+_NAMES = st.sampled_from(["id", "a", "b", "é", "a.b"])
+
+
+@st.composite
+def _images(draw: st.DrawFn) -> RowImage | None:
+    if draw(st.booleans()):
+        return None
+    columns = tuple(draw(st.lists(_NAMES, max_size=4)))
+    return RowImage(columns, ("int4",) * len(columns), tuple(draw(st.integers(0, 2)) for _ in columns))
+
+
+@given(st.sampled_from(["insert", "update", "delete", "truncate", "read"]), st.sampled_from(["s.t", "s.u"]),
+       st.lists(_NAMES, max_size=3, unique=True), _images(), _images(), st.integers(1, 3))
+def test_order_keys_match_the_plain_definition(op: str, table: str, pk: list[str], new: RowImage | None,
+                                               ident: RowImage | None, repeat: int) -> None:
+    event = feed_event(ChangeEvent(1, 2, 0, 3, op, table, "t", tuple(pk), new, ident), 1, None)  # type: ignore[arg-type]
+    for _ in range(repeat):  # again: from the caches this time
+        assert order_key(event) == _reference_order_key(event)

@@ -35,7 +35,7 @@ from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.errors import ConsumerStoppedError, KafkaError
 from prometheus_client import CollectorRegistry
 
-from walbus.aiokafka_shortcuts import read_in_runs
+from walbus.aiokafka_shortcuts import read_in_runs, send_next_fetch
 from walbus.client._connect import client_kwargs as _client_kwargs
 from walbus.client._connect import read_records, topic_partitions
 from walbus.client.acks import acked_prefix
@@ -496,18 +496,24 @@ class Feed:
 
     async def handle(self, event: FeedEvent, handler: Callable[[FeedEvent], Awaitable[None]]) -> None:
         """Run ``handler`` on ``event`` with the retry policy; ack, or dead-letter when exhausted."""
-        delivery = event._settler
-        assert isinstance(delivery, _Record), "handle() takes events this feed delivered"
+        assert isinstance(event._settler, _Record), "handle() takes events this feed delivered"
         try:
             await handler(event)
         except Exception as e:
-            await self._handle_failed(delivery, handler, e)
+            await self._handle_failed(event, handler, e)
             return
+        self._handled(event)
+
+    def _handled(self, event: FeedEvent) -> None:
+        """``handler`` returned: ack the event unless it settled itself."""
+        delivery: Any = event._settler
         if delivery.outcome == "pending":
             self._acked(delivery)
 
-    async def _handle_failed(self, delivery: _Record, handler: Callable[[FeedEvent], Awaitable[None]], error: Exception) -> None:
+    async def _handle_failed(self, event: FeedEvent, handler: Callable[[FeedEvent], Awaitable[None]], error: Exception) -> None:
         """Retry a failed handler in place, then dead-letter the event once its attempts are used up."""
+        delivery = event._settler
+        assert isinstance(delivery, _Record), "a handler failed on an event this feed did not deliver"
         while True:
             self._log_failure(delivery, error)
             if delivery.settled:
@@ -547,6 +553,8 @@ class Feed:
                 if position is None or rec.position > position:
                     state.done_position = rec.position
             return
+        if inflight and inflight[0] is not rec:
+            return  # an earlier event is still out: nothing new is contiguous (run()'s lanes)
         done = acked_prefix(inflight)
         if done is not None and (state.done_offset is None or done[0] > state.done_offset):
             state.done_offset = done[0]
@@ -713,6 +721,8 @@ class Feed:
                             state.buffer.extend(run)
                     else:
                         state.buffer.extend(msgs)
+            if batches:
+                await send_next_fetch()  # the next records arrive while these are handled
 
     @staticmethod
     async def _wait_records(consumer: AIOKafkaConsumer, deadline: float | None, most_s: float) -> dict[TopicPartition, list[Any]]:

@@ -33,46 +33,64 @@ def order_key(event: FeedEvent) -> Hashable | None:
     The primary-key values come from the new row, else the identity (``event.key_values()``);
     an update whose identity holds other key values changed its key.
     """
-    if event.operation == "truncate":
+    operation = event.operation
+    if operation == "truncate":
         return None
-    pk = event.pk
+    pk, table = event.pk, event.table
+    if not pk:
+        return (table,)
     new, ident = event.new, event.identity
-    key = _key_in(new, pk) if new is not None and pk else None
-    if key is None:
-        key = _key_in(ident, pk) if ident is not None and pk else None
-        if key is None:
-            return (event.table,)
-    elif event.operation == "update" and ident is not None:
-        old = _key_in(ident, pk)
-        if old is not None and old != key:
-            return None
-    return (event.table, *key)
+    if new is not None:
+        key = _key_in(new, pk, table)
+        if key is not None:
+            if operation == "update" and ident is not None:
+                old = _key_in(ident, pk, table)
+                if old is not None and old != key:
+                    return None
+            return key
+    if ident is not None:
+        key = _key_in(ident, pk, table)
+        if key is not None:
+            return key
+    return (table,)
 
 
-# Column positions by column names (the last of a repeated name, as RowImage.as_dict): a
-# table's events repeat the same names, so each is indexed once.
-_column_index: dict[tuple[str, ...], dict[str, int]] = {}
-_MAX_INDEXED = 4096  # distinct column lists kept; beyond, the memory starts again (schema churn, junk)
+# Where a key's columns are in a row image, by its column names and key: a table's events
+# repeat the same names, so each pair is indexed once.
+_key_positions: dict[tuple[tuple[str, ...], tuple[str, ...]], tuple[int, ...] | None] = {}
+_MAX_INDEXED = 4096  # pairs kept; beyond, the memory starts again (schema churn, junk)
+# The pair looked up last, by identity: a table's events share one tuple of names and one of
+# key columns (the decoder keeps them), so most events need no tuple hash at all.
+_last_positions: tuple[tuple[str, ...], tuple[str, ...], tuple[int, ...] | None] = ((), (), None)
 
 
-def _key_in(image: RowImage, pk: tuple[str, ...]) -> tuple[Any, ...] | None:
-    """The values of ``pk``'s columns in ``image``, in key order; None when one is missing."""
+def _positions(columns: tuple[str, ...], pk: tuple[str, ...]) -> tuple[int, ...] | None:
+    """Each of ``pk``'s columns' place in ``columns`` (the last of a repeated name, as
+    RowImage.as_dict); None when one is missing."""
+    found = _key_positions.get((columns, pk), ())
+    if found == ():
+        index = {c: i for i, c in enumerate(columns)}
+        found = tuple(index[c] for c in pk) if all(c in index for c in pk) else None
+        if len(_key_positions) >= _MAX_INDEXED:
+            _key_positions.clear()
+        _key_positions[columns, pk] = found
+    return found
+
+
+def _key_in(image: RowImage, pk: tuple[str, ...], table: str) -> tuple[Any, ...] | None:
+    """``(table, *the values of pk's columns in image)``; None when one is missing."""
+    global _last_positions
     columns = image.columns
-    index = _column_index.get(columns)
-    if index is None:
-        if len(_column_index) >= _MAX_INDEXED:
-            _column_index.clear()
-        index = _column_index[columns] = {c: i for i, c in enumerate(columns)}
-    values = image.values
-    try:
-        if len(pk) == 1:  # the common key: no loop
-            return (values[index[pk[0]]],)
-        key = []
-        for c in pk:
-            key.append(values[index[c]])
-        return tuple(key)
-    except KeyError:
+    last_columns, last_pk, positions = _last_positions
+    if last_columns is not columns or last_pk is not pk:
+        positions = _positions(columns, pk)
+        _last_positions = (columns, pk, positions)
+    if positions is None:
         return None
+    values = image.values
+    if len(positions) == 1:  # the common key: no loop
+        return (table, values[positions[0]])
+    return (table, *[values[i] for i in positions])
 
 
 def lane_of(key: Hashable, lanes: int) -> int:
@@ -151,6 +169,7 @@ class Dispatcher:
                 await feed.handle(event, self._handler)
         self._workers = [asyncio.create_task(self._work(lane)) for lane in self._lanes]
         lanes = self._lanes
+        n = len(lanes)
         try:
             while True:
                 try:
@@ -162,7 +181,10 @@ class Dispatcher:
                     await self._drain()
                     await feed.handle(event, self._handler)
                     continue
-                lane = lanes[lane_of(key, len(lanes))]
+                try:
+                    lane = lanes[hash(key) % n]  # lane_of(key, n), inline: once per event
+                except TypeError:
+                    lane = lanes[lane_of(key, n)]
                 while len(lane.events) >= LANE_DEPTH:
                     await self._until(lane.changed())
                 lane.push(event)
@@ -178,9 +200,18 @@ class Dispatcher:
             event = lane.events.popleft() if lane.events else await lane.next_event()
             lane.handling = True
             try:
-                await feed.handle(event, handler)
+                # feed.handle(event, handler), without its coroutine: once per event.
+                try:
+                    await handler(event)
+                except Exception as e:
+                    await feed._handle_failed(event, handler, e)
+                else:
+                    feed._handled(event)
             finally:
-                lane.finished_one()
+                if lane._watchers:
+                    lane.finished_one()
+                else:
+                    lane.handling = False
 
     async def _until(self, waiting: Awaitable[object]) -> None:
         """Await ``waiting``, but raise at once if a lane's task died (never wait on it forever)."""
