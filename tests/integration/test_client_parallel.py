@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import itertools
 import random
 from collections import defaultdict
@@ -70,6 +71,52 @@ async def test_concurrency_keeps_per_key_order_and_truncate_is_a_barrier(kafka_b
     # All acked, so all committed.
     async with Feed(unique_name, group_id=group, bootstrap_servers=kafka_bootstrap, until_end=True) as again:
         assert [e async for e in again] == []
+
+
+async def test_handlers_that_return_at_once_and_that_await_mix_in_key_order(kafka_bootstrap: str, unique_name: str) -> None:
+    """The dispatcher starts a handler on an idle lane itself: one that returns without
+    awaiting is done there, one that awaits goes on in the lane's task before the lane's later
+    events; a handler failing before its first await is retried by the lane like any other."""
+    changes = workload(random.Random(5), 80, TABLES)
+    inserts = [c.position for c in changes if c.operation == "insert"]
+    poison_now, poison_later = inserts[3], inserts[7]
+    await create_topic(kafka_bootstrap, unique_name)
+    await produce(kafka_bootstrap, unique_name, [c.record() for c in changes])
+    rng = random.Random(11)
+    by_key: dict[object, list[tuple[int, int]]] = defaultdict(list)
+    attempts: dict[tuple[int, int], int] = defaultdict(int)
+    running = most = 0
+    lane_var: contextvars.ContextVar[int] = contextvars.ContextVar("lane_var", default=0)
+
+    async def handler(event: FeedEvent) -> None:
+        nonlocal running, most
+        attempts[event.position] += 1
+        lane_var.set(lane_var.get() + 1)  # a handler's context is its lane's, never the dispatcher's
+        if event.position == poison_now and event.attempt < 3:
+            raise RuntimeError("fails before any await")
+        if event.position == poison_later or rng.random() < 0.5:
+            running += 1
+            most = max(most, running)
+            try:
+                await asyncio.sleep(rng.random() * 0.003)
+            finally:
+                running -= 1
+            if event.position == poison_later and event.attempt < 2:
+                raise RuntimeError("fails after an await")
+        by_key[order_key(event)].append(event.position)
+
+    feed = Feed(unique_name, group_id=unique_name + "-g", start="earliest", bootstrap_servers=kafka_bootstrap,
+                until_end=True, retry=RetryPolicy(attempts=3, initial=0.01, maximum=0.02))
+    async with feed, asyncio.timeout(60):
+        await feed.run(handler, concurrency=8)
+
+    assert sorted(p for ps in by_key.values() for p in ps) == [c.position for c in changes]  # each once
+    for positions in by_key.values():
+        assert positions == sorted(positions)
+    assert attempts[poison_now] == 3 and attempts[poison_later] == 2
+    assert most > 1
+    assert lane_var.get() == 0
+    assert feed.stats.dead_letters == 0
 
 
 async def test_members_share_a_group_over_a_multi_partition_topic(kafka_bootstrap: str, unique_name: str) -> None:

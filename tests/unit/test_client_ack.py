@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Coroutine
+from typing import Any
 
 import pytest
 from hypothesis import given
@@ -94,3 +96,50 @@ def test_order_keys_match_the_plain_definition(op: str, table: str, pk: list[str
     event = feed_event(ChangeEvent(1, 2, 0, 3, op, table, "t", tuple(pk), new, ident), 1, None)  # type: ignore[arg-type]
     for _ in range(repeat):  # again: from the caches this time
         assert order_key(event) == _reference_order_key(event)
+
+
+async def test_a_coroutine_started_by_hand_is_awaited_to_its_end() -> None:
+    """parallel._Resume: the rest of a handler the dispatcher started, awaited by a lane's task:
+    its result, its exception, values sent back from futures, and cancellation reaching it."""
+    import asyncio
+
+    from walbus.client.parallel import _Resume
+
+    log: list[str] = []
+
+    async def work(n: int) -> int:
+        got = 0
+        for _ in range(n):
+            fut = asyncio.get_running_loop().create_future()
+            asyncio.get_running_loop().call_soon(fut.set_result, 1)
+            got += await fut
+            await asyncio.sleep(0)  # a bare yield too
+        if n == 3:
+            raise ValueError("three")
+        return got
+
+    async def slow() -> None:
+        try:
+            await asyncio.sleep(10)
+        finally:
+            log.append("cleaned up")
+
+    coro = work(2)
+    step = coro.send(None)
+    assert await _Resume(coro, step) == 2
+    coro = work(3)
+    with pytest.raises(ValueError, match="three"):
+        await _Resume(coro, coro.send(None))
+    hanging = slow()
+    task = asyncio.ensure_future(_awaits(hanging))
+    await asyncio.sleep(0.01)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert log == ["cleaned up"]
+
+
+async def _awaits(coro: Coroutine[Any, Any, Any]) -> None:
+    from walbus.client.parallel import _Resume
+
+    await _Resume(coro, coro.send(None))

@@ -12,8 +12,9 @@ the old key's events and precedes the new key's). A table without a primary key 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 from collections import deque
-from collections.abc import Awaitable, Callable, Hashable
+from collections.abc import Awaitable, Callable, Coroutine, Generator, Hashable
 from typing import TYPE_CHECKING, Any
 
 from walbus.client.event import FeedEvent
@@ -26,6 +27,44 @@ LANE_DEPTH = 16  # events queued per lane: the feed reads ahead at most N * LANE
 # (16 rather than 64: fewer events decoded ahead stay in the CPU caches; run(8) +10% on bench.client)
 
 Handler = Callable[[FeedEvent], Awaitable[None]]
+
+
+class _Started:
+    """A handler call the dispatcher started on an idle lane that did not finish at once:
+    suspended at its first await (``coro`` and what it yielded), or failed (``error``). The
+    lane's task goes on with it before the lane's later events."""
+
+    __slots__ = ("coro", "error", "event", "step")
+
+    def __init__(self, event: FeedEvent, coro: Coroutine[Any, Any, Any] | None, step: Any, error: Exception | None) -> None:
+        self.event, self.coro, self.step, self.error = event, coro, step, error
+
+
+class _Resume:
+    """Await the rest of a coroutine that already yielded ``step``: what ``await`` does for a
+    fresh one (each value it yields goes up to the awaiting task, each value or exception the
+    task sends or throws goes down to it), for one started by hand."""
+
+    __slots__ = ("coro", "step")
+
+    def __init__(self, coro: Coroutine[Any, Any, Any], step: Any) -> None:
+        self.coro, self.step = coro, step
+
+    def __await__(self) -> Generator[Any, Any, Any]:
+        coro, step = self.coro, self.step
+        while True:
+            try:
+                sent = yield step
+            except BaseException as e:  # cancellation (or close) of the awaiting task: the handler's
+                try:
+                    step = coro.throw(e)
+                except StopIteration as stop:
+                    return stop.value
+            else:
+                try:
+                    step = coro.send(sent)
+                except StopIteration as stop:
+                    return stop.value
 
 
 def order_key(event: FeedEvent) -> Hashable | None:
@@ -108,11 +147,14 @@ class _Lane:
     bookkeeping was a fifth of run(concurrency=N)'s time per event.
     """
 
-    __slots__ = ("_wake", "_watchers", "events", "handling")
+    __slots__ = ("_wake", "_watchers", "context", "events", "handling")
 
     def __init__(self) -> None:
-        self.events: deque[FeedEvent] = deque()
+        self.events: deque[FeedEvent | _Started] = deque()
         self.handling = False  # its task is inside the handler
+        # Where its handlers run, the part the dispatcher starts too: one context a lane, as
+        # when every handler ran in the lane's task.
+        self.context = contextvars.copy_context()
         self._wake: asyncio.Future[None] | None = None  # its task waits for events
         self._watchers: list[asyncio.Future[None]] = []  # the dispatcher waits for room or a drain
 
@@ -120,13 +162,13 @@ class _Lane:
     def idle(self) -> bool:
         return not self.events and not self.handling
 
-    def push(self, event: FeedEvent) -> None:
+    def push(self, event: FeedEvent | _Started) -> None:
         self.events.append(event)
         wake = self._wake
         if wake is not None and not wake.done():
             wake.set_result(None)
 
-    async def next_event(self) -> FeedEvent:
+    async def next_event(self) -> FeedEvent | _Started:
         while not self.events:
             self._wake = asyncio.get_running_loop().create_future()
             try:
@@ -168,7 +210,7 @@ class Dispatcher:
                 except StopAsyncIteration:
                     return
                 await feed.handle(event, self._handler)
-        self._workers = [asyncio.create_task(self._work(lane)) for lane in self._lanes]
+        self._workers = [asyncio.create_task(self._work(lane), context=lane.context) for lane in self._lanes]
         lanes = self._lanes
         n = len(lanes)
         try:
@@ -186,6 +228,13 @@ class Dispatcher:
                     lane = lanes[hash(key) % n]  # lane_of(key, n), inline: once per event
                 except TypeError:
                     lane = lanes[lane_of(key, n)]
+                if not lane.events and not lane.handling:
+                    # An idle lane: start the handler here, as an eager task would; one that
+                    # returns without awaiting is done without a hand-over to the lane's task.
+                    started = self._start(lane, event)
+                    if started is not None:
+                        lane.push(started)
+                    continue
                 while len(lane.events) >= LANE_DEPTH:
                     await self._until(lane.changed())
                 lane.push(event)
@@ -195,15 +244,36 @@ class Dispatcher:
                 w.cancel()
             await asyncio.gather(*self._workers, return_exceptions=True)
 
+    def _start(self, lane: _Lane, event: FeedEvent) -> _Started | None:
+        """Run ``handler(event)`` in the lane's context up to its first await: None when it
+        returned (the event is acked), else what the lane's task goes on with."""
+        coro: Any = self._handler(event)
+        try:
+            step = lane.context.run(coro.send, None)
+        except StopIteration:
+            self._feed._handled(event)
+            return None
+        except Exception as e:
+            return _Started(event, None, None, e)  # retried (or dead-lettered) by the lane
+        return _Started(event, coro, step, None)
+
     async def _work(self, lane: _Lane) -> None:
         feed, handler = self._feed, self._handler
         while True:
-            event = lane.events.popleft() if lane.events else await lane.next_event()
+            item = lane.events.popleft() if lane.events else await lane.next_event()
             lane.handling = True
             try:
                 # feed.handle(event, handler), without its coroutine: once per event.
                 try:
-                    await handler(event)
+                    if isinstance(item, _Started):
+                        event = item.event
+                        if item.error is not None:
+                            raise item.error
+                        assert item.coro is not None
+                        await _Resume(item.coro, item.step)
+                    else:
+                        event = item
+                        await handler(event)
                 except Exception as e:
                     await feed._handle_failed(event, handler, e)
                 else:
