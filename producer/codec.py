@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -255,6 +255,23 @@ class EncodedEvent:
 
 
 
+@dataclass(slots=True)
+class InsertRun:
+    """Consecutive inserts of one plain relation encoded in one native call: their records
+    side by side, without an EncodedEvent each unless somebody needs one (:meth:`events`)."""
+
+    relation: Relation
+    partition_key: bytes
+    keys: list[bytes]
+    values: list[bytes]
+    rows: list[list[Any]]  # each event's new row, a value per relation column
+
+    def events(self) -> Iterator[EncodedEvent]:
+        """The run as the EncodedEvents :meth:`EventEncoder.inserted` would have made."""
+        rel, pkey = self.relation, self.partition_key
+        for key, value, new in zip(self.keys, self.values, self.rows, strict=True):
+            yield EncodedEvent(key, value, pkey, rel, "insert", new)
+
 
 def _literal(fixed: bytes) -> bytes:
     """Fixed bytes inside a %-template (names may hold '%')."""
@@ -301,13 +318,16 @@ class EventEncoder:
             parts = self._insert_parts[rel.relid] = self._row_parts(rel, "insert")
         return parts
 
-    def inserted(self, rel: Relation, new: list[Any], value: bytes) -> EncodedEvent:
-        """The next event: an insert of plain ``rel`` whose value was made from :meth:`insert_parts`
-        with this event's seq."""
+    def inserted_run(self, rel: Relation, run: list[tuple[list[Any], bytes]]) -> InsertRun:
+        """The next ``len(run)`` events: inserts of plain ``rel`` as ``(new row, value)`` made from
+        :meth:`insert_parts` with consecutive seqs from this one."""
         seq = self.seq
-        self.seq = seq + 1
-        pkey = rel.table_key if self.partitioned else b""
-        return EncodedEvent(self._key_template % seq, value, pkey, rel, "insert", new)
+        self.seq = seq + len(run)
+        template = self._key_template
+        return InsertRun(
+            rel, rel.table_key if self.partitioned else b"",
+            [template % s for s in range(seq, seq + len(run))], [value for _, value in run], [new for new, _ in run],
+        )
 
     def insert(self, rel: Relation, lsn: int, new: list[Any], rendered: bytes | None = None) -> EncodedEvent:
         """The hot path: an insert of a relation with no excluded or masked column.

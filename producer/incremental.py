@@ -20,7 +20,7 @@ import orjson
 import psycopg
 from psycopg import sql
 
-from producer.codec import CaptureFilter, EncodedEvent, EventEncoder, Key
+from producer.codec import CaptureFilter, EncodedEvent, EventEncoder, Key, Relation
 from producer.config import ProducerConfig
 from producer.decoders import LogicalMessage
 from producer.metrics import SnapshotMetrics
@@ -186,6 +186,15 @@ class IncrementalSnapshot:
                 self._conn.close()
 
     # -- hooks from the pump -----------------------------------------------------------------
+
+    def watches(self, rel: Relation) -> bool:
+        """Whether :meth:`observe` needs ``rel``'s events (the signal table, the open window's
+        table): the pump hands the others over without an EncodedEvent each."""
+        table = rel.qualified
+        if table == self.capture.signal_table:
+            return True
+        chunk = self._chunk
+        return chunk is not None and chunk.window.is_open and table == chunk.table
 
     def observe(self, ev: EncodedEvent) -> None:
         """Every streamed event: signals, and the open window's keys."""

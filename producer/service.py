@@ -23,7 +23,7 @@ from prometheus_client import CollectorRegistry
 
 from producer import setup
 from producer.catalog import Catalog
-from producer.codec import CaptureFilter, EncodedEvent
+from producer.codec import CaptureFilter, EncodedEvent, InsertRun
 from producer.config import ProducerConfig, load
 from producer.decoders import Decoder, LogicalMessage, TxnBegin, TxnEnd
 from producer.decoders.pgoutput import PgoutputDecoder
@@ -276,7 +276,15 @@ class Producer:
                         case EncodedEvent():
                             if inc is not None:
                                 inc.observe(it)
-                            await sink.put(it)
+                            if not sink.append(it):  # no coroutine per event: put() only for a full batch
+                                await sink.put(it)
+                        case InsertRun():
+                            if inc is not None and inc.watches(it.relation):
+                                for ev in it.events():
+                                    inc.observe(ev)
+                                    await sink.put(ev)
+                            else:
+                                await sink.put_run(it)
                         case TxnEnd():
                             in_txn = False
                             await self._commit(it, sink, progress, txn_topic)

@@ -21,8 +21,9 @@ from typing import Any
 
 from aiokafka import AIOKafkaProducer
 
-from producer.codec import EncodedEvent
+from producer.codec import EncodedEvent, InsertRun
 from producer.progress import Progress
+from walbus.aiokafka_shortcuts import OutputBatch
 from walbus.config import ConfigError
 from walbus.kafka import (
     DEFAULT_MAX_MESSAGE_BYTES,
@@ -86,7 +87,7 @@ class KafkaSink:
         # Below this a value fits whatever its key (event keys are 25 bytes): no exact check.
         self._values_surely_fit = max_message_bytes - RECORD_OVERHEAD_BYTES - 1024
         self._max_in_flight = max_in_flight
-        self._open: list[Any] = [None] * partitions  # BatchBuilder per partition
+        self._open: list[OutputBatch | None] = [None] * partitions  # the open batch per partition
         self._open_count = [0] * partitions
         self._inflight: list[deque[tuple[asyncio.Future[Any], int, float]]] = [deque() for _ in range(partitions)]
         self._inflight_total = 0
@@ -112,7 +113,7 @@ class KafkaSink:
         batch = self._open[p]
         if batch is None:
             batch = self._new_batch(p)
-        if batch.append(key=ev.key, value=ev.value, timestamp=None) is None:
+        if not batch.append(ev.key, ev.value):
             return False
         self._open_count[p] += 1
         self.progress.appended[p] += 1
@@ -125,12 +126,36 @@ class KafkaSink:
             return
         p = 0 if self.partitions == 1 else _partition_for(ev.partition_key, self.partitions)
         await self._send(p)
-        self._new_batch(p).append(key=ev.key, value=ev.value, timestamp=None)  # an empty batch takes any record
+        self._new_batch(p).append(ev.key, ev.value)  # an empty batch takes any record
         self._open_count[p] += 1
         self.progress.appended[p] += 1
 
-    def _new_batch(self, p: int) -> Any:
-        batch = self._open[p] = self._producer.create_batch()
+    async def put_run(self, run: InsertRun) -> None:
+        """:meth:`put` each record of ``run`` (one partition: one relation), in one loop."""
+        p = 0 if self.partitions == 1 else _partition_for(run.partition_key, self.partitions)
+        values, keys = run.values, run.keys
+        surely_fit = self._values_surely_fit
+        for i, value in enumerate(values):
+            if len(value) > surely_fit and not record_fits(self.max_message_bytes, keys[i], value):
+                raise oversized_error(self.topic, list(run.events())[i], self.max_message_bytes)
+        done = 0
+        while done < len(keys):
+            batch = self._open[p]
+            if batch is None:
+                batch = self._new_batch(p)
+            taken = batch.extend(keys, values, done)
+            if taken == 0 and batch.count == 0:
+                raise SinkError("an empty Kafka batch refused a record")  # never: it takes any one
+            self._open_count[p] += taken
+            self.progress.appended[p] += taken
+            done += taken
+            if done < len(keys):
+                await self._send(p)  # full: counted up to here, so its ack confirms just these
+
+    def _new_batch(self, p: int) -> OutputBatch:
+        # aiokafka's batch (size, compression, idempotence as configured), appended to without
+        # its per-record wrapper where walbus.aiokafka_shortcuts allows.
+        batch = self._open[p] = OutputBatch.around(self._producer.create_batch())
         return batch
 
     async def send_side_record(self, topic: str, key: bytes, value: bytes) -> None:
@@ -182,7 +207,7 @@ class KafkaSink:
             self._drained.clear()
             await self._drained.wait()
             self.raise_if_failed()
-        fut = await self._producer.send_batch(batch, self.topic, partition=p)
+        fut = await self._producer.send_batch(batch.for_send(), self.topic, partition=p)
         upto = self.progress.appended[p]
         self._inflight[p].append((fut, upto, time.perf_counter()))
         self._inflight_total += 1

@@ -198,12 +198,18 @@ class OutputBatch:
 
     __slots__ = ("batch", "count", "records")
 
-    def __init__(self, size: int) -> None:
+    def __init__(self, size: int, *, batch: Any = None) -> None:
         # As AIOKafkaProducer.create_batch with max_batch_size=size (no compression):
         # the demux sizes batches per topic (its max.message.bytes).
-        self.batch = BatchBuilder(size, 0, is_transactional=1)
+        self.batch = BatchBuilder(size, 0, is_transactional=1) if batch is None else batch
         self.records: Any = self.batch._builder if SHORTCUTS.direct_append else None
         self.count = 0
+
+    @classmethod
+    def around(cls, batch: Any) -> OutputBatch:
+        """An empty batch from ``producer.create_batch()`` (its size, compression and
+        transactional flag), filled the same way."""
+        return cls(0, batch=batch)
 
     def append(self, key: bytes | None, value: bytes | None,
                headers: list[tuple[str, bytes]] = NO_HEADERS) -> bool:
@@ -216,6 +222,22 @@ class OutputBatch:
             return False
         self.count += 1
         return True
+
+    def extend(self, keys: list[bytes], values: list[bytes], start: int = 0) -> int:
+        """Append ``zip(keys, values)[start:]`` until the batch is full; how many it took."""
+        records, count = self.records, self.count
+        i, end = start, len(keys)
+        if records is None:
+            append = self.batch.append
+            while i < end and append(timestamp=None, key=keys[i], value=values[i], headers=NO_HEADERS) is not None:
+                i += 1
+        else:
+            append = records.append
+            while i < end and append(count, None, keys[i], values[i], NO_HEADERS) is not None:
+                count += 1
+                i += 1
+        self.count = count + (i - start if records is None else 0)
+        return i - start
 
     def for_send(self) -> Any:
         """The closed aiokafka BatchBuilder, counting the records appended directly."""

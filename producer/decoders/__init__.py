@@ -4,11 +4,11 @@ first sight."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from producer.codec import EncodedEvent
+from producer.codec import EncodedEvent, InsertRun
 
 
 @dataclass(slots=True)
@@ -45,7 +45,16 @@ class LogicalMessage:
     timestamp: str = ""
 
 
-Item = EncodedEvent | TxnBegin | TxnEnd | LogicalMessage
+Item = EncodedEvent | InsertRun | TxnBegin | TxnEnd | LogicalMessage
+
+
+def flat(items: Iterable[Item]) -> Iterator[EncodedEvent | TxnBegin | TxnEnd | LogicalMessage]:
+    """``items`` with each :class:`InsertRun` as its events (tools and tests; the pump takes runs whole)."""
+    for item in items:
+        if isinstance(item, InsertRun):
+            yield from item.events()
+        else:
+            yield item
 
 
 class Decoder(Protocol):

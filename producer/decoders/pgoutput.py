@@ -88,8 +88,7 @@ class PgoutputDecoder:
                         if run:
                             skip = len(run) - 1
                             rel.txn_counts[0] += len(run)
-                            for new, value in run:
-                                yield enc.inserted(rel, new, value)
+                            yield enc.inserted_run(rel, run)
                             continue
                     # Natively, the values' JSON comes with them (the encoder uses it when it can).
                     got = None if native is None else native(buf, 6, rel.kinds, rel.plain)

@@ -99,6 +99,31 @@ def test_output_batch_without_the_shortcut_uses_the_public_append(monkeypatch: p
     assert _filled(adapter.OutputBatch(16384)) == []
 
 
+@pytest.mark.parametrize("direct", [True, False])
+def test_output_batch_extend_takes_records_until_full_from_where_it_is_told(direct: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The producer's insert runs: extend() appends from ``start`` until the batch is full, and
+    counts what it took as append() one by one does (the shortcut and the public path alike)."""
+    if not direct:
+        monkeypatch.setattr(adapter, "SHORTCUTS", adapter._decide("0.99.0"))
+    keys = [f"k{i}".encode() for i in range(100)]
+    values = [b"x" * 100] * 100
+    first = adapter.OutputBatch(2048)
+    assert (first.records is not None) is direct
+    assert first.append(b"before", b"v")
+    took = first.extend(keys, values, 3)
+    one_by_one = adapter.OutputBatch(2048)
+    assert one_by_one.append(b"before", b"v")
+    n = 3
+    while one_by_one.append(keys[n], values[n]):
+        n += 1
+    assert 5 <= took == n - 3 and first.count == one_by_one.count == took + 1
+    assert _filled(first) == [(0, b"before", b"v"), *[(i - 2, keys[i], values[i]) for i in range(3, n)]]
+    rest = adapter.OutputBatch(2048)
+    assert rest.extend(keys, values, 3 + took) > 0  # the next batch goes on from there
+    assert _filled(rest)[0] == (0, keys[3 + took], values[3 + took])
+    assert adapter.OutputBatch(2048).extend(keys, values, 100) == 0
+
+
 async def test_fenced_probe_reads_the_transaction_manager() -> None:
     """A fenced producer is seen as such (no abort is tried); its parked error does not go unretrieved."""
     producer = AIOKafkaProducer(bootstrap_servers="127.0.0.1:1", transactional_id="probe")  # never started

@@ -11,7 +11,7 @@ import pytest
 
 from producer.catalog import TableInfo
 from producer.codec import CaptureFilter, EncodedEvent, EventEncoder, Relation, pg_timestamp_iso
-from producer.decoders import TxnBegin, TxnEnd
+from producer.decoders import TxnBegin, TxnEnd, flat
 from producer.decoders.pgoutput import PgoutputDecoder
 from producer.progress import Progress
 from tests.support.catalog import StaticCatalog
@@ -91,7 +91,7 @@ def test_pgoutput_decoder_from_bytes() -> None:
     insert = b"I" + struct.pack(">I", 99) + b"N" + _tuple([b"1", "é".encode(), b"NaN"])
     update = b"U" + struct.pack(">I", 99) + b"K" + _tuple([b"1", None, None]) + b"N" + _tuple([b"2", None, b"1.5"])
     commit = b"C" + struct.pack(">bQQq", 0, 0x200, 0x230, ts)
-    out = list(dec.decode([(0x100, begin), (0x100, relation), (0x110, insert), (0x120, update), (0x200, commit)]))
+    out = list(flat(dec.decode([(0x100, begin), (0x100, relation), (0x110, insert), (0x120, update), (0x200, commit)])))
     assert isinstance(out[0], TxnBegin) and out[0].timestamp == pg_timestamp_iso(ts) == "2023-12-27T13:46:40.123456+00:00"
     ins, upd = out[1], out[2]
     assert isinstance(ins, EncodedEvent) and isinstance(upd, EncodedEvent)

@@ -10,6 +10,7 @@ import pytest
 
 from producer.catalog import TableInfo, modifiers_from_text, type_modifiers
 from producer.codec import CaptureFilter, EncodedEvent, EventEncoder, Relation
+from producer.decoders import flat
 from producer.decoders.pgoutput import PgoutputDecoder
 from producer.decoders.wal2json import Wal2jsonDecoder
 from tests.support.catalog import StaticCatalog
@@ -114,11 +115,11 @@ def _typmods(items: list[Any]) -> list[Any]:
 def test_pgoutput_takes_typmods_from_each_relation_message_and_not_null_from_the_catalog() -> None:
     dec = PgoutputDecoder(current_catalog(), CaptureFilter())
     begin = b"B" + struct.pack(">QqI", 0x200, 0, 42)
-    out = list(dec.decode([
+    out = list(flat(dec.decode([
         (1, begin), (2, _relation_message(((12 << 16) | 2) + 4)), (3, _pg_insert(b"1", b"1.50", b"a")),
         # ALTER TABLE … TYPE numeric(14,4) inside the transaction: a new Relation message
         (4, _relation_message(((14 << 16) | 4) + 4)), (5, _pg_insert(b"2", b"1.5000", b"b")),
-    ]))
+    ])))
     assert _typmods(out) == [{"amount": [12, 2], "name": [40]}, {"amount": [14, 4], "name": [40]}]
     assert all(orjson.loads(i.value)["not_null"] == ["id", "amount"] for i in out if isinstance(i, EncodedEvent))
 

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from producer.catalog import TableInfo
 from producer.codec import CaptureFilter, EncodedEvent, text_converter
+from producer.decoders import flat
 from producer.decoders.pgoutput import PgoutputDecoder
 from producer.native import decode_tuple
 from tests.support.catalog import StaticCatalog
@@ -113,7 +114,7 @@ def outcome(native: bool, tables: StaticCatalog, capture: CaptureFilter, msgs: l
     """Each item the decoder gives, then the error that stopped it (if one did)."""
     out: list[Any] = []
     try:
-        for item in PgoutputDecoder(tables, capture, native=native).decode(msgs):
+        for item in flat(PgoutputDecoder(tables, capture, native=native).decode(msgs)):
             if isinstance(item, EncodedEvent):
                 out.append((item.key, item.value, item.partition_key, item.operation, item.table,
                             None if item.new is None else strict(item.new), None if item.old is None else strict(item.old)))
