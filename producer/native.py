@@ -8,6 +8,7 @@ it does not handle, and the caller then takes the pure-Python path, which decide
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import logging
 from typing import Any, Protocol, cast
@@ -54,3 +55,44 @@ def encode_inserts() -> EncodeInserts | None:
     """The extension's run-of-inserts encoder (None: pure Python)."""
     module = _module()
     return None if module is None else cast(EncodeInserts, module.encode_inserts)
+
+
+class CopyReader(Protocol):
+    def read(self, pgconn: int, out: list[tuple[int, bytes]], limit: int, /) -> tuple[int, int, bool]: ...
+
+
+@functools.cache
+def copy_reader() -> CopyReader | None:
+    """The extension's CopyData reader, bound to the libpq psycopg's connections use (None:
+    pure Python). Only with psycopg's binary package, whose libpq is its own file: the reader
+    calls that library's functions, and a libpq of another build must never get its PGconn."""
+    module = _module()
+    if module is None or not hasattr(module, "CopyReader"):
+        return None
+    functions = _libpq_copy_functions()
+    if functions is None:
+        log.info("native replication reads off: psycopg's own libpq not found (reads in Python)")
+        return None
+    return cast(CopyReader, module.CopyReader(*functions))
+
+
+def _libpq_copy_functions() -> tuple[int, int] | None:
+    """The addresses of PQgetCopyData and PQfreemem in psycopg_binary's libpq, once it is the
+    library psycopg says it runs (same version)."""
+    from psycopg import pq
+
+    if pq.__impl__ != "binary":
+        return None
+    try:
+        with open("/proc/self/maps") as maps:  # the loaded file, not some other libpq on the path
+            path = next((line.split()[-1] for line in maps if "/psycopg_binary.libs/libpq" in line), None)
+    except OSError:
+        return None
+    if path is None:
+        return None
+    lib = ctypes.CDLL(path)  # already loaded: the same handle, nothing loaded twice
+    lib.PQlibVersion.restype = ctypes.c_int
+    if lib.PQlibVersion() != pq.version():
+        return None
+    get, free = ctypes.cast(lib.PQgetCopyData, ctypes.c_void_p).value, ctypes.cast(lib.PQfreemem, ctypes.c_void_p).value
+    return (get, free) if get and free else None

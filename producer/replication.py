@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import psycopg
 from psycopg import pq
 
+from producer.native import copy_reader
 from walbus.contract import Lsn
 
 log = logging.getLogger("walbus.producer.replication")
@@ -32,6 +33,8 @@ PG_EPOCH_OFFSET_US = 946_684_800_000_000
 _XLOGDATA = struct.Struct(">QQq")  # data_start, wal_end, send_time
 _KEEPALIVE = struct.Struct(">QqB")  # wal_end, send_time, reply_requested
 _FEEDBACK = struct.Struct(">cQQQqB")  # 'r', written, flushed, applied, client_time, reply
+_LIMIT = 1  # a read took as many messages as it was asked for
+_MALFORMED = 2  # the native reader met an XLogData or keepalive shorter than its header
 
 
 
@@ -71,6 +74,7 @@ class ReplicationStream:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closed = False
         self._reading: asyncio.Future[None] | None = None  # a read waiting for data: wake() ends it
+        self._copy_reader = copy_reader()  # libpq's messages taken in one native call, or None
 
     @classmethod
     def connect(cls, dsn: str, *, application_name: str = "walbus") -> ReplicationStream:
@@ -138,44 +142,70 @@ class ReplicationStream:
         Returns ``[(data_start, payload), …]``; an empty list when idle
         (keepalives are absorbed into :attr:`position`).
         """
-        pgconn = self._pgconn
         out: list[tuple[int, bytes]] = []
         waited = False
         refilled = False
-        while len(out) < max_messages:
-            nbytes, data = pgconn.get_copy_data(1)
-            if nbytes > 0:
-                kind = data[0]
-                if kind == 0x77:  # 'w' XLogData
-                    # XLogData's own wal_end is only the write position; the server's
-                    # progress (sentPtr) comes with keepalives.
-                    out.append((_XLOGDATA.unpack_from(data, 1)[0], bytes(data[25:])))
-                elif kind == 0x6B:  # 'k' keepalive
-                    wal_end, _, reply = _KEEPALIVE.unpack_from(data, 1)
-                    if wal_end > self.position.wal_end:
-                        self.position.wal_end = wal_end
-                    if reply:
-                        self.position.reply_requested = True
-                continue
-            if nbytes == 0:
-                if out and not refilled:
-                    # Whatever the kernel already holds costs no wait: take it too.
-                    refilled = True
-                    self._consume()
-                    continue
-                if out or waited:
-                    break
-                await self._wait(timeout)
-                waited = True
+        while True:
+            status = self._take(out, max_messages - len(out))
+            if status == _LIMIT:
+                return out
+            if status != 0:
+                self._stream_ended(status)
+            if out and not refilled:
+                # Whatever the kernel already holds costs no wait: take it too.
+                refilled = True
                 self._consume()
                 continue
-            # -1: the COPY ended (server shut down the stream); -2: error.
-            res = pgconn.get_result()
-            detail = res.error_message.decode(errors="replace").strip() if res is not None else ""
-            raise ReplicationError(
-                f"replication stream ended: {detail or pgconn.error_message.decode(errors='replace').strip() or 'server closed the stream'}"
-            )
-        return out
+            if out or waited:
+                return out
+            await self._wait(timeout)
+            waited = True
+            self._consume()
+
+    def _take(self, out: list[tuple[int, bytes]], limit: int) -> int:
+        """Move up to ``limit`` XLogData messages libpq holds into ``out`` (keepalives into
+        :attr:`position`); 1 at the limit, else get_copy_data's 0 (no more now), -1 or -2."""
+        reader = self._copy_reader
+        if reader is not None:
+            ptr: int | None = getattr(self._pgconn, "pgconn_ptr", None)  # None once closed
+            if not ptr:
+                raise ReplicationError("replication connection closed")
+            status, wal_end, reply = reader.read(ptr, out, limit)
+            if wal_end > self.position.wal_end:
+                self.position.wal_end = wal_end
+            if reply:
+                self.position.reply_requested = True
+            if status == _MALFORMED:
+                raise ReplicationError("the server sent a replication message shorter than its header")
+            return status
+        pgconn = self._pgconn
+        taken = 0
+        while taken < limit:
+            nbytes, data = pgconn.get_copy_data(1)
+            if nbytes <= 0:
+                return nbytes
+            kind = data[0]
+            if kind == 0x77:  # 'w' XLogData
+                # XLogData's own wal_end is only the write position; the server's
+                # progress (sentPtr) comes with keepalives.
+                out.append((_XLOGDATA.unpack_from(data, 1)[0], bytes(data[25:])))
+                taken += 1
+            elif kind == 0x6B:  # 'k' keepalive
+                wal_end, _, reply = _KEEPALIVE.unpack_from(data, 1)
+                if wal_end > self.position.wal_end:
+                    self.position.wal_end = wal_end
+                if reply:
+                    self.position.reply_requested = True
+        return _LIMIT
+
+    def _stream_ended(self, status: int) -> None:
+        """-1: the COPY ended (server shut down the stream); -2: error."""
+        pgconn = self._pgconn
+        res = pgconn.get_result()
+        detail = res.error_message.decode(errors="replace").strip() if res is not None else ""
+        raise ReplicationError(
+            f"replication stream ended: {detail or pgconn.error_message.decode(errors='replace').strip() or 'server closed the stream'}"
+        )
 
     async def send_feedback(self, flushed: int, *, reply: bool = False) -> None:
         """Standby status update: everything up to ``flushed`` may be forgotten by the slot."""

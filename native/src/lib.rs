@@ -12,6 +12,7 @@
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyBytes, PyFloat, PyList, PyString};
 
+mod copydata;
 mod event;
 
 /// Column kinds, as the caller spells them.
@@ -249,5 +250,6 @@ fn walbus_native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(decode_tuple, m)?)?;
     m.add_function(wrap_pyfunction!(encode_inserts, m)?)?;
     m.add_class::<event::EventDecoder>()?;
+    m.add_class::<copydata::CopyReader>()?;
     Ok(())
 }

@@ -8,6 +8,7 @@ import struct
 from typing import Any
 
 import orjson
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -157,3 +158,19 @@ def test_native_renders_what_orjson_renders() -> None:
         assert got is not None
         values = [c(v) for c, v in zip(convs, row, strict=True)]
         assert strict(got[0]) == strict(values) and got[3] == orjson.dumps(values)
+
+
+def test_the_native_replication_reader_is_there_with_psycopgs_binary_libpq() -> None:
+    """producer.native.copy_reader: built with the extension where psycopg runs its own libpq;
+    the replication stream then takes libpq's messages in one call per read."""
+    from psycopg import pq
+
+    from producer.native import copy_reader
+
+    if decode_tuple() is None or pq.__impl__ != "binary":
+        assert copy_reader() is None or decode_tuple() is not None
+        return
+    reader = copy_reader()
+    assert reader is not None
+    with pytest.raises(ValueError):
+        reader.read(0, [], 1)  # no connection: refused, never dereferenced
