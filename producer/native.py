@@ -31,6 +31,14 @@ class EncodeInserts(Protocol):
     ) -> list[tuple[list[object], bytes]]: ...
 
 
+class EncodeWal2jsonInserts(Protocol):
+    def __call__(
+        self, messages: list[tuple[int, bytes]], start: int, schema: str, table: str,
+        signature: list[tuple[str, int, str | None, bool | None]], kinds: bytes,
+        parts: tuple[bytes, bytes, bytes, bytes], seq: int, limit: int, /,
+    ) -> list[tuple[list[object], bytes]]: ...
+
+
 @functools.cache
 def _module() -> Any:
     """The extension, or None for the pure-Python path (logged on the first call: after
@@ -55,6 +63,14 @@ def encode_inserts() -> EncodeInserts | None:
     """The extension's run-of-inserts encoder (None: pure Python)."""
     module = _module()
     return None if module is None else cast(EncodeInserts, module.encode_inserts)
+
+
+def encode_wal2json_inserts() -> EncodeWal2jsonInserts | None:
+    """The extension's run-of-wal2json-inserts encoder (None: pure Python, or an extension
+    built before it)."""
+    module = _module()
+    found = getattr(module, "encode_wal2json_inserts", None)
+    return None if found is None else cast(EncodeWal2jsonInserts, found)
 
 
 class CopyReader(Protocol):

@@ -14,6 +14,7 @@ use pyo3::types::{PyBool, PyBytes, PyFloat, PyList, PyString};
 
 mod copydata;
 mod event;
+mod wal2json;
 
 /// Column kinds, as the caller spells them.
 const INT: u8 = b'i';
@@ -203,6 +204,20 @@ fn decode_tuple<'py>(
     Ok(Some((list, t.unchanged, t.end, rendered)))
 }
 
+/// An insert value's fixed head: `head + lsn + mid + seq + tail` of the caller's
+/// `(head, mid, tail, end)` (numbers in decimal); the values' JSON and `end` follow.
+fn push_event_head(out: &mut Vec<u8>, parts: &InsertParts<'_>, lsn: u64, seq: u64) {
+    let mut numbers = itoa::Buffer::new();
+    out.extend_from_slice(parts.0.as_bytes());
+    out.extend_from_slice(numbers.format(lsn).as_bytes());
+    out.extend_from_slice(parts.1.as_bytes());
+    out.extend_from_slice(numbers.format(seq).as_bytes());
+    out.extend_from_slice(parts.2.as_bytes());
+}
+
+/// An insert event value's fixed parts, `(head, mid, tail, end)`.
+type InsertParts<'py> = (Bound<'py, PyBytes>, Bound<'py, PyBytes>, Bound<'py, PyBytes>, Bound<'py, PyBytes>);
+
 /// The run of Insert messages of relation `relid` that starts at `messages[start]` (at most
 /// `limit`), each as `(values, value)`: `value` is `head + lsn + mid + seq + tail + values' JSON
 /// + end`, `seq` counting up from `seq`. `messages` holds `(lsn, payload)` pairs. The run stops
@@ -216,14 +231,12 @@ fn encode_inserts<'py>(
     start: usize,
     relid: u32,
     kinds: &[u8],
-    parts: (Bound<'py, PyBytes>, Bound<'py, PyBytes>, Bound<'py, PyBytes>, Bound<'py, PyBytes>),
+    parts: InsertParts<'py>,
     seq: u64,
     limit: usize,
 ) -> PyResult<Bound<'py, PyList>> {
-    let (head, mid, tail, end) = (parts.0.as_bytes(), parts.1.as_bytes(), parts.2.as_bytes(), parts.3.as_bytes());
     let out = PyList::empty(py);
     let mut value: Vec<u8> = Vec::new();
-    let mut numbers = itoa::Buffer::new();
     for i in start..messages.len().min(start.saturating_add(limit)) {
         let item = messages.get_item(i)?;
         let (lsn, payload): (u64, Bound<'py, PyBytes>) = item.extract()?;
@@ -233,13 +246,9 @@ fn encode_inserts<'py>(
             break;
         }
         value.clear();
-        value.extend_from_slice(head);
-        value.extend_from_slice(numbers.format(lsn).as_bytes());
-        value.extend_from_slice(mid);
-        value.extend_from_slice(numbers.format(seq + (i - start) as u64).as_bytes());
-        value.extend_from_slice(tail);
+        push_event_head(&mut value, &parts, lsn, seq + (i - start) as u64);
         let Some(t) = read_tuple(py, buf, 6, kinds, &mut value) else { break };
-        value.extend_from_slice(end);
+        value.extend_from_slice(parts.3.as_bytes());
         out.append((PyList::new(py, t.values)?, PyBytes::new(py, &value)))?;
     }
     Ok(out)
@@ -249,6 +258,7 @@ fn encode_inserts<'py>(
 fn walbus_native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(decode_tuple, m)?)?;
     m.add_function(wrap_pyfunction!(encode_inserts, m)?)?;
+    m.add_function(wrap_pyfunction!(wal2json::encode_wal2json_inserts, m)?)?;
     m.add_class::<event::EventDecoder>()?;
     m.add_class::<copydata::CopyReader>()?;
     Ok(())

@@ -18,14 +18,16 @@ from typing import Any
 import orjson
 
 from producer.catalog import CatalogLookup, TableInfo, modifiers_from_text, type_modifiers
-from producer.codec import CaptureFilter, EventEncoder, Relation, iso_from_pg_text
+from producer.codec import CaptureFilter, EventEncoder, Relation, iso_from_pg_text, text_kind
 from producer.decoders import Item, LogicalMessage, TxnBegin, TxnEnd
 from producer.decoders.pgoutput import DecodeError
+from producer.native import EncodeWal2jsonInserts, encode_wal2json_inserts
 from walbus.contract import BOOL_TYPES, FLOAT_TYPES, INT_TYPES, qualify_table
 
 log = logging.getLogger("walbus.producer.wal2json")
 
 _NUMERIC_MARK = b'"typeoid":1700,'
+_INSERT_RUN = 512  # inserts the native path encodes per call: bounds what it holds at once
 Entry = tuple[Relation, dict[str, int], list[Callable[[Any], Any]]]
 Signature = tuple[str, int, str | None, bool | None]  # name, type oid, declared type, optional
 
@@ -68,7 +70,8 @@ def _message_with_bytes(buf: bytes) -> Any:
 class Wal2jsonDecoder:
     plugin = "wal2json"
 
-    def __init__(self, catalog: CatalogLookup, capture: CaptureFilter) -> None:
+    def __init__(self, catalog: CatalogLookup, capture: CaptureFilter, *, native: bool = True) -> None:
+        """``native``: encode runs of inserts with the compiled path when it is there (producer.native)."""
         self.catalog = catalog
         self.capture = capture
         self.encoder = EventEncoder()
@@ -83,6 +86,10 @@ class Wal2jsonDecoder:
         self._counts: dict[tuple[str, str], int] = {}
         self._begin: TxnBegin | None = None
         self._commit_unix_us = 0
+        self.native_inserts: EncodeWal2jsonInserts | None = encode_wal2json_inserts() if native else None
+        # The table the last insert went to, when the native path may take the next ones:
+        # (schema, table, column signature, relation).
+        self._hot: tuple[str, str, list[Signature], Relation] | None = None
 
     def start_options(self, publication: str) -> dict[str, str]:
         return {
@@ -124,6 +131,7 @@ class Wal2jsonDecoder:
             entry = self._from_change(schema, table, cols, info)
             log.debug("relation from the change's own columns", extra={"table": entry[0].qualified, "columns": entry[0].columns})
         self._relations[key] = entry
+        self._hot = None  # its relation may be this table's old one
         self._known[key] = set()
         self._whole.pop(key, None)
         return entry
@@ -187,6 +195,7 @@ class Wal2jsonDecoder:
             self._relid, schema, table, columns, types, [c in ident for c in columns],
             [c for c in info.pk if c in columns], info.replident, not_null=not_null, modifiers=modifiers,
         ).prepare(self.capture)
+        rel.kinds = b"".join(text_kind(t) for t in types)  # the native path's
         return rel, {c: i for i, c in enumerate(columns)}, [_value_converter(t) for t in types]
 
     def _row(self, cols: list[dict[str, Any]], index: dict[str, int], convs: list[Callable[[Any], Any]], n: int) -> tuple[list[Any], set[int]]:
@@ -208,7 +217,24 @@ class Wal2jsonDecoder:
         return known
 
     def decode(self, messages: list[tuple[int, bytes]]) -> Iterator[Item]:
-        for _start, buf in messages:
+        inserts = self.native_inserts
+        skip = 0  # messages the native path took already
+        for i, (_start, buf) in enumerate(messages):
+            if skip:
+                skip -= 1
+                continue
+            hot = self._hot
+            if hot is not None and inserts is not None:
+                # Natively: inserts like the last one (same table, same columns), values and event values.
+                schema, table, signature, rel = hot
+                enc = self.encoder
+                run = inserts(messages, i, schema, table, signature, rel.kinds, enc.insert_parts(rel), enc.seq, _INSERT_RUN)
+                if run:
+                    skip = len(run) - 1
+                    key = (rel.qualified, "insert")
+                    self._counts[key] = self._counts.get(key, 0) + len(run)
+                    yield enc.inserted_run(rel, run)
+                    continue
             try:
                 msg = _exact_loads(buf) if _NUMERIC_MARK in buf else orjson.loads(buf)
             except ValueError:
@@ -235,6 +261,8 @@ class Wal2jsonDecoder:
                     new = [conv(c["value"]) for conv, c in zip(convs, cols, strict=True)]
                     yield self.encoder.insert(rel, lsn, new)
                     op = "insert"
+                    if inserts is not None and rel.plain and "bytea" not in rel.types:  # (bytea: see _value_converter)
+                        self._hot = (schema, table, [(c["name"], c["typeoid"], c.get("type"), c.get("optional")) for c in cols], rel)
                 elif action == "U":
                     new, present = self._row(cols, index, convs, n)
                     unchanged = [i for i in range(n) if i not in present]

@@ -1,5 +1,5 @@
 """The producer's native hot path (producer.native) against its pure-Python path on a real
-pgoutput stream: two slots at the same position, one producer each (WALBUS_NATIVE=0 and the
+pgoutput or wal2json stream: two slots at the same position, one producer each (WALBUS_NATIVE=0 and the
 default), the same records in both topics, byte for byte."""
 
 from __future__ import annotations
@@ -52,9 +52,9 @@ def tail(log: Path) -> str:
 
 
 async def drain(
-    dsn: str, bootstrap: str, slot: str, topic: str, end: int, *, native: str, log: Path
+    dsn: str, bootstrap: str, slot: str, topic: str, end: int, *, native: str, plugin: str, log: Path
 ) -> list[tuple[bytes | None, bytes | None]]:
-    args = ["produce", "--pg-dsn", dsn, "--kafka-bootstrap", bootstrap, "--topic", topic, "--slot", slot,
+    args = ["produce", "--pg-dsn", dsn, "--kafka-bootstrap", bootstrap, "--topic", topic, "--slot", slot, "--plugin", plugin,
             "--publication", "native_ab", "--snapshot-mode", "never", "--heartbeat-interval", "0"]
     proc = walbus_process(args, env={"WALBUS_NATIVE": native}, log=log)
     try:
@@ -69,21 +69,22 @@ async def drain(
     return await read_topic(bootstrap, topic)
 
 
+@pytest.mark.parametrize("plugin", ["pgoutput", "wal2json"])
 async def test_native_and_pure_python_producers_write_the_same_records(
-    pg_dsn: str, kafka_bootstrap: str, unique_name: str, tmp_path: Path
+    pg_dsn: str, kafka_bootstrap: str, unique_name: str, tmp_path: Path, plugin: str
 ) -> None:
     slots = {"0": f"{unique_name}_pure"[-63:].lower(), "1": f"{unique_name}_native"[-63:].lower()}
     with psycopg.connect(pg_dsn, autocommit=True) as conn:
         conn.execute('CREATE SCHEMA "Odd ""Table"""')
         conn.execute(SCHEMA)
         for slot in slots.values():
-            conn.execute("SELECT pg_create_logical_replication_slot(%s, 'pgoutput')", (slot,))
+            conn.execute("SELECT pg_create_logical_replication_slot(%s, %s)", (slot, plugin))
     write_changes(pg_dsn)
     with psycopg.connect(pg_dsn, autocommit=True) as conn:
         row = conn.execute("SELECT (pg_current_wal_lsn() - '0/0')::int8").fetchone()
     assert row is not None
     end = int(row[0])
-    records = {native: await drain(pg_dsn, kafka_bootstrap, slot, f"{unique_name}.{native}", end, native=native,
+    records = {native: await drain(pg_dsn, kafka_bootstrap, slot, f"{unique_name}.{native}", end, native=native, plugin=plugin,
                                       log=tmp_path / f"producer-{native}.log")
                for native, slot in slots.items()}
     assert len(records["0"]) == 8 + 500 + 3 + 4 + 2 + 11, [v for _, v in records["0"]][:3]

@@ -1,0 +1,130 @@
+"""The native wal2json insert runs against pure Python: the same items, bytes for bytes, or the
+same error, for any wal2json (format 2) stream of random tables, values and odd messages."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from producer.catalog import TableInfo
+from producer.codec import CaptureFilter, EncodedEvent, InsertRun
+from producer.decoders import flat
+from producer.decoders.wal2json import Wal2jsonDecoder
+from producer.native import encode_wal2json_inserts
+from tests.support.catalog import StaticCatalog
+from tests.support.prop import columns, strict
+
+# type name → (oid, wal2json's declared type)
+TYPES = {"int2": (21, "smallint"), "int4": (23, "integer"), "int8": (20, "bigint"), "oid": (26, "oid"),
+         "float4": (700, "real"), "float8": (701, "double precision"), "bool": (16, "boolean"),
+         "text": (25, "text"), "numeric": (1700, "numeric(12,2)"), "jsonb": (3802, "jsonb"),
+         "varchar": (1043, "character varying(40)"), "bytea": (17, "bytea")}
+STRINGS = st.one_of(st.text(st.characters(exclude_categories=("Cs",))),
+                    st.text(st.sampled_from('a"\\\n\t\x01\x7f/\u00e4\u2028\U0001f600')))
+
+
+def raw_value(typname: str) -> st.SearchStrategy[bytes]:
+    """A column value as wal2json prints it (numbers and booleans bare, the rest quoted), now
+    and then one it would not print."""
+    odd = st.sampled_from([b'"7"', b"7.0", b"-0", b"1e5", b"1E+400", b"99999999999999999999999", b"true", b"[1]",
+                           b'"\\ud800"', b'"\xff"', b"00", b"-", b"1.", b".5", b"null"])
+    usual: st.SearchStrategy[bytes]
+    if typname in ("int2", "int4", "int8", "oid"):
+        usual = st.integers(-(2**63), 2**63 - 1).map(lambda i: str(i).encode())
+    elif typname in ("float4", "float8"):
+        usual = st.one_of(st.floats(allow_nan=False, allow_infinity=False).map(lambda f: repr(f).encode()),
+                          st.integers(-(10**6), 10**6).map(lambda i: str(i).encode()))
+    elif typname == "numeric":
+        usual = st.decimals(allow_nan=False, allow_infinity=False, places=2).map(lambda d: str(d).encode())
+    elif typname == "bool":
+        usual = st.sampled_from([b"true", b"false"])
+    else:
+        usual = STRINGS.map(orjson.dumps)
+    return st.integers(0, 12).flatmap(lambda n: odd if n == 0 else st.one_of(usual, st.just(b"null")))
+
+
+def _column(name: str, typname: str, optional: bool | None, value: bytes) -> bytes:
+    oid, declared = TYPES[typname]
+    out = b'{"name":' + orjson.dumps(name) + b',"type":' + orjson.dumps(declared) + b',"typeoid":' + str(oid).encode()
+    if optional is not None:
+        out += b',"optional":' + (b"true" if optional else b"false")
+    return out + b',"value":' + value + b"}"
+
+
+@st.composite
+def streams(draw: st.DrawFn) -> tuple[StaticCatalog, list[tuple[int, bytes]]]:
+    cols = draw(columns(1, 5))
+    types = [draw(st.sampled_from(sorted(TYPES))) for _ in cols]
+    pk = cols[: draw(st.integers(0, len(cols)))]
+    info = TableInfo("s", "t", tuple(cols), tuple(TYPES[t][0] for t in types), tuple(pk), "d", tuple(pk))
+    catalog = StaticCatalog.of({oid: name for name, (oid, _) in TYPES.items()}, info)
+    optional = [draw(st.sampled_from([None, True, False])) for _ in cols]
+
+    def row(action: str, key: str = "columns") -> bytes:
+        cells = [_column(c, t, o, draw(raw_value(t))) for c, t, o in zip(cols, types, optional, strict=True)]
+        return b'"' + key.encode() + b'":[' + b",".join(cells) + b"]"
+
+    msgs = [b'{"action":"B","xid":42,"timestamp":"2026-01-01 00:00:00.5+00","lsn":"0/900","nextlsn":"0/930"}']
+    for n in range(draw(st.integers(1, 12))):  # runs of inserts go through the native path in one call
+        op = draw(st.sampled_from("IIIIIUDX"))
+        lsn = f'"lsn":"0/{0x900 + n:X}"'.encode()
+        head = b'{"action":"' + (b"I" if op == "X" else op.encode()) + b'","xid":42,' + lsn + b',"schema":"s","table":"t",'
+        if op in ("I", "X"):
+            msg = head + row(op)
+            if op == "X":  # another signature: a declared type changed, or another table
+                msg = draw(st.sampled_from([msg.replace(b'"typeoid"', b'"type":"x","typeoid"', 1),
+                                            msg.replace(b'"table":"t"', b'"table":"u"'),
+                                            msg.replace(b'"schema":"s"', b'"schema":"\\u0073"')]))
+        elif op == "U":
+            msg = head + row(op) + b"," + row(op, "identity")
+        else:
+            msg = head + row(op, "identity")
+        msg += b"}"
+        if draw(st.integers(0, 24)) == 0:  # damaged: cut short
+            msg = msg[: draw(st.integers(1, len(msg)))]
+        msgs.append(msg)
+    msgs.append(b'{"action":"C","xid":42,"timestamp":"2026-01-01 00:00:00.5+00","lsn":"0/930","nextlsn":"0/960"}')
+    return catalog, [(0x100 + i, m) for i, m in enumerate(msgs)]
+
+
+def outcome(native: bool, catalog: StaticCatalog, msgs: list[tuple[int, bytes]]) -> list[Any]:
+    """Each item the decoder gives, then the error that stopped it (if one did)."""
+    out: list[Any] = []
+    try:
+        for item in flat(Wal2jsonDecoder(catalog, CaptureFilter(), native=native).decode(msgs)):
+            if isinstance(item, EncodedEvent):
+                out.append((item.key, item.value, item.partition_key, item.operation, item.table,
+                            None if item.new is None else strict(item.new), None if item.old is None else strict(item.old)))
+            else:
+                out.append(repr(item))
+    except Exception as e:  # the error is part of the outcome: both paths must raise the same
+        out.append(("error", type(e).__name__, str(e)))
+    return out
+
+
+@settings(max_examples=300)
+@given(streams())
+def test_native_and_pure_python_give_the_same_items(stream: tuple[StaticCatalog, list[tuple[int, bytes]]]) -> None:
+    catalog, msgs = stream
+    assert outcome(True, catalog, msgs) == outcome(False, catalog, msgs)
+
+
+def test_a_run_of_plain_inserts_goes_natively_in_one_item() -> None:
+    """The hot path is taken: after the first insert (decoded in Python, which learns the
+    table's columns), the following ones come as one InsertRun."""
+    if encode_wal2json_inserts() is None:  # pure Python only here (test_prop_native checks it is built)
+        return
+    info = TableInfo("s", "t", ("id", "name"), (23, 25), ("id",), "d", ("id",))
+    catalog = StaticCatalog.of({23: "int4", 25: "text"}, info)
+    msgs = [b'{"action":"B","xid":42,"timestamp":"2026-01-01 00:00:00+00","lsn":"0/900","nextlsn":"0/930"}']
+    msgs += [b'{"action":"I","xid":42,"lsn":"0/%X","schema":"s","table":"t","columns":[%s,%s]}'
+             % (0x900 + i, _column("id", "int4", False, b"%d" % i), _column("name", "text", True, orjson.dumps(f"n\u00e4{i}")))
+             for i in range(5)]
+    items = list(Wal2jsonDecoder(catalog, CaptureFilter()).decode([(0, m) for m in msgs]))
+    assert [type(i).__name__ for i in items] == ["TxnBegin", "EncodedEvent", "InsertRun"]
+    run = items[2]
+    assert isinstance(run, InsertRun) and run.rows == [[i, f"n\u00e4{i}"] for i in range(1, 5)]
+    assert [orjson.loads(v)["seq"] for v in run.values] == [1, 2, 3, 4]
