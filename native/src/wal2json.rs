@@ -101,9 +101,8 @@ fn value<'py>(py: Python<'py>, kind: u8, raw: &RawValue, json: &mut Vec<u8>) -> 
         // A number: an int or float column's text (the tuple converters take it as
         // pgoutput's), or a numeric's, kept as the text it is.
         b'-' | b'0'..=b'9' if kind != BOOL => {
-            // "-0": the slow path's JSON parser reads an integer zero (a float column's -0 as
-            // 0.0, a numeric's as "0"); it decides.
-            if text == "-0" || (kind == TEXT && !plain_number(bytes)) {
+            // (-0: the slow path reads the integer zero, for a float column with its sign)
+            if kind == TEXT && (text == "-0" || !plain_number(bytes)) {
                 return None;
             }
             convert(py, kind, bytes, json)

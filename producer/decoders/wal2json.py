@@ -1,8 +1,8 @@
 """Decoder for the wal2json plugin, format version 2 (one JSON object per message).
 
 wal2json 2.5 prints numeric values unquoted, so a float parser would lose digits:
-payloads that carry a numeric column are parsed with the standard library keeping
-every number's text; all others with orjson. Its limits, kept as they are:
+payloads that carry a numeric column (or a -0) are parsed with the standard library
+keeping every number's text; all others with orjson. Its limits, kept as they are:
 float/numeric NaN and ±Infinity arrive as null, and an unchanged TOAST column is
 simply absent from an update (listed in ``unchanged`` here, like pgoutput's).
 """
@@ -38,8 +38,18 @@ def _lsn(text: str) -> int:
     return (int(hi, 16) << 32) | int(lo, 16)
 
 
-def _exact_loads(buf: bytes) -> Any:
-    return json.loads(buf, parse_float=str)
+def _int_or_negative_zero(text: str) -> int | float:
+    return -0.0 if text == "-0" else int(text)
+
+
+def _loads(buf: bytes) -> Any:
+    """A payload, its numbers exactly: a numeric's digits as printed (fractions as text), and
+    a float column's -0 (which JSON parsers read as the integer 0) with its sign."""
+    if b'"value":-0,' in buf or b'"value":-0}' in buf:
+        return json.loads(buf, parse_float=str, parse_int=_int_or_negative_zero)
+    if _NUMERIC_MARK in buf:
+        return json.loads(buf, parse_float=str)
+    return orjson.loads(buf)
 
 
 def _value_converter(typname: str) -> Callable[[Any], Any]:
@@ -236,7 +246,7 @@ class Wal2jsonDecoder:
                     yield enc.inserted_run(rel, run)
                     continue
             try:
-                msg = _exact_loads(buf) if _NUMERIC_MARK in buf else orjson.loads(buf)
+                msg = _loads(buf)
             except ValueError:
                 msg = _message_with_bytes(buf)
             action = msg["action"]

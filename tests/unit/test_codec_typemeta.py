@@ -138,11 +138,11 @@ def _w2j_insert(amount_type: str, amount: str, *, optional: bool | None = False)
 def test_wal2json_follows_the_declared_type_of_each_change() -> None:
     dec = Wal2jsonDecoder(current_catalog(), CaptureFilter())
     begin = orjson.dumps({"action": "B", "xid": 5, "timestamp": "2026-01-01 00:00:00+00", "lsn": "0/20"})
-    out = list(dec.decode([
+    out = list(flat(dec.decode([
         (1, begin), (2, _w2j_insert("numeric(12,2)", "1.50")), (3, _w2j_insert("numeric(12,2)", "2.50")),
         (4, _w2j_insert("numeric(14,4)", "1.5000")),  # the same type oid, another modifier
         (5, _w2j_insert("numeric(14,4)", "1.5000", optional=True)),  # SET NOT NULL dropped
-    ]))
+    ])))
     assert _typmods(out) == [{"amount": [12, 2], "name": [40]}] * 2 + [{"amount": [14, 4], "name": [40]}] * 2
     not_null = [orjson.loads(i.value).get("not_null") for i in out if isinstance(i, EncodedEvent)]
     assert not_null == [["id", "amount"]] * 3 + [["id"]]

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import orjson
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -128,3 +129,20 @@ def test_a_run_of_plain_inserts_goes_natively_in_one_item() -> None:
     run = items[2]
     assert isinstance(run, InsertRun) and run.rows == [[i, f"n\u00e4{i}"] for i in range(1, 5)]
     assert [orjson.loads(v)["seq"] for v in run.values] == [1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_a_float_columns_negative_zero_keeps_its_sign(native: bool) -> None:
+    """wal2json prints float8 -0 as the bare number -0, which JSON parsers read as the integer
+    0: the event said 0.0 (pgoutput's says -0.0)."""
+    info = TableInfo("s", "t", ("id", "f", "n"), (23, 701, 1700), ("id",), "d", ("id",))
+    catalog = StaticCatalog.of({23: "int4", 701: "float8", 1700: "numeric"}, info)
+    msgs = [b'{"action":"B","xid":42,"timestamp":"2026-01-01 00:00:00+00","lsn":"0/900","nextlsn":"0/930"}']
+    msgs += [b'{"action":"I","xid":42,"lsn":"0/%X","schema":"s","table":"t","columns":[%s,%s,%s]}'
+             % (0x900 + i, _column("id", "int4", False, b"-0"), _column("f", "float8", True, b"-0"),
+                _column("n", "numeric", True, b"-1.50" if i else b"7"))
+             for i in range(3)]
+    events = list(flat(Wal2jsonDecoder(catalog, CaptureFilter(), native=native).decode([(0, m) for m in msgs])))
+    rows = [strict(e.new) for e in events if isinstance(e, EncodedEvent) and e.new is not None]
+    assert rows == [strict([0, -0.0, n]) for n in ("7", "-1.50", "-1.50")]
+    assert all(b'"values":[0,-0.0,' in e.value for e in events if isinstance(e, EncodedEvent))
