@@ -73,6 +73,17 @@ def encode_wal2json_inserts() -> EncodeWal2jsonInserts | None:
     return None if found is None else cast(EncodeWal2jsonInserts, found)
 
 
+class LoadsExact(Protocol):
+    def __call__(self, buf: bytes, /) -> Any: ...
+
+
+def loads_exact() -> LoadsExact | None:
+    """The extension's exact JSON reader for wal2json payloads (None: pure Python)."""
+    module = _module()
+    found = getattr(module, "loads_exact", None)
+    return None if found is None else cast(LoadsExact, found)
+
+
 class CopyReader(Protocol):
     def read(self, pgconn: int, out: list[tuple[int, bytes]], limit: int, /) -> tuple[int, int, bool]: ...
 

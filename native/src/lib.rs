@@ -259,6 +259,7 @@ fn walbus_native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(decode_tuple, m)?)?;
     m.add_function(wrap_pyfunction!(encode_inserts, m)?)?;
     m.add_function(wrap_pyfunction!(wal2json::encode_wal2json_inserts, m)?)?;
+    m.add_function(wrap_pyfunction!(wal2json::loads_exact, m)?)?;
     m.add_class::<event::EventDecoder>()?;
     m.add_class::<copydata::CopyReader>()?;
     Ok(())

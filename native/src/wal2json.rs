@@ -13,7 +13,7 @@
 use std::borrow::Cow;
 
 use pyo3::prelude::*;
-use pyo3::types::{PyBool, PyBytes, PyList, PyString};
+use pyo3::types::{PyBool, PyBytes, PyDict, PyFloat, PyInt, PyList, PyString};
 use serde::Deserialize;
 use serde_json::value::RawValue;
 
@@ -75,8 +75,14 @@ fn plain_number(raw: &[u8]) -> bool {
         && dots <= 1
 }
 
-/// One value, as the caller's slow path converts it; its JSON appended to `json`.
-fn value<'py>(py: Python<'py>, kind: u8, raw: &RawValue, json: &mut Vec<u8>) -> Option<Bound<'py, PyAny>> {
+/// The mark of a payload the caller's slow path reads with every number's text (a numeric
+/// column's type oid); it reads any other with a parser that takes 64-bit integers only and
+/// turns fractions into floats.
+const EXACT_MARK: &[u8] = b"\"typeoid\":1700,";
+
+/// One value, as the caller's slow path converts it; its JSON appended to `json`. `exact`:
+/// the payload has `EXACT_MARK`.
+fn value<'py>(py: Python<'py>, kind: u8, raw: &RawValue, exact: bool, json: &mut Vec<u8>) -> Option<Bound<'py, PyAny>> {
     let text = raw.get();
     let bytes = text.as_bytes();
     match bytes.first()? {
@@ -101,8 +107,10 @@ fn value<'py>(py: Python<'py>, kind: u8, raw: &RawValue, json: &mut Vec<u8>) -> 
         // A number: an int or float column's text (the tuple converters take it as
         // pgoutput's), or a numeric's, kept as the text it is.
         b'-' | b'0'..=b'9' if kind != BOOL => {
+            let fraction = bytes.iter().any(|&b| matches!(b, b'.' | b'e' | b'E'));
+            let wide = !fraction && text.parse::<i64>().is_err() && text.parse::<u64>().is_err();
             // (-0: the slow path reads the integer zero, for a float column with its sign)
-            if kind == TEXT && (text == "-0" || !plain_number(bytes)) {
+            if (!exact && (wide || (fraction && kind == TEXT))) || (kind == TEXT && (text == "-0" || !plain_number(bytes))) {
                 return None;
             }
             convert(py, kind, bytes, json)
@@ -153,6 +161,7 @@ pub(crate) fn encode_wal2json_inserts<'py>(
         if !same {
             break;
         }
+        let exact = buf.windows(EXACT_MARK.len()).any(|w| w == EXACT_MARK);
         value_json.clear();
         push_event_head(&mut value_json, &parts, lsn, seq + (i - start) as u64);
         value_json.push(b'[');
@@ -161,7 +170,7 @@ pub(crate) fn encode_wal2json_inserts<'py>(
             if n > 0 {
                 value_json.push(b',');
             }
-            match value(py, kind, c.value, &mut value_json) {
+            match value(py, kind, c.value, exact, &mut value_json) {
                 Some(v) => values.push(v),
                 None => return Ok(out),
             }
@@ -171,4 +180,79 @@ pub(crate) fn encode_wal2json_inserts<'py>(
         out.append((PyList::new(py, values)?, PyBytes::new(py, &value_json)))?;
     }
     Ok(out)
+}
+
+/// A JSON object's members in order, values unparsed (a repeated name: both, in order).
+struct Members<'a>(Vec<(Cow<'a, str>, &'a RawValue)>);
+
+impl<'de> Deserialize<'de> for Members<'de> {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct MembersVisitor;
+        impl<'de> serde::de::Visitor<'de> for MembersVisitor {
+            type Value = Members<'de>;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a JSON object")
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+                let mut out = Vec::with_capacity(map.size_hint().unwrap_or(8));
+                while let Some((k, v)) = map.next_entry::<Cow<'de, str>, &'de RawValue>()? {
+                    out.push((k, v));
+                }
+                Ok(Members(out))
+            }
+        }
+        d.deserialize_map(MembersVisitor)
+    }
+}
+
+/// `raw` as `json.loads(…, parse_float=str)` reads it, except that `-0` is the float -0.0;
+/// `None` for what serde refuses or reads otherwise (the caller's parser then decides).
+fn exact_value<'py>(py: Python<'py>, raw: &RawValue) -> Option<Bound<'py, PyAny>> {
+    let text = raw.get();
+    match text.as_bytes().first()? {
+        b'{' => {
+            let members: Members<'_> = serde_json::from_str(text).ok()?;
+            let dict = PyDict::new(py);
+            for (k, v) in members.0 {
+                dict.set_item(k.as_ref(), exact_value(py, v)?).ok()?; // a repeated name: the last value wins
+            }
+            Some(dict.into_any())
+        }
+        b'[' => {
+            let items: Vec<&RawValue> = serde_json::from_str(text).ok()?;
+            let list = PyList::empty(py);
+            for v in items {
+                list.append(exact_value(py, v)?).ok()?;
+            }
+            Some(list.into_any())
+        }
+        b'"' => {
+            let s: Cow<'_, str> = serde_json::from_str(text).ok()?;
+            Some(PyString::new(py, &s).into_any())
+        }
+        b't' if text == "true" => Some(PyBool::new(py, true).to_owned().into_any()),
+        b'f' if text == "false" => Some(PyBool::new(py, false).to_owned().into_any()),
+        b'n' if text == "null" => Some(py.None().into_bound(py)),
+        b'-' | b'0'..=b'9' => {
+            if text.bytes().any(|b| matches!(b, b'.' | b'e' | b'E')) {
+                Some(PyString::new(py, text).into_any()) // a fraction or exponent: its text
+            } else if text == "-0" {
+                Some(PyFloat::new(py, -0.0).into_any())
+            } else if let Ok(v) = text.parse::<i64>() {
+                Some(v.into_pyobject(py).ok()?.into_any())
+            } else {
+                py.get_type::<PyInt>().call1((text,)).ok() // beyond 64 bits
+            }
+        }
+        _ => None,
+    }
+}
+
+/// A wal2json payload with every number exact: integers as ints (-0 as the float -0.0),
+/// fractions as their text, like `json.loads(buf, parse_float=str)`; `None` when the payload
+/// is not JSON serde reads (the caller's parser decides then).
+#[pyfunction]
+pub(crate) fn loads_exact<'py>(py: Python<'py>, buf: &[u8]) -> Option<Bound<'py, PyAny>> {
+    let raw: &RawValue = serde_json::from_slice(buf).ok()?;
+    exact_value(py, raw)
 }

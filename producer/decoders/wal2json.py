@@ -21,7 +21,7 @@ from producer.catalog import CatalogLookup, TableInfo, modifiers_from_text, type
 from producer.codec import CaptureFilter, EventEncoder, Relation, iso_from_pg_text, text_kind
 from producer.decoders import Item, LogicalMessage, TxnBegin, TxnEnd
 from producer.decoders.pgoutput import DecodeError
-from producer.native import EncodeWal2jsonInserts, encode_wal2json_inserts
+from producer.native import EncodeWal2jsonInserts, LoadsExact, encode_wal2json_inserts, loads_exact
 from walbus.contract import BOOL_TYPES, FLOAT_TYPES, INT_TYPES, qualify_table
 
 log = logging.getLogger("walbus.producer.wal2json")
@@ -42,12 +42,18 @@ def _int_or_negative_zero(text: str) -> int | float:
     return -0.0 if text == "-0" else int(text)
 
 
-def _loads(buf: bytes) -> Any:
+def _loads(buf: bytes, native_exact: LoadsExact | None) -> Any:
     """A payload, its numbers exactly: a numeric's digits as printed (fractions as text), and
-    a float column's -0 (which JSON parsers read as the integer 0) with its sign."""
-    if b'"value":-0,' in buf or b'"value":-0}' in buf:
-        return json.loads(buf, parse_float=str, parse_int=_int_or_negative_zero)
-    if _NUMERIC_MARK in buf:
+    a float column's -0 (which JSON parsers read as the integer 0) with its sign. The native
+    reader, when there, reads such payloads as the standard library does here (property test)."""
+    negative_zero = b'"value":-0,' in buf or b'"value":-0}' in buf
+    if negative_zero or _NUMERIC_MARK in buf:
+        if native_exact is not None:
+            got = native_exact(buf)
+            if got is not None:
+                return got
+        if negative_zero:
+            return json.loads(buf, parse_float=str, parse_int=_int_or_negative_zero)
         return json.loads(buf, parse_float=str)
     return orjson.loads(buf)
 
@@ -81,7 +87,8 @@ class Wal2jsonDecoder:
     plugin = "wal2json"
 
     def __init__(self, catalog: CatalogLookup, capture: CaptureFilter, *, native: bool = True) -> None:
-        """``native``: encode runs of inserts with the compiled path when it is there (producer.native)."""
+        """``native``: encode runs of inserts, and read payloads with numerics, with the compiled
+        path when it is there (producer.native)."""
         self.catalog = catalog
         self.capture = capture
         self.encoder = EventEncoder()
@@ -97,6 +104,7 @@ class Wal2jsonDecoder:
         self._begin: TxnBegin | None = None
         self._commit_unix_us = 0
         self.native_inserts: EncodeWal2jsonInserts | None = encode_wal2json_inserts() if native else None
+        self.native_loads: LoadsExact | None = loads_exact() if native else None
         # The table the last insert went to, when the native path may take the next ones:
         # (schema, table, column signature, relation).
         self._hot: tuple[str, str, list[Signature], Relation] | None = None
@@ -234,7 +242,7 @@ class Wal2jsonDecoder:
                 skip -= 1
                 continue
             hot = self._hot
-            if hot is not None and inserts is not None:
+            if hot is not None and inserts is not None and buf.startswith(b'{"action":"I"'):
                 # Natively: inserts like the last one (same table, same columns), values and event values.
                 schema, table, signature, rel = hot
                 enc = self.encoder
@@ -246,7 +254,7 @@ class Wal2jsonDecoder:
                     yield enc.inserted_run(rel, run)
                     continue
             try:
-                msg = _loads(buf)
+                msg = _loads(buf, self.native_loads)
             except ValueError:
                 msg = _message_with_bytes(buf)
             action = msg["action"]

@@ -3,6 +3,7 @@ same error, for any wal2json (format 2) stream of random tables, values and odd 
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import orjson
@@ -14,7 +15,7 @@ from producer.catalog import TableInfo
 from producer.codec import CaptureFilter, EncodedEvent, InsertRun
 from producer.decoders import flat
 from producer.decoders.wal2json import Wal2jsonDecoder
-from producer.native import encode_wal2json_inserts
+from producer.native import encode_wal2json_inserts, loads_exact
 from tests.support.catalog import StaticCatalog
 from tests.support.prop import columns, strict
 
@@ -146,3 +147,43 @@ def test_a_float_columns_negative_zero_keeps_its_sign(native: bool) -> None:
     rows = [strict(e.new) for e in events if isinstance(e, EncodedEvent) and e.new is not None]
     assert rows == [strict([0, -0.0, n]) for n in ("7", "-1.50", "-1.50")]
     assert all(b'"values":[0,-0.0,' in e.value for e in events if isinstance(e, EncodedEvent))
+
+
+NUMBER_TEXTS = st.one_of(st.integers().map(str), st.floats(allow_nan=False, allow_infinity=False).map(repr),
+                         st.sampled_from(["-0", "0", "1.50", "-0.0", "1E5", "1e-7", "2.5E+3", "18446744073709551616"]))
+JSON_TEXTS = st.recursive(
+    st.one_of(NUMBER_TEXTS, st.sampled_from(["true", "false", "null"]), STRINGS.map(lambda s: orjson.dumps(s).decode()),
+              st.sampled_from(['"\\ud800"', '"\\u00e4\\/"', "NaN", "-Infinity", "01", "1.", "[1,]"])),
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=4).map(lambda xs: "[" + ", ".join(xs) + "]"),
+        st.lists(st.tuples(st.sampled_from(["a", "value", "ä", "a"]).map(lambda k: orjson.dumps(k).decode()), inner),
+                 max_size=4).map(lambda kvs: "{" + ",".join(f"{k}:{v}" for k, v in kvs) + "}"),
+    ),
+    max_leaves=12,
+)
+
+
+@settings(max_examples=500)
+@given(JSON_TEXTS, st.sampled_from(["", " ", "\n"]))
+def test_the_native_exact_reader_reads_what_the_standard_library_reads(text: str, pad: str) -> None:
+    """walbus_native.loads_exact against json.loads(parse_float=str) with -0 as -0.0: equal
+    values of equal types, or None (the standard library decides those, errors included)."""
+    from producer.decoders.wal2json import _int_or_negative_zero
+
+    native = loads_exact()
+    if native is None:
+        return
+    buf = (pad + text + pad).encode()
+    got = native(buf)
+    if got is None:
+        return
+    assert _deep(got) == _deep(json.loads(buf, parse_float=str, parse_int=_int_or_negative_zero))
+
+
+def _deep(value: Any) -> Any:
+    """``strict`` into objects too (their members in order)."""
+    if isinstance(value, dict):
+        return ("dict", [(k, _deep(v)) for k, v in value.items()])
+    if isinstance(value, list):
+        return ("list", [_deep(v) for v in value])
+    return strict(value)
