@@ -9,6 +9,7 @@ WALBUS_HYPOTHESIS_PROFILE=deep for a longer, randomized local run.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from hypothesis import HealthCheck, settings
@@ -100,3 +101,23 @@ def raw_event(*, commit_lsn: int, seq: int, operation: str, schema: str, table: 
         lsn=max(commit_lsn - 1, 0), commit_lsn=commit_lsn, seq=seq, xid=xid, operation=operation,
         table=qualify_table(schema, table), timestamp=TS, pk=pk, new=new, identity=identity, unchanged=unchanged,
     )
+
+
+def decoded(decode: Callable[[], Iterable[Any]]) -> list[Any]:
+    """What a producer decoder gives (``decode()``'s items, runs flattened to events), each
+    event with its values' JSON types, then the error that stopped it (if one did): the
+    outcome two paths of a decoder must agree on."""
+    from producer.codec import EncodedEvent
+    from producer.decoders import flat
+
+    out: list[Any] = []
+    try:
+        for item in flat(decode()):
+            if isinstance(item, EncodedEvent):
+                out.append((item.key, item.value, item.partition_key, item.operation, item.table,
+                            None if item.new is None else strict(item.new), None if item.old is None else strict(item.old)))
+            else:
+                out.append(repr(item))
+    except Exception as e:  # the error is part of the outcome: both paths must raise the same
+        out.append(("error", type(e).__name__, str(e)))
+    return out

@@ -13,12 +13,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from producer.catalog import TableInfo
-from producer.codec import CaptureFilter, EncodedEvent, text_converter
-from producer.decoders import flat
+from producer.codec import CaptureFilter, text_converter
 from producer.decoders.pgoutput import PgoutputDecoder
 from producer.native import decode_tuple
 from tests.support.catalog import StaticCatalog
-from tests.support.prop import FLOAT_SPECIALS, columns, strict
+from tests.support.prop import FLOAT_SPECIALS, columns, decoded, strict
 from walbus.contract import qualify_table
 from walbus.native import switched_off
 
@@ -113,17 +112,7 @@ def streams(draw: st.DrawFn) -> tuple[StaticCatalog, CaptureFilter, list[tuple[i
 
 def outcome(native: bool, tables: StaticCatalog, capture: CaptureFilter, msgs: list[tuple[int, bytes]]) -> list[Any]:
     """Each item the decoder gives, then the error that stopped it (if one did)."""
-    out: list[Any] = []
-    try:
-        for item in flat(PgoutputDecoder(tables, capture, native=native).decode(msgs)):
-            if isinstance(item, EncodedEvent):
-                out.append((item.key, item.value, item.partition_key, item.operation, item.table,
-                            None if item.new is None else strict(item.new), None if item.old is None else strict(item.old)))
-            else:
-                out.append(repr(item))
-    except Exception as e:  # the error is part of the outcome: both paths must raise the same
-        out.append(("error", type(e).__name__, str(e)))
-    return out
+    return decoded(lambda: PgoutputDecoder(tables, capture, native=native).decode(msgs))
 
 
 def test_the_native_path_is_there_where_it_can_be_built() -> None:

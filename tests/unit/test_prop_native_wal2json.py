@@ -17,7 +17,7 @@ from producer.decoders import flat
 from producer.decoders.wal2json import Wal2jsonDecoder
 from producer.native import encode_wal2json_inserts, loads_exact
 from tests.support.catalog import StaticCatalog
-from tests.support.prop import columns, strict
+from tests.support.prop import columns, decoded, strict
 
 # type name → (oid, wal2json's declared type)
 TYPES = {"int2": (21, "smallint"), "int4": (23, "integer"), "int8": (20, "bigint"), "oid": (26, "oid"),
@@ -94,17 +94,7 @@ def streams(draw: st.DrawFn) -> tuple[StaticCatalog, list[tuple[int, bytes]]]:
 
 def outcome(native: bool, catalog: StaticCatalog, msgs: list[tuple[int, bytes]]) -> list[Any]:
     """Each item the decoder gives, then the error that stopped it (if one did)."""
-    out: list[Any] = []
-    try:
-        for item in flat(Wal2jsonDecoder(catalog, CaptureFilter(), native=native).decode(msgs)):
-            if isinstance(item, EncodedEvent):
-                out.append((item.key, item.value, item.partition_key, item.operation, item.table,
-                            None if item.new is None else strict(item.new), None if item.old is None else strict(item.old)))
-            else:
-                out.append(repr(item))
-    except Exception as e:  # the error is part of the outcome: both paths must raise the same
-        out.append(("error", type(e).__name__, str(e)))
-    return out
+    return decoded(lambda: Wal2jsonDecoder(catalog, CaptureFilter(), native=native).decode(msgs))
 
 
 @settings(max_examples=300)
