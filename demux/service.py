@@ -28,6 +28,7 @@ from demux.rekey import Rekeyer
 from demux.topics import TopicManager
 from demux.worker import PartitionWorker
 from walbus.aiokafka_shortcuts import SHORTCUTS, flatten, read_in_runs
+from walbus.allocator import tune_for_large_buffers
 from walbus.config import describe
 from walbus.kafka import KafkaAdmin, wait_for_broker
 from walbus.logs import setup_logging
@@ -321,6 +322,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _exit_now)
     config = parse_config(argv)  # ConfigError -> `walbus` prints it and exits 2
     setup_logging(config.log_level)
+    tune_for_large_buffers()  # aiokafka's batch copies: see walbus.allocator
     tune_gc()
     registry = new_registry()
     config.kafka_client_kwargs()  # raises ConfigError on incomplete security options, before any I/O
