@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import functools
 import logging
+import re
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, Final
 
 import orjson
 
@@ -273,6 +274,12 @@ class InsertRun:
             yield EncodedEvent(key, value, pkey, rel, "insert", new)
 
 
+_KEY_SEQ = re.fullmatch(r"%0(\d+)X", KEY_FORMAT.partition("-")[2])
+if _KEY_SEQ is None:  # the native path writes the seq part as %0<n>X does
+    raise TypeError("producer.codec's native keys do not know KEY_FORMAT")
+SEQ_HEX_DIGITS: Final = int(_KEY_SEQ[1])
+
+
 def _literal(fixed: bytes) -> bytes:
     """Fixed bytes inside a %-template (names may hold '%')."""
     return fixed.replace(b"%", b"%%")
@@ -288,6 +295,7 @@ class EventEncoder:
         self.partitioned = partitioned  # partition keys cost time: only computed when needed
         self._ts_part = b""
         self._key_template = b""
+        self._key_head = b""
         self._row_templates: dict[int, bytes] = {}
         self._insert_parts: dict[int, tuple[bytes, bytes, bytes, bytes]] = {}
         self.begin(0, 0, "")
@@ -299,7 +307,8 @@ class EventEncoder:
         self._ts_part = FIELD_HEADS["timestamp"] + orjson.dumps(timestamp_iso)
         # The key's commit_lsn part is fixed for the transaction: one format argument left.
         head, dash, tail = KEY_FORMAT.partition("-")
-        self._key_template = _literal((head % commit_lsn + dash).encode()) + tail.encode()
+        self._key_head = (head % commit_lsn + dash).encode()
+        self._key_template = _literal(self._key_head) + tail.encode()
         self._row_templates = {}
         self._insert_parts = {}
 
@@ -318,16 +327,17 @@ class EventEncoder:
             parts = self._insert_parts[rel.relid] = self._row_parts(rel, "insert")
         return parts
 
-    def inserted_run(self, rel: Relation, run: list[tuple[list[Any], bytes]]) -> InsertRun:
-        """The next ``len(run)`` events: inserts of plain ``rel`` as ``(new row, value)`` made from
-        :meth:`insert_parts` with consecutive seqs from this one."""
-        seq = self.seq
-        self.seq = seq + len(run)
-        template = self._key_template
-        return InsertRun(
-            rel, rel.table_key if self.partitioned else b"",
-            [template % s for s in range(seq, seq + len(run))], [value for _, value in run], [new for new, _ in run],
-        )
+    def key_parts(self) -> tuple[bytes, int]:
+        """The keys of this transaction as ``(head, width)``: a key is ``head`` and then its seq in
+        upper-case hex, zero-padded to ``width`` digits (the native path; KEY_FORMAT's form)."""
+        return self._key_head, SEQ_HEX_DIGITS
+
+    def inserted_run(self, rel: Relation, run: tuple[list[bytes], list[bytes], list[list[Any]]]) -> InsertRun:
+        """The next ``len(keys)`` events: inserts of plain ``rel`` as ``(keys, values, new rows)``
+        made from :meth:`key_parts` and :meth:`insert_parts` with consecutive seqs from this one."""
+        keys, values, rows = run
+        self.seq += len(keys)
+        return InsertRun(rel, rel.table_key if self.partitioned else b"", keys, values, rows)
 
     def insert(self, rel: Relation, lsn: int, new: list[Any], rendered: bytes | None = None) -> EncodedEvent:
         """The hot path: an insert of a relation with no excluded or masked column.

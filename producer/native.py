@@ -24,19 +24,23 @@ class DecodeTuple(Protocol):
     ) -> tuple[list[object], list[int], int, bytes | None] | None: ...
 
 
+# An insert run: its keys, its values and each row's values.
+Run = tuple[list[bytes], list[bytes], list[list[Any]]]
+
+
 class EncodeInserts(Protocol):
     def __call__(
         self, messages: list[tuple[int, bytes]], start: int, relid: int, kinds: bytes,
-        parts: tuple[bytes, bytes, bytes, bytes], seq: int, limit: int, /,
-    ) -> list[tuple[list[object], bytes]]: ...
+        parts: tuple[bytes, bytes, bytes, bytes], key: tuple[bytes, int], seq: int, limit: int, /,
+    ) -> Run: ...
 
 
 class EncodeWal2jsonInserts(Protocol):
     def __call__(
         self, messages: list[tuple[int, bytes]], start: int, schema: str, table: str,
         signature: list[tuple[str, int, str | None, bool | None]], kinds: bytes,
-        parts: tuple[bytes, bytes, bytes, bytes], seq: int, limit: int, /,
-    ) -> list[tuple[list[object], bytes]]: ...
+        parts: tuple[bytes, bytes, bytes, bytes], key: tuple[bytes, int], seq: int, limit: int, /,
+    ) -> Run: ...
 
 
 @functools.cache

@@ -218,12 +218,32 @@ fn push_event_head(out: &mut Vec<u8>, parts: &InsertParts<'_>, lsn: u64, seq: u6
 /// An insert event value's fixed parts, `(head, mid, tail, end)`.
 type InsertParts<'py> = (Bound<'py, PyBytes>, Bound<'py, PyBytes>, Bound<'py, PyBytes>, Bound<'py, PyBytes>);
 
+/// A run's keys: `head` and then each seq in upper-case hex, zero-padded to `width` digits.
+pub(crate) type KeyParts<'py> = (Bound<'py, PyBytes>, usize);
+
+/// The key of event `seq`: `head` and its seq (`%0<width>X`).
+fn event_key<'py>(py: Python<'py>, key: &KeyParts<'py>, seq: u64, out: &mut Vec<u8>) -> Bound<'py, PyBytes> {
+    use std::io::Write;
+    out.clear();
+    out.extend_from_slice(key.0.as_bytes());
+    let _ = write!(out, "{:0width$X}", seq, width = key.1);
+    PyBytes::new(py, out)
+}
+
+/// What an insert run gives the caller: the keys, the values and each row's values.
+pub(crate) type Run<'py> = (Bound<'py, PyList>, Bound<'py, PyList>, Bound<'py, PyList>);
+
+pub(crate) fn empty_run(py: Python<'_>) -> Run<'_> {
+    (PyList::empty(py), PyList::empty(py), PyList::empty(py))
+}
+
 /// The run of Insert messages of relation `relid` that starts at `messages[start]` (at most
-/// `limit`), each as `(values, value)`: `value` is `head + lsn + mid + seq + tail + values' JSON
-/// + end`, `seq` counting up from `seq`. `messages` holds `(lsn, payload)` pairs. The run stops
-/// before the first message that is something else or that the slow path must decide.
+/// `limit`), as `(keys, values, rows)`: `value` is `head + lsn + mid + seq + tail + values' JSON
+/// + end`, `seq` counting up from `seq`, the key `key`'s head and that seq. `messages` holds
+/// `(lsn, payload)` pairs. The run stops before the first message that is something else or
+/// that the slow path must decide.
 #[pyfunction]
-#[pyo3(signature = (messages, start, relid, kinds, parts, seq, limit))]
+#[pyo3(signature = (messages, start, relid, kinds, parts, key, seq, limit))]
 #[allow(clippy::too_many_arguments)]
 fn encode_inserts<'py>(
     py: Python<'py>,
@@ -232,11 +252,13 @@ fn encode_inserts<'py>(
     relid: u32,
     kinds: &[u8],
     parts: InsertParts<'py>,
+    key: KeyParts<'py>,
     seq: u64,
     limit: usize,
-) -> PyResult<Bound<'py, PyList>> {
-    let out = PyList::empty(py);
+) -> PyResult<Run<'py>> {
+    let out = empty_run(py);
     let mut value: Vec<u8> = Vec::new();
+    let mut key_buf: Vec<u8> = Vec::new();
     for i in start..messages.len().min(start.saturating_add(limit)) {
         let item = messages.get_item(i)?;
         let (lsn, payload): (u64, Bound<'py, PyBytes>) = item.extract()?;
@@ -245,11 +267,14 @@ fn encode_inserts<'py>(
         if buf.len() < 6 || buf[0] != b'I' || buf[1..5] != relid.to_be_bytes() || buf[5] != b'N' {
             break;
         }
+        let event_seq = seq + (i - start) as u64;
         value.clear();
-        push_event_head(&mut value, &parts, lsn, seq + (i - start) as u64);
+        push_event_head(&mut value, &parts, lsn, event_seq);
         let Some(t) = read_tuple(py, buf, 6, kinds, &mut value) else { break };
         value.extend_from_slice(parts.3.as_bytes());
-        out.append((PyList::new(py, t.values)?, PyBytes::new(py, &value)))?;
+        out.0.append(event_key(py, &key, event_seq, &mut key_buf))?;
+        out.1.append(PyBytes::new(py, &value))?;
+        out.2.append(PyList::new(py, t.values)?)?;
     }
     Ok(out)
 }

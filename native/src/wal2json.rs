@@ -17,7 +17,7 @@ use pyo3::types::{PyBool, PyBytes, PyDict, PyFloat, PyInt, PyList, PyString};
 use serde::Deserialize;
 use serde_json::value::RawValue;
 
-use crate::{convert, push_event_head, push_json_string, InsertParts, BOOL, TEXT};
+use crate::{convert, empty_run, event_key, push_event_head, push_json_string, InsertParts, KeyParts, Run, BOOL, TEXT};
 
 /// One column of a change, as wal2json prints it with `include-type-oids`, `include-typmod`
 /// and `include-not-null`.
@@ -120,11 +120,11 @@ fn value<'py>(py: Python<'py>, kind: u8, raw: &RawValue, exact: bool, json: &mut
 }
 
 /// The run of inserts into `schema`.`table` with column `signature` that starts at
-/// `messages[start]` (at most `limit`), each as `(values, value)` with `value` made as
-/// `encode_inserts` makes it (`parts`, `seq` counting up). `kinds`: a letter per column. The run
+/// `messages[start]` (at most `limit`), as `encode_inserts` gives its run (`parts`, `key`,
+/// `seq` counting up). `kinds`: a letter per column. The run
 /// stops before the first message that is something else or that the slow path must decide.
 #[pyfunction]
-#[pyo3(signature = (messages, start, schema, table, signature, kinds, parts, seq, limit))]
+#[pyo3(signature = (messages, start, schema, table, signature, kinds, parts, key, seq, limit))]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn encode_wal2json_inserts<'py>(
     py: Python<'py>,
@@ -135,14 +135,16 @@ pub(crate) fn encode_wal2json_inserts<'py>(
     signature: Vec<Signature>,
     kinds: &[u8],
     parts: InsertParts<'py>,
+    key: KeyParts<'py>,
     seq: u64,
     limit: usize,
-) -> PyResult<Bound<'py, PyList>> {
-    let out = PyList::empty(py);
+) -> PyResult<Run<'py>> {
+    let out = empty_run(py);
     if signature.len() != kinds.len() {
         return Ok(out);
     }
     let mut value_json: Vec<u8> = Vec::new();
+    let mut key_buf: Vec<u8> = Vec::new();
     for i in start..messages.len().min(start.saturating_add(limit)) {
         let item = messages.get_item(i)?;
         let (_, payload): (u64, Bound<'py, PyBytes>) = item.extract()?;
@@ -162,8 +164,9 @@ pub(crate) fn encode_wal2json_inserts<'py>(
             break;
         }
         let exact = buf.windows(EXACT_MARK.len()).any(|w| w == EXACT_MARK);
+        let event_seq = seq + (i - start) as u64;
         value_json.clear();
-        push_event_head(&mut value_json, &parts, lsn, seq + (i - start) as u64);
+        push_event_head(&mut value_json, &parts, lsn, event_seq);
         value_json.push(b'[');
         let mut values: Vec<Bound<'py, PyAny>> = Vec::with_capacity(kinds.len());
         for (n, (c, &kind)) in change.columns.iter().zip(kinds).enumerate() {
@@ -177,7 +180,9 @@ pub(crate) fn encode_wal2json_inserts<'py>(
         }
         value_json.push(b']');
         value_json.extend_from_slice(parts.3.as_bytes());
-        out.append((PyList::new(py, values)?, PyBytes::new(py, &value_json)))?;
+        out.0.append(event_key(py, &key, event_seq, &mut key_buf))?;
+        out.1.append(PyBytes::new(py, &value_json))?;
+        out.2.append(PyList::new(py, values)?)?;
     }
     Ok(out)
 }

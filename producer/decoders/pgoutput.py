@@ -84,10 +84,10 @@ class PgoutputDecoder:
                     if inserts is not None and rel.plain:
                         # Natively: this insert and those that follow it, values and event values.
                         enc = self.encoder
-                        run = inserts(messages, i, rel.relid, rel.kinds, enc.insert_parts(rel), enc.seq, _INSERT_RUN)
-                        if run:
-                            skip = len(run) - 1
-                            rel.txn_counts[0] += len(run)
+                        run = inserts(messages, i, rel.relid, rel.kinds, enc.insert_parts(rel), enc.key_parts(), enc.seq, _INSERT_RUN)
+                        if run[0]:
+                            skip = len(run[0]) - 1
+                            rel.txn_counts[0] += len(run[0])
                             yield enc.inserted_run(rel, run)
                             continue
                     # Natively, the values' JSON comes with them (the encoder uses it when it can).

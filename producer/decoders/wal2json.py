@@ -246,11 +246,11 @@ class Wal2jsonDecoder:
                 # Natively: inserts like the last one (same table, same columns), values and event values.
                 schema, table, signature, rel = hot
                 enc = self.encoder
-                run = inserts(messages, i, schema, table, signature, rel.kinds, enc.insert_parts(rel), enc.seq, _INSERT_RUN)
-                if run:
-                    skip = len(run) - 1
+                run = inserts(messages, i, schema, table, signature, rel.kinds, enc.insert_parts(rel), enc.key_parts(), enc.seq, _INSERT_RUN)
+                if run[0]:
+                    skip = len(run[0]) - 1
                     key = (rel.qualified, "insert")
-                    self._counts[key] = self._counts.get(key, 0) + len(run)
+                    self._counts[key] = self._counts.get(key, 0) + len(run[0])
                     yield enc.inserted_run(rel, run)
                     continue
             try:

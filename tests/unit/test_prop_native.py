@@ -163,3 +163,21 @@ def test_the_native_replication_reader_is_there_with_psycopgs_binary_libpq() -> 
     assert reader is not None
     with pytest.raises(ValueError):
         reader.read(0, [], 1)  # no connection: refused, never dereferenced
+
+
+def test_native_run_keys_are_the_encoders_keys() -> None:
+    """A run's keys are written natively from EventEncoder.key_parts: the same bytes as the
+    encoder's own keys, past 8 hex digits of seq too."""
+    from producer.codec import EventEncoder
+    from producer.native import encode_inserts
+
+    native = encode_inserts()
+    if native is None:  # pure Python only here (see the test above)
+        return
+    enc = EventEncoder()
+    enc.begin(0xABCDEF0123, 7, "2026-01-01T00:00:00+00:00")
+    insert = b"I" + struct.pack(">I", 7) + b"N" + _tuple([b"1"])
+    for seq in (0, 0xA, 0xFFFFFFFE, 0x1_0000_0000):
+        keys, _, _ = native([(1, insert)] * 2, 0, 7, b"i", (b"", b"", b"", b""), enc.key_parts(), seq, 2)
+        expected = [enc._key_template % s for s in (seq, seq + 1)]  # the encoder's own keys
+        assert keys == expected == [b"000000ABCDEF0123-%08X" % s for s in (seq, seq + 1)]
