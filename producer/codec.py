@@ -123,6 +123,9 @@ class Relation:
     full_part: bytes = b""  # b'"columns":[…],"types":[…],"values":' for rows with every kept column
     pk_index: list[int] = field(default_factory=list)
     ident_idx: list[int] = field(default_factory=list)
+    # b'"identity":{"columns":[…],"types":[…],"values":' of the old key, and of a full old row
+    ident_head: bytes = b""
+    full_ident_head: bytes = b""
     plain: bool = False  # every column kept, none masked
     converters: list[Any] = field(default_factory=list)  # the decoder's, per column
     kinds: bytes = b""  # the converters' kinds (text_kind), a letter per column, for the native path
@@ -163,6 +166,8 @@ class Relation:
         kept = set(self.keep)
         self.plain = len(self.keep) == len(self.columns) and not self.masked
         self.ident_idx = [i for i, flag in enumerate(self.identity) if flag and i in kept]
+        self.ident_head = FIELD_HEADS["identity"] + self._image_head(self.ident_idx, IMAGE_HEADS)
+        self.full_ident_head = FIELD_HEADS["identity"] + self._image_head(self.keep, IMAGE_HEADS)
         return self
 
     def _meta_part(self) -> bytes:
@@ -441,14 +446,15 @@ class EventEncoder:
     def _identity(self, rel: Relation, new: list[Any] | None, old: list[Any] | None, old_is_full: bool) -> bytes | None:
         src: list[Any] | None
         if old is not None and old_is_full:
-            idx, src = rel.keep, old
+            idx, src, head = rel.keep, old, rel.full_ident_head
         else:
-            idx = rel.identity_indexes()
+            idx, head = rel.identity_indexes(), rel.ident_head
             src = old if old is not None else new
             if not idx or src is None:
                 return None
-        values = [MASK if i in rel.masked and src[i] is not None else src[i] for i in idx]
-        return FIELD_HEADS["identity"] + rel._image_head(idx, IMAGE_HEADS) + orjson.dumps(values) + VALUE_END
+        masked = rel.masked
+        values = [MASK if i in masked and src[i] is not None else src[i] for i in idx] if masked else [src[i] for i in idx]
+        return head + orjson.dumps(values) + VALUE_END
 
     def truncate(self, rel: Relation, lsn: int) -> EncodedEvent:
         seq = self.seq
