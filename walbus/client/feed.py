@@ -409,7 +409,20 @@ class Feed:
         if last is not None:
             self._last = None
             if self._auto_ack and last.outcome == "pending":
-                self._acked(last)
+                # _acked(last), its usual case inline: acked in order, nothing else in flight.
+                state = last.state
+                inflight = state.inflight
+                done = state.done_offset
+                if len(inflight) == 1 and inflight[0] is last and not state.revoked and (done is None or last.offset >= done):
+                    last.outcome = "acked"
+                    last.event = None
+                    inflight.pop()
+                    state.done_offset = last.offset + 1
+                    position = state.done_position
+                    if position is None or last.position > position:
+                        state.done_position = last.position
+                else:
+                    self._acked(last)
         event = self._take_buffered()
         return event if event is not None else await self._next_event()
 
@@ -430,7 +443,19 @@ class Feed:
         if len(parts) == 1:  # the default single partition: nothing to merge
             for state in parts.values():
                 rec = self._accept(state, True, True)
-                return None if rec is None else self._deliver(rec)
+                if rec is None:
+                    return None
+                # _deliver(rec), inline: once per event.
+                state.inflight.append(rec)
+                delivered = state.delivered
+                if delivered is None or rec.position > delivered:
+                    state.delivered = rec.position
+                self.stats.delivered += 1
+                self._last = rec
+                event: Any = rec.event
+                _set_attempt(event, 1)
+                _set_settler(event, rec)
+                return event  # type: ignore[no-any-return]
         while (found := self._next_buffered()) is not None:
             rec = self._accept(found, False, True)
             if rec is not None:
