@@ -80,9 +80,21 @@ fn plain_number(raw: &[u8]) -> bool {
 /// turns fractions into floats.
 const EXACT_MARK: &[u8] = b"\"typeoid\":1700,";
 
+/// Whether `buf` has `EXACT_MARK`, looked for once, when a value first needs to know.
+struct ExactMark<'a> {
+    buf: &'a [u8],
+    found: Option<bool>,
+}
+
+impl ExactMark<'_> {
+    fn get(&mut self) -> bool {
+        *self.found.get_or_insert_with(|| self.buf.windows(EXACT_MARK.len()).any(|w| w == EXACT_MARK))
+    }
+}
+
 /// One value, as the caller's slow path converts it; its JSON appended to `json`. `exact`:
-/// the payload has `EXACT_MARK`.
-fn value<'py>(py: Python<'py>, kind: u8, raw: &RawValue, exact: bool, json: &mut Vec<u8>) -> Option<Bound<'py, PyAny>> {
+/// whether the payload has `EXACT_MARK`.
+fn value<'py>(py: Python<'py>, kind: u8, raw: &RawValue, exact: &mut ExactMark<'_>, json: &mut Vec<u8>) -> Option<Bound<'py, PyAny>> {
     let text = raw.get();
     let bytes = text.as_bytes();
     match bytes.first()? {
@@ -110,7 +122,7 @@ fn value<'py>(py: Python<'py>, kind: u8, raw: &RawValue, exact: bool, json: &mut
             let fraction = bytes.iter().any(|&b| matches!(b, b'.' | b'e' | b'E'));
             let wide = !fraction && text.parse::<i64>().is_err() && text.parse::<u64>().is_err();
             // (-0: the slow path reads the integer zero, for a float column with its sign)
-            if (!exact && (wide || (fraction && kind == TEXT))) || (kind == TEXT && (text == "-0" || !plain_number(bytes))) {
+            if ((wide || (fraction && kind == TEXT)) && !exact.get()) || (kind == TEXT && (text == "-0" || !plain_number(bytes))) {
                 return None;
             }
             convert(py, kind, bytes, json)
@@ -163,7 +175,7 @@ pub(crate) fn encode_wal2json_inserts<'py>(
         if !same {
             break;
         }
-        let exact = buf.windows(EXACT_MARK.len()).any(|w| w == EXACT_MARK);
+        let mut exact = ExactMark { buf, found: None };
         let event_seq = seq + (i - start) as u64;
         value_json.clear();
         push_event_head(&mut value_json, &parts, lsn, event_seq);
@@ -173,7 +185,7 @@ pub(crate) fn encode_wal2json_inserts<'py>(
             if n > 0 {
                 value_json.push(b',');
             }
-            match value(py, kind, c.value, exact, &mut value_json) {
+            match value(py, kind, c.value, &mut exact, &mut value_json) {
                 Some(v) => values.push(v),
                 None => return Ok(out),
             }
