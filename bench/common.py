@@ -22,6 +22,16 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 
+def dsn_in_env(args: list[str], env: dict[str, str]) -> list[str]:
+    """``args`` without its ``--pg-dsn DSN``, which goes into ``env`` as WALBUS_PG_DSN instead:
+    a DSN's password in a child's argv is visible to every user of the machine (ps)."""
+    if "--pg-dsn" not in args:
+        return args
+    at = args.index("--pg-dsn")
+    env["WALBUS_PG_DSN"] = args[at + 1]
+    return args[:at] + args[at + 2 :]
+
+
 def emit(**fields: Any) -> None:
     """One machine-readable result line on stdout."""
     print(orjson.dumps(fields).decode(), flush=True)

@@ -44,6 +44,7 @@ from bench.common import (
     Stopwatch,
     cpu_seconds,
     current_lsn,
+    dsn_in_env,
     emit,
     listener_pid,
     peak_rss_mb,
@@ -199,7 +200,8 @@ def run_producer(
     cli = "walbus.app.cli" if (tree / "walbus" / "app" / "cli.py").exists() else "walbus.cli"  # a baseline before the app layer
     args += ["-m", cli, "produce", "--pg-dsn", dsn, "--kafka-bootstrap", bootstrap, "--slot", slot, "--plugin", plugin,
              "--topic", topic, "--publication", "walbus_bench", "--heartbeat-interval", "0.2", "--log-level", "warning"]
-    proc = subprocess.Popen(args, cwd=tree, env={**os.environ, "PYTHONPATH": str(tree), **(env or {})})
+    child_env = {**os.environ, "PYTHONPATH": str(tree), **(env or {})}
+    proc = subprocess.Popen(dsn_in_env(args, child_env), cwd=tree, env=child_env)
     try:
         return measure(proc, dsn, slot, end, broker, until_exit=False)
     finally:
@@ -300,7 +302,8 @@ def latency(dsn: str, bootstrap: str, rate: int, seconds: float, *, path: str = 
         with psycopg.connect(db, autocommit=True) as conn:
             conn.execute(W1_DDL)
         args = [sys.executable, "-m", "walbus.app.cli", "produce", "--pg-dsn", db, "--kafka-bootstrap", bootstrap, "--topic", topic, "--log-level", "warning"]
-        proc = subprocess.Popen(args, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), **(PURE_PYTHON if path == "pure" else {})})
+        child_env = {**os.environ, "PYTHONPATH": str(ROOT), **(PURE_PYTHON if path == "pure" else {})}
+        proc = subprocess.Popen(dsn_in_env(args, child_env), cwd=ROOT, env=child_env)
         try:
             while True:
                 with psycopg.connect(db, autocommit=True) as conn:

@@ -38,6 +38,7 @@ from bench.common import (
     ROOT,
     Stopwatch,
     cpu_seconds,
+    dsn_in_env,
     emit,
     listener_pid,
     scratch_database,
@@ -134,6 +135,7 @@ def snapshot_run(dsn: str, bootstrap: str, name: str, workers: int, log: Path, t
     env = {**os.environ, "PYTHONPATH": str(tree)}
     env.pop("WALBUS_PG_DSN", None)
     env.pop("WALBUS_KAFKA_BOOTSTRAP", None)
+    args = dsn_in_env(args, env)
     params = conninfo_to_dict(dsn)
     postmaster = listener_pid(int(str(params.get("port", "5432"))))
     broker = listener_pid(int(bootstrap.rsplit(":", 1)[1]))

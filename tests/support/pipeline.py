@@ -41,14 +41,21 @@ async def running_producer(pg_dsn: str, kafka_bootstrap: str, **options: Any) ->
 
 
 def walbus_process(args: Sequence[str], *, env: dict[str, str] | None = None, log: Path | None = None) -> subprocess.Popen[bytes]:
-    """``walbus …`` as a child process (same interpreter, this checkout on the path)."""
+    """``walbus …`` as a child process (same interpreter, this checkout on the path). A
+    ``--pg-dsn`` goes to the child as WALBUS_PG_DSN: a DSN's password in argv is visible to
+    every user of the machine (ps)."""
     full_env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
     for key in ("WALBUS_PG_DSN", "WALBUS_KAFKA_BOOTSTRAP"):
         if env is None or key not in env:
             full_env.pop(key, None)  # the test's own flags decide
+    argv = list(args)
+    if "--pg-dsn" in argv:
+        at = argv.index("--pg-dsn")
+        full_env["WALBUS_PG_DSN"] = argv[at + 1]
+        del argv[at : at + 2]
     out = log.open("ab") if log else subprocess.DEVNULL
     try:
-        return subprocess.Popen([sys.executable, "-m", "walbus.app.cli", *args], env=full_env, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
+        return subprocess.Popen([sys.executable, "-m", "walbus.app.cli", *argv], env=full_env, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
     finally:
         if log:
             out.close()  # type: ignore[union-attr]
