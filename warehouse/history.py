@@ -9,6 +9,7 @@ LSN-ordered appends keep tight), so it does not scan the whole history.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
@@ -25,20 +26,26 @@ class HistoryResult:
 
 
 def write_history(
-    spark: SparkSession, path: str, rows: DataFrame, columns: list[SourceColumn], pk: list[str], txn: Txn
+    spark: SparkSession, path: str, rows: DataFrame, columns: list[SourceColumn], pk: list[str], txn: Txn,
+    lsn_range: tuple[Any, Any] | None = None,
 ) -> HistoryResult:
     """Append the load's new events; with a primary key each row keeps the key it had before
-    the event (``_walbus_prev_<key>``), so a key-changing update says which row it moved."""
+    the event (``_walbus_prev_<key>``), so a key-changing update says which row it moved.
+    ``lsn_range``: the lowest and highest commit LSN of ``rows`` when the caller knows them
+    (the load's per-table summary does: one Spark job a table fewer)."""
     if txn.applied(spark, path):
         return HistoryResult(0, True)
     rows = rows.select(*table_columns(columns, pk)).dropDuplicates(list(POSITION))
-    bounds = rows.agg(F.min("pg_commit_lsn").alias("lo"), F.max("pg_commit_lsn").alias("hi")).first()
-    if bounds is None or bounds["lo"] is None:
+    if lsn_range is None:
+        bounds = rows.agg(F.min("pg_commit_lsn").alias("lo"), F.max("pg_commit_lsn").alias("hi")).first()
+        lsn_range = (None, None) if bounds is None else (bounds["lo"], bounds["hi"])
+    lo, hi = lsn_range
+    if lo is None or hi is None:
         return HistoryResult(0, False)
     existing = (
         spark.read.format("delta")
         .load(path)
-        .where(F.col("pg_commit_lsn").between(bounds["lo"], bounds["hi"]))
+        .where(F.col("pg_commit_lsn").between(lo, hi))
         .select(*POSITION)
     )
     fresh = rows.join(existing, list(POSITION), "left_anti").orderBy(*POSITION)

@@ -178,6 +178,8 @@ def _table_meta(events: DataFrame) -> list[dict[str, Any]]:
             F.max_by(F.col("pk"), position).alias("pk"),
             F.max_by(cols, F.when(cols.isNotNull(), position)).alias("latest_columns"),
             F.max(F.when(F.col("operation") == "truncate", position)).alias("truncate"),
+            F.min("commit_lsn").alias("lsn_lo"),  # the history's de-duplication reads this range
+            F.max("commit_lsn").alias("lsn_hi"),
         )
         .collect()
     }
@@ -390,7 +392,7 @@ def _load_table(
     rows = rows.persist(StorageLevel.MEMORY_AND_DISK)
     try:
         started = time.monotonic()
-        history = write_history(spark, paths.history, rows, columns, pk, txn)
+        history = write_history(spark, paths.history, rows, columns, pk, txn, (meta["lsn_lo"], meta["lsn_hi"]))
         summary.timed("history", started)
         summary.history_rows += history.written
         summary.already_loaded = history.skipped

@@ -23,6 +23,7 @@ from pyspark.sql import Column, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql.types import DataType, StructField, StructType
 
+from warehouse.txn import table_configuration
 from warehouse.types import compatible, describe, spark_type, widest
 
 
@@ -116,8 +117,13 @@ def existing_columns(fields: Iterable[StructField], properties: Mapping[str, str
 
 
 def table_properties(spark: SparkSession, path: str) -> dict[str, str]:
-    rows = spark.sql(f"SHOW TBLPROPERTIES delta.{quote(path)}").collect()
-    return {r["key"]: r["value"] for r in rows}
+    """The Delta table's properties (walbus's own and Delta's configuration, and the protocol
+    versions): from its snapshot, else (py4j trouble) with SHOW TBLPROPERTIES."""
+    try:
+        return table_configuration(spark, path)
+    except Exception:
+        rows = spark.sql(f"SHOW TBLPROPERTIES delta.{quote(path)}").collect()
+        return {r["key"]: r["value"] for r in rows}
 
 
 def quote(name: str) -> str:
@@ -167,9 +173,20 @@ def ensure_table(
         cols = ", ".join(f"{quote(f.name)} {f.dataType.simpleString()}" for f in missing)
         spark.sql(f"ALTER TABLE delta.{quote(path)} ADD COLUMNS ({cols})")
     old = table_properties(spark, path)
-    if any(old.get(k) != v for k, v in props.items()):
+    if any(not _property_holds(k, old.get(k), v) for k, v in props.items()):
         assignments = ", ".join(f"'{k}' = {sql_string(v)}" for k, v in props.items())
         spark.sql(f"ALTER TABLE delta.{quote(path)} SET TBLPROPERTIES ({assignments})")
+
+
+# Protocol versions: a table never goes below what it has (deletion vectors raise a current
+# table to reader 3 / writer 7), so asking for less is satisfied, not a change to commit.
+_PROTOCOL_PROPERTIES = ("delta.minReaderVersion", "delta.minWriterVersion")
+
+
+def _property_holds(key: str, have: str | None, want: str) -> bool:
+    if key in _PROTOCOL_PROPERTIES and have is not None and have.isdigit() and want.isdigit():
+        return int(have) >= int(want)
+    return have == want
 
 
 def sql_string(value: str) -> str:

@@ -267,3 +267,24 @@ def test_unchanged_toast_values_are_carried_and_truncate(
     produce_events(kafka_bootstrap, unique_name, Txn(0x3500).insert(t, pk, doc(9, "late", "x")).events)
     load(spark, kafka_bootstrap, unique_name, tmp_path)
     assert {r["id"]: r["title"] for r in current(spark, tmp_path, unique_name, t)} == {5: "e"}
+
+
+def test_an_unchanged_table_gets_no_commit_from_ensure_table(spark: Any, tmp_path: Path) -> None:
+    """ensure_table on a table that already has the planned columns and properties commits
+    nothing. A current table's deletion vectors raise its protocol to reader 3 / writer 7, more
+    than the 2 / 5 walbus asks for, and that difference made every load commit a
+    SET TBLPROPERTIES to each current table."""
+    from warehouse.current import CURRENT_EXTRA_FIELDS, CURRENT_PROPERTIES
+    from warehouse.frame import META_FIELDS
+    from warehouse.job import HISTORY_PROPERTIES
+    from warehouse.schema import ensure_table, plan
+    from warehouse.txn import _jvm_snapshot
+
+    path = str(tmp_path / "current")
+    schema_plan = plan(TX, None, [("transaction_id", "int4")], reserved=set(), numeric_scale=10)
+    props = {**HISTORY_PROPERTIES, **CURRENT_PROPERTIES, "walbus.primaryKey": "transaction_id"}
+    versions = []
+    for _ in range(3):
+        ensure_table(spark, path, [*META_FIELDS, *CURRENT_EXTRA_FIELDS], schema_plan, props)
+        versions.append(int(_jvm_snapshot(spark, path).version()))
+    assert versions == [0, 0, 0]
