@@ -237,6 +237,21 @@ pub(crate) fn empty_run(py: Python<'_>) -> Run<'_> {
     (PyList::empty(py), PyList::empty(py), PyList::empty(py))
 }
 
+/// Append one event to `run`: its key (event `seq`'s), its value and its row's values.
+pub(crate) fn push_event<'py>(
+    run: &Run<'py>,
+    key: &KeyParts<'py>,
+    seq: u64,
+    key_buf: &mut Vec<u8>,
+    value: &[u8],
+    values: Vec<Bound<'py, PyAny>>,
+) -> PyResult<()> {
+    let py = run.0.py();
+    run.0.append(event_key(py, key, seq, key_buf))?;
+    run.1.append(PyBytes::new(py, value))?;
+    run.2.append(PyList::new(py, values)?)
+}
+
 /// The run of Insert messages of relation `relid` that starts at `messages[start]` (at most
 /// `limit`), as `(keys, values, rows)`: `value` is `head + lsn + mid + seq + tail + values' JSON
 /// + end`, `seq` counting up from `seq`, the key `key`'s head and that seq. `messages` holds
@@ -272,9 +287,7 @@ fn encode_inserts<'py>(
         push_event_head(&mut value, &parts, lsn, event_seq);
         let Some(t) = read_tuple(py, buf, 6, kinds, &mut value) else { break };
         value.extend_from_slice(parts.3.as_bytes());
-        out.0.append(event_key(py, &key, event_seq, &mut key_buf))?;
-        out.1.append(PyBytes::new(py, &value))?;
-        out.2.append(PyList::new(py, t.values)?)?;
+        push_event(&out, &key, event_seq, &mut key_buf, &value, t.values)?;
     }
     Ok(out)
 }

@@ -17,7 +17,7 @@ use pyo3::types::{PyBool, PyBytes, PyDict, PyFloat, PyInt, PyList, PyString};
 use serde::Deserialize;
 use serde_json::value::RawValue;
 
-use crate::{convert, empty_run, event_key, push_event_head, push_json_string, InsertParts, KeyParts, Run, BOOL, TEXT};
+use crate::{convert, empty_run, push_event, push_event_head, push_json_string, InsertParts, KeyParts, Run, BOOL, TEXT};
 
 /// One column of a change, as wal2json prints it with `include-type-oids`, `include-typmod`
 /// and `include-not-null`.
@@ -192,9 +192,7 @@ pub(crate) fn encode_wal2json_inserts<'py>(
         }
         value_json.push(b']');
         value_json.extend_from_slice(parts.3.as_bytes());
-        out.0.append(event_key(py, &key, event_seq, &mut key_buf))?;
-        out.1.append(PyBytes::new(py, &value_json))?;
-        out.2.append(PyList::new(py, values)?)?;
+        push_event(&out, &key, event_seq, &mut key_buf, &value_json, values)?;
     }
     Ok(out)
 }
