@@ -99,6 +99,28 @@ def sql_warehouse_conf(master: str | None) -> dict[str, str]:
     return {"spark.sql.warehouse.dir": default_sql_warehouse()} if here else {}
 
 
+LOG_ROTATE_BYTES = 64 << 20  # the driver JVM's log is rotated at start once this large
+LOG_GENERATIONS = 3  # rotated logs kept beside it: .1 (newest) to .3
+
+
+def rotate_log(path: str, *, max_bytes: int = LOG_ROTATE_BYTES, keep: int = LOG_GENERATIONS) -> bool:
+    """Move ``path`` to ``path.1`` (``.1`` to ``.2`` and so on, the oldest dropped) once it has
+    reached ``max_bytes``; True when it did. The JVM writes its output to an inherited file
+    descriptor, which nothing can rotate under it, so a log is rotated when a JVM starts:
+    nightly loads no longer grow one file forever."""
+    try:
+        if os.path.getsize(path) < max_bytes:
+            return False
+    except OSError:  # not there yet
+        return False
+    for generation in range(keep - 1, 0, -1):
+        older = f"{path}.{generation}"
+        if os.path.exists(older):
+            os.replace(older, f"{path}.{generation + 1}")
+    os.replace(path, f"{path}.1")
+    return True
+
+
 def _launch_jvm(settings: Mapping[str, str], log_path: str) -> None:
     """Start the driver JVM with its stdout/stderr appended to ``log_path``.
 
@@ -115,6 +137,7 @@ def _launch_jvm(settings: Mapping[str, str], log_path: str) -> None:
             return
         conf = SparkConf(loadDefaults=False).setAll(list(settings.items()))
         os.makedirs(os.path.dirname(os.path.abspath(log_path)), exist_ok=True)
+        rotate_log(log_path)
         with open(log_path, "ab") as out:  # the child keeps its own copy of the descriptor
             gateway = launch_gateway(conf, popen_kwargs={"stdout": out, "stderr": out})  # type: ignore[no-untyped-call]
         SparkContext._gateway = gateway
