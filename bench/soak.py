@@ -52,7 +52,15 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.client import AIOKafkaClient
 
-from bench.common import ROOT, delete_topics_matching, emit, list_topics, scratch_database
+from bench.common import (
+    ROOT,
+    delete_topics_matching,
+    dsn_in_env,
+    emit,
+    list_topics,
+    scratch_database,
+)
+from bench.soak_feed import EFFECTS_DSN_ENV
 from bench.soak_workload import TABLES, Writer
 from walbus.contract import ContractError, check_key, decode_event, split_table, table_topic
 from walbus.kafka import partition_for
@@ -80,11 +88,12 @@ class Service:
     restarts: int = 0
     unexpected_exits: int = 0
     killing: bool = False  # the injector killed it: an expected exit
+    env: dict[str, str] = field(default_factory=dict)  # secrets (DSNs) go here, not in argv
 
     def start(self) -> None:
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        env = {**os.environ, "PYTHONPATH": str(ROOT), **self.env}
         with self.log.open("ab") as out:
-            self.proc = subprocess.Popen(self.args, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
+            self.proc = subprocess.Popen(dsn_in_env(self.args, env), cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
                                          stdin=subprocess.DEVNULL)
 
     def running(self) -> bool:
@@ -337,8 +346,8 @@ class Soak:
                                    "--state-dir", str(self.workdir / f"demux-{i}")], logs / f"demux-{i}.log")
             for i in range(2)
         ]
-        feed = Service("feed", [py, "-m", "bench.soak_feed", self.topic, self.feed_group, effects_dsn, boot],
-                       logs / "feed.log")
+        feed = Service("feed", [py, "-m", "bench.soak_feed", self.topic, self.feed_group, boot],
+                       logs / "feed.log", env={EFFECTS_DSN_ENV: effects_dsn})
         return [producer, *demuxes, feed]
 
     def loader(self) -> WarehouseLoader:

@@ -11,12 +11,15 @@ producer's choice (``walbus.kafka.partition_for`` over the table name).
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
 from typing import Any
 
 import psycopg
 
 from walbus.client import Feed, FeedEvent, PgPositions
+
+EFFECTS_DSN_ENV = "WALBUS_SOAK_EFFECTS_DSN"  # where the feed records its effects
 
 EFFECTS_DDL = (
     "CREATE TABLE IF NOT EXISTS soak_effects (id bigserial PRIMARY KEY, part int NOT NULL,"
@@ -53,5 +56,5 @@ async def main(topic: str, group: str, dsn: str, bootstrap: str) -> None:
 
 
 if __name__ == "__main__":
-    topic, group, dsn, bootstrap = sys.argv[1:5]
-    asyncio.run(main(topic, group, dsn, bootstrap))
+    topic, group, bootstrap = sys.argv[1:4]  # the effects database's DSN: in the environment, not argv
+    asyncio.run(main(topic, group, os.environ[EFFECTS_DSN_ENV], bootstrap))
