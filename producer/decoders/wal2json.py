@@ -38,6 +38,11 @@ def _lsn(text: str) -> int:
     return (int(hi, 16) << 32) | int(lo, 16)
 
 
+def _signatures(cols: list[dict[str, Any]]) -> list[Signature]:
+    """Each column's signature, as a change lists its columns."""
+    return [(c["name"], c["typeoid"], c.get("type"), c.get("optional")) for c in cols]
+
+
 def _int_or_negative_zero(text: str) -> int | float:
     return -0.0 if text == "-0" else int(text)
 
@@ -133,7 +138,7 @@ class Wal2jsonDecoder:
         if cached is not None:
             if whole:
                 # An insert like the last one matched: one list compare, no per-column look-ups.
-                signature = [(c["name"], c["typeoid"], c.get("type"), c.get("optional")) for c in cols]
+                signature = _signatures(cols)
                 if signature == self._whole.get(key):
                     return cached
             if self._matches(cached, cols, whole, self._known[key]):
@@ -159,7 +164,7 @@ class Wal2jsonDecoder:
         rel, index, _ = entry
         if whole and (len(cols) != len(rel.columns) or any(c["name"] != n for c, n in zip(cols, rel.columns, strict=True))):
             return False
-        signatures = [(c["name"], c["typeoid"], c.get("type"), c.get("optional")) for c in cols]
+        signatures = _signatures(cols)
         if known is not None and all(s in known for s in signatures):
             return True
         if not all(self._column_matches(rel, index, s) for s in signatures):
@@ -280,7 +285,7 @@ class Wal2jsonDecoder:
                     yield self.encoder.insert(rel, lsn, new)
                     op = "insert"
                     if inserts is not None and rel.plain and "bytea" not in rel.types:  # (bytea: see _value_converter)
-                        self._hot = (schema, table, [(c["name"], c["typeoid"], c.get("type"), c.get("optional")) for c in cols], rel)
+                        self._hot = (schema, table, _signatures(cols), rel)
                 elif action == "U":
                     new, present = self._row(cols, index, convs, n)
                     unchanged = [i for i in range(n) if i not in present]
