@@ -14,6 +14,7 @@ use pyo3::types::{PyBool, PyBytes, PyFloat, PyList, PyString};
 
 mod copydata;
 mod event;
+mod lanes;
 mod wal2json;
 
 /// Column kinds, as the caller spells them.
@@ -300,5 +301,6 @@ fn walbus_native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(wal2json::loads_exact, m)?)?;
     m.add_class::<event::EventDecoder>()?;
     m.add_class::<copydata::CopyReader>()?;
+    m.add_class::<lanes::OrderLanes>()?;
     Ok(())
 }

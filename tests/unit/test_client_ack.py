@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import shutil
 from collections.abc import Coroutine
 from typing import Any
 
@@ -10,10 +11,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from walbus.client import RetryPolicy
+from walbus.client import RetryPolicy, parallel
 from walbus.client.event import feed_event
-from walbus.client.parallel import lane_of, order_key
+from walbus.client.parallel import event_lane, lane_of, order_key
 from walbus.contract import ChangeEvent, RowImage
+from walbus.native import switched_off
 
 
 def test_retry_delays_grow_are_capped_and_jittered() -> None:
@@ -94,8 +96,32 @@ def _images(draw: st.DrawFn) -> RowImage | None:
 def test_order_keys_match_the_plain_definition(op: str, table: str, pk: list[str], new: RowImage | None,
                                                ident: RowImage | None, repeat: int) -> None:
     event = feed_event(ChangeEvent(1, 2, 0, 3, op, table, "t", tuple(pk), new, ident), 1, None)  # type: ignore[arg-type]
+    reference = _reference_order_key(event)
+    native = parallel._native_lanes()
     for _ in range(repeat):  # again: from the caches this time
-        assert order_key(event) == _reference_order_key(event)
+        assert order_key(event) == reference
+        # The compiled lane (walbus_native.OrderLanes): the same key, so the same lane.
+        if native is not None:
+            assert native.__self__.key(event) == reference  # type: ignore[attr-defined]
+        for n in (1, 3, 8):
+            assert event_lane(event, n) == (None if reference is None else lane_of(reference, n))  # type: ignore[arg-type]
+
+
+def test_native_lanes_are_there_where_the_extension_is_built() -> None:
+    assert parallel._native_lane is not None or shutil.which("cargo") is None or switched_off()
+
+
+@given(st.lists(st.one_of(st.integers(), st.text(max_size=3), st.floats(allow_nan=False), st.booleans(), st.none(),
+                          st.lists(st.integers(), max_size=2)), min_size=1, max_size=3))
+def test_event_lanes_of_any_key_values(values: list[object]) -> None:
+    """Any key values, unhashable ones too (the native path raises TypeError and the Python
+    one hashes their text): the Python path's lane."""
+    columns = tuple(f"k{i}" for i in range(len(values)))
+    image = RowImage(columns, ("int4",) * len(columns), tuple(values))
+    event = feed_event(ChangeEvent(1, 2, 0, 3, "insert", "s.t", "t", columns, image), 1, None)
+    expected = lane_of(("s.t", *values), 7)
+    assert event_lane(event, 7) == expected
+    assert parallel._python_lane(event, 7) == expected
 
 
 async def test_a_coroutine_started_by_hand_is_awaited_to_its_end() -> None:

@@ -7,13 +7,16 @@ import random
 from collections import deque
 from collections.abc import Hashable
 from dataclasses import dataclass
+from typing import Any, cast
 
+from aiokafka import TopicPartition
 from hypothesis import given
 from hypothesis import strategies as st
 
 import tests.support.prop  # noqa: F401 -- the suite's hypothesis profile
 from walbus.client.acks import acked_prefix
 from walbus.client.event import feed_event
+from walbus.client.feed import Feed, _PartitionState, _Record
 from walbus.client.parallel import order_key
 from walbus.contract import ChangeEvent, RowImage
 
@@ -49,6 +52,31 @@ def test_contiguous_acks_over_any_ack_order_match_the_simple_model(gaps: list[tu
         assert done == expected
         assert list(waiting) == sent[len(prefix) :]
     assert not waiting
+
+
+@given(st.lists(st.tuples(st.integers(1, 3), st.integers(0, 5)), min_size=1, max_size=40), st.randoms(use_true_random=False),
+       st.integers(0, 3))
+def test_the_feeds_acks_in_any_order_move_its_done_mark_as_the_model(gaps: list[tuple[int, int]], rng: random.Random, retried: int) -> None:
+    """Feed._acked itself (its in-order shortcuts and acked_prefix) over events delivered
+    together, acked in any order, some first retried: the done mark is the model's."""
+    state = _PartitionState(cast(Any, None), TopicPartition("t", 0), 0, None)
+    records: list[_Record] = []
+    offset = 0
+    for gap, lsn in gaps:
+        offset += gap
+        records.append(_Record(state, offset, (lsn, offset), None, True, None))
+    state.inflight.extend(records)
+    order = list(range(len(records)))
+    rng.shuffle(order)
+    for i in order[:retried]:
+        records[i].outcome = "retry"  # out for another attempt: holds the mark until acked
+    for i in order[retried:] + order[:retried]:
+        Feed._acked(cast(Any, None), records[i])  # uses only the record and its partition's state
+        prefix = list(itertools.takewhile(lambda r: r.outcome == "acked", records))
+        expected = (prefix[-1].offset + 1, max(r.position for r in prefix)) if prefix else (None, None)
+        assert (state.done_offset, state.done_position) == expected
+        assert list(state.inflight) == records[len(prefix) :]
+    assert not state.inflight
 
 
 def test_a_retried_event_holds_the_mark_until_it_is_acked() -> None:

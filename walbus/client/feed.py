@@ -462,6 +462,47 @@ class Feed:
                 return self._deliver(rec)
         return None
 
+    def _take_buffered_run(self, most: int) -> list[FeedEvent] | None:
+        """Up to ``most`` already-fetched events of the single partition, delivered at once:
+        run()'s hot path (the checks of :meth:`_take_buffered` once per run, not per event).
+
+        None when :meth:`_next_event` must decide (several partitions, nothing buffered, a
+        commit, retry or dead letter due). The events are in flight together, each acked when
+        its handler finished.
+        """
+        if self._loop is None or self._dead or self._unloaded or self._stopping:
+            return None
+        now = _now()
+        if self._retries and self._retries[0][0] <= now:
+            return None
+        if now - self._last_commit >= self._commit_interval and self.group_id is not None:
+            return None
+        parts = self._parts
+        if len(parts) != 1:
+            return None
+        for state in parts.values():
+            out: list[FeedEvent] = []
+            inflight = state.inflight
+            delivered = state.delivered
+            accept = self._accept
+            while len(out) < most and (rec := accept(state, True, True)) is not None:
+                # _deliver(rec), inline: once per event.
+                inflight.append(rec)
+                if delivered is None or rec.position > delivered:
+                    delivered = rec.position
+                event: Any = rec.event
+                _set_attempt(event, 1)
+                _set_settler(event, rec)
+                out.append(event)
+                last = rec
+            if not out:
+                return None
+            state.delivered = delivered
+            self.stats.delivered += len(out)
+            self._last = last
+            return out
+        return None
+
     async def _next_event(self) -> FeedEvent:
         """The next event: a due retry, else the next wanted record (nothing is auto-acked)."""
         while True:
@@ -570,16 +611,17 @@ class Feed:
         if state.revoked:
             return  # revoked meanwhile: the new owner takes it from the last commit
         inflight = state.inflight
-        if len(inflight) == 1 and inflight[0] is rec:  # acked in order, the usual case
-            inflight.pop()
+        if not inflight or inflight[0] is not rec:
+            return  # an earlier event is still out: nothing new is contiguous (run()'s lanes)
+        if len(inflight) == 1 or inflight[1].outcome != "acked":
+            # Acked in order, nothing acked after it: the usual case (acked_prefix's of one).
+            inflight.popleft()
             if state.done_offset is None or rec.offset >= state.done_offset:
                 state.done_offset = rec.offset + 1
                 position = state.done_position
                 if position is None or rec.position > position:
                     state.done_position = rec.position
             return
-        if inflight and inflight[0] is not rec:
-            return  # an earlier event is still out: nothing new is contiguous (run()'s lanes)
         done = acked_prefix(inflight)
         if done is not None and (state.done_offset is None or done[0] > state.done_offset):
             state.done_offset = done[0]

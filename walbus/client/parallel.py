@@ -19,12 +19,17 @@ from typing import TYPE_CHECKING, Any
 
 from walbus.client.event import FeedEvent
 from walbus.contract import RowImage
+from walbus.native import native_module
 
 if TYPE_CHECKING:
     from walbus.client.feed import Feed
 
-LANE_DEPTH = 16  # events queued per lane: the feed reads ahead at most N * LANE_DEPTH events
+LANE_DEPTH = 16  # events queued per lane: the feed reads ahead at most N * LANE_DEPTH + RUN_EVENTS events
 # (16 rather than 64: fewer events decoded ahead stay in the CPU caches; run(8) +10% on bench.client)
+
+# Events taken from the feed's buffer at once (one check of what is due per run of them):
+# at most this many are in flight beyond the lanes' queues.
+RUN_EVENTS = 32
 
 Handler = Callable[[FeedEvent], Awaitable[None]]
 
@@ -140,6 +145,35 @@ def lane_of(key: Hashable, lanes: int) -> int:
         return hash(repr(key)) % lanes
 
 
+def _python_lane(event: FeedEvent, lanes: int) -> int | None:
+    key = order_key(event)
+    return None if key is None else lane_of(key, lanes)
+
+
+def _native_lanes() -> Callable[[FeedEvent, int], int | None] | None:
+    """``walbus_native.OrderLanes(...).lane``: the same lane as :func:`_python_lane`, without its
+    Python frames (it raises TypeError for what the Python path must decide)."""
+    native = native_module()
+    if native is None or not hasattr(native, "OrderLanes"):
+        return None
+    lanes: Callable[[FeedEvent, int], int | None] = native.OrderLanes(
+        ("operation", "pk", "table", "new", "identity"), ("columns", "values"), "truncate", "update").lane
+    return lanes
+
+
+_native_lane = _native_lanes()
+
+
+def event_lane(event: FeedEvent, lanes: int) -> int | None:
+    """The lane of ``event`` among ``lanes``: its order key's hash; None for a barrier."""
+    if _native_lane is not None:
+        try:
+            return _native_lane(event, lanes)
+        except TypeError:
+            pass
+    return _python_lane(event, lanes)
+
+
 class _Lane:
     """One lane's events, handled one after the other by its own task.
 
@@ -213,31 +247,38 @@ class Dispatcher:
         self._workers = [asyncio.create_task(self._work(lane), context=lane.context) for lane in self._lanes]
         lanes = self._lanes
         n = len(lanes)
+        native_lane = _native_lane
         try:
             while True:
-                try:
-                    event = feed._take_buffered() or await feed._next_event()
-                except StopAsyncIteration:
-                    break
-                key = order_key(event)
-                if key is None:
-                    await self._drain()
-                    await feed.handle(event, self._handler)
-                    continue
-                try:
-                    lane = lanes[hash(key) % n]  # lane_of(key, n), inline: once per event
-                except TypeError:
-                    lane = lanes[lane_of(key, n)]
-                if not lane.events and not lane.handling:
-                    # An idle lane: start the handler here, as an eager task would; one that
-                    # returns without awaiting is done without a hand-over to the lane's task.
-                    started = self._start(lane, event)
-                    if started is not None:
-                        lane.push(started)
-                    continue
-                while len(lane.events) >= LANE_DEPTH:
-                    await self._until(lane.changed())
-                lane.push(event)
+                events = feed._take_buffered_run(RUN_EVENTS)
+                if events is None:
+                    try:
+                        events = [await feed._next_event()]
+                    except StopAsyncIteration:
+                        break
+                for event in events:
+                    if event._settler.state.revoked:  # type: ignore[union-attr]
+                        continue  # taken away while an earlier one waited: its new owner has it
+                    # event_lane(event, n), inline: once per event.
+                    try:
+                        at = native_lane(event, n) if native_lane is not None else _python_lane(event, n)
+                    except TypeError:
+                        at = _python_lane(event, n)
+                    if at is None:
+                        await self._drain()
+                        await feed.handle(event, self._handler)
+                        continue
+                    lane = lanes[at]
+                    if not lane.events and not lane.handling:
+                        # An idle lane: start the handler here, as an eager task would; one that
+                        # returns without awaiting is done without a hand-over to the lane's task.
+                        started = self._start(lane, event)
+                        if started is not None:
+                            lane.push(started)
+                        continue
+                    while len(lane.events) >= LANE_DEPTH:
+                        await self._until(lane.changed())
+                    lane.push(event)
             await self._drain()
         finally:
             for w in self._workers:
@@ -251,7 +292,10 @@ class Dispatcher:
         try:
             step = lane.context.run(coro.send, None)
         except StopIteration:
-            self._feed._handled(event)
+            # feed._handled(event), inline: once per event.
+            delivery: Any = event._settler
+            if delivery.outcome == "pending":
+                self._feed._acked(delivery)
             return None
         except Exception as e:
             return _Started(event, None, None, e)  # retried (or dead-lettered) by the lane
