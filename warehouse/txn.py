@@ -8,7 +8,9 @@ same offsets, see :mod:`warehouse.loads`) redoes exactly the tables it had not c
 
 from __future__ import annotations
 
+import itertools
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -89,27 +91,71 @@ def last_commit_metrics(spark: SparkSession, path: str) -> dict[str, str]:
 
 
 _COMMIT_LINES = 64  # commitInfo is a commit file's first action; a few lines at most are read
+_SCANNED_LINES = 4096  # a commit scanned whole for data changes: more actions, no answer
+_SCANNED_COMMITS = 8  # commits looked back through for the history's high-water mark
+# The history's highest commit LSN after a walbus append: in that commit's userMetadata.
+HIGH_WATER_KEY = "walbus.history.maxCommitLsn"
 
 
-def _commit_file_metrics(spark: SparkSession, path: str) -> dict[str, str] | None:
+def _commit_lines(spark: SparkSession, path: str, version: int) -> Iterator[Any]:
+    """The actions of the table's commit ``version`` (its ``_delta_log`` JSON file), in order."""
     gw = jvm(spark)
-    version = int(_jvm_snapshot(spark, path).version())
     commit = gw.org.apache.hadoop.fs.Path(f"{path.rstrip('/')}/_delta_log/{version:020d}.json")
     fs = commit.getFileSystem(spark._jsc.hadoopConfiguration())
     reader = gw.java.io.BufferedReader(gw.java.io.InputStreamReader(fs.open(commit), "UTF-8"))
     try:
-        for _ in range(_COMMIT_LINES):
-            line = reader.readLine()
-            if line is None:
-                return None
-            action = orjson.loads(line)
-            info = action.get("commitInfo") if isinstance(action, dict) else None
-            if isinstance(info, dict):
-                found = info.get("operationMetrics") or {}
-                return {str(k): str(v) for k, v in found.items()}
-        return None
+        while (line := reader.readLine()) is not None:
+            yield orjson.loads(line)
     finally:
         reader.close()
+
+
+def _commit_file_metrics(spark: SparkSession, path: str) -> dict[str, str] | None:
+    version = int(_jvm_snapshot(spark, path).version())
+    for action in itertools.islice(_commit_lines(spark, path, version), _COMMIT_LINES):
+        info = action.get("commitInfo") if isinstance(action, dict) else None
+        if isinstance(info, dict):
+            found = info.get("operationMetrics") or {}
+            return {str(k): str(v) for k, v in found.items()}
+    return None
+
+
+@dataclass(frozen=True)
+class HighWater:
+    """What the table's own log says of its highest ``pg_commit_lsn``: ``known`` False when it
+    cannot say (the caller asks the data); ``lsn`` None for a table without rows."""
+
+    known: bool
+    lsn: int | None = None
+
+
+def history_high_water(spark: SparkSession, path: str) -> HighWater:
+    """The history's highest commit LSN, from its latest commits: the last walbus append's
+    ``userMetadata`` (:data:`HIGH_WATER_KEY`), or an empty table, with only commits that add
+    no rows since (schema changes, properties, OPTIMIZE). Unknown after any other commit that
+    adds rows, a commit file gone (log cleanup) or too long a search."""
+    try:
+        version = int(_jvm_snapshot(spark, path).version())
+        for v in range(version, max(version - _SCANNED_COMMITS, -1), -1):
+            adds_rows = False
+            for n, action in enumerate(_commit_lines(spark, path, v)):
+                if n >= _SCANNED_LINES or not isinstance(action, dict):
+                    return HighWater(False)
+                info = action.get("commitInfo")
+                if isinstance(info, dict) and isinstance(info.get("userMetadata"), str):
+                    mark = orjson.loads(info["userMetadata"]).get(HIGH_WATER_KEY)
+                    if mark is not None:
+                        return HighWater(True, int(mark))
+                add = action.get("add")
+                if isinstance(add, dict) and add.get("dataChange", True):
+                    adds_rows = True
+            if adds_rows:
+                return HighWater(False)
+            if v == 0:
+                return HighWater(True, None)  # created empty, no rows added since
+    except Exception:  # py4j, file-system or JSON trouble: the data decides
+        log.debug("reading the history's high-water mark failed", extra={"path": path}, exc_info=True)
+    return HighWater(False)
 
 
 def table_configuration(spark: SparkSession, path: str) -> dict[str, str]:

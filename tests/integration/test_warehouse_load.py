@@ -288,3 +288,38 @@ def test_an_unchanged_table_gets_no_commit_from_ensure_table(spark: Any, tmp_pat
         ensure_table(spark, path, [*META_FIELDS, *CURRENT_EXTRA_FIELDS], schema_plan, props)
         versions.append(int(_jvm_snapshot(spark, path).version()))
     assert versions == [0, 0, 0]
+
+
+def test_the_history_high_water_mark_follows_appends_and_foreign_commits(
+    spark: Any, kafka_bootstrap: str, unique_name: str, tmp_path: Path
+) -> None:
+    """Each walbus append notes the history's highest commit LSN in its commit; a load that
+    starts past it skips the de-duplication read. Commits that add no rows keep the mark; a
+    foreign commit that adds rows makes it unknown, and the data decides (duplicates still go)."""
+    from pyspark.sql import functions as F
+
+    from warehouse.txn import HighWater, history_high_water
+
+    path = table_paths(tmp_path, unique_name, TX).history
+    first = Txn(0x1000, xid=700).insert(TX, TX_PK, tx_row(1, 7, 100)).events
+    produce_events(kafka_bootstrap, unique_name, first)
+    load(spark, kafka_bootstrap, unique_name, tmp_path)
+    assert history_high_water(spark, path) == HighWater(True, 0x1000)
+    spark.sql(f"ALTER TABLE delta.`{path}` SET TBLPROPERTIES ('walbus.test' = 'x')")  # no rows added
+    assert history_high_water(spark, path) == HighWater(True, 0x1000)
+    second = Txn(0x2000, xid=701).insert(TX, TX_PK, tx_row(2, 7, 200)).events
+    produce_events(kafka_bootstrap, unique_name, second)
+    load(spark, kafka_bootstrap, unique_name, tmp_path)  # past the mark: no de-duplication read
+    assert history_high_water(spark, path) == HighWater(True, 0x2000)
+    # A foreign append of a later row (not walbus's): the log no longer knows the highest LSN.
+    later = spark.read.format("delta").load(path).where("transaction_id = 2")
+    later.withColumn("pg_commit_lsn", F.lit(0x3000).cast("decimal(20,0)")).write.format("delta").mode("append").save(path)
+    assert history_high_water(spark, path) == HighWater(False)
+    # The second transaction and a new one again: the data says 0x3000 is there already, so
+    # the re-sent one is found; the new one is written and the mark is known again.
+    third = Txn(0x3800, xid=702).insert(TX, TX_PK, tx_row(3, 7, 300)).events
+    produce_events(kafka_bootstrap, unique_name, second + third)
+    result = load(spark, kafka_bootstrap, unique_name, tmp_path)
+    assert result.tables[TX].history_rows == 1
+    assert history_high_water(spark, path) == HighWater(True, 0x3800)
+    assert [int(r["pg_commit_lsn"]) for r in history(spark, tmp_path, unique_name)] == [0x1000, 0x2000, 0x3000, 0x3800]
