@@ -8,8 +8,8 @@
    events/s of both, their ratio (``speedup``: > 1 is walbus faster), walbus' phases;
 2. ``wide``: the same for a 16-column table (text, numeric, timestamptz, jsonb, uuid, bool,
    int8, float8, date, text[]), N events;
-3. ``tables``: one load of 2,000 events spread over T tables (``--tables 1,16``): seconds per
-   extra table;
+3. ``tables``: one load of 2,000 events spread over T tables (``--tables 1,16``), then a second
+   one into the existing tables: seconds per extra table of each;
 4. ``incremental``: 10,000 more events over an N-event table, and over one of N/10 events:
    the load time must not scale with the table's size.
 
@@ -138,22 +138,37 @@ def compare(spark: Any, bootstrap: str, topic: str, root: str, columns: list[tup
 
 
 def tables_sweep(spark: Any, bootstrap: str, root: str, run: str, counts: list[int], total: int) -> None:
-    """One load of ``total`` events spread over T tables, for each T: seconds per extra table."""
+    """One load of ``total`` events spread over T tables, for each T, then a second one into the
+    same (now existing) tables, as every later nightly load: seconds per extra table of each."""
     seconds: dict[int, float] = {}
+    again: dict[int, float] = {}
     for count in counts:
         topic = f"bench-wh-tables-{count}-{run}"
         recs: list[tuple[bytes, bytes]] = []
+        state: list[tuple[list[int], int]] = []
         for i in range(count):
             n = total // count + (1 if i < total % count else 0)
-            part, _, _ = events(n, f"public.t{i}", TX_COLS, TX_TYPES, tx_values, first_commit=(i + 1) << 32, seed=i)
+            part, live, next_key = events(n, f"public.t{i}", TX_COLS, TX_TYPES, tx_values, first_commit=(i + 1) << 32, seed=i)
             recs += part
+            state.append((live, next_key))
         fill(bootstrap, topic, recs)
         result = load(spark, bootstrap, topic, root)
         seconds[count] = result["seconds"]
-        emit(workload="tables", **result)
+        emit(workload="tables", load="first", **result)
+        recs = []
+        for i, (live, next_key) in enumerate(state):
+            n = total // count + (1 if i < total % count else 0)
+            part, _, _ = events(n, f"public.t{i}", TX_COLS, TX_TYPES, tx_values, first_key=next_key,
+                                first_commit=((i + 1) << 32) + (1 << 31), live=live, seed=100 + i)
+            recs += part
+        fill(bootstrap, topic, recs)
+        result = load(spark, bootstrap, topic, root)
+        again[count] = result["seconds"]
+        emit(workload="tables", load="second", **result)
     if len(seconds) > 1:
         low, high = min(seconds), max(seconds)
         emit(workload="tables", seconds_per_extra_table=round((seconds[high] - seconds[low]) / (high - low), 3),
+             seconds_per_extra_table_second_load=round((again[high] - again[low]) / (high - low), 3),
              between=[low, high], events=total)
 
 
