@@ -481,11 +481,14 @@ class Feed:
         if len(parts) != 1:
             return None
         for state in parts.values():
+            records: list[_Record] = []
+            self._accept(state, True, True, records, most)
+            if not records:
+                return None
             out: list[FeedEvent] = []
             inflight = state.inflight
             delivered = state.delivered
-            accept = self._accept
-            while len(out) < most and (rec := accept(state, True, True)) is not None:
+            for rec in records:
                 # _deliver(rec), inline: once per event.
                 inflight.append(rec)
                 if delivered is None or rec.position > delivered:
@@ -494,12 +497,9 @@ class Feed:
                 _set_attempt(event, 1)
                 _set_settler(event, rec)
                 out.append(event)
-                last = rec
-            if not out:
-                return None
             state.delivered = delivered
             self.stats.delivered += len(out)
-            self._last = last
+            self._last = records[-1]
             return out
         return None
 
@@ -814,11 +814,14 @@ class Feed:
                     best, best_key = state, key
         return best
 
-    def _accept(self, state: _PartitionState, run: bool, wanted_only: bool) -> _Record | None:
+    def _accept(
+        self, state: _PartitionState, run: bool, wanted_only: bool, out: list[_Record] | None = None, most: int = 0
+    ) -> _Record | None:
         """The next record of ``state``'s buffer that is neither invalid nor a duplicate (nor
         filtered out, with ``wanted_only``); None when there is none. With ``run`` it pops
-        records until it finds one (nothing to merge with another partition), else just one.
-        The consumers' hot path: every record goes through here once."""
+        records until it finds one (nothing to merge with another partition), else just one;
+        with ``out`` (and ``run``) it appends up to ``most`` such records there instead, and
+        returns None. The consumers' hot path: every record goes through here once."""
         buffer = state.buffer
         # In events mode the event is built as the FeedEvent it will be handed out as.
         cls = FeedEvent if self._mode == "events" else ChangeEvent
@@ -852,7 +855,12 @@ class Feed:
                 state.seen = position
             wanted = self._wants_all or self.filter.wants(event.table, event.operation)
             if wanted or not wanted_only:
-                return _Record(state, offset, position, event, wanted, msg)
+                if out is None:
+                    return _Record(state, offset, position, event, wanted, msg)
+                out.append(_Record(state, offset, position, event, wanted, msg))
+                if len(out) >= most:
+                    return None
+                continue
             stats.filtered += 1
             if not run:
                 return None

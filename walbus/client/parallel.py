@@ -248,6 +248,7 @@ class Dispatcher:
         lanes = self._lanes
         n = len(lanes)
         native_lane = _native_lane
+        handler, acked = self._handler, feed._acked
         try:
             while True:
                 events = feed._take_buffered_run(RUN_EVENTS)
@@ -270,11 +271,22 @@ class Dispatcher:
                         continue
                     lane = lanes[at]
                     if not lane.events and not lane.handling:
-                        # An idle lane: start the handler here, as an eager task would; one that
-                        # returns without awaiting is done without a hand-over to the lane's task.
-                        started = self._start(lane, event)
-                        if started is not None:
-                            lane.push(started)
+                        # An idle lane: start the handler here, in the lane's context, as an eager
+                        # task would. One that returns without awaiting is done (and acked) with
+                        # no hand-over; else the lane's task goes on with it.
+                        coro: Any = handler(event)
+                        try:
+                            step = lane.context.run(coro.send, None)
+                        except StopIteration:
+                            # feed._handled(event), inline: once per event.
+                            delivery: Any = event._settler
+                            if delivery.outcome == "pending":
+                                acked(delivery)
+                            continue
+                        except Exception as e:
+                            lane.push(_Started(event, None, None, e))  # retried (or dead-lettered) by the lane
+                            continue
+                        lane.push(_Started(event, coro, step, None))
                         continue
                     while len(lane.events) >= LANE_DEPTH:
                         await self._until(lane.changed())
@@ -284,22 +296,6 @@ class Dispatcher:
             for w in self._workers:
                 w.cancel()
             await asyncio.gather(*self._workers, return_exceptions=True)
-
-    def _start(self, lane: _Lane, event: FeedEvent) -> _Started | None:
-        """Run ``handler(event)`` in the lane's context up to its first await: None when it
-        returned (the event is acked), else what the lane's task goes on with."""
-        coro: Any = self._handler(event)
-        try:
-            step = lane.context.run(coro.send, None)
-        except StopIteration:
-            # feed._handled(event), inline: once per event.
-            delivery: Any = event._settler
-            if delivery.outcome == "pending":
-                self._feed._acked(delivery)
-            return None
-        except Exception as e:
-            return _Started(event, None, None, e)  # retried (or dead-lettered) by the lane
-        return _Started(event, coro, step, None)
 
     async def _work(self, lane: _Lane) -> None:
         feed, handler = self._feed, self._handler
