@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import threading
 from dataclasses import dataclass
 from decimal import Decimal
 from typing import Any, Final
@@ -478,28 +479,80 @@ def _slow_field(name: str) -> Column:
     return F.col(f"{_EVENT}.{quote(name)}")
 
 
-def checked(raw: DataFrame) -> DataFrame:
-    """Kafka rows with :data:`INVALID` (why the record is not a contract-v1 event, or null)
-    and :data:`FIELDS`, the event's fields (typed as :data:`_FIELD_TYPES`), from the fast parse or else the
-    exact checks' parses (which run only for records the fast path does not accept)."""
+@dataclass(frozen=True)
+class _Expressions:
+    """The contract checks' Column expressions, built once per SparkContext: building them is
+    thousands of py4j calls (~1 s a load on this machine kind, half of a small load's parse
+    phase), and an expression tree is not tied to any one DataFrame."""
+
+    fast: Column  # [value] parsed against _FAST_SCHEMA, as one inline()d column
+    fast_one: Column  # that parse when the value was one JSON value
+    fast_columns: list[Column]
+    fast_ok: Column
+    slow: Column  # the exact checks' parses, as one inline()d column
+    invalid: Column
+    fields: Column  # the event's fields, in a struct
+    events: list[Column]  # parse_events' columns
+
+
+def _build_expressions() -> _Expressions:
     text = F.col("value").cast("string")
     fast = F.from_json(F.concat(F.lit("["), text, F.lit("]")), _FAST_SCHEMA)
-    # each inline() (a Generate node) keeps the optimizer from copying a parse into every
-    # expression that reads it
-    parsed = raw.select("*", F.inline(F.array(F.struct(fast.alias(_FAST)))))
-    # one element: the value was one JSON value (a second one is text after it)
-    parsed = parsed.withColumn(_FAST, F.when(F.array_size(_FAST) == 1, F.col(_FAST)[0]))
-    parsed = parsed.select("*", *_fast_columns())
-    parsed = parsed.withColumn(_FAST_OK, _fast_valid())
     slow = F.struct(
         text.alias(_TEXT),
         F.when(~F.col(_FAST_OK), F.try_parse_json(F.concat(F.lit("["), text, F.lit("]")))).alias(_WRAPPED),
         F.when(~F.col(_FAST_OK), F.from_json(text, ENVELOPE_SCHEMA)).alias(_EVENT),
     )
-    both = parsed.select("*", F.inline(F.array(slow)))  # after _FAST_OK, as its own column
     fields = [F.when(F.col(_FAST_OK), F.col(_typed(n))).otherwise(_slow_field(n)).alias(n) for n in FIELD_ORDER]
-    # in a struct: a Kafka row has a `timestamp` column of its own
-    return both.select(*raw.columns, F.when(~F.col(_FAST_OK), _reason()).alias(INVALID), F.struct(*fields).alias(FIELDS))
+
+    def event_field(name: str) -> Column:
+        value = F.col(f"{FIELDS}.{quote(name)}")
+        if name == "table":
+            return F.when(F.col(INVALID).isNull(), _respelled(value)).alias(name)
+        if name in ("types", "values"):  # without columns the event has no row image (decode_event)
+            return F.when(F.col(f"{FIELDS}.columns").isNotNull(), value).alias(name)
+        return value.alias(name)
+
+    return _Expressions(
+        # each inline() (a Generate node) keeps the optimizer from copying a parse into every
+        # expression that reads it
+        fast=F.inline(F.array(F.struct(fast.alias(_FAST)))),
+        # one element: the value was one JSON value (a second one is text after it)
+        fast_one=F.when(F.array_size(_FAST) == 1, F.col(_FAST)[0]),
+        fast_columns=_fast_columns(),
+        fast_ok=_fast_valid(),
+        slow=F.inline(F.array(slow)),  # after _FAST_OK, as its own column
+        invalid=F.when(~F.col(_FAST_OK), _reason()).alias(INVALID),
+        # in a struct: a Kafka row has a `timestamp` column of its own
+        fields=F.struct(*fields).alias(FIELDS),
+        events=[
+            F.col("partition").alias("kafka_partition"), F.col("offset").alias("kafka_offset"), F.col(INVALID),
+            *[event_field(name) for name in FIELD_ORDER],
+        ],
+    )
+
+
+_built: list[tuple[Any, _Expressions]] = []  # (the SparkContext's JVM object, its expressions)
+_built_lock = threading.Lock()
+
+
+def _expressions(spark: SparkSession) -> _Expressions:
+    """:class:`_Expressions` for ``spark``'s context (a new context builds them anew)."""
+    context = spark.sparkContext._jsc
+    with _built_lock:
+        if not _built or _built[0][0] is not context:
+            _built[:] = [(context, _build_expressions())]
+        return _built[0][1]
+
+
+def checked(raw: DataFrame) -> DataFrame:
+    """Kafka rows with :data:`INVALID` (why the record is not a contract-v1 event, or null)
+    and :data:`FIELDS`, the event's fields (typed as :data:`_FIELD_TYPES`), from the fast parse or else the
+    exact checks' parses (which run only for records the fast path does not accept)."""
+    x = _expressions(raw.sparkSession)
+    parsed = raw.select("*", x.fast).withColumn(_FAST, x.fast_one)
+    parsed = parsed.select("*", *x.fast_columns).withColumn(_FAST_OK, x.fast_ok)
+    return parsed.select("*", x.slow).select(*raw.columns, x.invalid, x.fields)
 
 
 def parse_events(raw: DataFrame) -> DataFrame:
@@ -508,20 +561,7 @@ def parse_events(raw: DataFrame) -> DataFrame:
     ``table`` is respelled as :func:`walbus.contract.qualify_table` spells it, so two
     spellings of one (schema, table) pair load as one table.
     """
-    event = checked(raw)
-
-    def field(name: str) -> Column:
-        value = F.col(f"{FIELDS}.{quote(name)}")
-        if name == "table":
-            return F.when(F.col(INVALID).isNull(), _respelled(value)).alias(name)
-        if name in ("types", "values"):  # without columns the event has no row image (decode_event)
-            return F.when(F.col(f"{FIELDS}.columns").isNotNull(), value).alias(name)
-        return value.alias(name)
-
-    fields = [field(name) for name in FIELD_ORDER]
-    return event.select(
-        F.col("partition").alias("kafka_partition"), F.col("offset").alias("kafka_offset"), INVALID, *fields
-    )
+    return checked(raw).select(*_expressions(raw.sparkSession).events)
 
 
 def invalid_events() -> Column:
