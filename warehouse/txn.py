@@ -129,24 +129,32 @@ class HighWater:
     lsn: int | None = None
 
 
+def _recent_commits(spark: SparkSession, path: str) -> Iterator[tuple[int, list[Any]]]:
+    """The table's latest commits, newest first, each with its actions (at most
+    ``_SCANNED_COMMITS`` of them; ValueError for a commit of more than ``_SCANNED_LINES``)."""
+    version = int(_jvm_snapshot(spark, path).version())
+    for v in range(version, max(version - _SCANNED_COMMITS, -1), -1):
+        actions = list(itertools.islice(_commit_lines(spark, path, v), _SCANNED_LINES + 1))
+        if len(actions) > _SCANNED_LINES:
+            raise ValueError(f"commit {v} of {path} has more than {_SCANNED_LINES} actions")
+        yield v, actions
+
+
 def history_high_water(spark: SparkSession, path: str) -> HighWater:
     """The history's highest commit LSN, from its latest commits: the last walbus append's
     ``userMetadata`` (:data:`HIGH_WATER_KEY`), or an empty table, with only commits that add
     no rows since (schema changes, properties, OPTIMIZE). Unknown after any other commit that
     adds rows, a commit file gone (log cleanup) or too long a search."""
     try:
-        version = int(_jvm_snapshot(spark, path).version())
-        for v in range(version, max(version - _SCANNED_COMMITS, -1), -1):
+        for v, actions in _recent_commits(spark, path):
             adds_rows = False
-            for n, action in enumerate(_commit_lines(spark, path, v)):
-                if n >= _SCANNED_LINES or not isinstance(action, dict):
-                    return HighWater(False)
-                info = action.get("commitInfo")
+            for action in actions:
+                info = action.get("commitInfo") if isinstance(action, dict) else None
                 if isinstance(info, dict) and isinstance(info.get("userMetadata"), str):
                     mark = orjson.loads(info["userMetadata"]).get(HIGH_WATER_KEY)
                     if mark is not None:
                         return HighWater(True, int(mark))
-                add = action.get("add")
+                add = action.get("add") if isinstance(action, dict) else None
                 if isinstance(add, dict) and add.get("dataChange", True):
                     adds_rows = True
             if adds_rows:
@@ -156,6 +164,20 @@ def history_high_water(spark: SparkSession, path: str) -> HighWater:
     except Exception:  # py4j, file-system or JSON trouble: the data decides
         log.debug("reading the history's high-water mark failed", extra={"path": path}, exc_info=True)
     return HighWater(False)
+
+
+def never_written(spark: SparkSession, path: str) -> bool:
+    """Whether no commit since the table's creation added a data file (False when unsure:
+    more commits than are looked through, a commit file gone, py4j trouble)."""
+    try:
+        for v, actions in _recent_commits(spark, path):
+            if any(isinstance(a, dict) and "add" in a for a in actions):
+                return False
+            if v == 0:
+                return True
+    except Exception:
+        log.debug("reading the table's commits failed", extra={"path": path}, exc_info=True)
+    return False
 
 
 def table_configuration(spark: SparkSession, path: str) -> dict[str, str]:
