@@ -96,12 +96,14 @@ def test_warehouse_benchmark(services: Services) -> None:
     )
     lines = [line for line in out if "workload" in line]
     assert [line["workload"] for line in lines] == [
-        "warmup", "transactions", "tables", "tables", "tables", "incremental", "incremental"]
+        "warmup", "transactions", "tables", "tables", "tables", "tables", "tables", "incremental", "incremental"]
     assert lines[0]["walbus"]["history_rows_added"] == lines[0]["baseline"]["events"] > 0
     loads = lines[1:]
     assert loads[0]["walbus"]["history_rows_added"] == 2000
     assert loads[0]["baseline"]["events"] == 2000
-    assert [line.get("tables") for line in loads[1:3]] == [1, 2]
-    assert all(line["events"] == 40 for line in loads[1:3])
-    assert "seconds_per_extra_table" in loads[3]
-    assert all(line["history_rows_added"] == 200 for line in loads[4:])
+    # each table count: a first load, then a second one into the same tables
+    assert [(line.get("tables"), line.get("load")) for line in loads[1:5]] == [(1, "first"), (1, "second"), (2, "first"), (2, "second")]
+    assert all(line["events"] == 40 for line in loads[1:5])
+    assert loads[2]["history_rows_added"] == 40  # the second load's events are new ones
+    assert "seconds_per_extra_table" in loads[5] and "seconds_per_extra_table_second_load" in loads[5]
+    assert all(line["history_rows_added"] == 200 for line in loads[6:])
