@@ -16,6 +16,7 @@ from tests.support.cdc_data import (
 )
 from tests.support.kafka import create_topic, produce
 from walbus.client import Feed, Transaction
+from walbus.client.feed import REFILL_RECORDS
 from walbus.contract import ChangeEvent, event_key
 
 pytestmark = pytest.mark.integration
@@ -194,3 +195,22 @@ async def test_a_poisoned_stored_position_is_ignored(kafka_bootstrap: str, uniqu
         got = [e.position async for e in feed]
     assert got == [c.position for c in second]
     assert feed.stats.duplicates_skipped == 3 and feed.stats.invalid_skipped == 1
+
+
+async def test_fetched_records_are_made_only_as_they_are_reached(kafka_bootstrap: str, unique_name: str) -> None:
+    """A fetch of many records does not make them all at once (lazy batches): the buffer holds a
+    few, so the garbage collector's young generations never see thousands of live records."""
+    changes = workload(random.Random(3), 2_000, TABLES)
+    await create_topic(kafka_bootstrap, unique_name)
+    await produce(kafka_bootstrap, unique_name, [c.record() for c in changes])
+
+    largest = 0
+    async with Feed(unique_name, start="earliest", bootstrap_servers=kafka_bootstrap, until_end=True) as feed:
+        positions = []
+        async for event in feed:
+            positions.append(event.position)
+            for state in feed._parts.values():
+                largest = max(largest, len(state.buffer))
+    assert positions == [c.position for c in changes]
+    assert feed._runs, "aiokafka's fetcher shortcut is off: the lazy batches are not exercised"
+    assert 0 < largest <= REFILL_RECORDS

@@ -13,6 +13,7 @@ import time
 import types
 import uuid
 from pathlib import Path
+from typing import Any
 
 import aiokafka
 import pytest
@@ -171,11 +172,13 @@ async def _write_mixed(bootstrap: str, topic: str) -> None:
         await plain.stop()
 
 
-async def _read(bootstrap: str, topic: str, *, runs: bool, isolation: str, start: int) -> list[Row]:
+async def _read(bootstrap: str, topic: str, *, runs: bool, isolation: str, start: int, lazy: bool = False) -> list[Row]:
     consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, isolation_level=isolation, enable_auto_commit=False,
                                 max_partition_fetch_bytes=2048)  # small fetches: many of them
     await consumer.start()
-    assert adapter.read_in_runs(consumer) if runs else True
+    assert adapter.read_in_runs(consumer, lazy=lazy) if runs else True
+    # Lazy batches are iterated only at the end, long after the fetches that brought them.
+    held: list[Any] = []
     try:
         tp = TopicPartition(topic, 0)
         consumer.assign([tp])
@@ -187,9 +190,15 @@ async def _read(bootstrap: str, topic: str, *, runs: bool, isolation: str, start
             assert time.monotonic() < deadline, f"reading {topic} timed out at {await consumer.position(tp)} < {end}"
             got = await consumer.getmany(timeout_ms=500)
             items = got.get(tp, [])
+            if lazy:
+                held += items
+                continue
             if runs and items:
                 assert all(isinstance(run, list) for run in items), "runs asked for, records returned"
             out += [(r.offset, r.key, r.value) for r in adapter.flatten(items)]
+        if lazy:
+            assert any(not isinstance(run, list) for run in held), "no batch was handed over lazily"
+            out = [(r.offset, r.key, r.value) for run in held for r in run]
         return out
     finally:
         await consumer.stop()
@@ -205,6 +214,8 @@ async def test_runs_equal_aiokafkas_records(kafka_bootstrap: str, unique_name: s
             want = await _read(kafka_bootstrap, topic, runs=False, isolation=isolation, start=start)
             got = await _read(kafka_bootstrap, topic, runs=True, isolation=isolation, start=start)
             assert got == want, (isolation, start)
+            lazy = await _read(kafka_bootstrap, topic, runs=True, isolation=isolation, start=start, lazy=True)
+            assert lazy == want, (isolation, start, "lazy")
             values = [v for _, _, v in want]
             assert want[0][0] >= start and b"keyless" in values and None in values
             aborted = [k for _, k, _ in want if k is not None and k.startswith(b"t-abort")]

@@ -24,9 +24,10 @@ import logging
 import re
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
+from itertools import islice
 from types import TracebackType
 from typing import Any, Literal
 
@@ -79,6 +80,8 @@ _now = time.monotonic
 
 # How long a feed waits for records before it commits what its caller has finished with.
 IDLE_COMMIT_AFTER_S = 0.05
+# Records moved from a fetched batch into a partition's buffer at a time (_PartitionState.refill).
+REFILL_RECORDS = 64
 # How far back from its committed offset a version-1 group position is looked for.
 LEGACY_MARK_WINDOW = 10_000
 
@@ -167,9 +170,23 @@ class _PartitionState:
     end_offset: int | None = None  # until_end: where this partition ended when assigned
     replay: bool = False  # the group's replay topic: dead letters sent back, no duplicate check
     buffer: deque[Any] = field(default_factory=deque)
+    batches: deque[Iterator[Any]] = field(default_factory=deque)  # fetched, not yet in buffer (lazy runs)
     inflight: deque[_Record] = field(default_factory=deque)  # delivered, in offset order
     delivered: Position | None = None  # highest position handed to the caller
     revoked: bool = False  # no longer in the feed's assignment (a new state holds it if re-assigned)
+
+    def refill(self) -> bool:
+        """Move the next few records of the fetched batches into the empty buffer; False when
+        there are none. A few at a time: records made long before they are reached outlive
+        the garbage collector's young generations (see aiokafka_shortcuts.RunRecords)."""
+        batches, buffer = self.batches, self.buffer
+        while batches:
+            buffer.extend(islice(batches[0], REFILL_RECORDS))
+            if len(buffer) < REFILL_RECORDS:
+                batches.popleft()  # that batch is done
+            if buffer:
+                return True
+        return False
 
 
 class _Rebalance(ConsumerRebalanceListener):  # type: ignore[misc]
@@ -343,9 +360,9 @@ class Feed:
         except BaseException:
             await self._close_clients()  # a failed start leaves the clients' connections open
             raise
-        # One list of records per record batch, without a ConsumerRecord each
-        # (walbus.aiokafka_shortcuts); each record is still decoded only when it is reached.
-        self._runs = read_in_runs(consumer)
+        # Record batches, without a ConsumerRecord each (walbus.aiokafka_shortcuts): each
+        # record is made, and decoded, only when it is reached.
+        self._runs = read_in_runs(consumer, lazy=True)
         self._loop = asyncio.get_running_loop()
         self._last_commit = _now()
 
@@ -784,8 +801,7 @@ class Feed:
                 state = self._parts.get(tp)
                 if state is not None:
                     if runs:
-                        for run in msgs:
-                            state.buffer.extend(run)
+                        state.batches.extend(msgs)
                     else:
                         state.buffer.extend(msgs)
             if batches:
@@ -804,11 +820,11 @@ class Feed:
         """The partition whose next buffered record has the lowest key: merges partitions in commit order."""
         if len(self._parts) == 1:  # the default single partition: nothing to merge
             for only in self._parts.values():
-                return only if only.buffer else None
+                return only if only.buffer or only.refill() else None
         best: _PartitionState | None = None
         best_key = b""
         for state in self._parts.values():
-            if state.buffer:
+            if state.buffer or state.refill():
                 key = state.buffer[0].key or b""
                 if best is None or key < best_key:
                     best, best_key = state, key
@@ -826,7 +842,7 @@ class Feed:
         # In events mode the event is built as the FeedEvent it will be handed out as.
         cls = FeedEvent if self._mode == "events" else ChangeEvent
         stats = self.stats
-        while buffer:
+        while buffer or state.refill():
             msg = buffer.popleft()
             offset = msg.offset
             state.read_offset = offset + 1
@@ -950,7 +966,7 @@ class Feed:
         if consumer is None or not self._parts or self._retries or self._dead:
             return False
         for tp, state in self._parts.items():
-            if state.buffer or state.end_offset is None:
+            if state.buffer or state.batches or state.end_offset is None:
                 return False
             if await consumer.position(tp) < state.end_offset:
                 return False
