@@ -121,9 +121,12 @@ def mutated(draw: st.DrawFn) -> bytes:
     obj: dict[str, Any] = orjson.loads(encode_event(**draw(events())))
     for _ in range(draw(st.integers(1, 2))):
         name = draw(st.sampled_from(FIELDS))
-        how = draw(st.sampled_from(["set", "drop", "element", "identity"]))
+        how = draw(st.sampled_from(["set", "drop", "move", "element", "identity"]))
         if how == "drop":
             obj.pop(name, None)
+        elif how == "move":  # the field last: out of the producer's order (the decoder's guess)
+            if name in obj:
+                obj[name] = obj.pop(name)
         elif how == "element" and isinstance(obj.get(name), list) and obj[name]:
             obj[name][draw(st.integers(0, len(obj[name]) - 1))] = draw(JUNK)
         elif how == "identity":
