@@ -443,18 +443,24 @@ class Feed:
         event = self._take_buffered()
         return event if event is not None else await self._next_event()
 
+    def _something_due(self) -> bool:
+        """Whether :meth:`_next_event` must run before the next buffered event is handed out:
+        the feed is not started or is stopping, a dead letter, a retry or a commit is due, or
+        the assignment changed."""
+        if self._loop is None or self._dead or self._unloaded or self._stopping:
+            return True
+        now = _now()
+        if self._retries and self._retries[0][0] <= now:
+            return True
+        return now - self._last_commit >= self._commit_interval and self.group_id is not None
+
     def _take_buffered(self) -> FeedEvent | None:
         """The next event if it is already fetched and nothing else is due (no await: the hot path).
 
         None when :meth:`_next_event` must decide: nothing buffered, a commit, retry or dead
         letter is due, or the assignment changed.
         """
-        if self._loop is None or self._dead or self._unloaded or self._stopping:
-            return None
-        now = _now()
-        if self._retries and self._retries[0][0] <= now:
-            return None
-        if now - self._last_commit >= self._commit_interval and self.group_id is not None:
+        if self._something_due():
             return None
         parts = self._parts
         if len(parts) == 1:  # the default single partition: nothing to merge
@@ -487,12 +493,7 @@ class Feed:
         commit, retry or dead letter due). The events are in flight together, each acked when
         its handler finished.
         """
-        if self._loop is None or self._dead or self._unloaded or self._stopping:
-            return None
-        now = _now()
-        if self._retries and self._retries[0][0] <= now:
-            return None
-        if now - self._last_commit >= self._commit_interval and self.group_id is not None:
+        if self._something_due():
             return None
         parts = self._parts
         if len(parts) != 1:
