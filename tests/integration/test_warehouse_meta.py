@@ -1,0 +1,85 @@
+"""The load's per-table summary of a slice (warehouse.job._table_meta): what it finds, in how many Spark jobs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from walbus.contract import encode_event, event_key, qualify_table
+
+pytestmark = [pytest.mark.spark, pytest.mark.integration]
+
+TS = "2024-05-01T12:00:00+00:00"
+
+
+def _event(seq: int, table: str, operation: str, **kw: Any) -> tuple[bytes, bytes]:
+    commit = 0x100 + seq // 3
+    fields: dict[str, Any] = {"pk": ["id"], "new": None, "identity": None, **kw}
+    value = encode_event(lsn=commit - 1, commit_lsn=commit, seq=seq % 3, xid=7, operation=operation, table=table,
+                         timestamp=TS, **fields)
+    return event_key(commit, seq % 3), value
+
+
+def _row(cols: list[str], types: list[str], values: list[Any]) -> dict[str, list[Any]]:
+    return {"columns": cols, "types": types, "values": values}
+
+
+def _meta(spark: Any, records: list[tuple[bytes, bytes]]) -> tuple[dict[str, dict[str, Any]], int]:
+    """The summary per table, and the Spark jobs it ran."""
+    from warehouse.job import _table_meta
+    from warehouse.read import parse_events
+
+    raw = spark.createDataFrame([(k, v, 0, i) for i, (k, v) in enumerate(records)],
+                                "key binary, value binary, partition int, offset bigint")
+    events = parse_events(raw).cache()
+    events.count()
+    group = f"meta-{id(records)}"
+    spark.sparkContext.setJobGroup(group, "table meta")
+    try:
+        metas = _table_meta(events)
+    finally:
+        spark.sparkContext.setLocalProperty("spark.jobGroup.id", None)
+        events.unpersist()
+    jobs = len(spark.sparkContext.statusTracker().getJobIdsForGroup(group))
+    return {m["table"]: m for m in metas}, jobs
+
+
+def test_the_summary_of_a_slice_without_unchanged_columns_is_one_job(spark: Any) -> None:
+    cols, types = ["id", "price", "name"], ["int4", "numeric", "text"]
+    records = [
+        _event(0, "public.orders", "insert", new=_row(cols, types, [1, "1.50", "a"]), typmods={"price": [12, 2]}),
+        _event(1, "public.orders", "insert", new=_row(cols, types, [2, "2.50", "b"]), typmods={"price": [12, 2]}),
+        _event(2, "public.orders", "delete", identity=_row(["id"], ["int4"], [2])),
+        # a column added later in the slice: the latest column order wins, both pairs are there
+        _event(3, "public.orders", "update", new=_row([*cols, "note"], [*types, "text"], [1, "1.75", "a", "n"]),
+               typmods={"price": [12, 2]}),
+        _event(4, '"Odd.Schema"."Order Items"', "insert", pk=[], new=_row(["x"], ["int8"], [5])),
+        _event(5, "public.orders", "truncate", pk=[]),
+    ]
+    metas, jobs = _meta(spark, records)
+    assert jobs == 1
+    orders = metas["public.orders"]
+    assert orders["events"] == 5
+    assert orders["latest_columns"] == ["id", "price", "name", "note"]
+    assert sorted((p["c"], p["t"]) for p in orders["pairs"]) == [
+        ("id", "int4"), ("name", "text"), ("note", "text"), ("price", "numeric(12,2)")]
+    assert orders["unchanged"] == []
+    assert orders["truncate"] is not None and orders["lsn_lo"] == 0x100 and orders["lsn_hi"] == 0x101
+    odd = metas[qualify_table("Odd.Schema", "Order Items")]  # respelled as qualify_table spells it
+    assert odd["events"] == 1 and odd["pk"] == [] and [(p["c"], p["t"]) for p in odd["pairs"]] == [("x", "int8")]
+
+
+def test_unchanged_names_come_from_a_job_of_their_own(spark: Any) -> None:
+    cols, types = ["id", "doc", "blob"], ["int4", "text", "bytea"]
+    records = [
+        _event(0, "public.docs", "insert", new=_row(cols, types, [1, "d", "\\x00"])),
+        _event(1, "public.docs", "update", new=_row(cols, types, [1, None, "\\x01"]), unchanged=["doc"]),
+        _event(2, "public.docs", "update", new=_row(cols, types, [1, None, None]), unchanged=["doc", "blob"]),
+        _event(3, "public.plain", "insert", new=_row(["id"], ["int4"], [9])),
+    ]
+    metas, jobs = _meta(spark, records)
+    assert jobs == 2
+    assert sorted(metas["public.docs"]["unchanged"]) == ["blob", "doc"]
+    assert metas["public.plain"]["unchanged"] == []
+    assert metas["public.docs"]["events"] == 3
