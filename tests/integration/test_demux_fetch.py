@@ -170,6 +170,13 @@ async def _write_mixed(bootstrap: str, topic: str) -> None:
     finally:
         await txn.stop()
         await plain.stop()
+    # Compressed batches last (a walbus producer may compress): the batch decompresses when iterated.
+    gzipped = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all", compression_type="gzip", linger_ms=20)
+    await gzipped.start()
+    try:
+        await asyncio.gather(*[await gzipped.send(topic, key=k, value=v, partition=0) for k, v in recs("gzip", 40)])
+    finally:
+        await gzipped.stop()
 
 
 async def _read(bootstrap: str, topic: str, *, runs: bool, isolation: str, start: int, lazy: bool = False) -> list[Row]:
@@ -221,6 +228,7 @@ async def test_runs_equal_aiokafkas_records(kafka_bootstrap: str, unique_name: s
             aborted = [k for _, k, _ in want if k is not None and k.startswith(b"t-abort")]
             # The topic really has both kinds, or the comparison proves little.
             assert any(k is not None and k.startswith(b"t-commit") for _, k, _ in want)
+            assert any(k is not None and k.startswith(b"gzip") for _, k, _ in want)
             assert (aborted == []) == (isolation == "read_committed"), isolation
 
 

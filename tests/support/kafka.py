@@ -32,10 +32,13 @@ async def create_topic(
         await admin.ensure_topic(TopicSpec(name, partitions=partitions, configs=tuple(settings.items())))
 
 
-async def produce(bootstrap: str, topic: str, records: Iterable[Record], *, partition: int | None = None) -> None:
+async def produce(
+    bootstrap: str, topic: str, records: Iterable[Record], *, partition: int | None = None, compression: str | None = None
+) -> None:
     """(key, value) records in order, acknowledged before returning; ``partition`` None: by key."""
     producer = AIOKafkaProducer(**_kw(bootstrap), acks="all", enable_idempotence=True, linger_ms=5,
-                                max_request_size=DEFAULT_MAX_MESSAGE_BYTES)  # large rows' records
+                                max_request_size=DEFAULT_MAX_MESSAGE_BYTES,  # large rows' records
+                                compression_type=compression)
     await producer.start()
     try:
         futures = [await producer.send(topic, key=k, value=v, partition=partition) for k, v in records]
