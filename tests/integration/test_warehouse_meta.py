@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import uuid
 from typing import Any
 
 import pytest
@@ -34,7 +35,7 @@ def _meta(spark: Any, records: list[tuple[bytes, bytes]]) -> tuple[dict[str, dic
                                 "key binary, value binary, partition int, offset bigint")
     events = parse_events(raw).cache()
     events.count()
-    group = f"meta-{id(records)}"
+    group = f"meta-{uuid.uuid4().hex}"  # unique: the tracker keeps the groups of earlier tests' jobs
     spark.sparkContext.setJobGroup(group, "table meta")
     try:
         metas = _table_meta(events)
