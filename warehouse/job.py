@@ -176,6 +176,7 @@ def _table_meta(events: DataFrame) -> list[dict[str, Any]]:
     declared = F.zip_with(cols, types, lambda c, t: _declared(t, F.try_element_at(F.col("typmods"), c)))
     pairs = F.zip_with(cols, declared, lambda c, t: F.struct(c.alias("c"), t.alias("t")))
     per_table: dict[str, dict[str, Any]] = {}
+    any_unchanged = False
     for r in (
         events.groupBy("table")
         .agg(
@@ -193,13 +194,12 @@ def _table_meta(events: DataFrame) -> list[dict[str, Any]]:
         meta = r.asDict()
         pair_lists, with_unchanged = meta.pop("pair_lists"), meta.pop("with_unchanged")
         meta["pairs"] = list(dict.fromkeys(p for pair_list in pair_lists for p in pair_list))
-        meta["unchanged"] = [] if with_unchanged else None
+        meta["unchanged"] = []
+        any_unchanged = any_unchanged or with_unchanged > 0
         per_table[r["table"]] = meta
-    if any(meta["unchanged"] is not None for meta in per_table.values()):
+    if any_unchanged:
         for r in events.select("table", F.explode("unchanged").alias("u")).distinct().collect():
             per_table[r["table"]]["unchanged"].append(r["u"])
-    for meta in per_table.values():
-        meta["unchanged"] = meta["unchanged"] or []
     return list(per_table.values())
 
 
