@@ -72,8 +72,8 @@ _PartitionRecords: Any = _fetcher.PartitionRecords
 
 class RunRecords(_PartitionRecords):  # type: ignore[misc]
     """aiokafka's PartitionRecords, yielding one list of records per record batch; for a lazy
-    consumer, the batch itself instead (an iterator that makes each record when it is reached)
-    unless a seek landed inside it.
+    consumer, an iterator instead: over the batch itself (making each record when it is
+    reached), or over the records after a seek that landed inside it.
 
     The read_committed rules are Kafka's (KIP-98) applied per batch with aiokafka's
     own helpers: a transactional batch of an aborted producer is dropped until its
@@ -118,7 +118,9 @@ class RunRecords(_PartitionRecords):  # type: ignore[misc]
             if run and run[0].offset < start:
                 run = [r for r in run if r.offset >= start]
             if run:
-                yield run
+                # A lazy consumer is handed iterators only: it takes a few records at a time
+                # and comes back for more (a list would start over from its first record).
+                yield iter(run) if self._lazy else run
 
 
 def _as_runs(partition_records: Any, lazy: bool) -> None:

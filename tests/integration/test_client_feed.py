@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import random
+import threading
 
 import orjson
 import pytest
-from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from prometheus_client import REGISTRY
 
 from tests.support.cdc_data import (
@@ -15,6 +16,7 @@ from tests.support.cdc_data import (
     workload,
 )
 from tests.support.kafka import create_topic, produce
+from walbus.aiokafka_shortcuts import read_in_runs
 from walbus.client import Feed, Transaction
 from walbus.client.feed import REFILL_RECORDS
 from walbus.contract import ChangeEvent, event_key
@@ -216,3 +218,49 @@ async def test_fetched_records_are_made_only_as_they_are_reached(kafka_bootstrap
     assert positions == [c.position for c in changes]
     assert feed._runs, "aiokafka's fetcher shortcut is off: the lazy batches are not exercised"
     assert 0 < largest <= REFILL_RECORDS
+
+
+async def test_a_resume_inside_a_large_batch_reads_on(kafka_bootstrap: str, unique_name: str) -> None:
+    """The group's offset lands inside a record batch of hundreds of records: the feed reads on
+    from there. The part of the batch after the offset came as a list, which the lazy refill
+    re-read from its start for ever (a busy loop that never yielded: the soak's stalled feed)."""
+    changes = workload(random.Random(8), 600, TABLES)
+    await create_topic(kafka_bootstrap, unique_name)
+    producer = AIOKafkaProducer(bootstrap_servers=kafka_bootstrap, acks="all", linger_ms=200, max_batch_size=4 << 20)
+    await producer.start()
+    try:
+        await asyncio.gather(*[await producer.send(unique_name, key=k, value=v, partition=0) for k, v in (c.record() for c in changes)])
+    finally:
+        await producer.stop()
+    tp, group, resume_at = TopicPartition(unique_name, 0), unique_name + "-g", 10
+    reader = AIOKafkaConsumer(bootstrap_servers=kafka_bootstrap, enable_auto_commit=False)
+    await reader.start()
+    try:
+        reader.assign([tp])
+        reader.seek(tp, resume_at)
+        assert read_in_runs(reader)
+        first_run = (await reader.getmany(tp, timeout_ms=10_000))[tp][0]
+    finally:
+        await reader.stop()
+    # the precondition: the seek lands inside one batch with more than a refill after it
+    assert first_run[0].offset == resume_at and len(first_run) > 2 * REFILL_RECORDS
+    committer = AIOKafkaConsumer(bootstrap_servers=kafka_bootstrap, group_id=group, enable_auto_commit=False)
+    await committer.start()
+    try:
+        committer.assign([tp])
+        await committer.commit({tp: resume_at})
+    finally:
+        await committer.stop()
+
+    got: list[tuple[int, int]] = []
+
+    async def read() -> None:
+        async with Feed(unique_name, start="earliest", group_id=group, bootstrap_servers=kafka_bootstrap, until_end=True) as feed:
+            got.extend([e.position async for e in feed])
+
+    # In a thread of its own: the old busy loop never yielded, so no asyncio timeout could end it.
+    reading = threading.Thread(target=asyncio.run, args=(read(),), daemon=True)
+    reading.start()
+    await asyncio.to_thread(reading.join, 60)
+    assert not reading.is_alive(), "the feed never got past the batch it resumed inside"
+    assert got == [c.position for c in changes[resume_at:]]
