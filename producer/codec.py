@@ -261,22 +261,36 @@ class EncodedEvent:
 
 
 
+_RUN_OPERATIONS: Final = {ord("I"): "insert", ord("U"): "update", ord("D"): "delete"}
+
+
 @dataclass(slots=True)
-class InsertRun:
-    """Consecutive inserts of one plain relation encoded in one native call: their records
+class ChangeRun:
+    """Consecutive changes of one plain relation encoded in one native call: their records
     side by side, without an EncodedEvent each unless somebody needs one (:meth:`events`)."""
 
     relation: Relation
     partition_key: bytes
     keys: list[bytes]
     values: list[bytes]
-    rows: list[list[Any]]  # each event's new row, a value per relation column
+    rows: Sequence[list[Any] | None]  # each event's new row, a value per relation column (None: a delete)
+    operations: bytes = b""  # each event's: I, U or D; empty: every one an insert
+    olds: Sequence[list[Any] | None] | None = None  # each event's old key row (None: an insert)
 
     def events(self) -> Iterator[EncodedEvent]:
-        """The run as the EncodedEvents :meth:`EventEncoder.inserted` would have made."""
-        rel, pkey = self.relation, self.partition_key
-        for key, value, new in zip(self.keys, self.values, self.rows, strict=True):
-            yield EncodedEvent(key, value, pkey, rel, "insert", new)
+        """The run as the EncodedEvents :meth:`EventEncoder.encode` would have made."""
+        rel, pkey, ops, olds = self.relation, self.partition_key, self.operations, self.olds
+        for i, (key, value, new) in enumerate(zip(self.keys, self.values, self.rows, strict=True)):
+            operation = _RUN_OPERATIONS[ops[i]] if ops else "insert"
+            yield EncodedEvent(key, value, pkey, rel, operation, new, None if olds is None else olds[i])
+
+    def counts(self) -> dict[str, int]:
+        """Events per operation, in the order the operations first come (as counting them one
+        by one would: a transaction's counts keep that order)."""
+        ops = self.operations
+        if not ops:
+            return {"insert": len(self.keys)}
+        return {_RUN_OPERATIONS[letter]: ops.count(letter) for letter in dict.fromkeys(ops)}
 
 
 _KEY_SEQ = re.fullmatch(r"%0(\d+)X", KEY_FORMAT.partition("-")[2])
@@ -303,6 +317,7 @@ class EventEncoder:
         self._key_head = b""
         self._row_templates: dict[int, bytes] = {}
         self._insert_parts: dict[int, tuple[bytes, bytes, bytes, bytes]] = {}
+        self._change_parts: dict[int, tuple[bytes, bytes, bytes, bytes]] = {}
         self.begin(0, 0, "")
 
     def begin(self, commit_lsn: int, xid: int, timestamp_iso: str) -> None:
@@ -316,6 +331,7 @@ class EventEncoder:
         self._key_template = _literal(self._key_head) + tail.encode()
         self._row_templates = {}
         self._insert_parts = {}
+        self._change_parts = {}
 
     def forget(self, relid: int) -> None:
         """A relation was defined anew (a schema change, even inside this transaction): its
@@ -323,6 +339,7 @@ class EventEncoder:
         self._row_templates.pop(relid, None)
         self._row_templates.pop(-1 - relid, None)
         self._insert_parts.pop(relid, None)
+        self._change_parts.pop(relid, None)
 
     def insert_parts(self, rel: Relation) -> tuple[bytes, bytes, bytes, bytes]:
         """An insert of plain ``rel`` in this transaction as ``(head, mid, tail, end)``: its value
@@ -337,12 +354,39 @@ class EventEncoder:
         upper-case hex, zero-padded to ``width`` digits (the native path; KEY_FORMAT's form)."""
         return self._key_head, SEQ_HEX_DIGITS
 
-    def inserted_run(self, rel: Relation, run: tuple[list[bytes], list[bytes], list[list[Any]]]) -> InsertRun:
+    def change_parts(self, rel: Relation) -> tuple[bytes, bytes, bytes, bytes]:
+        """An update's and a delete's parts of plain ``rel`` (its key as the identity) beside
+        :meth:`insert_parts`, as ``(update_tail, delete_tail, identity_head, identity_end)``: an
+        update is ``head + lsn + mid + seq + update_tail + values + identity_head + key values
+        + identity_end + end``, a delete the same without ``values`` (the native path)."""
+        parts = self._change_parts.get(rel.relid)
+        if parts is None:
+            common = FIELD_HEADS["xid"] + b"%d" % self.xid
+            meta = rel.table_part + self._ts_part + rel.meta_part
+            parts = self._change_parts[rel.relid] = (
+                common + OPERATION_PARTS["update"] + meta + rel.full_part,
+                common + OPERATION_PARTS["delete"] + meta,
+                rel.ident_head,
+                VALUE_END,
+            )
+        return parts
+
+    def inserted_run(self, rel: Relation, run: tuple[list[bytes], list[bytes], list[list[Any]]]) -> ChangeRun:
         """The next ``len(keys)`` events: inserts of plain ``rel`` as ``(keys, values, new rows)``
         made from :meth:`key_parts` and :meth:`insert_parts` with consecutive seqs from this one."""
         keys, values, rows = run
         self.seq += len(keys)
-        return InsertRun(rel, rel.table_key if self.partitioned else b"", keys, values, rows)
+        return ChangeRun(rel, rel.table_key if self.partitioned else b"", keys, values, rows)
+
+    def changed_run(
+        self, rel: Relation, run: tuple[list[bytes], list[bytes], list[list[Any] | None], list[list[Any] | None], bytes]
+    ) -> ChangeRun:
+        """The next ``len(keys)`` events: changes of plain ``rel`` as ``(keys, values, new rows,
+        old key rows, operations)``, made from :meth:`key_parts`, :meth:`insert_parts` and
+        :meth:`change_parts` with consecutive seqs from this one."""
+        keys, values, rows, olds, operations = run
+        self.seq += len(keys)
+        return ChangeRun(rel, rel.table_key if self.partitioned else b"", keys, values, rows, operations, olds)
 
     def insert(self, rel: Relation, lsn: int, new: list[Any], rendered: bytes | None = None) -> EncodedEvent:
         """The hot path: an insert of a relation with no excluded or masked column.

@@ -35,12 +35,18 @@ class EncodeInserts(Protocol):
     ) -> Run: ...
 
 
-class EncodeWal2jsonInserts(Protocol):
+# A wal2json change run: its keys, its values, each event's new row (None: a delete) and old
+# key row (None: an insert), and their operations' letters (I, U, D).
+ChangeRunParts = tuple[list[bytes], list[bytes], list[list[Any] | None], list[list[Any] | None], bytes]
+
+
+class EncodeWal2jsonChanges(Protocol):
     def __call__(
         self, messages: list[tuple[int, bytes]], start: int, schema: str, table: str,
         signature: list[tuple[str, int, str | None, bool | None]], kinds: bytes,
-        parts: tuple[bytes, bytes, bytes, bytes], key: tuple[bytes, int], seq: int, limit: int, /,
-    ) -> Run: ...
+        parts: tuple[bytes, bytes, bytes, bytes], key_parts: tuple[bytes, int], seq: int, limit: int,
+        key: list[int] | None = None, change_parts: tuple[bytes, bytes, bytes, bytes] | None = None, /,
+    ) -> ChangeRunParts: ...
 
 
 @functools.cache
@@ -69,12 +75,12 @@ def encode_inserts() -> EncodeInserts | None:
     return None if module is None else cast(EncodeInserts, module.encode_inserts)
 
 
-def encode_wal2json_inserts() -> EncodeWal2jsonInserts | None:
-    """The extension's run-of-wal2json-inserts encoder (None: pure Python, or an extension
+def encode_wal2json_changes() -> EncodeWal2jsonChanges | None:
+    """The extension's run-of-wal2json-changes encoder (None: pure Python, or an extension
     built before it)."""
     module = _module()
-    found = getattr(module, "encode_wal2json_inserts", None)
-    return None if found is None else cast(EncodeWal2jsonInserts, found)
+    found = getattr(module, "encode_wal2json_changes", None)
+    return None if found is None else cast(EncodeWal2jsonChanges, found)
 
 
 class LoadsExact(Protocol):

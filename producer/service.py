@@ -23,7 +23,7 @@ from prometheus_client import CollectorRegistry
 
 from producer import setup
 from producer.catalog import Catalog
-from producer.codec import CaptureFilter, EncodedEvent, InsertRun
+from producer.codec import CaptureFilter, ChangeRun, EncodedEvent
 from producer.config import ProducerConfig, load
 from producer.decoders import Decoder, LogicalMessage, TxnBegin, TxnEnd
 from producer.decoders.pgoutput import PgoutputDecoder
@@ -279,7 +279,7 @@ class Producer:
                                 inc.observe(it)
                             if not sink.append(it):  # no coroutine per event: put() only for a full batch
                                 await sink.put(it)
-                        case InsertRun():
+                        case ChangeRun():
                             if inc is not None and inc.watches(it.relation):
                                 for ev in it.events():
                                     inc.observe(ev)

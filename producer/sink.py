@@ -21,7 +21,7 @@ from typing import Any
 
 from aiokafka import AIOKafkaProducer
 
-from producer.codec import EncodedEvent, InsertRun
+from producer.codec import ChangeRun, EncodedEvent
 from producer.progress import Progress
 from walbus.aiokafka_shortcuts import OutputBatch
 from walbus.config import ConfigError
@@ -130,7 +130,7 @@ class KafkaSink:
         self._open_count[p] += 1
         self.progress.appended[p] += 1
 
-    async def put_run(self, run: InsertRun) -> None:
+    async def put_run(self, run: ChangeRun) -> None:
         """:meth:`put` each record of ``run`` (one partition: one relation), in one loop."""
         p = 0 if self.partitions == 1 else _partition_for(run.partition_key, self.partitions)
         values, keys = run.values, run.keys

@@ -206,24 +206,29 @@ fn decode_tuple<'py>(
 }
 
 /// An insert value's fixed head: `head + lsn + mid + seq + tail` of the caller's
-/// `(head, mid, tail, end)` (numbers in decimal); the values' JSON and `end` follow.
+/// `(head, mid, tail, end)` (numbers in decimal); the values' JSON and `end` follow. Another
+/// operation's event has another `tail` (`push_event_head_with`).
 fn push_event_head(out: &mut Vec<u8>, parts: &InsertParts<'_>, lsn: u64, seq: u64) {
+    push_event_head_with(out, parts, parts.2.as_bytes(), lsn, seq);
+}
+
+pub(crate) fn push_event_head_with(out: &mut Vec<u8>, parts: &InsertParts<'_>, tail: &[u8], lsn: u64, seq: u64) {
     let mut numbers = itoa::Buffer::new();
     out.extend_from_slice(parts.0.as_bytes());
     out.extend_from_slice(numbers.format(lsn).as_bytes());
     out.extend_from_slice(parts.1.as_bytes());
     out.extend_from_slice(numbers.format(seq).as_bytes());
-    out.extend_from_slice(parts.2.as_bytes());
+    out.extend_from_slice(tail);
 }
 
 /// An insert event value's fixed parts, `(head, mid, tail, end)`.
-type InsertParts<'py> = (Bound<'py, PyBytes>, Bound<'py, PyBytes>, Bound<'py, PyBytes>, Bound<'py, PyBytes>);
+pub(crate) type InsertParts<'py> = (Bound<'py, PyBytes>, Bound<'py, PyBytes>, Bound<'py, PyBytes>, Bound<'py, PyBytes>);
 
 /// A run's keys: `head` and then each seq in upper-case hex, zero-padded to `width` digits.
 pub(crate) type KeyParts<'py> = (Bound<'py, PyBytes>, usize);
 
 /// The key of event `seq`: `head` and its seq (`%0<width>X`).
-fn event_key<'py>(py: Python<'py>, key: &KeyParts<'py>, seq: u64, out: &mut Vec<u8>) -> Bound<'py, PyBytes> {
+pub(crate) fn event_key<'py>(py: Python<'py>, key: &KeyParts<'py>, seq: u64, out: &mut Vec<u8>) -> Bound<'py, PyBytes> {
     use std::io::Write;
     out.clear();
     out.extend_from_slice(key.0.as_bytes());
@@ -297,7 +302,7 @@ fn encode_inserts<'py>(
 fn walbus_native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(decode_tuple, m)?)?;
     m.add_function(wrap_pyfunction!(encode_inserts, m)?)?;
-    m.add_function(wrap_pyfunction!(wal2json::encode_wal2json_inserts, m)?)?;
+    m.add_function(wrap_pyfunction!(wal2json::encode_wal2json_changes, m)?)?;
     m.add_function(wrap_pyfunction!(wal2json::loads_exact, m)?)?;
     m.add_class::<event::EventDecoder>()?;
     m.add_class::<copydata::CopyReader>()?;

@@ -1,14 +1,16 @@
-//! Runs of wal2json (format version 2) insert messages of one table, encoded in one call: the
+//! Runs of wal2json (format version 2) changes of one table, encoded in one call: the
 //! producer's hot path for that plugin.
 //!
 //! A leaf like the tuple decoder: the caller names the table, the column signature it expects
-//! (each column's name, type oid, declared type and `optional` flag, as the last insert it
-//! decoded itself had them) and a kind letter per column; this code knows wal2json's field
-//! names and nothing of events. A message is taken only when it is an insert of that table
-//! with exactly that signature and values this code converts the way the caller's slow path
-//! does; the run stops before anything else (another message, a changed signature, a value of
-//! an unexpected JSON type, invalid JSON or UTF-8, escapes serde refuses) and the caller decodes
-//! that message the slow way, which decides and words the errors.
+//! (each column's name, type oid, declared type and `optional` flag, as the last whole row it
+//! decoded itself had them), a kind letter per column and, for updates and deletes, the
+//! columns of the table's key; this code knows wal2json's field names and nothing of events.
+//! A message is taken only when it is an insert, an update with every column or a delete of
+//! that table with exactly that signature, an identity that is exactly the key, and values
+//! this code converts the way the caller's slow path does; the run stops before anything else
+//! (another message, a changed signature, an unchanged TOAST column, a value of an unexpected
+//! JSON type, invalid JSON or UTF-8, escapes serde refuses) and the caller decodes that
+//! message the slow way, which decides and words the errors.
 
 use std::borrow::Cow;
 
@@ -17,7 +19,7 @@ use pyo3::types::{PyBool, PyBytes, PyDict, PyFloat, PyInt, PyList, PyString};
 use serde::Deserialize;
 use serde_json::value::RawValue;
 
-use crate::{convert, empty_run, push_event, push_event_head, push_json_string, InsertParts, KeyParts, Run, BOOL, TEXT};
+use crate::{convert, event_key, push_event_head_with, push_json_string, InsertParts, KeyParts, BOOL, TEXT};
 
 /// One column of a change, as wal2json prints it with `include-type-oids`, `include-typmod`
 /// and `include-not-null`.
@@ -47,6 +49,8 @@ struct Change<'a> {
     table: Cow<'a, str>,
     #[serde(borrow, default)]
     columns: Vec<Column<'a>>,
+    #[serde(borrow, default)]
+    identity: Option<Vec<Column<'a>>>,
 }
 
 /// A column signature as the caller spells it: name, type oid, declared type, optional.
@@ -131,14 +135,38 @@ fn value<'py>(py: Python<'py>, kind: u8, raw: &RawValue, exact: &mut ExactMark<'
     }
 }
 
-/// The run of inserts into `schema`.`table` with column `signature` that starts at
-/// `messages[start]` (at most `limit`), as `encode_inserts` gives its run (`parts`, `key`,
-/// `seq` counting up). `kinds`: a letter per column. The run
-/// stops before the first message that is something else or that the slow path must decide.
+/// What a change run gives the caller: each event's key, value, new row (None: a delete) and
+/// old key row (None: an insert; else a value per column, None outside the identity), and
+/// its operation's letter (`I`, `U`, `D`).
+type ChangeRun<'py> = (Bound<'py, PyList>, Bound<'py, PyList>, Bound<'py, PyList>, Bound<'py, PyList>, Bound<'py, PyBytes>);
+
+/// An update's and a delete's parts beside an insert's `(head, mid, tail, end)`:
+/// `(update_tail, delete_tail, identity_head, identity_end)`. An update's value is
+/// `head lsn mid seq update_tail values identity_head key_values identity_end end`, a delete's
+/// the same without `values` (and with `delete_tail`).
+type ChangeParts<'py> = (Bound<'py, PyBytes>, Bound<'py, PyBytes>, Bound<'py, PyBytes>, Bound<'py, PyBytes>);
+
+/// Whether `identity` is the relation's key as the caller's slow path reads it: its columns
+/// are `key`'s, in order, with the signature's type (wal2json prints no `optional` there).
+fn is_key(identity: &[Column<'_>], key: &[usize], signature: &[Signature]) -> bool {
+    identity.len() == key.len()
+        && identity.iter().zip(key).all(|(c, &i)| {
+            let s = &signature[i];
+            c.name == s.0.as_str() && c.typeoid == s.1 && c.optional.is_none() && (c.declared.is_none() || c.declared.as_deref() == s.2.as_deref())
+        })
+}
+
+/// The run of changes to `schema`.`table` with column `signature` that starts at
+/// `messages[start]` (at most `limit`), `seq` counting up: inserts always (their value as
+/// `encode_inserts` makes it, from `parts`); updates with every column and deletes too when
+/// the caller gives the relation's `key` (its replica identity's column indexes) and
+/// `change_parts`. `kinds`: a letter per column. The run stops before the first message that
+/// is something else or that the slow path must decide (an update without some column: an
+/// unchanged TOAST value; an identity that is not exactly the key).
 #[pyfunction]
-#[pyo3(signature = (messages, start, schema, table, signature, kinds, parts, key, seq, limit))]
+#[pyo3(signature = (messages, start, schema, table, signature, kinds, parts, key_parts, seq, limit, key=None, change_parts=None))]
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn encode_wal2json_inserts<'py>(
+pub(crate) fn encode_wal2json_changes<'py>(
     py: Python<'py>,
     messages: &Bound<'py, PyList>,
     start: usize,
@@ -147,54 +175,116 @@ pub(crate) fn encode_wal2json_inserts<'py>(
     signature: Vec<Signature>,
     kinds: &[u8],
     parts: InsertParts<'py>,
-    key: KeyParts<'py>,
+    key_parts: KeyParts<'py>,
     seq: u64,
     limit: usize,
-) -> PyResult<Run<'py>> {
-    let out = empty_run(py);
-    if signature.len() != kinds.len() {
-        return Ok(out);
-    }
-    let mut value_json: Vec<u8> = Vec::new();
-    let mut key_buf: Vec<u8> = Vec::new();
-    for i in start..messages.len().min(start.saturating_add(limit)) {
-        let item = messages.get_item(i)?;
-        let (_, payload): (u64, Bound<'py, PyBytes>) = item.extract()?;
-        let buf = payload.as_bytes();
-        if !buf.starts_with(b"{\"action\":\"I\"") {
-            break;
-        }
-        let Ok(change) = serde_json::from_slice::<Change<'_>>(buf) else { break };
-        if change.action != "I" || change.schema != schema || change.table != table || change.columns.len() != signature.len() {
-            break;
-        }
-        let same = change.columns.iter().zip(&signature).all(|(c, s)| {
-            c.name == s.0.as_str() && c.typeoid == s.1 && c.declared.as_deref() == s.2.as_deref() && c.optional == s.3
-        });
-        let Some(lsn) = parse_lsn(&change.lsn) else { break };
-        if !same {
-            break;
-        }
-        let mut exact = ExactMark { buf, found: None };
-        let event_seq = seq + (i - start) as u64;
-        value_json.clear();
-        push_event_head(&mut value_json, &parts, lsn, event_seq);
-        value_json.push(b'[');
-        let mut values: Vec<Bound<'py, PyAny>> = Vec::with_capacity(kinds.len());
-        for (n, (c, &kind)) in change.columns.iter().zip(kinds).enumerate() {
-            if n > 0 {
-                value_json.push(b',');
+    key: Option<Vec<usize>>,
+    change_parts: Option<ChangeParts<'py>>,
+) -> PyResult<ChangeRun<'py>> {
+    let (keys, values, rows, olds) = (PyList::empty(py), PyList::empty(py), PyList::empty(py), PyList::empty(py));
+    let mut ops: Vec<u8> = Vec::new();
+    let changes = match (&key, &change_parts) {
+        (Some(k), Some(cp)) if !k.is_empty() && k.iter().all(|&i| i < kinds.len()) => Some((k.as_slice(), cp)),
+        _ => None,
+    };
+    if signature.len() == kinds.len() {
+        let mut value_json: Vec<u8> = Vec::new();
+        let mut key_buf: Vec<u8> = Vec::new();
+        for i in start..messages.len().min(start.saturating_add(limit)) {
+            let item = messages.get_item(i)?;
+            let (_, payload): (u64, Bound<'py, PyBytes>) = item.extract()?;
+            let buf = payload.as_bytes();
+            let op = match buf.get(..13) {
+                Some(b"{\"action\":\"I\"") => b'I',
+                Some(b"{\"action\":\"U\"") if changes.is_some() => b'U',
+                Some(b"{\"action\":\"D\"") if changes.is_some() => b'D',
+                _ => break,
+            };
+            let Ok(change) = serde_json::from_slice::<Change<'_>>(buf) else { break };
+            if change.action.as_bytes() != [op] || change.schema != schema || change.table != table {
+                break;
             }
-            match value(py, kind, c.value, &mut exact, &mut value_json) {
-                Some(v) => values.push(v),
-                None => return Ok(out),
+            let whole = change.columns.len() == signature.len()
+                && change.columns.iter().zip(&signature).all(|(c, s)| {
+                    c.name == s.0.as_str() && c.typeoid == s.1 && c.declared.as_deref() == s.2.as_deref() && c.optional == s.3
+                });
+            if !(if op == b'D' { change.columns.is_empty() } else { whole }) {
+                break;
             }
+            let identity = match (op, changes, &change.identity) {
+                (b'I', _, None) => None,
+                (b'U' | b'D', Some((k, cp)), Some(ident)) if is_key(ident, k, &signature) => Some((k, cp, ident)),
+                _ => break,
+            };
+            let Some(lsn) = parse_lsn(&change.lsn) else { break };
+            let mut exact = ExactMark { buf, found: None };
+            let event_seq = seq + (i - start) as u64;
+            value_json.clear();
+            let tail = match identity {
+                None => parts.2.as_bytes(),
+                Some((_, cp, _)) => if op == b'U' { cp.0.as_bytes() } else { cp.1.as_bytes() },
+            };
+            push_event_head_with(&mut value_json, &parts, tail, lsn, event_seq);
+            let mut row: Option<Vec<Bound<'py, PyAny>>> = None;
+            if op != b'D' {
+                let mut new = Vec::with_capacity(kinds.len());
+                if !push_values(py, change.columns.iter().zip(kinds.iter().copied()), &mut exact, &mut value_json, &mut new) {
+                    break;
+                }
+                row = Some(new);
+            }
+            let mut old: Option<Vec<Bound<'py, PyAny>>> = None;
+            if let Some((k, cp, ident)) = identity {
+                value_json.extend_from_slice(cp.2.as_bytes());
+                let mut key_values = Vec::with_capacity(k.len());
+                if !push_values(py, ident.iter().zip(k.iter().map(|&c| kinds[c])), &mut exact, &mut value_json, &mut key_values) {
+                    break;
+                }
+                value_json.extend_from_slice(cp.3.as_bytes());
+                let mut whole_old: Vec<Bound<'py, PyAny>> = (0..kinds.len()).map(|_| py.None().into_bound(py)).collect();
+                for (&c, v) in k.iter().zip(key_values) {
+                    whole_old[c] = v;
+                }
+                old = Some(whole_old);
+            }
+            value_json.extend_from_slice(parts.3.as_bytes());
+            keys.append(event_key(py, &key_parts, event_seq, &mut key_buf))?;
+            values.append(PyBytes::new(py, &value_json))?;
+            match row {
+                Some(r) => rows.append(PyList::new(py, r)?)?,
+                None => rows.append(py.None())?,
+            }
+            match old {
+                Some(o) => olds.append(PyList::new(py, o)?)?,
+                None => olds.append(py.None())?,
+            }
+            ops.push(op);
         }
-        value_json.push(b']');
-        value_json.extend_from_slice(parts.3.as_bytes());
-        push_event(&out, &key, event_seq, &mut key_buf, &value_json, values)?;
     }
-    Ok(out)
+    Ok((keys, values, rows, olds, PyBytes::new(py, &ops)))
+}
+
+/// The columns' values as a JSON array appended to `json`, each converted to `out` as the
+/// slow path converts it (`kinds` beside them); false when one is the slow path's to decide.
+fn push_values<'a, 'py>(
+    py: Python<'py>,
+    columns: impl Iterator<Item = (&'a Column<'a>, u8)>,
+    exact: &mut ExactMark<'_>,
+    json: &mut Vec<u8>,
+    out: &mut Vec<Bound<'py, PyAny>>,
+) -> bool {
+    json.push(b'[');
+    for (n, (c, kind)) in columns.enumerate() {
+        if n > 0 {
+            json.push(b',');
+        }
+        match value(py, kind, c.value, exact, json) {
+            Some(v) => out.push(v),
+            None => return false,
+        }
+    }
+    json.push(b']');
+    true
 }
 
 /// A JSON object's members in order, values unparsed (a repeated name: both, in order).

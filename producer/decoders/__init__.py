@@ -8,7 +8,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from producer.codec import EncodedEvent, InsertRun
+from producer.codec import ChangeRun, EncodedEvent
 
 
 @dataclass(slots=True)
@@ -45,13 +45,13 @@ class LogicalMessage:
     timestamp: str = ""
 
 
-Item = EncodedEvent | InsertRun | TxnBegin | TxnEnd | LogicalMessage
+Item = EncodedEvent | ChangeRun | TxnBegin | TxnEnd | LogicalMessage
 
 
 def flat(items: Iterable[Item]) -> Iterator[EncodedEvent | TxnBegin | TxnEnd | LogicalMessage]:
-    """``items`` with each :class:`InsertRun` as its events (tools and tests; the pump takes runs whole)."""
+    """``items`` with each :class:`ChangeRun` as its events (tools and tests; the pump takes runs whole)."""
     for item in items:
-        if isinstance(item, InsertRun):
+        if isinstance(item, ChangeRun):
             yield from item.events()
         else:
             yield item

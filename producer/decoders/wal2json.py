@@ -21,13 +21,14 @@ from producer.catalog import CatalogLookup, TableInfo, modifiers_from_text, type
 from producer.codec import CaptureFilter, EventEncoder, Relation, iso_from_pg_text, text_kind
 from producer.decoders import Item, LogicalMessage, TxnBegin, TxnEnd
 from producer.decoders.pgoutput import DecodeError
-from producer.native import EncodeWal2jsonInserts, LoadsExact, encode_wal2json_inserts, loads_exact
+from producer.native import EncodeWal2jsonChanges, LoadsExact, encode_wal2json_changes, loads_exact
 from walbus.contract import BOOL_TYPES, FLOAT_TYPES, INT_TYPES, qualify_table
 
 log = logging.getLogger("walbus.producer.wal2json")
 
 _NUMERIC_MARK = b'"typeoid":1700,'
-_INSERT_RUN = 512  # inserts the native path encodes per call: bounds what it holds at once
+_CHANGE_RUN = 512  # changes the native path encodes per call: bounds what it holds at once
+_ROW_ACTIONS = (b'{"action":"I"', b'{"action":"U"', b'{"action":"D"')
 Entry = tuple[Relation, dict[str, int], list[Callable[[Any], Any]]]
 Signature = tuple[str, int, str | None, bool | None]  # name, type oid, declared type, optional
 
@@ -92,7 +93,7 @@ class Wal2jsonDecoder:
     plugin = "wal2json"
 
     def __init__(self, catalog: CatalogLookup, capture: CaptureFilter, *, native: bool = True) -> None:
-        """``native``: encode runs of inserts, and read payloads with numerics, with the compiled
+        """``native``: encode runs of changes, and read payloads with numerics, with the compiled
         path when it is there (producer.native)."""
         self.catalog = catalog
         self.capture = capture
@@ -108,11 +109,12 @@ class Wal2jsonDecoder:
         self._counts: dict[tuple[str, str], int] = {}
         self._begin: TxnBegin | None = None
         self._commit_unix_us = 0
-        self.native_inserts: EncodeWal2jsonInserts | None = encode_wal2json_inserts() if native else None
+        self.native_changes: EncodeWal2jsonChanges | None = encode_wal2json_changes() if native else None
         self.native_loads: LoadsExact | None = loads_exact() if native else None
-        # The table the last insert went to, when the native path may take the next ones:
-        # (schema, table, column signature, relation).
-        self._hot: tuple[str, str, list[Signature], Relation] | None = None
+        # The table the last whole row (an insert's, an update's) went to, when the native path
+        # may take the next changes: (schema, table, column signature, relation, the key's
+        # column indexes: None when updates and deletes are the slow path's).
+        self._hot: tuple[str, str, list[Signature], Relation, list[int] | None] | None = None
 
     def start_options(self, publication: str) -> dict[str, str]:
         return {
@@ -239,24 +241,36 @@ class Wal2jsonDecoder:
             known = self._captured[key] = self.capture.captures(qualify_table(schema, table))
         return known
 
+    def _make_hot(self, schema: str, table: str, cols: list[dict[str, Any]], rel: Relation) -> None:
+        """Let the native path take the next changes of ``rel`` like ``cols`` (a whole row, in
+        the relation's column order). Updates and deletes too when the identity is the key
+        (a full identity is an old row, the slow path's)."""
+        key = rel.ident_idx if rel.replident != "f" and rel.ident_idx else None
+        self._hot = (schema, table, _signatures(cols), rel, key)
+
     def decode(self, messages: list[tuple[int, bytes]]) -> Iterator[Item]:
-        inserts = self.native_inserts
+        changes = self.native_changes
         skip = 0  # messages the native path took already
         for i, (_start, buf) in enumerate(messages):
             if skip:
                 skip -= 1
                 continue
             hot = self._hot
-            if hot is not None and inserts is not None and buf.startswith(b'{"action":"I"'):
-                # Natively: inserts like the last one (same table, same columns), values and event values.
-                schema, table, signature, rel = hot
+            if hot is not None and changes is not None and buf.startswith(_ROW_ACTIONS):
+                # Natively: changes like the last whole row (same table, same columns).
+                schema, table, signature, rel, ident = hot
                 enc = self.encoder
-                run = inserts(messages, i, schema, table, signature, rel.kinds, enc.insert_parts(rel), enc.key_parts(), enc.seq, _INSERT_RUN)
+                run = changes(
+                    messages, i, schema, table, signature, rel.kinds, enc.insert_parts(rel), enc.key_parts(), enc.seq,
+                    _CHANGE_RUN, ident, None if ident is None else enc.change_parts(rel),
+                )
                 if run[0]:
                     skip = len(run[0]) - 1
-                    key = (rel.qualified, "insert")
-                    self._counts[key] = self._counts.get(key, 0) + len(run[0])
-                    yield enc.inserted_run(rel, run)
+                    got = enc.changed_run(rel, run)
+                    for op, n in got.counts().items():
+                        counted = (rel.qualified, op)
+                        self._counts[counted] = self._counts.get(counted, 0) + n
+                    yield got
                     continue
             try:
                 msg = _loads(buf, self.native_loads)
@@ -284,11 +298,14 @@ class Wal2jsonDecoder:
                     new = [conv(c["value"]) for conv, c in zip(convs, cols, strict=True)]
                     yield self.encoder.insert(rel, lsn, new)
                     op = "insert"
-                    if inserts is not None and rel.plain and "bytea" not in rel.types:  # (bytea: see _value_converter)
-                        self._hot = (schema, table, _signatures(cols), rel)
+                    if changes is not None and rel.plain and "bytea" not in rel.types:  # (bytea: see _value_converter)
+                        self._make_hot(schema, table, cols, rel)
                 elif action == "U":
                     new, present = self._row(cols, index, convs, n)
                     unchanged = [i for i in range(n) if i not in present]
+                    if (changes is not None and not unchanged and rel.plain and "bytea" not in rel.types
+                            and [c["name"] for c in cols] == rel.columns):
+                        self._make_hot(schema, table, cols, rel)  # a transaction of updates: the next ones natively
                     yield self.encoder.encode(rel, "update", lsn, new, unchanged=unchanged, old=old, old_is_full=old_full)
                     op = "update"
                 else:

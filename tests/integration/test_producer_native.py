@@ -44,6 +44,8 @@ def write_changes(dsn: str) -> None:
         conn.execute("UPDATE \"Odd \"\"Table\"\".x\" SET t = NULL, \"köl \"\"q\"\"\" = 'x' WHERE id < 4")
         conn.execute("DELETE FROM \"Odd \"\"Table\"\".x\" WHERE id >= 6")
         conn.execute("DELETE FROM plain WHERE id BETWEEN 10 AND 20")
+        conn.execute("UPDATE plain SET big = 'changed ' || id WHERE id BETWEEN 30 AND 40")  # every column
+        conn.execute("UPDATE plain SET id = id + 2000 WHERE id BETWEEN 50 AND 55")  # the key changes
         conn.commit()
 
 
@@ -87,5 +89,5 @@ async def test_native_and_pure_python_producers_write_the_same_records(
     records = {native: await drain(pg_dsn, kafka_bootstrap, slot, f"{unique_name}.{native}", end, native=native, plugin=plugin,
                                       log=tmp_path / f"producer-{native}.log")
                for native, slot in slots.items()}
-    assert len(records["0"]) == 8 + 500 + 3 + 4 + 2 + 11, [v for _, v in records["0"]][:3]
+    assert len(records["0"]) == 8 + 500 + 3 + 4 + 2 + 11 + 11 + 6, [v for _, v in records["0"]][:3]
     assert records["1"] == records["0"]

@@ -12,10 +12,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from producer.catalog import TableInfo
-from producer.codec import CaptureFilter, EncodedEvent, InsertRun
+from producer.codec import CaptureFilter, ChangeRun, EncodedEvent
 from producer.decoders import flat
 from producer.decoders.wal2json import Wal2jsonDecoder
-from producer.native import encode_wal2json_inserts, loads_exact
+from producer.native import encode_wal2json_changes, loads_exact
 from tests.support.catalog import StaticCatalog
 from tests.support.prop import columns, decoded, strict
 
@@ -61,17 +61,28 @@ def streams(draw: st.DrawFn) -> tuple[StaticCatalog, list[tuple[int, bytes]]]:
     cols = draw(columns(1, 5))
     types = [draw(st.sampled_from(sorted(TYPES))) for _ in cols]
     pk = cols[: draw(st.integers(0, len(cols)))]
-    info = TableInfo("s", "t", tuple(cols), tuple(TYPES[t][0] for t in types), tuple(pk), "d", tuple(pk))
+    replident = draw(st.sampled_from("ddddf"))  # f: the identity is the whole old row
+    info = TableInfo("s", "t", tuple(cols), tuple(TYPES[t][0] for t in types), tuple(pk), replident,
+                     tuple(cols) if replident == "f" else tuple(pk))
     catalog = StaticCatalog.of({oid: name for name, (oid, _) in TYPES.items()}, info)
     optional = [draw(st.sampled_from([None, True, False])) for _ in cols]
 
     def row(action: str, key: str = "columns") -> bytes:
         cells = [_column(c, t, o, draw(raw_value(t))) for c, t, o in zip(cols, types, optional, strict=True)]
+        if action == "U" and len(cells) > 1 and draw(st.integers(0, 5)) == 0:
+            del cells[draw(st.integers(1, len(cells) - 1))]  # an unchanged TOAST value is left out
         return b'"' + key.encode() + b'":[' + b",".join(cells) + b"]"
+
+    def identity() -> bytes:
+        """wal2json's old key: the key columns (no "optional"); now and then another set."""
+        which = draw(st.sampled_from(["key", "key", "key", "all", "first"]))
+        names = {"key": pk, "all": cols, "first": cols[:1]}[which]
+        cells = [_column(c, t, None, draw(raw_value(t))) for c, t in zip(cols, types, strict=True) if c in names]
+        return b'"identity":[' + b",".join(cells) + b"]"
 
     msgs = [b'{"action":"B","xid":42,"timestamp":"2026-01-01 00:00:00.5+00","lsn":"0/900","nextlsn":"0/930"}']
     for n in range(draw(st.integers(1, 12))):  # runs of inserts go through the native path in one call
-        op = draw(st.sampled_from("IIIIIUDX"))
+        op = draw(st.sampled_from("IIIIUUUDDX"))
         lsn = f'"lsn":"0/{0x900 + n:X}"'.encode()
         head = b'{"action":"' + (b"I" if op == "X" else op.encode()) + b'","xid":42,' + lsn + b',"schema":"s","table":"t",'
         if op in ("I", "X"):
@@ -81,9 +92,9 @@ def streams(draw: st.DrawFn) -> tuple[StaticCatalog, list[tuple[int, bytes]]]:
                                             msg.replace(b'"table":"t"', b'"table":"u"'),
                                             msg.replace(b'"schema":"s"', b'"schema":"\\u0073"')]))
         elif op == "U":
-            msg = head + row(op) + b"," + row(op, "identity")
+            msg = head + row(op) + b"," + identity()
         else:
-            msg = head + row(op, "identity")
+            msg = head + identity()
         msg += b"}"
         if draw(st.integers(0, 24)) == 0:  # damaged: cut short
             msg = msg[: draw(st.integers(1, len(msg)))]
@@ -106,8 +117,8 @@ def test_native_and_pure_python_give_the_same_items(stream: tuple[StaticCatalog,
 
 def test_a_run_of_plain_inserts_goes_natively_in_one_item() -> None:
     """The hot path is taken: after the first insert (decoded in Python, which learns the
-    table's columns), the following ones come as one InsertRun."""
-    if encode_wal2json_inserts() is None:  # pure Python only here (test_prop_native checks it is built)
+    table's columns), the following ones come as one ChangeRun."""
+    if encode_wal2json_changes() is None:  # pure Python only here (test_prop_native checks it is built)
         return
     info = TableInfo("s", "t", ("id", "name"), (23, 25), ("id",), "d", ("id",))
     catalog = StaticCatalog.of({23: "int4", 25: "text"}, info)
@@ -116,10 +127,39 @@ def test_a_run_of_plain_inserts_goes_natively_in_one_item() -> None:
              % (0x900 + i, _column("id", "int4", False, b"%d" % i), _column("name", "text", True, orjson.dumps(f"n\u00e4{i}")))
              for i in range(5)]
     items = list(Wal2jsonDecoder(catalog, CaptureFilter()).decode([(0, m) for m in msgs]))
-    assert [type(i).__name__ for i in items] == ["TxnBegin", "EncodedEvent", "InsertRun"]
+    assert [type(i).__name__ for i in items] == ["TxnBegin", "EncodedEvent", "ChangeRun"]
     run = items[2]
-    assert isinstance(run, InsertRun) and run.rows == [[i, f"n\u00e4{i}"] for i in range(1, 5)]
+    assert isinstance(run, ChangeRun) and run.rows == [[i, f"n\u00e4{i}"] for i in range(1, 5)]
     assert [orjson.loads(v)["seq"] for v in run.values] == [1, 2, 3, 4]
+
+
+def test_a_transaction_of_updates_and_deletes_goes_natively() -> None:
+    """Updates with every column and deletes by the key are the native path's too, once an
+    update (decoded in Python) showed the table's columns: the same events as pure Python."""
+    if encode_wal2json_changes() is None:
+        return
+    info = TableInfo("s", "t", ("id", "name"), (23, 25), ("id",), "d", ("id",))
+    catalog = StaticCatalog.of({23: "int4", 25: "text"}, info)
+
+    def key(i: int) -> bytes:
+        return b'"identity":[%s]' % _column("id", "int4", None, b"%d" % i)
+
+    msgs = [b'{"action":"B","xid":42,"timestamp":"2026-01-01 00:00:00+00","lsn":"0/900","nextlsn":"0/930"}']
+    for i, op in enumerate("UUUUDUD"):
+        head = b'{"action":"%s","xid":42,"lsn":"0/%X","schema":"s","table":"t",' % (op.encode(), 0x900 + i)
+        if op == "D":
+            msgs.append(head + key(i) + b"}")
+        else:
+            cols = b",".join([_column("id", "int4", False, b"%d" % i), _column("name", "text", True, orjson.dumps(f"n{i}"))])
+            msgs.append(head + b'"columns":[' + cols + b"]," + key(i) + b"}")
+    msgs.append(b'{"action":"C","xid":42,"timestamp":"2026-01-01 00:00:00+00","lsn":"0/930","nextlsn":"0/960"}')
+    stream = [(0, m) for m in msgs]
+    items = list(Wal2jsonDecoder(catalog, CaptureFilter()).decode(stream))
+    assert [type(i).__name__ for i in items] == ["TxnBegin", "EncodedEvent", "ChangeRun", "TxnEnd"]
+    run = items[2]
+    assert isinstance(run, ChangeRun) and run.operations == b"UUUDUD"
+    assert run.rows[3] is None and run.olds is not None and run.olds[3] == [4, None]
+    assert outcome(True, catalog, stream) == outcome(False, catalog, stream)
 
 
 @pytest.mark.parametrize("native", [True, False])
