@@ -193,6 +193,11 @@ class Relation:
     def identity_indexes(self) -> list[int]:
         return self.ident_idx
 
+    def run_key(self) -> list[int] | None:
+        """The key columns a native change run takes updates and deletes by: the replica
+        identity's, unless it is FULL (an old row is the slow path's) or there is none."""
+        return self.ident_idx if self.replident != "f" and self.ident_idx else None
+
 
 # Converters from PostgreSQL's text output to JSON values, by pg_type.typname. Builtins
 # where one does the job: a Python wrapper costs a frame per column on the hot path.
@@ -273,23 +278,20 @@ class ChangeRun:
     partition_key: bytes
     keys: list[bytes]
     values: list[bytes]
-    rows: Sequence[list[Any] | None]  # each event's new row, a value per relation column (None: a delete)
-    operations: bytes = b""  # each event's: I, U or D; empty: every one an insert
-    olds: Sequence[list[Any] | None] | None = None  # each event's old key row (None: an insert)
+    rows: list[list[Any] | None]  # each event's new row, a value per relation column (None: a delete)
+    olds: list[list[Any] | None]  # each event's old key row, as sent (None: none was)
+    operations: bytes  # each event's: I(nsert), U(pdate) or D(elete)
 
     def events(self) -> Iterator[EncodedEvent]:
         """The run as the EncodedEvents :meth:`EventEncoder.encode` would have made."""
-        rel, pkey, ops, olds = self.relation, self.partition_key, self.operations, self.olds
-        for i, (key, value, new) in enumerate(zip(self.keys, self.values, self.rows, strict=True)):
-            operation = _RUN_OPERATIONS[ops[i]] if ops else "insert"
-            yield EncodedEvent(key, value, pkey, rel, operation, new, None if olds is None else olds[i])
+        rel, pkey, ops = self.relation, self.partition_key, self.operations
+        for i, (key, value, new, old) in enumerate(zip(self.keys, self.values, self.rows, self.olds, strict=True)):
+            yield EncodedEvent(key, value, pkey, rel, _RUN_OPERATIONS[ops[i]], new, old)
 
     def counts(self) -> dict[str, int]:
         """Events per operation, in the order the operations first come (as counting them one
         by one would: a transaction's counts keep that order)."""
         ops = self.operations
-        if not ops:
-            return {"insert": len(self.keys)}
         return {_RUN_OPERATIONS[letter]: ops.count(letter) for letter in dict.fromkeys(ops)}
 
 
@@ -371,22 +373,15 @@ class EventEncoder:
             )
         return parts
 
-    def inserted_run(self, rel: Relation, run: tuple[list[bytes], list[bytes], list[list[Any]]]) -> ChangeRun:
-        """The next ``len(keys)`` events: inserts of plain ``rel`` as ``(keys, values, new rows)``
-        made from :meth:`key_parts` and :meth:`insert_parts` with consecutive seqs from this one."""
-        keys, values, rows = run
-        self.seq += len(keys)
-        return ChangeRun(rel, rel.table_key if self.partitioned else b"", keys, values, rows)
-
     def changed_run(
         self, rel: Relation, run: tuple[list[bytes], list[bytes], list[list[Any] | None], list[list[Any] | None], bytes]
     ) -> ChangeRun:
         """The next ``len(keys)`` events: changes of plain ``rel`` as ``(keys, values, new rows,
         old key rows, operations)``, made from :meth:`key_parts`, :meth:`insert_parts` and
-        :meth:`change_parts` with consecutive seqs from this one."""
+        :meth:`change_parts` with consecutive seqs from this one (the native path)."""
         keys, values, rows, olds, operations = run
         self.seq += len(keys)
-        return ChangeRun(rel, rel.table_key if self.partitioned else b"", keys, values, rows, operations, olds)
+        return ChangeRun(rel, rel.table_key if self.partitioned else b"", keys, values, rows, olds, operations)
 
     def insert(self, rel: Relation, lsn: int, new: list[Any], rendered: bytes | None = None) -> EncodedEvent:
         """The hot path: an insert of a relation with no excluded or masked column.

@@ -24,20 +24,17 @@ class DecodeTuple(Protocol):
     ) -> tuple[list[object], list[int], int, bytes | None] | None: ...
 
 
-# An insert run: its keys, its values and each row's values.
-Run = tuple[list[bytes], list[bytes], list[list[Any]]]
+# A change run: its keys, its values, each event's new row (None: a delete) and old key row
+# (None: not sent), and their operations' letters (I, U, D).
+ChangeRunParts = tuple[list[bytes], list[bytes], list[list[Any] | None], list[list[Any] | None], bytes]
 
 
-class EncodeInserts(Protocol):
+class EncodeChanges(Protocol):
     def __call__(
         self, messages: list[tuple[int, bytes]], start: int, relid: int, kinds: bytes,
-        parts: tuple[bytes, bytes, bytes, bytes], key: tuple[bytes, int], seq: int, limit: int, /,
-    ) -> Run: ...
-
-
-# A wal2json change run: its keys, its values, each event's new row (None: a delete) and old
-# key row (None: an insert), and their operations' letters (I, U, D).
-ChangeRunParts = tuple[list[bytes], list[bytes], list[list[Any] | None], list[list[Any] | None], bytes]
+        parts: tuple[bytes, bytes, bytes, bytes], key_parts: tuple[bytes, int], seq: int, limit: int,
+        key: list[int] | None = None, change_parts: tuple[bytes, bytes, bytes, bytes] | None = None, /,
+    ) -> ChangeRunParts: ...
 
 
 class EncodeWal2jsonChanges(Protocol):
@@ -69,10 +66,12 @@ def decode_tuple() -> DecodeTuple | None:
     return None if module is None else cast(DecodeTuple, module.decode_tuple)
 
 
-def encode_inserts() -> EncodeInserts | None:
-    """The extension's run-of-inserts encoder (None: pure Python)."""
+def encode_changes() -> EncodeChanges | None:
+    """The extension's run-of-pgoutput-changes encoder (None: pure Python, or an extension
+    built before it)."""
     module = _module()
-    return None if module is None else cast(EncodeInserts, module.encode_inserts)
+    found = getattr(module, "encode_changes", None)
+    return None if found is None else cast(EncodeChanges, found)
 
 
 def encode_wal2json_changes() -> EncodeWal2jsonChanges | None:

@@ -147,8 +147,16 @@ struct Tuple<'py> {
     end: usize,
 }
 
-/// The tuple whose column count is at `pos`; its values' JSON array appended to `json`.
-fn read_tuple<'py>(py: Python<'py>, buf: &[u8], pos: usize, kinds: &[u8], json: &mut Vec<u8>) -> Option<Tuple<'py>> {
+/// The tuple whose column count is at `pos`; its values' JSON array appended to `json`, and
+/// with `spans` where in `json` each value's JSON is (start, end).
+fn read_tuple<'py>(
+    py: Python<'py>,
+    buf: &[u8],
+    pos: usize,
+    kinds: &[u8],
+    json: &mut Vec<u8>,
+    mut spans: Option<&mut Vec<(usize, usize)>>,
+) -> Option<Tuple<'py>> {
     let mut reader = Reader { buf, pos };
     let n = reader.u16()?;
     if n != kinds.len() {
@@ -161,6 +169,7 @@ fn read_tuple<'py>(py: Python<'py>, buf: &[u8], pos: usize, kinds: &[u8], json: 
         if i > 0 {
             json.push(b',');
         }
+        let start = json.len();
         match reader.byte()? {
             b't' => {
                 let size = reader.u32()?;
@@ -175,6 +184,9 @@ fn read_tuple<'py>(py: Python<'py>, buf: &[u8], pos: usize, kinds: &[u8], json: 
                 values.push(py.None().into_bound(py));
             }
             _ => return None,
+        }
+        if let Some(spans) = spans.as_deref_mut() {
+            spans.push((start, json.len()));
         }
     }
     json.push(b']');
@@ -199,7 +211,7 @@ fn decode_tuple<'py>(
     render: bool,
 ) -> PyResult<Option<Decoded<'py>>> {
     let mut json: Vec<u8> = Vec::with_capacity(if render { buf.len() + 2 * kinds.len() + 2 } else { 64 });
-    let Some(t) = read_tuple(py, buf, pos, kinds, &mut json) else { return Ok(None) };
+    let Some(t) = read_tuple(py, buf, pos, kinds, &mut json, None) else { return Ok(None) };
     let list = PyList::new(py, t.values)?;
     let rendered = if render { Some(PyBytes::new(py, &json)) } else { None };
     Ok(Some((list, t.unchanged, t.end, rendered)))
@@ -236,72 +248,188 @@ pub(crate) fn event_key<'py>(py: Python<'py>, key: &KeyParts<'py>, seq: u64, out
     PyBytes::new(py, out)
 }
 
-/// What an insert run gives the caller: the keys, the values and each row's values.
-pub(crate) type Run<'py> = (Bound<'py, PyList>, Bound<'py, PyList>, Bound<'py, PyList>);
+/// What a change run gives the caller: each event's key, value, new row (None: a delete) and
+/// old row (None: none was sent; else a value per column, None outside the key), and its
+/// operation's letter (`I`, `U`, `D`).
+pub(crate) type ChangeRun<'py> = (Bound<'py, PyList>, Bound<'py, PyList>, Bound<'py, PyList>, Bound<'py, PyList>, Bound<'py, PyBytes>);
 
-pub(crate) fn empty_run(py: Python<'_>) -> Run<'_> {
-    (PyList::empty(py), PyList::empty(py), PyList::empty(py))
+/// An update's and a delete's parts beside an insert's `(head, mid, tail, end)`:
+/// `(update_tail, delete_tail, identity_head, identity_end)`. An update's value is
+/// `head lsn mid seq update_tail values identity_head key_values identity_end end`, a delete's
+/// the same without `values` (and with `delete_tail`).
+pub(crate) type ChangeParts<'py> = (Bound<'py, PyBytes>, Bound<'py, PyBytes>, Bound<'py, PyBytes>, Bound<'py, PyBytes>);
+
+/// A change run being built: the lists `ChangeRun` hands over, and the operations.
+pub(crate) struct RunBuilder<'py> {
+    keys: Bound<'py, PyList>,
+    values: Bound<'py, PyList>,
+    rows: Bound<'py, PyList>,
+    olds: Bound<'py, PyList>,
+    ops: Vec<u8>,
+    key_buf: Vec<u8>,
 }
 
-/// Append one event to `run`: its key (event `seq`'s), its value and its row's values.
-pub(crate) fn push_event<'py>(
-    run: &Run<'py>,
-    key: &KeyParts<'py>,
-    seq: u64,
-    key_buf: &mut Vec<u8>,
-    value: &[u8],
-    values: Vec<Bound<'py, PyAny>>,
-) -> PyResult<()> {
-    let py = run.0.py();
-    run.0.append(event_key(py, key, seq, key_buf))?;
-    run.1.append(PyBytes::new(py, value))?;
-    run.2.append(PyList::new(py, values)?)
+impl<'py> RunBuilder<'py> {
+    pub(crate) fn new(py: Python<'py>) -> Self {
+        let list = || PyList::empty(py);
+        RunBuilder { keys: list(), values: list(), rows: list(), olds: list(), ops: Vec::new(), key_buf: Vec::new() }
+    }
+
+    /// Append event `seq`: its operation, value, new row and old row.
+    pub(crate) fn push(
+        &mut self,
+        key: &KeyParts<'py>,
+        seq: u64,
+        op: u8,
+        value: &[u8],
+        row: Option<Vec<Bound<'py, PyAny>>>,
+        old: Option<Vec<Bound<'py, PyAny>>>,
+    ) -> PyResult<()> {
+        let py = self.keys.py();
+        self.keys.append(event_key(py, key, seq, &mut self.key_buf))?;
+        self.values.append(PyBytes::new(py, value))?;
+        match row {
+            Some(r) => self.rows.append(PyList::new(py, r)?)?,
+            None => self.rows.append(py.None())?,
+        }
+        match old {
+            Some(o) => self.olds.append(PyList::new(py, o)?)?,
+            None => self.olds.append(py.None())?,
+        }
+        self.ops.push(op);
+        Ok(())
+    }
+
+    pub(crate) fn finish(self) -> ChangeRun<'py> {
+        let ops = PyBytes::new(self.keys.py(), &self.ops);
+        (self.keys, self.values, self.rows, self.olds, ops)
+    }
 }
 
-/// The run of Insert messages of relation `relid` that starts at `messages[start]` (at most
-/// `limit`), as `(keys, values, rows)`: `value` is `head + lsn + mid + seq + tail + values' JSON
-/// + end`, `seq` counting up from `seq`, the key `key`'s head and that seq. `messages` holds
-/// `(lsn, payload)` pairs. The run stops before the first message that is something else or
-/// that the slow path must decide.
+/// The caller's key columns and update/delete parts, when it gives both and they fit `kinds`.
+pub(crate) fn change_args<'a, 'py>(
+    key: &'a Option<Vec<usize>>,
+    parts: &'a Option<ChangeParts<'py>>,
+    columns: usize,
+) -> Option<(&'a [usize], &'a ChangeParts<'py>)> {
+    match (key, parts) {
+        (Some(k), Some(cp)) if !k.is_empty() && k.iter().all(|&i| i < columns) => Some((k.as_slice(), cp)),
+        _ => None,
+    }
+}
+
+/// `key`'s values' JSON array appended to `out`, each copied from `src` at its span.
+fn push_key_json(out: &mut Vec<u8>, src: Option<&[u8]>, spans: &[(usize, usize)], key: &[usize]) {
+    out.push(b'[');
+    for (j, &c) in key.iter().enumerate() {
+        if j > 0 {
+            out.push(b',');
+        }
+        let (start, end) = spans[c];
+        match src {
+            Some(s) => out.extend_from_slice(&s[start..end]),
+            None => out.extend_from_within(start..end), // from `out` itself
+        }
+    }
+    out.push(b']');
+}
+
+/// The run of changes of relation `relid` that starts at `messages[start]` (at most `limit`),
+/// `seq` counting up: inserts (`value` is `head + lsn + mid + seq + tail + values' JSON +
+/// end`, the key `key_parts`'s head and that seq), and when the caller gives the relation's
+/// `key` (its replica identity's column indexes) and `change_parts`, updates and deletes with
+/// that key as their old key (sent or not: an update that kept its key sends none). `messages`
+/// holds `(lsn, payload)` pairs. The run stops before the first message that is something
+/// else or that the slow path must decide (an unchanged TOAST value, a whole old row).
 #[pyfunction]
-#[pyo3(signature = (messages, start, relid, kinds, parts, key, seq, limit))]
+#[pyo3(signature = (messages, start, relid, kinds, parts, key_parts, seq, limit, key=None, change_parts=None))]
 #[allow(clippy::too_many_arguments)]
-fn encode_inserts<'py>(
+fn encode_changes<'py>(
     py: Python<'py>,
     messages: &Bound<'py, PyList>,
     start: usize,
     relid: u32,
     kinds: &[u8],
     parts: InsertParts<'py>,
-    key: KeyParts<'py>,
+    key_parts: KeyParts<'py>,
     seq: u64,
     limit: usize,
-) -> PyResult<Run<'py>> {
-    let out = empty_run(py);
+    key: Option<Vec<usize>>,
+    change_parts: Option<ChangeParts<'py>>,
+) -> PyResult<ChangeRun<'py>> {
+    let mut run = RunBuilder::new(py);
+    let changes = change_args(&key, &change_parts, kinds.len());
     let mut value: Vec<u8> = Vec::new();
-    let mut key_buf: Vec<u8> = Vec::new();
+    let mut old_json: Vec<u8> = Vec::new();
+    let mut new_spans: Vec<(usize, usize)> = Vec::new();
+    let mut old_spans: Vec<(usize, usize)> = Vec::new();
     for i in start..messages.len().min(start.saturating_add(limit)) {
         let item = messages.get_item(i)?;
         let (lsn, payload): (u64, Bound<'py, PyBytes>) = item.extract()?;
         let buf = payload.as_bytes();
-        // 'I', the relation's id, 'N' (a new tuple), then the tuple.
-        if buf.len() < 6 || buf[0] != b'I' || buf[1..5] != relid.to_be_bytes() || buf[5] != b'N' {
+        // the operation, the relation's id, then 'N' (a new tuple), 'K' (an old key) or 'O'
+        if buf.len() < 6 || buf[1..5] != relid.to_be_bytes() {
             break;
         }
+        let op = buf[0];
         let event_seq = seq + (i - start) as u64;
         value.clear();
-        push_event_head(&mut value, &parts, lsn, event_seq);
-        let Some(t) = read_tuple(py, buf, 6, kinds, &mut value) else { break };
-        value.extend_from_slice(parts.3.as_bytes());
-        push_event(&out, &key, event_seq, &mut key_buf, &value, t.values)?;
+        if op == b'I' && buf[5] == b'N' {
+            push_event_head(&mut value, &parts, lsn, event_seq);
+            let Some(t) = read_tuple(py, buf, 6, kinds, &mut value, None) else { break };
+            value.extend_from_slice(parts.3.as_bytes());
+            run.push(&key_parts, event_seq, op, &value, Some(t.values), None)?;
+            continue;
+        }
+        let Some((key, cp)) = changes else { break };
+        // The old key, when sent: a tuple of every column, NULL outside the key.
+        let mut old = None;
+        let mut pos = 5;
+        if buf[5] == b'K' {
+            old_json.clear();
+            old_spans.clear();
+            let Some(t) = read_tuple(py, buf, 6, kinds, &mut old_json, Some(&mut old_spans)) else { break };
+            if !t.unchanged.is_empty() {
+                break;
+            }
+            old = Some(t.values);
+            pos = t.end;
+        }
+        match op {
+            b'U' if buf.get(pos) == Some(&b'N') => {
+                push_event_head_with(&mut value, &parts, cp.0.as_bytes(), lsn, event_seq);
+                new_spans.clear();
+                let Some(t) = read_tuple(py, buf, pos + 1, kinds, &mut value, Some(&mut new_spans)) else { break };
+                if !t.unchanged.is_empty() {
+                    break; // an unchanged TOAST value: left out of the event, the slow path's
+                }
+                value.extend_from_slice(cp.2.as_bytes());
+                match old {
+                    Some(_) => push_key_json(&mut value, Some(&old_json), &old_spans, key),
+                    None => push_key_json(&mut value, None, &new_spans, key),
+                }
+                value.extend_from_slice(cp.3.as_bytes());
+                value.extend_from_slice(parts.3.as_bytes());
+                run.push(&key_parts, event_seq, op, &value, Some(t.values), old)?;
+            }
+            b'D' if old.is_some() => {
+                push_event_head_with(&mut value, &parts, cp.1.as_bytes(), lsn, event_seq);
+                value.extend_from_slice(cp.2.as_bytes());
+                push_key_json(&mut value, Some(&old_json), &old_spans, key);
+                value.extend_from_slice(cp.3.as_bytes());
+                value.extend_from_slice(parts.3.as_bytes());
+                run.push(&key_parts, event_seq, op, &value, None, old)?;
+            }
+            _ => break,
+        }
     }
-    Ok(out)
+    Ok(run.finish())
 }
 
 #[pymodule]
 fn walbus_native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(decode_tuple, m)?)?;
-    m.add_function(wrap_pyfunction!(encode_inserts, m)?)?;
+    m.add_function(wrap_pyfunction!(encode_changes, m)?)?;
     m.add_function(wrap_pyfunction!(wal2json::encode_wal2json_changes, m)?)?;
     m.add_function(wrap_pyfunction!(wal2json::loads_exact, m)?)?;
     m.add_class::<event::EventDecoder>()?;

@@ -19,7 +19,7 @@ use pyo3::types::{PyBool, PyBytes, PyDict, PyFloat, PyInt, PyList, PyString};
 use serde::Deserialize;
 use serde_json::value::RawValue;
 
-use crate::{convert, event_key, push_event_head_with, push_json_string, InsertParts, KeyParts, BOOL, TEXT};
+use crate::{change_args, convert, push_event_head_with, push_json_string, ChangeParts, ChangeRun, InsertParts, KeyParts, RunBuilder, BOOL, TEXT};
 
 /// One column of a change, as wal2json prints it with `include-type-oids`, `include-typmod`
 /// and `include-not-null`.
@@ -135,17 +135,6 @@ fn value<'py>(py: Python<'py>, kind: u8, raw: &RawValue, exact: &mut ExactMark<'
     }
 }
 
-/// What a change run gives the caller: each event's key, value, new row (None: a delete) and
-/// old key row (None: an insert; else a value per column, None outside the identity), and
-/// its operation's letter (`I`, `U`, `D`).
-type ChangeRun<'py> = (Bound<'py, PyList>, Bound<'py, PyList>, Bound<'py, PyList>, Bound<'py, PyList>, Bound<'py, PyBytes>);
-
-/// An update's and a delete's parts beside an insert's `(head, mid, tail, end)`:
-/// `(update_tail, delete_tail, identity_head, identity_end)`. An update's value is
-/// `head lsn mid seq update_tail values identity_head key_values identity_end end`, a delete's
-/// the same without `values` (and with `delete_tail`).
-type ChangeParts<'py> = (Bound<'py, PyBytes>, Bound<'py, PyBytes>, Bound<'py, PyBytes>, Bound<'py, PyBytes>);
-
 /// Whether `identity` is the relation's key as the caller's slow path reads it: its columns
 /// are `key`'s, in order, with the signature's type (wal2json prints no `optional` there).
 fn is_key(identity: &[Column<'_>], key: &[usize], signature: &[Signature]) -> bool {
@@ -158,7 +147,7 @@ fn is_key(identity: &[Column<'_>], key: &[usize], signature: &[Signature]) -> bo
 
 /// The run of changes to `schema`.`table` with column `signature` that starts at
 /// `messages[start]` (at most `limit`), `seq` counting up: inserts always (their value as
-/// `encode_inserts` makes it, from `parts`); updates with every column and deletes too when
+/// `encode_changes` makes it, from `parts`); updates with every column and deletes too when
 /// the caller gives the relation's `key` (its replica identity's column indexes) and
 /// `change_parts`. `kinds`: a letter per column. The run stops before the first message that
 /// is something else or that the slow path must decide (an update without some column: an
@@ -181,15 +170,10 @@ pub(crate) fn encode_wal2json_changes<'py>(
     key: Option<Vec<usize>>,
     change_parts: Option<ChangeParts<'py>>,
 ) -> PyResult<ChangeRun<'py>> {
-    let (keys, values, rows, olds) = (PyList::empty(py), PyList::empty(py), PyList::empty(py), PyList::empty(py));
-    let mut ops: Vec<u8> = Vec::new();
-    let changes = match (&key, &change_parts) {
-        (Some(k), Some(cp)) if !k.is_empty() && k.iter().all(|&i| i < kinds.len()) => Some((k.as_slice(), cp)),
-        _ => None,
-    };
+    let mut run = RunBuilder::new(py);
+    let changes = change_args(&key, &change_parts, kinds.len());
     if signature.len() == kinds.len() {
         let mut value_json: Vec<u8> = Vec::new();
-        let mut key_buf: Vec<u8> = Vec::new();
         for i in start..messages.len().min(start.saturating_add(limit)) {
             let item = messages.get_item(i)?;
             let (_, payload): (u64, Bound<'py, PyBytes>) = item.extract()?;
@@ -248,20 +232,10 @@ pub(crate) fn encode_wal2json_changes<'py>(
                 old = Some(whole_old);
             }
             value_json.extend_from_slice(parts.3.as_bytes());
-            keys.append(event_key(py, &key_parts, event_seq, &mut key_buf))?;
-            values.append(PyBytes::new(py, &value_json))?;
-            match row {
-                Some(r) => rows.append(PyList::new(py, r)?)?,
-                None => rows.append(py.None())?,
-            }
-            match old {
-                Some(o) => olds.append(PyList::new(py, o)?)?,
-                None => olds.append(py.None())?,
-            }
-            ops.push(op);
+            run.push(&key_parts, event_seq, op, &value_json, row, old)?;
         }
     }
-    Ok((keys, values, rows, olds, PyBytes::new(py, &ops)))
+    Ok(run.finish())
 }
 
 /// The columns' values as a JSON array appended to `json`, each converted to `out` as the

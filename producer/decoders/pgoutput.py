@@ -22,7 +22,7 @@ from producer.codec import (
     text_kind,
 )
 from producer.decoders import Item, LogicalMessage, TxnBegin, TxnEnd
-from producer.native import DecodeTuple, EncodeInserts, decode_tuple, encode_inserts
+from producer.native import DecodeTuple, EncodeChanges, decode_tuple, encode_changes
 from producer.replication import quote_ident
 
 log = logging.getLogger("walbus.producer.pgoutput")
@@ -34,7 +34,8 @@ _U16 = struct.Struct(">H")
 _TYPE = struct.Struct(">Ii")  # type oid, atttypmod
 _MSG = struct.Struct(">BQ")  # flags, lsn
 _PG_EPOCH_UNIX_US = int(PG_EPOCH.timestamp()) * 1_000_000
-_INSERT_RUN = 512  # inserts the native path encodes per call: bounds what it holds at once
+_CHANGE_RUN = 512  # changes the native path encodes per call: bounds what it holds at once
+_COUNT_INDEX = {"insert": 0, "update": 1, "delete": 2}  # Relation.txn_counts
 
 
 class DecodeError(ValueError):
@@ -52,7 +53,7 @@ class PgoutputDecoder:
     def __init__(self, catalog: CatalogLookup, capture: CaptureFilter, *, native: bool = True) -> None:
         """``native``: use the compiled tuple decoder when it is there (producer.native)."""
         self.native: DecodeTuple | None = decode_tuple() if native else None
-        self.native_inserts: EncodeInserts | None = encode_inserts() if native else None
+        self.native_changes: EncodeChanges | None = encode_changes() if native else None
         self.catalog = catalog
         self.capture = capture
         self.encoder = EventEncoder()
@@ -69,27 +70,34 @@ class PgoutputDecoder:
         insert = self.encoder.insert
         tuple_ = self._rel_tuple if self.native is None else self._native_tuple
         native = self.native
-        inserts = self.native_inserts
+        changes = self.native_changes
         skip = 0  # messages the native path took already
         for i, (lsn, buf) in enumerate(messages):
             if skip:
                 skip -= 1
                 continue
             kind = buf[0]
+            if changes is not None and kind in (0x49, 0x55, 0x44):  # I U D
+                rel = relations.get(_U32.unpack_from(buf, 1)[0])
+                if rel is not None and rel.captured and rel.plain:
+                    # Natively: this change and those that follow it, values and event values.
+                    enc = self.encoder
+                    key = rel.run_key()
+                    run = changes(messages, i, rel.relid, rel.kinds, enc.insert_parts(rel), enc.key_parts(), enc.seq,
+                                  _CHANGE_RUN, key, None if key is None else enc.change_parts(rel))
+                    if run[0]:
+                        skip = len(run[0]) - 1
+                        changed = enc.changed_run(rel, run)
+                        counts = rel.txn_counts
+                        for op, n in changed.counts().items():
+                            counts[_COUNT_INDEX[op]] += n
+                        yield changed
+                        continue
             if kind == 0x49:  # I: the hot path
                 rel = relations.get(_U32.unpack_from(buf, 1)[0])
                 if rel is None:
                     raise DecodeError("insert before its Relation message")
                 if rel.captured:
-                    if inserts is not None and rel.plain:
-                        # Natively: this insert and those that follow it, values and event values.
-                        enc = self.encoder
-                        run = inserts(messages, i, rel.relid, rel.kinds, enc.insert_parts(rel), enc.key_parts(), enc.seq, _INSERT_RUN)
-                        if run[0]:
-                            skip = len(run[0]) - 1
-                            rel.txn_counts[0] += len(run[0])
-                            yield enc.inserted_run(rel, run)
-                            continue
                     # Natively, the values' JSON comes with them (the encoder uses it when it can).
                     got = None if native is None else native(buf, 6, rel.kinds, rel.plain)
                     if got is None:

@@ -245,8 +245,7 @@ class Wal2jsonDecoder:
         """Let the native path take the next changes of ``rel`` like ``cols`` (a whole row, in
         the relation's column order). Updates and deletes too when the identity is the key
         (a full identity is an old row, the slow path's)."""
-        key = rel.ident_idx if rel.replident != "f" and rel.ident_idx else None
-        self._hot = (schema, table, _signatures(cols), rel, key)
+        self._hot = (schema, table, _signatures(cols), rel, rel.run_key())
 
     def decode(self, messages: list[tuple[int, bytes]]) -> Iterator[Item]:
         changes = self.native_changes
