@@ -266,7 +266,7 @@ class EncodedEvent:
 
 
 
-_RUN_OPERATIONS: Final = {ord("I"): "insert", ord("U"): "update", ord("D"): "delete"}
+_RUN_OPERATIONS: Final = {ord("I"): "insert", ord("U"): "update", ord("D"): "delete", ord("R"): "read"}
 
 
 @dataclass(slots=True)
@@ -280,7 +280,7 @@ class ChangeRun:
     values: list[bytes]
     rows: list[list[Any] | None]  # each event's new row, a value per relation column (None: a delete)
     olds: list[list[Any] | None]  # each event's old key row, as sent (None: none was)
-    operations: bytes  # each event's: I(nsert), U(pdate) or D(elete)
+    operations: bytes  # each event's: I(nsert), U(pdate), D(elete) or R(ead: a snapshot row)
 
     def events(self) -> Iterator[EncodedEvent]:
         """The run as the EncodedEvents :meth:`EventEncoder.encode` would have made."""
@@ -341,6 +341,7 @@ class EventEncoder:
         self._row_templates.pop(relid, None)
         self._row_templates.pop(-1 - relid, None)
         self._insert_parts.pop(relid, None)
+        self._insert_parts.pop(-1 - relid, None)
         self._change_parts.pop(relid, None)
 
     def insert_parts(self, rel: Relation) -> tuple[bytes, bytes, bytes, bytes]:
@@ -355,6 +356,13 @@ class EventEncoder:
         """The keys of this transaction as ``(head, width)``: a key is ``head`` and then its seq in
         upper-case hex, zero-padded to ``width`` digits (the native path; KEY_FORMAT's form)."""
         return self._key_head, SEQ_HEX_DIGITS
+
+    def read_parts(self, rel: Relation) -> tuple[bytes, bytes, bytes, bytes]:
+        """:meth:`insert_parts` of a snapshot row (``operation: "read"``)."""
+        parts = self._insert_parts.get(-1 - rel.relid)
+        if parts is None:
+            parts = self._insert_parts[-1 - rel.relid] = self._row_parts(rel, "read")
+        return parts
 
     def change_parts(self, rel: Relation) -> tuple[bytes, bytes, bytes, bytes]:
         """An update's and a delete's parts of plain ``rel`` (its key as the identity) beside

@@ -82,6 +82,21 @@ def encode_wal2json_changes() -> EncodeWal2jsonChanges | None:
     return None if found is None else cast(EncodeWal2jsonChanges, found)
 
 
+class EncodeCopyRows(Protocol):
+    def __call__(
+        self, lines: list[bytes], start: int, kinds: bytes, parts: tuple[bytes, bytes, bytes, bytes],
+        key_parts: tuple[bytes, int], seq: int, lsn: int, limit: int, /,
+    ) -> ChangeRunParts: ...
+
+
+def encode_copy_rows() -> EncodeCopyRows | None:
+    """The extension's run-of-COPY-lines encoder for the initial snapshot (None: pure Python,
+    or an extension built before it)."""
+    module = _module()
+    found = getattr(module, "encode_copy_rows", None)
+    return None if found is None else cast(EncodeCopyRows, found)
+
+
 class LoadsExact(Protocol):
     def __call__(self, buf: bytes, /) -> Any: ...
 

@@ -11,10 +11,10 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, cast
 
 import orjson
 import psycopg
@@ -22,9 +22,10 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 from psycopg import sql
 
 from producer import setup
-from producer.codec import CaptureFilter, EncodedEvent, EventEncoder, Relation
+from producer.codec import CaptureFilter, ChangeRun, EncodedEvent, EventEncoder, Relation
 from producer.config import ProducerConfig
 from producer.metrics import SnapshotMetrics
+from producer.native import EncodeCopyRows, encode_copy_rows
 from producer.offsets import OffsetStore
 from producer.progress import Progress
 from producer.replication import ReplicationStream
@@ -32,6 +33,7 @@ from producer.sink import KafkaSink
 from producer.tablescan import (
     ScanTable,
     convert_line,
+    convert_row,
     copy_table_blocks,
     describe_table,
     str_converters,
@@ -42,6 +44,7 @@ from walbus.contract import MASK, Lsn, decode_event, qualify_table
 log = logging.getLogger("walbus.producer.snapshot")
 
 KIND = "initial"
+_COPY_RUN = 512  # lines the native path encodes per call: one Kafka batch's worth or so
 
 
 class SnapshotAborted(Exception):
@@ -64,8 +67,9 @@ class Part:
 @dataclass
 class Batch:
     table: ScanTable
-    rows: list[list[Any]]
+    rows: list[list[Any]]  # converted rows (the pure-Python path)
     done: bool = False  # the last batch of its part
+    lines: list[bytes] | None = None  # or COPY text lines, for the native run (then rows is empty)
 
 
 def plan_parts(tables: list[ScanTable], workers: int) -> list[Part]:
@@ -277,14 +281,17 @@ class InitialSnapshot:
                     return
             fut.cancel()
 
+        copy_rows = encode_copy_rows()
+        raw = copy_rows is not None  # the native run converts the lines: the workers only read
         threads = [
-            threading.Thread(target=_worker, args=(c, todo, cfg.snapshot_fetch_rows, put, errors, cancel), daemon=True, name=f"snapshot-{i}")
+            threading.Thread(target=_worker, args=(c, todo, cfg.snapshot_fetch_rows, put, errors, cancel, raw), daemon=True,
+                             name=f"snapshot-{i}")
             for i, c in enumerate(conns)
         ]
         for th in threads:
             th.start()
         try:
-            await self._emit(sink, batches, len(threads), result, earlier, parts_left)
+            await self._emit(sink, batches, len(threads), result, earlier, parts_left, copy_rows)
             if errors:
                 raise errors[0]
             await sink.wait_acked(timeout=120)
@@ -304,7 +311,7 @@ class InitialSnapshot:
 
     async def _emit(
         self, sink: KafkaSink, batches: asyncio.Queue[Batch | None], workers: int, result: SnapshotResult,
-        earlier: dict[str, set[bytes]], parts_left: dict[str, int],
+        earlier: dict[str, set[bytes]], parts_left: dict[str, int], copy_rows: EncodeCopyRows | None,
     ) -> None:
         cp = result.consistent_point
         encoder = EventEncoder(partitioned=self.partitions > 1)
@@ -322,16 +329,17 @@ class InitialSnapshot:
             table = batch.table
             rel = table.relation
             seen_tables[rel.qualified] = table
-            read, append = encoder.read, sink.append
-            for values in batch.rows:
-                ev = read(rel, cp, values)
-                if not append(ev):  # a full batch: the only await
-                    await sink.put(ev)
+            rows = batch.rows
+            if batch.lines is not None:
+                assert copy_rows is not None
+                rows = await _emit_lines(encoder, sink, rel, cp, batch.lines, copy_rows)
+            else:
+                await _emit_rows(encoder, sink, rel, cp, rows)
             gone = earlier.get(rel.qualified)
             if gone and rel.pk_index:
-                for values in batch.rows:
+                for values in rows:
                     gone.discard(snapshot_key(rel, values))
-            n = len(batch.rows)
+            n = len(rows)
             result.rows += n
             result.per_table[rel.qualified] = result.per_table.get(rel.qualified, 0) + n
             scanned.labels(KIND, rel.qualified).inc(n)
@@ -418,11 +426,53 @@ def _deletes(encoder: EventEncoder, table: ScanTable, keys: set[bytes], cp: int)
     return out
 
 
+async def _emit_rows(encoder: EventEncoder, sink: KafkaSink, rel: Relation, cp: int, rows: list[list[Any]]) -> None:
+    """Converted rows as read events, one at a time (the pure-Python path)."""
+    read, append = encoder.read, sink.append
+    for values in rows:
+        ev = read(rel, cp, values)
+        if not append(ev):  # a full batch: the only await
+            await sink.put(ev)
+
+
+def read_events(
+    encoder: EventEncoder, rel: Relation, cp: int, lines: list[bytes], copy_rows: EncodeCopyRows,
+) -> Iterator[ChangeRun | EncodedEvent]:
+    """COPY text lines as read events: runs encoded natively, and a line the run leaves (text
+    its converters refuse) converted the pure-Python way, which decides."""
+    convs, i = rel.converters, 0
+    while i < len(lines):
+        run = copy_rows(lines, i, rel.kinds, encoder.read_parts(rel), encoder.key_parts(), encoder.seq, cp, _COPY_RUN)
+        if run[0]:
+            yield encoder.changed_run(rel, run)
+            i += len(run[0])
+        else:
+            yield encoder.read(rel, cp, convert_row(lines[i], convs)[0])
+            i += 1
+
+
+async def _emit_lines(
+    encoder: EventEncoder, sink: KafkaSink, rel: Relation, cp: int, lines: list[bytes], copy_rows: EncodeCopyRows,
+) -> list[list[Any]]:
+    """:func:`read_events` into ``sink``; returns the rows' values."""
+    rows: list[list[Any]] = []
+    for item in read_events(encoder, rel, cp, lines, copy_rows):
+        if isinstance(item, ChangeRun):
+            await sink.put_run(item)
+            rows.extend(cast(list[list[Any]], item.rows))
+        else:
+            if not sink.append(item):
+                await sink.put(item)
+            rows.append(cast(list[Any], item.new))
+    return rows
+
+
 def _worker(
     conn: psycopg.Connection[tuple[object, ...]], todo: queue.SimpleQueue[Part], fetch_rows: int,
-    put: Callable[[Batch | None], None], errors: list[BaseException], cancel: threading.Event,
+    put: Callable[[Batch | None], None], errors: list[BaseException], cancel: threading.Event, raw: bool,
 ) -> None:
-    """One snapshot connection: reads whole tables, hands converted rows to the event loop."""
+    """One snapshot connection: reads whole tables, hands rows to the event loop: converted,
+    or (``raw``, a table without excluded or masked columns) as COPY lines for the native run."""
     try:
         while not cancel.is_set():
             try:
@@ -432,15 +482,20 @@ def _worker(
             table = part.table
             convs = table.relation.converters
             str_convs = str_converters(table.relation.types)
+            as_lines = raw and table.relation.plain
             rows: list[list[Any]] = []
+            lines: list[bytes] = []
             for block in copy_table_blocks(conn, table, part.pages, stop=cancel):
-                rows.extend([convert_line(line, convs, str_convs) for line in block])
-                if len(rows) >= fetch_rows:
-                    put(Batch(table, rows))
-                    rows = []
+                if as_lines:
+                    lines.extend(block)
+                else:
+                    rows.extend([convert_line(line, convs, str_convs) for line in block])
+                if len(rows) + len(lines) >= fetch_rows:
+                    put(Batch(table, rows, lines=lines if as_lines else None))
+                    rows, lines = [], []
                     if cancel.is_set():
                         return
-            put(Batch(table, rows, done=True))
+            put(Batch(table, rows, done=True, lines=lines if as_lines else None))
     except BaseException as e:
         errors.append(e)
     finally:

@@ -13,6 +13,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyBytes, PyFloat, PyList, PyString};
 
 mod copydata;
+mod copytext;
 mod event;
 mod lanes;
 mod wal2json;
@@ -430,6 +431,7 @@ fn encode_changes<'py>(
 fn walbus_native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(decode_tuple, m)?)?;
     m.add_function(wrap_pyfunction!(encode_changes, m)?)?;
+    m.add_function(wrap_pyfunction!(copytext::encode_copy_rows, m)?)?;
     m.add_function(wrap_pyfunction!(wal2json::encode_wal2json_changes, m)?)?;
     m.add_function(wrap_pyfunction!(wal2json::loads_exact, m)?)?;
     m.add_class::<event::EventDecoder>()?;
