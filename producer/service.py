@@ -280,6 +280,7 @@ class Producer:
                             if not sink.append(it):  # no coroutine per event: put() only for a full batch
                                 await sink.put(it)
                         case ChangeRun():
+                            stream.pull()  # the walsender goes on while this run is sent
                             if inc is not None and inc.watches(it.relation):
                                 for ev in it.events():
                                     inc.observe(ev)
