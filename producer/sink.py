@@ -23,7 +23,7 @@ from aiokafka import AIOKafkaProducer
 
 from producer.codec import ChangeRun, EncodedEvent
 from producer.progress import Progress
-from walbus.aiokafka_shortcuts import OutputBatch
+from walbus.aiokafka_shortcuts import OutputBatch, native_batch
 from walbus.config import ConfigError
 from walbus.kafka import (
     DEFAULT_MAX_MESSAGE_BYTES,
@@ -155,7 +155,7 @@ class KafkaSink:
     def _new_batch(self, p: int) -> OutputBatch:
         # aiokafka's batch (size, compression, idempotence as configured), appended to without
         # its per-record wrapper where walbus.aiokafka_shortcuts allows.
-        batch = self._open[p] = OutputBatch.around(self._producer.create_batch())
+        batch = self._open[p] = OutputBatch.around(native_batch(self._producer) or self._producer.create_batch())
         return batch
 
     async def send_side_record(self, topic: str, key: bytes, value: bytes) -> None:

@@ -19,6 +19,7 @@ tests/integration/test_demux_fetch.py fails when an aiokafka upgrade changes wha
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import logging
 from collections import OrderedDict
@@ -34,6 +35,8 @@ from aiokafka.errors import CorruptRecordException
 from aiokafka.producer.message_accumulator import BatchBuilder
 from aiokafka.producer.transaction_manager import TransactionManager
 from aiokafka.record.memory_records import MemoryRecords
+
+from walbus.native import native_module
 
 log = logging.getLogger("walbus.kafka")
 
@@ -210,22 +213,108 @@ def flatten(items: list[Any]) -> list[SourceRecord]:
 # -- output batches ------------------------------------------------------------------------
 
 
+class NativeBatch(BatchBuilder):  # type: ignore[misc]
+    """aiokafka's BatchBuilder over walbus_native's RecordBatchBuilder (uncompressed record
+    batches built in Rust from whole runs of records): aiokafka's accumulator and sender call
+    the methods below as they would on their own batch (:func:`native_batch` makes one)."""
+
+    def __init__(self, batch_size: int, transactional: bool) -> None:  # no super(): no Cython builder
+        self._builder: Any = native_module().RecordBatchBuilder(batch_size, transactional)
+        self._relative_offset = 0
+        self._buffer: bytes | None = None
+        self._closed = False
+        self._key_serializer = self._value_serializer = None
+
+    def append(self, *, timestamp: int | None, key: bytes | None, value: bytes | None,
+               headers: Any = NO_HEADERS) -> Any:
+        # aiokafka's public append: walbus's sinks use OutputBatch; nothing else may add to this batch.
+        raise TypeError("a NativeBatch is filled through OutputBatch")
+
+    def _set_producer_state(self, producer_id: int, producer_epoch: int, base_sequence: int) -> None:
+        self._builder.set_producer_state(producer_id, producer_epoch, base_sequence)
+
+    def _build(self) -> bytes:
+        self.close()
+        if self._buffer is None:
+            self._buffer = self._builder.build()
+        return self._buffer
+
+    def size(self) -> int:
+        return len(self._buffer) if self._buffer is not None else int(self._builder.size())
+
+    def record_count(self) -> int:
+        return int(self._builder.record_count())
+
+
+def _accumulator_settings(producer: AIOKafkaProducer) -> tuple[int, bool] | None:
+    """(batch size, transactional) of the producer's batches when they are uncompressed and
+    unserialized (what a NativeBatch builds), as its create_batch() would make them."""
+    acc = getattr(producer, "_message_accumulator", None)
+    size, compression = getattr(acc, "_batch_size", None), getattr(acc, "_compression_type", None)
+    if not isinstance(size, int) or compression != 0:
+        return None
+    if getattr(producer, "_key_serializer", None) is not None or getattr(producer, "_value_serializer", None) is not None:
+        return None
+    txn = getattr(acc, "_txn_manager", None)
+    return size, txn is not None and txn.transactional_id is not None
+
+
+def native_batch(producer: AIOKafkaProducer) -> BatchBuilder | None:
+    """An empty NativeBatch for ``producer.send_batch``, or None: the extension is not there,
+    its batches do not read back as aiokafka's own (probed once), or the producer compresses."""
+    settings = _accumulator_settings(producer)
+    if settings is None or not _native_batches():
+        return None
+    return NativeBatch(*settings)
+
+
+@functools.cache
+def _native_batches() -> bool:
+    """walbus_native's record batches read back as aiokafka's own hold the same records, with
+    a valid CRC and the producer state aiokafka's sender sets."""
+    module = native_module()
+    if module is None or not hasattr(module, "RecordBatchBuilder"):
+        return False
+    try:
+        records = [(b"k1", b"v1" * 300), (None, b"v2"), (b"k3", None), (b"", b"")]
+        theirs = BatchBuilder(16384, 0, is_transactional=1)
+        ours = NativeBatch(16384, True)
+        for key, value in records:
+            theirs.append(timestamp=None, key=key, value=value)
+        if ours._builder.extend([k for k, _ in records], [v for _, v in records], 0) != len(records):
+            return False
+        for b in (theirs, ours):
+            b._set_producer_state(12345, 7, 99)
+        built = [MemoryRecords(bytes(b._build())).next_batch() for b in (theirs, ours)]
+        fields = [(b.validate_crc(), b.producer_id, b.producer_epoch, b.base_sequence, b.is_transactional,
+                   [(r.offset, r.key, r.value, r.headers) for r in b]) for b in built]
+        if fields[0] != fields[1] or not fields[1][0] or ours.record_count() != len(records):
+            log.warning("walbus_native's record batches differ from aiokafka's: building them in Python", extra={"aiokafka": aiokafka.__version__})
+            return False
+        return True
+    except Exception:  # another aiokafka
+        log.warning("probing walbus_native's record batches failed: building them in Python", exc_info=True)
+        return False
+
+
 class OutputBatch:
     """An aiokafka record batch for ``send_batch``, filled without its per-record wrapper.
 
-    The hot loop appends with ``records.append(count, None, key, value, NO_HEADERS)``
+    Over a :class:`NativeBatch` (``native``), :meth:`extend` hands whole runs to Rust.
+    Otherwise the hot loop appends with ``records.append(count, None, key, value, NO_HEADERS)``
     (the Cython builder: None when full) and then ``count += 1``; :meth:`for_send`
     hands aiokafka the batch with its record count. Without the direct-append
     shortcut ``records`` is None and :meth:`append` takes aiokafka's public append.
     """
 
-    __slots__ = ("batch", "count", "records")
+    __slots__ = ("batch", "count", "native", "records")
 
     def __init__(self, size: int, *, batch: Any = None) -> None:
         # As AIOKafkaProducer.create_batch with max_batch_size=size (no compression):
         # the demux sizes batches per topic (its max.message.bytes).
         self.batch = BatchBuilder(size, 0, is_transactional=1) if batch is None else batch
-        self.records: Any = self.batch._builder if SHORTCUTS.direct_append else None
+        self.native: Any = self.batch._builder if isinstance(self.batch, NativeBatch) else None
+        self.records: Any = self.batch._builder if SHORTCUTS.direct_append and self.native is None else None
         self.count = 0
 
     @classmethod
@@ -237,6 +326,14 @@ class OutputBatch:
     def append(self, key: bytes | None, value: bytes | None,
                headers: list[tuple[str, bytes]] = NO_HEADERS) -> bool:
         """Append one record; False when the batch is full."""
+        native = self.native
+        if native is not None:
+            if headers:
+                raise TypeError("a NativeBatch takes records without headers")
+            if not native.append(key, value):
+                return False
+            self.count += 1
+            return True
         records = self.records
         if records is None:
             if self.batch.append(timestamp=None, key=key, value=value, headers=headers) is None:
@@ -248,6 +345,10 @@ class OutputBatch:
 
     def extend(self, keys: list[bytes], values: list[bytes], start: int = 0) -> int:
         """Append ``zip(keys, values)[start:]`` until the batch is full; how many it took."""
+        if self.native is not None:
+            taken: int = self.native.extend(keys, values, start)
+            self.count += taken
+            return taken
         records, count = self.records, self.count
         i, end = start, len(keys)
         if records is None:
@@ -264,7 +365,7 @@ class OutputBatch:
 
     def for_send(self) -> Any:
         """The closed aiokafka BatchBuilder, counting the records appended directly."""
-        if self.records is not None:
+        if self.records is not None or self.native is not None:
             self.batch._relative_offset = self.count
         self.batch.close()
         return self.batch

@@ -16,6 +16,7 @@ mod copydata;
 mod copytext;
 mod event;
 mod lanes;
+mod recordbatch;
 mod wal2json;
 
 /// Column kinds, as the caller spells them.
@@ -432,6 +433,7 @@ fn walbus_native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(decode_tuple, m)?)?;
     m.add_function(wrap_pyfunction!(encode_changes, m)?)?;
     m.add_function(wrap_pyfunction!(copytext::encode_copy_rows, m)?)?;
+    m.add_class::<recordbatch::RecordBatchBuilder>()?;
     m.add_function(wrap_pyfunction!(wal2json::encode_wal2json_changes, m)?)?;
     m.add_function(wrap_pyfunction!(wal2json::loads_exact, m)?)?;
     m.add_class::<event::EventDecoder>()?;

@@ -1,0 +1,56 @@
+"""walbus_native's Kafka record batches (NativeBatch) against aiokafka's own BatchBuilder: the
+same records taken before the batch is full, the same bytes read back, a valid CRC-32C."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from aiokafka.producer.message_accumulator import BatchBuilder
+from aiokafka.record.memory_records import MemoryRecords
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from walbus.aiokafka_shortcuts import NativeBatch, OutputBatch, _native_batches
+from walbus.native import native_module
+
+PAYLOADS = st.one_of(st.none(), st.binary(max_size=40), st.binary(min_size=100, max_size=3000))
+
+
+def _read(batch: BatchBuilder) -> tuple[Any, ...]:
+    built = MemoryRecords(bytes(batch._build())).next_batch()
+    crc = built.validate_crc()  # before iterating, as aiokafka's batch requires
+    records = [(r.offset, r.key, r.value, r.headers) for r in built]
+    return (crc, built.producer_id, built.producer_epoch, built.base_sequence, built.is_transactional,
+            built.next_offset, records)
+
+
+@settings(max_examples=200)
+@given(st.lists(st.tuples(PAYLOADS, PAYLOADS), min_size=1, max_size=60), st.sampled_from([200, 1000, 16384]),
+       st.booleans(), st.integers(0, 5))
+def test_a_native_batch_reads_back_as_aiokafkas(records: list[tuple[bytes | None, bytes | None]], size: int,
+                                                transactional: bool, start: int) -> None:
+    if native_module() is None:  # pure Python only here (test_prop_native checks it is built)
+        return
+    theirs = OutputBatch(0, batch=BatchBuilder(size, 0, is_transactional=transactional))
+    ours = OutputBatch(0, batch=NativeBatch(size, transactional))
+    assert ours.native is not None and theirs.native is None
+    keys, values = [k for k, _ in records], [v for _, v in records]
+    start = min(start, len(records) - 1)
+    taken = ours.extend(keys, values, start)
+    assert taken == theirs.extend(keys, values, start) >= 1  # an empty batch takes any record
+    assert ours.batch.size() == theirs.batch.size()
+    if start + taken < len(records):  # full: one more record is refused by both
+        assert ours.append(keys[start + taken], values[start + taken]) is False
+    sent = []
+    for out in (theirs, ours):
+        batch = out.for_send()
+        batch._set_producer_state(4242, 3, 17)
+        sent.append(batch)
+    assert _read(sent[0]) == _read(sent[1])
+    assert _read(sent[1])[0] is True  # CRC
+    assert sent[1]._build() is sent[1]._build()  # a retried send sends the same bytes
+    assert sent[1].record_count() == taken
+
+
+def test_the_native_batches_are_on_where_the_extension_is_built() -> None:
+    assert _native_batches() is (native_module() is not None)
