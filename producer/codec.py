@@ -278,14 +278,30 @@ class ChangeRun:
     partition_key: bytes
     keys: list[bytes]
     values: list[bytes]
-    rows: list[list[Any] | None]  # each event's new row, a value per relation column (None: a delete)
-    olds: list[list[Any] | None]  # each event's old key row, as sent (None: none was)
+    # Each event's new row, a value per relation column (None: a delete), and old key row as
+    # sent (None: none was); both None when the run was encoded without them (``remake``).
+    rows: list[list[Any] | None] | None
+    olds: list[list[Any] | None] | None
     operations: bytes  # each event's: I(nsert), U(pdate), D(elete) or R(ead: a snapshot row)
+    # The native call again, with rows: the records go to Kafka as they are, and the rows are
+    # made only for somebody who looks at them (an incremental snapshot's watch, an error).
+    remake: Callable[[], tuple[Any, Any, list[list[Any] | None], list[list[Any] | None], bytes]] | None = None
+
+    def images(self) -> tuple[list[list[Any] | None], list[list[Any] | None]]:
+        """The events' new and old rows, made now if the run was encoded without them."""
+        if self.rows is None or self.olds is None:
+            assert self.remake is not None, "a run without rows and no way to make them"
+            made = self.remake()
+            if made[0] != self.keys or made[4] != self.operations:
+                raise RuntimeError("a change run made again differs from itself")  # never: the call is deterministic
+            self.rows, self.olds = made[2], made[3]
+        return self.rows, self.olds
 
     def events(self) -> Iterator[EncodedEvent]:
         """The run as the EncodedEvents :meth:`EventEncoder.encode` would have made."""
         rel, pkey, ops = self.relation, self.partition_key, self.operations
-        for i, (key, value, new, old) in enumerate(zip(self.keys, self.values, self.rows, self.olds, strict=True)):
+        rows, olds = self.images()
+        for i, (key, value, new, old) in enumerate(zip(self.keys, self.values, rows, olds, strict=True)):
             yield EncodedEvent(key, value, pkey, rel, _RUN_OPERATIONS[ops[i]], new, old)
 
     def counts(self) -> dict[str, int]:
@@ -382,14 +398,19 @@ class EventEncoder:
         return parts
 
     def changed_run(
-        self, rel: Relation, run: tuple[list[bytes], list[bytes], list[list[Any] | None], list[list[Any] | None], bytes]
+        self, rel: Relation, run: tuple[list[bytes], list[bytes], list[list[Any] | None], list[list[Any] | None], bytes],
+        remake: Callable[[], tuple[Any, Any, list[list[Any] | None], list[list[Any] | None], bytes]] | None = None,
     ) -> ChangeRun:
         """The next ``len(keys)`` events: changes of plain ``rel`` as ``(keys, values, new rows,
         old key rows, operations)``, made from :meth:`key_parts`, :meth:`insert_parts` and
-        :meth:`change_parts` with consecutive seqs from this one (the native path)."""
+        :meth:`change_parts` with consecutive seqs from this one (the native path). With
+        ``remake`` the run came without rows (empty lists) and ``remake`` makes them."""
         keys, values, rows, olds, operations = run
         self.seq += len(keys)
-        return ChangeRun(rel, rel.table_key if self.partitioned else b"", keys, values, rows, olds, operations)
+        pkey = rel.table_key if self.partitioned else b""
+        if remake is not None:
+            return ChangeRun(rel, pkey, keys, values, None, None, operations, remake)
+        return ChangeRun(rel, pkey, keys, values, rows, olds, operations)
 
     def insert(self, rel: Relation, lsn: int, new: list[Any], rendered: bytes | None = None) -> EncodedEvent:
         """The hot path: an insert of a relation with no excluded or masked column.

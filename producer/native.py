@@ -33,7 +33,8 @@ class EncodeChanges(Protocol):
     def __call__(
         self, messages: list[tuple[int, bytes]], start: int, relid: int, kinds: bytes,
         parts: tuple[bytes, bytes, bytes, bytes], key_parts: tuple[bytes, int], seq: int, limit: int,
-        key: list[int] | None = None, change_parts: tuple[bytes, bytes, bytes, bytes] | None = None, /,
+        key: list[int] | None = None, change_parts: tuple[bytes, bytes, bytes, bytes] | None = None,
+        rows: bool = True, /,
     ) -> ChangeRunParts: ...
 
 

@@ -459,7 +459,7 @@ async def _emit_lines(
     for item in read_events(encoder, rel, cp, lines, copy_rows):
         if isinstance(item, ChangeRun):
             await sink.put_run(item)
-            rows.extend(cast(list[list[Any]], item.rows))
+            rows.extend(cast(list[list[Any]], item.images()[0]))
         else:
             if not sink.append(item):
                 await sink.put(item)

@@ -105,18 +105,24 @@ fn push_json_float(out: &mut Vec<u8>, value: f64) {
 
 /// One column's text as a Python value, its JSON appended to `json`; `None`: leave it to the slow path.
 fn convert<'py>(py: Python<'py>, kind: u8, raw: &[u8], json: &mut Vec<u8>) -> Option<Bound<'py, PyAny>> {
-    match kind {
+    convert_to(py, kind, raw, json, true)?
+}
+
+/// `convert`, making the Python value only when `make` (the JSON and the checks either way):
+/// `Some(None)` is a value taken without one.
+fn convert_to<'py>(py: Python<'py>, kind: u8, raw: &[u8], json: &mut Vec<u8>, make: bool) -> Option<Option<Bound<'py, PyAny>>> {
+    Some(match kind {
         INT => {
             let text = std::str::from_utf8(raw).ok()?;
             let mut buf = itoa::Buffer::new();
             if let Ok(v) = text.parse::<i64>() {
                 json.extend_from_slice(buf.format(v).as_bytes());
-                Some(v.into_pyobject(py).ok()?.into_any())
+                if make { Some(v.into_pyobject(py).ok()?.into_any()) } else { None }
             } else {
                 // orjson writes integers up to 2**64 - 1; larger ones fail there, on the slow path.
                 let v = text.parse::<u64>().ok()?;
                 json.extend_from_slice(buf.format(v).as_bytes());
-                Some(v.into_pyobject(py).ok()?.into_any())
+                if make { Some(v.into_pyobject(py).ok()?.into_any()) } else { None }
             }
         }
         FLOAT => {
@@ -126,23 +132,24 @@ fn convert<'py>(py: Python<'py>, kind: u8, raw: &[u8], json: &mut Vec<u8>) -> Op
                 return None;
             }
             push_json_float(json, v);
-            Some(PyFloat::new(py, v).into_any())
+            if make { Some(PyFloat::new(py, v).into_any()) } else { None }
         }
         BOOL => {
             let v = raw == b"t";
             json.extend_from_slice(if v { b"true" } else { b"false" });
-            Some(PyBool::new(py, v).to_owned().into_any())
+            if make { Some(PyBool::new(py, v).to_owned().into_any()) } else { None }
         }
         TEXT => {
             let text = std::str::from_utf8(raw).ok()?;
             push_json_string(json, text);
-            Some(PyString::new(py, text).into_any())
+            if make { Some(PyString::new(py, text).into_any()) } else { None }
         }
-        _ => None,
-    }
+        _ => return None,
+    })
 }
 
-/// A decoded tuple: its values, the indexes of the unchanged ones, the position after it.
+/// A decoded tuple: its values (none unless made), the indexes of the unchanged ones, the
+/// position after it.
 struct Tuple<'py> {
     values: Vec<Bound<'py, PyAny>>,
     unchanged: Vec<usize>,
@@ -158,6 +165,7 @@ fn read_tuple<'py>(
     kinds: &[u8],
     json: &mut Vec<u8>,
     mut spans: Option<&mut Vec<(usize, usize)>>,
+    make: bool,
 ) -> Option<Tuple<'py>> {
     let mut reader = Reader { buf, pos };
     let n = reader.u16()?;
@@ -176,14 +184,18 @@ fn read_tuple<'py>(
             b't' => {
                 let size = reader.u32()?;
                 let raw = reader.take(size)?;
-                values.push(convert(py, kind, raw, json)?);
+                if let Some(v) = convert_to(py, kind, raw, json, make)? {
+                    values.push(v);
+                }
             }
             tag @ (b'n' | b'u') => {
                 if tag == b'u' {
                     unchanged.push(i);
                 }
                 json.extend_from_slice(b"null");
-                values.push(py.None().into_bound(py));
+                if make {
+                    values.push(py.None().into_bound(py));
+                }
             }
             _ => return None,
         }
@@ -213,7 +225,7 @@ fn decode_tuple<'py>(
     render: bool,
 ) -> PyResult<Option<Decoded<'py>>> {
     let mut json: Vec<u8> = Vec::with_capacity(if render { buf.len() + 2 * kinds.len() + 2 } else { 64 });
-    let Some(t) = read_tuple(py, buf, pos, kinds, &mut json, None) else { return Ok(None) };
+    let Some(t) = read_tuple(py, buf, pos, kinds, &mut json, None, true) else { return Ok(None) };
     let list = PyList::new(py, t.values)?;
     let rendered = if render { Some(PyBytes::new(py, &json)) } else { None };
     Ok(Some((list, t.unchanged, t.end, rendered)))
@@ -263,6 +275,8 @@ pub(crate) type ChangeParts<'py> = (Bound<'py, PyBytes>, Bound<'py, PyBytes>, Bo
 
 /// A change run being built: the lists `ChangeRun` hands over, and the operations.
 pub(crate) struct RunBuilder<'py> {
+    /// Whether the new and old rows are handed over (else their lists stay empty).
+    pub(crate) images: bool,
     keys: Bound<'py, PyList>,
     values: Bound<'py, PyList>,
     rows: Bound<'py, PyList>,
@@ -274,7 +288,7 @@ pub(crate) struct RunBuilder<'py> {
 impl<'py> RunBuilder<'py> {
     pub(crate) fn new(py: Python<'py>) -> Self {
         let list = || PyList::empty(py);
-        RunBuilder { keys: list(), values: list(), rows: list(), olds: list(), ops: Vec::new(), key_buf: Vec::new() }
+        RunBuilder { images: true, keys: list(), values: list(), rows: list(), olds: list(), ops: Vec::new(), key_buf: Vec::new() }
     }
 
     /// Append event `seq`: its operation, value, new row and old row.
@@ -290,13 +304,15 @@ impl<'py> RunBuilder<'py> {
         let py = self.keys.py();
         self.keys.append(event_key(py, key, seq, &mut self.key_buf))?;
         self.values.append(PyBytes::new(py, value))?;
-        match row {
-            Some(r) => self.rows.append(PyList::new(py, r)?)?,
-            None => self.rows.append(py.None())?,
-        }
-        match old {
-            Some(o) => self.olds.append(PyList::new(py, o)?)?,
-            None => self.olds.append(py.None())?,
+        if self.images {
+            match row {
+                Some(r) => self.rows.append(PyList::new(py, r)?)?,
+                None => self.rows.append(py.None())?,
+            }
+            match old {
+                Some(o) => self.olds.append(PyList::new(py, o)?)?,
+                None => self.olds.append(py.None())?,
+            }
         }
         self.ops.push(op);
         Ok(())
@@ -343,8 +359,10 @@ fn push_key_json(out: &mut Vec<u8>, src: Option<&[u8]>, spans: &[(usize, usize)]
 /// that key as their old key (sent or not: an update that kept its key sends none). `messages`
 /// holds `(lsn, payload)` pairs. The run stops before the first message that is something
 /// else or that the slow path must decide (an unchanged TOAST value, a whole old row).
+/// Without `rows` the new and old rows' lists stay empty (the values' JSON is made all the
+/// same): the caller makes them again, with `rows`, when it needs them.
 #[pyfunction]
-#[pyo3(signature = (messages, start, relid, kinds, parts, key_parts, seq, limit, key=None, change_parts=None))]
+#[pyo3(signature = (messages, start, relid, kinds, parts, key_parts, seq, limit, key=None, change_parts=None, rows=true))]
 #[allow(clippy::too_many_arguments)]
 fn encode_changes<'py>(
     py: Python<'py>,
@@ -358,8 +376,10 @@ fn encode_changes<'py>(
     limit: usize,
     key: Option<Vec<usize>>,
     change_parts: Option<ChangeParts<'py>>,
+    rows: bool,
 ) -> PyResult<ChangeRun<'py>> {
     let mut run = RunBuilder::new(py);
+    run.images = rows;
     let changes = change_args(&key, &change_parts, kinds.len());
     let mut value: Vec<u8> = Vec::new();
     let mut old_json: Vec<u8> = Vec::new();
@@ -378,7 +398,7 @@ fn encode_changes<'py>(
         value.clear();
         if op == b'I' && buf[5] == b'N' {
             push_event_head(&mut value, &parts, lsn, event_seq);
-            let Some(t) = read_tuple(py, buf, 6, kinds, &mut value, None) else { break };
+            let Some(t) = read_tuple(py, buf, 6, kinds, &mut value, None, rows) else { break };
             value.extend_from_slice(parts.3.as_bytes());
             run.push(&key_parts, event_seq, op, &value, Some(t.values), None)?;
             continue;
@@ -390,7 +410,7 @@ fn encode_changes<'py>(
         if buf[5] == b'K' {
             old_json.clear();
             old_spans.clear();
-            let Some(t) = read_tuple(py, buf, 6, kinds, &mut old_json, Some(&mut old_spans)) else { break };
+            let Some(t) = read_tuple(py, buf, 6, kinds, &mut old_json, Some(&mut old_spans), rows) else { break };
             if !t.unchanged.is_empty() {
                 break;
             }
@@ -401,7 +421,7 @@ fn encode_changes<'py>(
             b'U' if buf.get(pos) == Some(&b'N') => {
                 push_event_head_with(&mut value, &parts, cp.0.as_bytes(), lsn, event_seq);
                 new_spans.clear();
-                let Some(t) = read_tuple(py, buf, pos + 1, kinds, &mut value, Some(&mut new_spans)) else { break };
+                let Some(t) = read_tuple(py, buf, pos + 1, kinds, &mut value, Some(&mut new_spans), rows) else { break };
                 if !t.unchanged.is_empty() {
                     break; // an unchanged TOAST value: left out of the event, the slow path's
                 }

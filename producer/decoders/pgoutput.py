@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import struct
 from collections.abc import Callable, Iterator
+from functools import partial
 from typing import Any
 
 from producer.catalog import CatalogLookup, type_modifiers
@@ -83,11 +84,12 @@ class PgoutputDecoder:
                     # Natively: this change and those that follow it, values and event values.
                     enc = self.encoder
                     key = rel.run_key()
-                    run = changes(messages, i, rel.relid, rel.kinds, enc.insert_parts(rel), enc.key_parts(), enc.seq,
-                                  _CHANGE_RUN, key, None if key is None else enc.change_parts(rel))
+                    args = (messages, i, rel.relid, rel.kinds, enc.insert_parts(rel), enc.key_parts(), enc.seq,
+                            _CHANGE_RUN, key, None if key is None else enc.change_parts(rel))
+                    run = changes(*args, False)  # the rows only if somebody looks (ChangeRun.images)
                     if run[0]:
                         skip = len(run[0]) - 1
-                        changed = enc.changed_run(rel, run)
+                        changed = enc.changed_run(rel, run, partial(changes, *args, True))
                         counts = rel.txn_counts
                         for op, n in changed.counts().items():
                             counts[_COUNT_INDEX[op]] += n

@@ -184,3 +184,23 @@ def test_native_run_keys_are_the_encoders_keys() -> None:
         assert ops == b"II"
         expected = [enc._key_template % s for s in (seq, seq + 1)]  # the encoder's own keys
         assert keys == expected == [b"000000ABCDEF0123-%08X" % s for s in (seq, seq + 1)]
+
+
+def test_a_pgoutput_run_makes_its_rows_only_when_asked() -> None:
+    """The native run hands over keys and values; the rows' Python values are made only when
+    somebody looks (ChangeRun.images: an incremental snapshot's watch, an error), the same."""
+    from producer.codec import ChangeRun
+    from producer.native import encode_changes
+
+    if encode_changes() is None:  # pure Python only here (see the test above)
+        return
+    relation = b"R" + struct.pack(">I", 7) + b"s\0t\0d" + struct.pack(">H", 2)
+    relation += b"\1id\0" + struct.pack(">Ii", TYPES["int4"], -1) + b"\0v\0" + struct.pack(">Ii", TYPES["text"], -1)
+    inserts = [b"I" + struct.pack(">I", 7) + b"N" + _tuple([b"%d" % i, b"r%d" % i]) for i in range(3)]
+    delete = b"D" + struct.pack(">I", 7) + b"K" + _tuple([b"1", None])
+    msgs = [(0x100 + i, m) for i, m in enumerate([b"B" + struct.pack(">QqI", 0x900, 12345, 42), relation, *inserts, delete])]
+    items = list(PgoutputDecoder(one_table(["id", "v"], ["int4", "text"], ["id"]), CaptureFilter()).decode(msgs))
+    run = next(i for i in items if isinstance(i, ChangeRun))
+    assert run.rows is None and run.operations == b"IIID"
+    assert run.images() == ([[0, "r0"], [1, "r1"], [2, "r2"], None], [None, None, None, [1, None]])
+    assert [e.operation for e in run.events()] == ["insert", "insert", "insert", "delete"]
