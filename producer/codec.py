@@ -128,7 +128,7 @@ class Relation:
     full_ident_head: bytes = b""
     plain: bool = False  # every column kept, none masked
     converters: list[Any] = field(default_factory=list)  # the decoder's, per column
-    kinds: bytes = b""  # the converters' kinds (text_kind), a letter per column, for the native path
+    kinds: bytes = b""  # the converters' kinds (text_kind), a letter per column, for the native path (prepare)
     # Column metadata (the contract's not_null and typmods), per column; empty: not known.
     not_null: list[bool] = field(default_factory=list)
     modifiers: list[list[int] | None] = field(default_factory=list)
@@ -161,6 +161,7 @@ class Relation:
         self.meta_part = self._meta_part()
         self.table_key = q.encode()
         self.full_part = self._image_head(self.keep)
+        self.kinds = b"".join(text_kind(t) for t in self.types)
         index = {c: i for i, c in enumerate(self.columns)}
         self.pk_index = [index[c] for c in self.pk if c in index]
         kept = set(self.keep)

@@ -365,7 +365,7 @@ class OutputBatch:
 
     def for_send(self) -> Any:
         """The closed aiokafka BatchBuilder, counting the records appended directly."""
-        if self.records is not None or self.native is not None:
+        if self.records is not None:  # (a NativeBatch counts its own records)
             self.batch._relative_offset = self.count
         self.batch.close()
         return self.batch

@@ -20,7 +20,6 @@ from producer.codec import (
     Relation,
     pg_timestamp_iso,
     text_converter,
-    text_kind,
 )
 from producer.decoders import Item, LogicalMessage, TxnBegin, TxnEnd
 from producer.native import DecodeTuple, EncodeChanges, decode_tuple, encode_changes
@@ -224,7 +223,6 @@ class PgoutputDecoder:
             not_null=[c in not_null for c in columns], modifiers=modifiers,
         ).prepare(self.capture)
         rel.converters = [text_converter(t) for t in types]
-        rel.kinds = b"".join(text_kind(t) for t in types)
         old = self.relations.get(relid)
         if old is not None:
             rel.txn_counts = old.txn_counts

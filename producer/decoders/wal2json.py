@@ -18,7 +18,7 @@ from typing import Any
 import orjson
 
 from producer.catalog import CatalogLookup, TableInfo, modifiers_from_text, type_modifiers
-from producer.codec import CaptureFilter, EventEncoder, Relation, iso_from_pg_text, text_kind
+from producer.codec import CaptureFilter, EventEncoder, Relation, iso_from_pg_text
 from producer.decoders import Item, LogicalMessage, TxnBegin, TxnEnd
 from producer.decoders.pgoutput import DecodeError
 from producer.native import EncodeWal2jsonChanges, LoadsExact, encode_wal2json_changes, loads_exact
@@ -220,7 +220,6 @@ class Wal2jsonDecoder:
             self._relid, schema, table, columns, types, [c in ident for c in columns],
             [c for c in info.pk if c in columns], info.replident, not_null=not_null, modifiers=modifiers,
         ).prepare(self.capture)
-        rel.kinds = b"".join(text_kind(t) for t in types)  # the native path's
         return rel, {c: i for i, c in enumerate(columns)}, [_value_converter(t) for t in types]
 
     def _row(self, cols: list[dict[str, Any]], index: dict[str, int], convs: list[Callable[[Any], Any]], n: int) -> tuple[list[Any], set[int]]:
@@ -243,9 +242,10 @@ class Wal2jsonDecoder:
 
     def _make_hot(self, schema: str, table: str, cols: list[dict[str, Any]], rel: Relation) -> None:
         """Let the native path take the next changes of ``rel`` like ``cols`` (a whole row, in
-        the relation's column order). Updates and deletes too when the identity is the key
-        (a full identity is an old row, the slow path's)."""
-        self._hot = (schema, table, _signatures(cols), rel, rel.run_key())
+        the relation's column order), when it can take that table at all. Updates and deletes
+        too when the identity is the key (a full identity is an old row, the slow path's)."""
+        if self.native_changes is not None and rel.plain and "bytea" not in rel.types:  # (bytea: see _value_converter)
+            self._hot = (schema, table, _signatures(cols), rel, rel.run_key())
 
     def decode(self, messages: list[tuple[int, bytes]]) -> Iterator[Item]:
         changes = self.native_changes
@@ -297,13 +297,11 @@ class Wal2jsonDecoder:
                     new = [conv(c["value"]) for conv, c in zip(convs, cols, strict=True)]
                     yield self.encoder.insert(rel, lsn, new)
                     op = "insert"
-                    if changes is not None and rel.plain and "bytea" not in rel.types:  # (bytea: see _value_converter)
-                        self._make_hot(schema, table, cols, rel)
+                    self._make_hot(schema, table, cols, rel)
                 elif action == "U":
                     new, present = self._row(cols, index, convs, n)
                     unchanged = [i for i in range(n) if i not in present]
-                    if (changes is not None and not unchanged and rel.plain and "bytea" not in rel.types
-                            and [c["name"] for c in cols] == rel.columns):
+                    if not unchanged and [c["name"] for c in cols] == rel.columns:
                         self._make_hot(schema, table, cols, rel)  # a transaction of updates: the next ones natively
                     yield self.encoder.encode(rel, "update", lsn, new, unchanged=unchanged, old=old, old_is_full=old_full)
                     op = "update"
