@@ -11,7 +11,7 @@ import functools
 import logging
 import time
 import uuid
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence, Set
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -44,6 +44,11 @@ WATERMARK_PREFIX = "walbus-watermark"
 MAX_SIGNAL_TABLES = 1000  # tables one execute-snapshot signal may list (docs/contract.md)
 MAX_FILTER_CHARS = 64 * 1024  # all additional-conditions filters of one signal: they are kept in the progress record
 KIND = "incremental"
+SYNC_REP_WAIT_S = 5.0  # a chunk waits this long for transactions awaiting synchronous replication, then is retried
+
+
+class ChunkDeferred(RuntimeError):
+    """The chunk cannot be read exactly now; it is retried with backoff."""
 
 
 class ChunkWindow:
@@ -72,18 +77,89 @@ class ChunkWindow:
         if self.is_open:
             self._truncated = True
 
-    def high(self, rows: Iterable[tuple[Key, Any]]) -> list[Any]:
+    def high(self, rows: Iterable[tuple[Key, Any]], unseen: Set[Key] = frozenset()) -> list[Any]:
+        """``unseen``: keys changed by transactions the stream passed before the low watermark
+        that the chunk's snapshot did not see yet (:class:`RecentChanges`); dropped too."""
         if not self.is_open:
             raise RuntimeError("high watermark before the low one")
         self.is_open = False
         self.closed = True
         if self._truncated:
             return []
-        return [row for key, row in rows if key not in self._seen]
+        seen = self._seen
+        return [row for key, row in rows if key not in seen and key not in unseen]
 
     @property
     def keys_seen(self) -> int:
         return len(self._seen)
+
+
+class RecentChanges:
+    """The keys of one table each recent transaction changed, by xid, as the stream passed them.
+
+    Why: PostgreSQL writes a commit's WAL record before the commit becomes visible to new
+    snapshots (the committing backend still has to flush, update the commit log and leave the
+    process array). A transaction can so come before a chunk's low watermark in the WAL and
+    still be invisible to the chunk's snapshot: its changes are in neither the chunk's rows
+    nor its window, and a read of a key it deleted or updated would come after its event and
+    undo it. The chunk's snapshot names the transactions it does not see (its xip list);
+    the keys those of them changed before the low watermark are dropped from the chunk.
+
+    Pure: no I/O. ``mark`` counts transactions noted so far; kept: the last ``keep_s`` seconds
+    of them, at most ``max_keys`` keys (the oldest go first; the newest stays, however large).
+    """
+
+    def __init__(
+        self, table: str, *, keep_s: float = 30.0, max_keys: int = 200_000, clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.table = table
+        self._keep_s, self._max_keys, self._clock = keep_s, max_keys, clock
+        self._entries: dict[int, tuple[int, float, set[Key]]] = {}  # xid: (order, when, keys), oldest first
+        self._keys = 0
+        self.mark = 0
+
+    def note(self, xid: int, keys: Iterable[Key]) -> None:
+        entry = self._entries.get(xid)
+        if entry is None:
+            self.mark += 1
+            entry = self._entries[xid] = (self.mark, self._clock(), set())
+        changed = entry[2]
+        before = len(changed)
+        changed.update(keys)
+        self._keys += len(changed) - before
+        if self._keys > self._max_keys:
+            self.prune()
+
+    def keys_before(self, xids: Iterable[int], mark: int) -> set[Key]:
+        """The keys changed by transactions among ``xids`` noted up to ``mark``."""
+        out: set[Key] = set()
+        for xid in xids:
+            entry = self._entries.get(xid)
+            if entry is not None and entry[0] <= mark:
+                out |= entry[2]
+        return out
+
+    def prune(self) -> None:
+        oldest = self._clock() - self._keep_s
+        entries = self._entries
+        while len(entries) > 1:  # the newest stays, however large: it may be the one being noted
+            xid, (_, when, keys) = next(iter(entries.items()))
+            if when >= oldest and self._keys <= self._max_keys:
+                break
+            del entries[xid]
+            self._keys -= len(keys)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+def snapshot_xip(text: str) -> frozenset[int]:
+    """The transactions ``pg_current_snapshot()``'s text (``xmin:xmax:xip,…``) lists as in
+    progress, as the stream's 32-bit xids."""
+    parts = text.split(":")
+    if len(parts) != 3:
+        raise ValueError(f"not a pg_snapshot: {text!r}")
+    return frozenset(int(x) & 0xFFFFFFFF for x in parts[2].split(",") if x)
 
 
 @dataclass
@@ -126,6 +202,8 @@ class Chunk:
     exhausted: bool = False
     skip_reason: str | None = None
     failure: str | None = None  # the table's query failed (not the connection): given up, not retried
+    invisible: frozenset[int] = frozenset()  # xids the chunk's snapshot saw in progress (32-bit)
+    low_mark: int = 0  # RecentChanges.mark when the low watermark came
 
 
 class IncrementalSnapshot:
@@ -143,6 +221,7 @@ class IncrementalSnapshot:
         self.position = Position.load(self._saved)
         self._done_signals: list[str] = list(offsets.doc.get("incremental_done") or [])
         self._chunk: Chunk | None = None
+        self._recent: RecentChanges | None = None  # of the table being read, while it is
         self._task: asyncio.Task[None] | None = None
         self._retry_at = 0.0
         self._backoff = Backoff(initial=2.0, maximum=60.0)  # a lost connection or a failover: retried forever
@@ -175,6 +254,7 @@ class IncrementalSnapshot:
         """A new stream session replays from the slot's confirmed position: forget the chunk in
         flight and anything not confirmed, go back to the last confirmed position."""
         self._chunk = None
+        self._recent = None
         self._pending = []
         self.position = Position.load(self._saved)
         self.signal_offset = self._saved_signal_offset
@@ -188,27 +268,35 @@ class IncrementalSnapshot:
     # -- hooks from the pump -----------------------------------------------------------------
 
     def watches(self, rel: Relation) -> bool:
-        """Whether :meth:`observe` needs ``rel``'s events (the signal table, the open window's
-        table): the pump hands the others over without an EncodedEvent each."""
+        """Whether :meth:`observe` needs ``rel``'s events (the signal table, the table being
+        read): the pump hands the others over without an EncodedEvent each."""
         table = rel.qualified
-        if table == self.capture.signal_table:
-            return True
-        chunk = self._chunk
-        return chunk is not None and chunk.window.is_open and table == chunk.table
+        recent = self._recent
+        return table == self.capture.signal_table or (recent is not None and table == recent.table)
 
-    def observe(self, ev: EncodedEvent) -> None:
-        """Every streamed event: signals, and the open window's keys."""
+    def observe(self, ev: EncodedEvent, xid: int) -> None:
+        """Every streamed event (of transaction ``xid``): signals, the keys of the table being
+        read (its open window's, and each transaction's for :class:`RecentChanges`)."""
         table = ev.relation.qualified
         if table == self.capture.signal_table:
             row = ev.row()
             if ev.operation == "insert" and row is not None:
                 self._signal_row(row)
+        recent = self._recent
+        if recent is None or table != recent.table:
+            return
         chunk = self._chunk
-        if chunk is not None and chunk.window.is_open and table == chunk.table:
-            if ev.operation == "truncate":
+        is_open = chunk is not None and chunk.window.is_open
+        if ev.operation == "truncate":
+            if is_open:
+                assert chunk is not None
                 chunk.window.truncate()
-                return
-            for key in ev.primary_keys():
+            return
+        keys = ev.primary_keys()
+        recent.note(xid, keys)
+        if is_open:
+            assert chunk is not None
+            for key in keys:
                 chunk.window.observe(key)
 
     def on_message(self, msg: LogicalMessage, partitioned: bool) -> list[EncodedEvent]:
@@ -228,6 +316,7 @@ class IncrementalSnapshot:
             return []  # a watermark of an earlier process or of a chunk abandoned since
         if mark.get("kind") == "low":
             chunk.window.low()
+            chunk.low_mark = self._recent.mark if self._recent is not None else 0
             return []
         return self._complete(chunk, msg, partitioned)
 
@@ -266,6 +355,11 @@ class IncrementalSnapshot:
             self._pending = self._pending[len(ready):]
             self._save_task = asyncio.create_task(self._save(ready[-1][1]))
         pos = self.position
+        if pos is not None and pos.tables and (self._recent is None or self._recent.table != pos.tables[0]):
+            # From before its first chunk and while paused too: see RecentChanges.
+            self._recent = RecentChanges(pos.tables[0])
+        if self._recent is not None:
+            self._recent.prune()
         if pos is not None and not pos.paused and self._chunk is None and time.monotonic() >= self._retry_at:
             self._start_chunk()
 
@@ -421,6 +515,7 @@ class IncrementalSnapshot:
         if tables:
             if pos.tables and pos.tables[0] in tables:
                 self._chunk = None  # abandon the chunk in flight; its watermarks are ignored
+                self._recent = None
                 pos.last_key = pos.max_key = None
             pos.tables = [t for t in pos.tables if t not in tables]
             pos.filters = {t: f for t, f in pos.filters.items() if t in pos.tables}
@@ -525,10 +620,10 @@ class IncrementalSnapshot:
             found = self._select(conn, chunk, role, max_key_query(scan, chunk.where))
             if found is None:
                 return
-            chunk.max_key = [(v or b"").decode() for v in found[0]] if found else None
+            chunk.max_key = [(v or b"").decode() for v in found[0][0]] if found[0] else None
         self._watermark(conn, chunk, "low")
         if chunk.max_key is not None:
-            rows = self._select(conn, chunk, role, select_chunk(scan, chunk.after, chunk.max_key, self.chunk_size, chunk.where))
+            rows = self._select_settled(conn, chunk, role, select_chunk(scan, chunk.after, chunk.max_key, self.chunk_size, chunk.where))
             if rows is None:
                 return
             self._keep_rows(chunk, scan, rows)
@@ -536,15 +631,57 @@ class IncrementalSnapshot:
         # The rows are in place before the high watermark exists: the pump cannot see it earlier.
         self._watermark(conn, chunk, "high")
 
-    def _select(
+    def _select_settled(
         self, conn: psycopg.Connection[tuple[object, ...]], chunk: Chunk, role: str, query: sql.Composed,
     ) -> list[list[bytes | None]] | None:
-        """The rows of a query of the chunk's table, read only; None when the chunk's filter
-        made it fail (``chunk.failure`` says how)."""
+        """:meth:`_select` with a snapshot no transaction waiting for synchronous replication
+        is missing from. Such a transaction committed (its WAL record may precede the low
+        watermark) but nobody sees it until a standby confirms it, and it can stay so for long,
+        longer than :class:`RecentChanges` remembers. Its xid is in the snapshot's in-progress
+        list; the chunk is read again once it is visible, and retried later when it stays not."""
+        deadline = time.monotonic() + SYNC_REP_WAIT_S
+        delay = 0.02
+        while True:
+            got = self._select(conn, chunk, role, query)
+            if got is None:
+                return None
+            rows, invisible = got
+            waiting = self._awaiting_sync_rep(conn, invisible)
+            if not waiting:
+                chunk.invisible = invisible
+                return rows
+            if time.monotonic() >= deadline:
+                raise ChunkDeferred(
+                    f"transactions {sorted(waiting)[:5]} committed but are not visible yet: they wait for synchronous "
+                    "replication (synchronous_standby_names)"
+                )
+            time.sleep(delay)
+            delay = min(delay * 2, 0.5)
+
+    @staticmethod
+    def _awaiting_sync_rep(conn: psycopg.Connection[tuple[object, ...]], xids: frozenset[int]) -> set[int]:
+        """Those of ``xids`` whose backend waits for synchronous replication (seen with
+        pg_read_all_stats or as the same role; other sessions' waits read as NULL)."""
+        if not xids:
+            return set()
+        rows = conn.execute(
+            "SELECT backend_xid::text FROM pg_stat_activity WHERE wait_event = 'SyncRep' AND backend_xid IS NOT NULL"
+        ).fetchall()
+        return {int(str(r[0])) for r in rows} & xids
+
+    def _select(
+        self, conn: psycopg.Connection[tuple[object, ...]], chunk: Chunk, role: str, query: sql.Composed,
+    ) -> tuple[list[list[bytes | None]], frozenset[int]] | None:
+        """The rows of a query of the chunk's table, read only, and the transactions its
+        snapshot saw in progress; None when the chunk's filter made it fail (``chunk.failure``
+        says how)."""
         timeout = self.config.incremental_filter_timeout if chunk.where is not None else 0.0
         try:
             with self._read_only(conn, role, timeout):
-                return fetch_fields(conn, query)
+                rows = fetch_fields(conn, query)
+                # Repeatable read: the query's own snapshot, taken after it locked the table.
+                snap = conn.execute("SELECT pg_current_snapshot()::text").fetchone()
+                return rows, snapshot_xip(str(snap[0])) if snap is not None else frozenset()
         except psycopg.DatabaseError as e:
             # An error of the query itself fails the table: with a filter, the filter's (syntax,
             # unknown column, type, division by zero, a write in the read-only transaction, the
@@ -571,11 +708,11 @@ class IncrementalSnapshot:
     @staticmethod
     @contextlib.contextmanager
     def _read_only(conn: psycopg.Connection[tuple[object, ...]], role: str, timeout: float) -> Iterator[None]:
-        """A READ ONLY transaction (a filter cannot write), as ``role`` when given, its
-        statements cancelled after ``timeout`` seconds when given (a filter cannot stall
-        the snapshot: its connection is the one every later chunk needs)."""
+        """A REPEATABLE READ, READ ONLY transaction (a filter cannot write), as ``role`` when
+        given, its statements cancelled after ``timeout`` seconds when given (a filter cannot
+        stall the snapshot: its connection is the one every later chunk needs)."""
         with conn.transaction():
-            conn.execute("SET TRANSACTION READ ONLY")
+            conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
             if timeout > 0:
                 conn.execute(sql.SQL("SET LOCAL statement_timeout = {}").format(sql.Literal(max(1, round(timeout * 1000)))))
             if role:
@@ -633,7 +770,9 @@ class IncrementalSnapshot:
         scan = chunk.scan
         if pos is None or scan is None or not pos.tables or pos.tables[0] != chunk.table:
             return []  # stopped meanwhile
-        rows = chunk.window.high(chunk.rows)
+        recent = self._recent
+        unseen = recent.keys_before(chunk.invisible, chunk.low_mark) if recent is not None else set()
+        rows = chunk.window.high(chunk.rows, unseen)
         # The watermark's transaction holds nothing but the message (we wrote it), so these
         # keys follow its events (none) and precede everything committed after it.
         reads = EventEncoder(partitioned=partitioned)
@@ -647,7 +786,8 @@ class IncrementalSnapshot:
         log.info(
             "incremental snapshot chunk",
             extra={"table": chunk.table, "from_key": chunk.after, "last_key": chunk.last_key, "rows": scanned,
-                   "emitted": len(out), "dropped_in_window": scanned - len(out), "commit_lsn": msg.commit_lsn},
+                   "emitted": len(out), "dropped_in_window": scanned - len(out), "commit_lsn": msg.commit_lsn,
+                   "not_yet_visible_keys": len(unseen)},
         )
         if chunk.exhausted:
             log.info("incremental snapshot of table done", extra={"table": chunk.table})
@@ -666,6 +806,7 @@ class IncrementalSnapshot:
         assert pos is not None
         pos.filters.pop(pos.tables[0], None)
         pos.tables = pos.tables[1:]
+        self._recent = None
         pos.last_key = pos.max_key = None
         self.metrics.tables_remaining.labels(KIND).set(len(pos.tables))
 
@@ -680,6 +821,7 @@ class IncrementalSnapshot:
             log.info("incremental snapshot completed", extra={"signal": pos.signal_id, "rows": pos.rows, "seconds": round(seconds, 3)})
         self._done_signals = [*self._done_signals, pos.signal_id, *pos.merged_signals][-100:]  # ids of ≤ 64 characters
         self.position = None
+        self._recent = None
 
     # -- persistence -------------------------------------------------------------------------
 

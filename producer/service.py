@@ -263,6 +263,7 @@ class Producer:
         sent_lsn = -1
         last_feedback = 0.0
         in_txn = False
+        xid = 0  # of the transaction being decoded
         txn_topic = side_topic(cfg.topic_name, "transaction") if cfg.transaction_metadata else None
         inc = self.incremental  # incremental snapshot hooks: signals, watermarks, positions
         heartbeats = self.heartbeats
@@ -276,14 +277,14 @@ class Producer:
                     match it:
                         case EncodedEvent():
                             if inc is not None:
-                                inc.observe(it)
+                                inc.observe(it, xid)
                             if not sink.append(it):  # no coroutine per event: put() only for a full batch
                                 await sink.put(it)
                         case ChangeRun():
                             stream.pull()  # the walsender goes on while this run is sent
                             if inc is not None and inc.watches(it.relation):
                                 for ev in it.events():
-                                    inc.observe(ev)
+                                    inc.observe(ev, xid)
                                     await sink.put(ev)
                             else:
                                 await sink.put_run(it)
@@ -292,6 +293,7 @@ class Producer:
                             await self._commit(it, sink, progress, txn_topic)
                         case TxnBegin():
                             in_txn = True
+                            xid = it.xid
                             if txn_topic:
                                 await self._transaction_record(sink, txn_topic, "BEGIN", it.xid, it.commit_lsn, it.timestamp, None)
                         case LogicalMessage():

@@ -8,13 +8,18 @@ list" later, with the default FOR ALL TABLES publication).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import orjson
 import psycopg
+import psycopg.sql
 import pytest
 
+from tests.integration.test_ops_least_privilege import role  # noqa: F401  (a fixture)
+from tests.integration.test_signals_snapshot import least_privileged, wait_sample
 from tests.support.kafka import read_topic
 from tests.support.pipeline import (
     kill9,
@@ -114,6 +119,105 @@ async def test_incremental_resumes_after_kill9(pg_dsn: str, kafka_bootstrap: str
     # … so at most the few chunks finished but not yet saved were read twice.
     assert len(chunks) <= ROWS // 200 + 1 + 5
     records = await read_topic(kafka_bootstrap, unique_name)
+    assert_same(records, pg_dsn, "orders", "public.orders")
+
+
+@contextlib.asynccontextmanager
+async def delete_waiting_for_a_standby(pg_dsn: str, key: int) -> AsyncIterator[int]:
+    """``DELETE FROM orders WHERE id = key`` committed and held invisible: PostgreSQL writes a
+    commit's WAL record before the commit becomes visible, and synchronous replication to a
+    standby that never answers holds it in between for as long as the test likes. Every other
+    session of the database commits without the standby. Yields the waiting backend's pid;
+    the wait ends (the delete becomes visible) on leaving, or earlier with pg_cancel_backend."""
+    dbname = str(psycopg.conninfo.conninfo_to_dict(pg_dsn)["dbname"])
+    admin = psycopg.connect(pg_dsn, autocommit=True)
+    admin.execute(psycopg.sql.SQL("ALTER DATABASE {} SET synchronous_commit = local").format(psycopg.sql.Identifier(dbname)))
+    stalled = psycopg.connect(pg_dsn, autocommit=False)
+    committer: asyncio.Future[None] | None = None
+    try:
+        admin.execute("ALTER SYSTEM SET synchronous_standby_names = 'walbus_test_no_such_standby'")
+        admin.execute("SELECT pg_reload_conf()")
+        stalled.execute("SET synchronous_commit = on")
+        stalled.execute("DELETE FROM orders WHERE id = %s", (key,))
+        committer = asyncio.ensure_future(asyncio.to_thread(stalled.commit))
+        pid = stalled.info.backend_pid
+        deadline = time.monotonic() + 30
+        while admin.execute("SELECT wait_event FROM pg_stat_activity WHERE pid = %s", (pid,)).fetchone() != ("SyncRep",):
+            assert time.monotonic() < deadline, "the delete's commit does not wait for the standby"
+            await asyncio.sleep(0.05)
+        still = admin.execute("SELECT count(*) FROM orders WHERE id = %s", (key,)).fetchone()
+        assert still == (1,), "the waiting delete is visible already: the test would show nothing"
+        yield pid
+    finally:
+        admin.execute("ALTER SYSTEM RESET synchronous_standby_names")
+        admin.execute("SELECT pg_reload_conf()")
+        if committer is not None:
+            await asyncio.wait_for(committer, 30)
+        stalled.close()
+        admin.close()
+
+
+async def test_a_commit_not_yet_visible_is_not_undone_by_a_read(
+    pg_dsn: str, kafka_bootstrap: str, unique_name: str, tmp_path: Path,
+) -> None:
+    """A delete before the chunk's low watermark in the WAL that the chunk's snapshot does not
+    see yet: a read of the deleted row emitted at the high watermark, after the delete's
+    event, brought the row back (CI met it under load: a key deleted in the database and alive
+    in the topic). The producer sees the delete wait for synchronous replication (a
+    superuser here) and reads the chunk once it is visible."""
+    make_tables(pg_dsn)
+    log = tmp_path / "producer.log"
+    args = [
+        "produce", "--pg-dsn", pg_dsn, "--kafka-bootstrap", kafka_bootstrap, "--topic", unique_name, "--slot", unique_name,
+        "--heartbeat-interval", "0.5", "--snapshot-mode", "never", "--signal-table", SIGNAL,
+        "--incremental-chunk-size", str(ROWS),
+    ]
+    proc = walbus_process(args, log=log)
+    try:
+        await wait_log(log, "replication started")
+        async with delete_waiting_for_a_standby(pg_dsn, 5) as pid:
+            signal(pg_dsn, "sig-1", "execute-snapshot", ["public.orders"])
+            await wait_log(log, "wait for synchronous replication", timeout=60)
+            with psycopg.connect(pg_dsn, autocommit=True) as conn:
+                conn.execute("SELECT pg_cancel_backend(%s)", (pid,))  # the commit stops waiting: visible now
+        await wait_log(log, "incremental snapshot completed", timeout=120)
+        await wait_slot_caught_up(pg_dsn, unique_name)
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    records = await read_topic(kafka_bootstrap, unique_name)
+    deletes = [orjson.loads(v) for _, v in records if v and b'"delete"' in v]
+    assert [d["identity"]["values"] for d in deletes] == [[5]]
+    assert_same(records, pg_dsn, "orders", "public.orders")
+
+
+async def test_a_commit_not_yet_visible_to_a_role_that_cannot_see_waits(
+    pg_dsn: str, kafka_bootstrap: str, unique_name: str, role: str,  # noqa: F811
+) -> None:
+    """The same, for a producer role that cannot see other sessions' waits (no
+    pg_read_all_stats): the stream passed the delete while the snapshot of its table was
+    under way (paused here), so the producer knows the key it deleted, and the chunk's
+    snapshot lists the delete's transaction as not visible: the key's read is dropped."""
+    make_tables(pg_dsn)
+    as_role = least_privileged(pg_dsn, role, unique_name, "orders")
+    async with running_producer(
+        as_role, kafka_bootstrap, topic=unique_name, slot=unique_name, snapshot_mode="never", signal_table=SIGNAL,
+        incremental_chunk_size=ROWS, heartbeat_interval=0.5,
+    ) as producer:
+        reg = producer.registry
+        with psycopg.connect(pg_dsn, autocommit=True) as conn, conn.transaction():  # started and paused at once
+            for sig_id, kind in (("sig-1", "execute-snapshot"), ("sig-2", "pause-snapshot")):
+                conn.execute("INSERT INTO walbus_signal VALUES (%s, %s, %s)",
+                             (sig_id, kind, orjson.dumps({"data-collections": ["public.orders"]}).decode()))
+        await wait_sample(reg, "walbus_snapshot_paused", {"kind": "incremental"}, 1)
+        async with delete_waiting_for_a_standby(pg_dsn, 5):
+            await wait_sample(reg, "walbus_producer_events_total", {"table": "public.orders", "operation": "delete"}, 1)
+            signal(pg_dsn, "sig-3", "resume-snapshot", [])
+            await wait_sample(reg, "walbus_snapshot_completed", {"kind": "incremental"}, 1)
+        await wait_slot_caught_up(pg_dsn, unique_name)
+    records = await read_topic(kafka_bootstrap, unique_name)
+    reads = [orjson.loads(v)["values"][0] for _, v in records if v and b'"read"' in v]
+    assert len(reads) == ROWS - 1 and 5 not in reads
     assert_same(records, pg_dsn, "orders", "public.orders")
 
 

@@ -188,13 +188,13 @@ async def test_rejected_position_save_leaves_the_signal_to_be_handled_again(pg_d
         encoder.begin(1000, 7, "2024-01-01T00:00:00.000000+00:00")
         data = orjson.dumps({"data-collections": [f"public.table_number_{i}" for i in range(40)]}).decode()
         ev = encoder.insert(rel, 900, ["sig-1", "execute-snapshot", data])
-        inc.observe(ev)
+        inc.observe(ev, 7)
         assert inc.on_commit(1100), "a signal is saved before its transaction may be confirmed"
         with pytest.raises(KafkaError):
             await inc.save_now()
         inc.reset()  # the stream restarts from the confirmed position and replays the signal
         assert inc.position is None
-        inc.observe(ev)
+        inc.observe(ev, 7)
         assert inc.on_commit(1100), "the replayed signal must be saved again"
         assert "incremental" not in offsets.doc
     finally:

@@ -14,7 +14,7 @@ import orjson
 import psycopg
 import pytest
 
-from tests.support.kafka import read_topic
+from tests.support.kafka import end_offsets, read_topic
 from tests.support.pipeline import (
     kill9,
     walbus_process,
@@ -78,8 +78,9 @@ async def test_initial_snapshot_with_writers(pg_dsn: str, kafka_bootstrap: str, 
 
 
 async def test_kill9_mid_snapshot_redoes_it(pg_dsn: str, kafka_bootstrap: str, unique_name: str, tmp_path: Path) -> None:
-    make_tables(pg_dsn, ROWS)
-    churn = Churn(pg_dsn, "big", ROWS, pause=0.0005)
+    rows = ROWS * 4  # read in well over a second even as fast as the snapshot goes (CI: once in 0.5 s at ROWS)
+    make_tables(pg_dsn, rows)
+    churn = Churn(pg_dsn, "big", rows, pause=0.0005)
     churn.start()
     log = tmp_path / "producer.log"
     # Small batches and one batch in flight: the snapshot takes long enough to be killed in the middle.
@@ -87,10 +88,19 @@ async def test_kill9_mid_snapshot_redoes_it(pg_dsn: str, kafka_bootstrap: str, u
     proc = walbus_process(args, log=log)
     try:
         await wait_log(log, "initial snapshot started")
-        await asyncio.sleep(0.5)
+        # Killed as soon as Kafka holds some of its reads: mid-snapshot by what it did, not by a clock.
+        deadline = asyncio.get_running_loop().time() + 120
+        while sum((await end_offsets(kafka_bootstrap, unique_name)).values()) < 500:
+            assert asyncio.get_running_loop().time() < deadline, "the snapshot wrote nothing"
+            await asyncio.sleep(0.02)
         kill9(proc)
         assert not log_events(log, "initial snapshot completed"), "the snapshot finished before the kill: make it bigger"
-        await asyncio.sleep(1)  # rows read by the first attempt get deleted and updated meanwhile
+        # Rows the first attempt emitted, deleted before the second: it must emit their deletes.
+        first = [orjson.loads(v) for _, v in await read_topic(kafka_bootstrap, unique_name) if v]
+        gone = sorted({e["values"][0] for e in first if e["table"] == "public.big"})[:10]
+        assert len(gone) == 10
+        with psycopg.connect(pg_dsn, autocommit=True) as conn:
+            conn.execute("DELETE FROM big WHERE id = ANY(%s)", (gone,))
         proc = walbus_process(args, log=log)
         await wait_log(log, "the initial snapshot was interrupted before completion: redoing it")
         await wait_log(log, "initial snapshot completed")
@@ -107,7 +117,7 @@ async def test_kill9_mid_snapshot_redoes_it(pg_dsn: str, kafka_bootstrap: str, u
     assert len(attempts) == 2 and first_cp == min(attempts)
     completed = log_events(log, "initial snapshot completed")
     assert len(completed) == 1 and completed[0]["attempt"] == 2
-    assert completed[0]["deletes_of_vanished_rows"] > 0  # rows of attempt 1 deleted before attempt 2
+    assert completed[0]["deletes_of_vanished_rows"] >= len(gone)
     assert_same(records, pg_dsn, "big", "public.big")
     assert_same(records, pg_dsn, "small", "public.small")
 

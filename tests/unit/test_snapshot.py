@@ -9,7 +9,7 @@ import orjson
 import pytest
 
 from producer.codec import CaptureFilter, EncodedEvent, EventEncoder, Relation, text_converter
-from producer.incremental import ChunkWindow, Position
+from producer.incremental import ChunkWindow, Position, RecentChanges, snapshot_xip
 from producer.snapshot import _deletes, emitted_read_key, snapshot_key
 from producer.tablescan import ScanTable, convert_line, convert_row, copy_field, str_converters
 from walbus.contract import RowImage, decode_event, encode_event, event_key
@@ -67,6 +67,43 @@ def test_window_truncate_and_order_errors() -> None:
     w2 = ChunkWindow()
     w2.low()
     assert w2.high([((1,), "r1"), ((2,), "r2")]) == ["r1", "r2"]  # a quiet window drops nothing
+
+
+def test_a_transaction_before_the_window_the_snapshot_did_not_see_drops_its_keys() -> None:
+    """Transactions the stream passed before the low watermark: the keys of those the chunk's
+    snapshot listed as in progress (committed in the WAL, not yet visible) are dropped too."""
+    now = [100.0]
+    recent = RecentChanges("public.t", keep_s=10, clock=lambda: now[0])
+    recent.note(501, [(3,)])  # deleted K3; committed, not yet visible to the snapshot
+    recent.note(502, [(4,)])  # updated K4; visible to the snapshot: its read is current
+    recent.note(501, [(6,)])  # more of 501
+    w = ChunkWindow()
+    w.low()
+    mark = recent.mark
+    recent.note(503, [(5,)])  # in the window: the window drops K5 itself
+    w.observe((5,))
+    invisible = snapshot_xip("499:504:501,503")
+    unseen = recent.keys_before(invisible, mark)
+    assert unseen == {(3,), (6,)}
+    assert w.high([((k,), f"read K{k}") for k in range(1, 8)], unseen) == ["read K1", "read K2", "read K4", "read K7"]
+
+
+def test_recent_changes_keep_a_while_and_a_bounded_number() -> None:
+    now = [0.0]
+    recent = RecentChanges("public.t", keep_s=5, max_keys=4, clock=lambda: now[0])
+    recent.note(1, [(1,), (2,)])
+    now[0] = 3
+    recent.note(2, [(3,)])
+    now[0] = 6
+    recent.prune()  # 1 is older than 5 s
+    assert len(recent) == 1 and recent.keys_before({1, 2}, recent.mark) == {(3,)}
+    recent.note(3, [(4,), (5,), (6,)])
+    recent.note(3, [(7,)])  # five keys: the oldest transaction goes
+    assert len(recent) == 1 and recent.keys_before({2, 3}, recent.mark) == {(4,), (5,), (6,), (7,)}
+    assert snapshot_xip("10:10:") == frozenset()
+    assert snapshot_xip("4294967296:4294967310:4294967297,4294967300") == {1, 4}  # epoch 1: the stream's 32-bit xids
+    with pytest.raises(ValueError):
+        snapshot_xip("nonsense")
 
 
 def test_event_keys_composite_and_full_identity() -> None:
