@@ -122,6 +122,34 @@ async def test_incremental_resumes_after_kill9(pg_dsn: str, kafka_bootstrap: str
     assert_same(records, pg_dsn, "orders", "public.orders")
 
 
+async def _waits_for_standby(admin: psycopg.Connection[tuple[object, ...]], pid: int, *, within: float) -> bool:
+    deadline = time.monotonic() + within
+    while admin.execute("SELECT wait_event FROM pg_stat_activity WHERE pid = %s", (pid,)).fetchone() != ("SyncRep",):
+        if time.monotonic() >= deadline:
+            return False
+        await asyncio.sleep(0.02)
+    return True
+
+
+async def _until_commits_wait(pg_dsn: str, admin: psycopg.Connection[tuple[object, ...]]) -> None:
+    """Until a commit waits for the standby: pg_reload_conf() returns before the backends and
+    the checkpointer (which tells them a standby is wanted) have read the new setting."""
+    deadline = time.monotonic() + 60
+    while True:
+        with psycopg.connect(pg_dsn, autocommit=False) as probe:
+            probe.execute("SET synchronous_commit = on")
+            # WAL before the commit (a commit that wrote none waits for no standby); the producer ignores it.
+            probe.execute("SELECT pg_logical_emit_message(true, 'walbus-test-probe', '')")
+            committed = asyncio.ensure_future(asyncio.to_thread(probe.commit))
+            waited = await _waits_for_standby(admin, probe.info.backend_pid, within=1)
+            if waited:
+                admin.execute("SELECT pg_cancel_backend(%s)", (probe.info.backend_pid,))
+            await asyncio.wait_for(committed, 30)
+        if waited:
+            return
+        assert time.monotonic() < deadline, "commits do not wait for the standby"
+
+
 @contextlib.asynccontextmanager
 async def delete_waiting_for_a_standby(pg_dsn: str, key: int) -> AsyncIterator[int]:
     """``DELETE FROM orders WHERE id = key`` committed and held invisible: PostgreSQL writes a
@@ -137,14 +165,12 @@ async def delete_waiting_for_a_standby(pg_dsn: str, key: int) -> AsyncIterator[i
     try:
         admin.execute("ALTER SYSTEM SET synchronous_standby_names = 'walbus_test_no_such_standby'")
         admin.execute("SELECT pg_reload_conf()")
+        await _until_commits_wait(pg_dsn, admin)
         stalled.execute("SET synchronous_commit = on")
         stalled.execute("DELETE FROM orders WHERE id = %s", (key,))
         committer = asyncio.ensure_future(asyncio.to_thread(stalled.commit))
         pid = stalled.info.backend_pid
-        deadline = time.monotonic() + 30
-        while admin.execute("SELECT wait_event FROM pg_stat_activity WHERE pid = %s", (pid,)).fetchone() != ("SyncRep",):
-            assert time.monotonic() < deadline, "the delete's commit does not wait for the standby"
-            await asyncio.sleep(0.05)
+        assert await _waits_for_standby(admin, pid, within=30), "the delete's commit does not wait for the standby"
         still = admin.execute("SELECT count(*) FROM orders WHERE id = %s", (key,)).fetchone()
         assert still == (1,), "the waiting delete is visible already: the test would show nothing"
         yield pid
