@@ -283,11 +283,9 @@ class Producer:
                         case ChangeRun():
                             stream.pull()  # the walsender goes on while this run is sent
                             if inc is not None and inc.watches(it.relation):
-                                for ev in it.events():
+                                for ev in it.events():  # its keys; the records go as a run
                                     inc.observe(ev, xid)
-                                    await sink.put(ev)
-                            else:
-                                await sink.put_run(it)
+                            await sink.put_run(it)
                         case TxnEnd():
                             in_txn = False
                             await self._commit(it, sink, progress, txn_topic)
