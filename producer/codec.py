@@ -127,7 +127,7 @@ class Relation:
     ident_head: bytes = b""
     full_ident_head: bytes = b""
     plain: bool = False  # every column kept, none masked
-    converters: list[Any] = field(default_factory=list)  # the decoder's, per column
+    converters: list[Any] = field(default_factory=list)  # text to value, per column (prepare)
     kinds: bytes = b""  # the converters' kinds (text_kind), a letter per column, for the native path (prepare)
     # Column metadata (the contract's not_null and typmods), per column; empty: not known.
     not_null: list[bool] = field(default_factory=list)
@@ -162,6 +162,7 @@ class Relation:
         self.table_key = q.encode()
         self.full_part = self._image_head(self.keep)
         self.kinds = b"".join(text_kind(t) for t in self.types)
+        self.converters = [text_converter(t) for t in self.types]
         index = {c: i for i, c in enumerate(self.columns)}
         self.pk_index = [index[c] for c in self.pk if c in index]
         kept = set(self.keep)
@@ -267,6 +268,8 @@ class EncodedEvent:
 
 
 
+# A native run's (keys, values, new rows, old key rows, operations): see ChangeRun.
+ChangeRunParts = tuple[list[bytes], list[bytes], list[list[Any] | None], list[list[Any] | None], bytes]
 _RUN_OPERATIONS: Final = {ord("I"): "insert", ord("U"): "update", ord("D"): "delete", ord("R"): "read"}
 
 
@@ -286,7 +289,7 @@ class ChangeRun:
     operations: bytes  # each event's: I(nsert), U(pdate), D(elete) or R(ead: a snapshot row)
     # The native call again, with rows: the records go to Kafka as they are, and the rows are
     # made only for somebody who looks at them (an incremental snapshot's watch, an error).
-    remake: Callable[[], tuple[Any, Any, list[list[Any] | None], list[list[Any] | None], bytes]] | None = None
+    remake: Callable[[], ChangeRunParts] | None = None
 
     def images(self) -> tuple[list[list[Any] | None], list[list[Any] | None]]:
         """The events' new and old rows, made now if the run was encoded without them."""
@@ -399,8 +402,7 @@ class EventEncoder:
         return parts
 
     def changed_run(
-        self, rel: Relation, run: tuple[list[bytes], list[bytes], list[list[Any] | None], list[list[Any] | None], bytes],
-        remake: Callable[[], tuple[Any, Any, list[list[Any] | None], list[list[Any] | None], bytes]] | None = None,
+        self, rel: Relation, run: ChangeRunParts, remake: Callable[[], ChangeRunParts] | None = None,
     ) -> ChangeRun:
         """The next ``len(keys)`` events: changes of plain ``rel`` as ``(keys, values, new rows,
         old key rows, operations)``, made from :meth:`key_parts`, :meth:`insert_parts` and

@@ -286,18 +286,16 @@ class IncrementalSnapshot:
         if recent is None or table != recent.table:
             return
         chunk = self._chunk
-        is_open = chunk is not None and chunk.window.is_open
+        window = chunk.window if chunk is not None and chunk.window.is_open else None
         if ev.operation == "truncate":
-            if is_open:
-                assert chunk is not None
-                chunk.window.truncate()
+            if window is not None:
+                window.truncate()
             return
         keys = ev.primary_keys()
         recent.note(xid, keys)
-        if is_open:
-            assert chunk is not None
+        if window is not None:
             for key in keys:
-                chunk.window.observe(key)
+                window.observe(key)
 
     def on_message(self, msg: LogicalMessage, partitioned: bool) -> list[EncodedEvent]:
         """A logical decoding message; at our chunk's high watermark, its reads."""
@@ -617,10 +615,11 @@ class IncrementalSnapshot:
         chunk.scan = scan
         role = self._role_for_filters(conn) if chunk.where is not None else ""
         if chunk.max_key is None:
-            found = self._select(conn, chunk, role, max_key_query(scan, chunk.where))
-            if found is None:
+            got = self._select(conn, chunk, role, max_key_query(scan, chunk.where))
+            if got is None:
                 return
-            chunk.max_key = [(v or b"").decode() for v in found[0][0]] if found[0] else None
+            found, _ = got
+            chunk.max_key = [(v or b"").decode() for v in found[0]] if found else None
         self._watermark(conn, chunk, "low")
         if chunk.max_key is not None:
             rows = self._select_settled(conn, chunk, role, select_chunk(scan, chunk.after, chunk.max_key, self.chunk_size, chunk.where))

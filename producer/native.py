@@ -13,6 +13,7 @@ import functools
 import logging
 from typing import Any, Protocol, cast
 
+from producer.codec import ChangeRunParts
 from walbus.native import native_module, switched_off
 
 log = logging.getLogger("walbus.producer.native")
@@ -26,7 +27,6 @@ class DecodeTuple(Protocol):
 
 # A change run: its keys, its values, each event's new row (None: a delete) and old key row
 # (None: not sent), and their operations' letters (I, U, D).
-ChangeRunParts = tuple[list[bytes], list[bytes], list[list[Any] | None], list[list[Any] | None], bytes]
 
 
 class EncodeChanges(Protocol):

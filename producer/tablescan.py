@@ -25,7 +25,7 @@ import psycopg
 from psycopg import pq, sql
 
 from producer.catalog import type_modifiers
-from producer.codec import CaptureFilter, Relation, text_converter
+from producer.codec import CaptureFilter, Relation
 from walbus.contract import FLOAT_SPECIALS, FLOAT_TYPES, INT_TYPES
 
 Conn = psycopg.Connection[tuple[object, ...]]
@@ -115,7 +115,6 @@ def describe_table(conn: Conn, schema: str, name: str, capture: CaptureFilter, r
         relid, schema, name, columns, types, identity, pk, replident,
         not_null=[c[4] is True for c in cols], modifiers=[type_modifiers(t, int(str(c[3]))) for t, c in zip(types, cols, strict=True)],
     ).prepare(capture)
-    rel.converters = [text_converter(t) for t in types]
     return ScanTable(rel, kind, [str(c[2]) for c in cols], estimate, pages)
 
 

@@ -19,7 +19,6 @@ from producer.codec import (
     EventEncoder,
     Relation,
     pg_timestamp_iso,
-    text_converter,
 )
 from producer.decoders import Item, LogicalMessage, TxnBegin, TxnEnd
 from producer.native import DecodeTuple, EncodeChanges, decode_tuple, encode_changes
@@ -222,7 +221,6 @@ class PgoutputDecoder:
             relid, schema, name, columns, types, identity, list(info.pk), replident,
             not_null=[c in not_null for c in columns], modifiers=modifiers,
         ).prepare(self.capture)
-        rel.converters = [text_converter(t) for t in types]
         old = self.relations.get(relid)
         if old is not None:
             rel.txn_counts = old.txn_counts
