@@ -173,6 +173,8 @@ def measure(proc: subprocess.Popen[bytes], dsn: str, slot: str, end: int, broker
             break
         if not until_exit and slot_info(dsn, slot)[1] >= end:
             break
+        if proc.poll() is not None:  # a producer that died never confirms the end: do not wait for it
+            raise RuntimeError(f"{proc.args!r} exited with {proc.returncode} before the slot confirmed {end:X}")
         time.sleep(0.02)
     run.seconds = time.perf_counter() - start
     return run
@@ -225,7 +227,7 @@ def unix_socket_dsn(dsn: str) -> str | None:
 
 def throughput(
     dsn: str, bootstrap: str, workload: str, rows: int, txns: int, plugins: list[str], *, baseline: Path | None,
-    rounds: int, transports: list[str], profile: bool, pure: bool,
+    rounds: int, transports: list[str], profile: bool, pure: bool, variant: dict[str, str] | None = None,
 ) -> None:
     """Every run drains a copy of the same slot (pg_copy_logical_replication_slot), so all
     figures of a workload are of one backlog; runs alternate within each round."""
@@ -248,7 +250,8 @@ def throughput(
                 emit(bench="producer", kind="skipped", transport=transport, reason="no Unix socket of the server here")
                 continue
             runs: dict[str, Run] = {}
-            trees = {"producer": ROOT, **({"pure": ROOT} if pure else {}), **({"baseline": baseline} if baseline is not None else {})}
+            trees = {"producer": ROOT, **({"pure": ROOT} if pure else {}), **({"variant": ROOT} if variant else {}),
+                     **({"baseline": baseline} if baseline is not None else {})}
             for name in ("recvlogical", *trees):
                 slot = f"run_{plugin}_{tag}"
                 copy_slot(db, f"origin_{plugin}_{tag}", slot)
@@ -258,7 +261,7 @@ def throughput(
                     else:
                         topic = f"bench.{workload.lower()}.{plugin}.{name}.{time.time_ns()}"
                         runs[name] = run_producer(via, bootstrap, slot, plugin, topic, end, tree=trees[name], broker=broker,
-                                                  env=PURE_PYTHON if name == "pure" else None)
+                                                  env={"pure": PURE_PYTHON, "variant": variant}.get(name))
                 finally:
                     drop_slot(db, slot)
             line: dict[str, object] = {
@@ -271,6 +274,9 @@ def throughput(
             line["ratio_to_recvlogical"] = round(runs["recvlogical"].seconds / runs["producer"].seconds, 3)
             if "pure" in runs:
                 line["pure_ratio_to_recvlogical"] = round(runs["recvlogical"].seconds / runs["pure"].seconds, 3)
+            if "variant" in runs:
+                line["variant_env"] = ",".join(f"{k}={v}" for k, v in (variant or {}).items())
+                line["variant_ratio_to_recvlogical"] = round(runs["recvlogical"].seconds / runs["variant"].seconds, 3)
             if "baseline" in runs:
                 line["baseline_ratio_to_recvlogical"] = round(runs["recvlogical"].seconds / runs["baseline"].seconds, 3)
             emit(**line)
@@ -380,6 +386,9 @@ def main() -> None:
     parser.add_argument("--skip", default="", help="comma list of sections to skip: throughput,latency,rss")
     parser.add_argument("--profile", action="store_true", help="profile the pgoutput producer (cProfile)")
     parser.add_argument("--baseline", type=Path, help="a checkout of another walbus whose producer drains the same backlogs too")
+    parser.add_argument("--variant", default="",
+                        help="KEY=VALUE[,KEY=VALUE]: also run this producer with these settings (WALBUS_* variables), "
+                             "e.g. WALBUS_COMPRESSION=lz4")
     parser.add_argument("--rounds", type=int, default=1, help="runs of each (transport, plugin), alternating")
     parser.add_argument("--pure", action="store_true",
                         help="also run this producer with its native hot path off (WALBUS_NATIVE=0), throughput and latency")
@@ -389,7 +398,9 @@ def main() -> None:
     plugins = [p for p in args.plugins.split(",") if p]
     with services() as (dsn, bootstrap):
         if "throughput" not in skip:
+            variant = dict(kv.split("=", 1) for kv in args.variant.split(",") if kv)
             opts: dict[str, Any] = {"baseline": args.baseline, "rounds": args.rounds, "profile": args.profile, "pure": args.pure,
+                                    "variant": variant,
                                     "transports": [t for t in args.transports.split(",") if t]}
             throughput(dsn, bootstrap, "W1", args.rows, args.txns, plugins, **opts)
             throughput(dsn, bootstrap, "W2", max(args.rows // 4, 1000), args.txns, plugins, **opts)

@@ -60,7 +60,7 @@ class ProducerConfig(KafkaOptions):
     transaction_metadata: bool = option(False, help="emit BEGIN/END records on <topic>.transaction")
     max_batch_bytes: int = option(1 << 20, help="Kafka record batch size in bytes")
     max_in_flight: int = option(8, help="unacknowledged Kafka batches before reading pauses (backpressure)")
-    compression: str = option("none", help="Kafka batch compression (lz4, zstd, snappy and gzip; all but gzip need the cramjam package)", choices=["none", "gzip", "lz4", "zstd", "snappy"])
+    compression: str = option("none", help="Kafka batch compression (lz4, zstd, snappy and gzip; all but gzip need the cramjam package; lz4 batches are built natively, at a fraction of the cost)", choices=["none", "gzip", "lz4", "zstd", "snappy"])
     kafka_request_timeout_ms: int = option(30000, help="how long a Kafka batch may wait for its acknowledgement before the stream restarts")
     retry_attempts: int = option(0, help="reconnect attempts after a transient fault (0: forever)")
     retry_max_delay: float = option(60.0, help="longest backoff between reconnects, seconds")

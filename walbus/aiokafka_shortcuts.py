@@ -213,13 +213,22 @@ def flatten(items: list[Any]) -> list[SourceRecord]:
 # -- output batches ------------------------------------------------------------------------
 
 
-class NativeBatch(BatchBuilder):  # type: ignore[misc]
-    """aiokafka's BatchBuilder over walbus_native's RecordBatchBuilder (uncompressed record
-    batches built in Rust from whole runs of records): aiokafka's accumulator and sender call
-    the methods below as they would on their own batch (:func:`native_batch` makes one)."""
+# Kafka's codec ids that walbus_native's record batches write (none, LZ4).
+NATIVE_CODECS: Final = (0, 3)
 
-    def __init__(self, batch_size: int, transactional: bool) -> None:  # no super(): no Cython builder
-        self._builder: Any = native_module().RecordBatchBuilder(batch_size, transactional)
+
+class NativeBatch(BatchBuilder):  # type: ignore[misc]
+    """aiokafka's BatchBuilder over walbus_native's RecordBatchBuilder (record batches built
+    in Rust from whole runs of records, uncompressed or LZ4): aiokafka's accumulator and
+    sender call the methods below as they would on their own batch (:func:`native_batch`
+    makes one)."""
+
+    def __init__(self, batch_size: int, transactional: bool, compression: int = 0) -> None:  # no super(): no Cython builder
+        module = native_module()
+        self._builder: Any = (
+            module.RecordBatchBuilder(batch_size, transactional, compression) if compression
+            else module.RecordBatchBuilder(batch_size, transactional)
+        )
         self._relative_offset = 0
         self._buffer: bytes | None = None
         self._closed = False
@@ -246,39 +255,40 @@ class NativeBatch(BatchBuilder):  # type: ignore[misc]
         return int(self._builder.record_count())
 
 
-def _accumulator_settings(producer: AIOKafkaProducer) -> tuple[int, bool] | None:
-    """(batch size, transactional) of the producer's batches when they are uncompressed and
-    unserialized (what a NativeBatch builds), as its create_batch() would make them."""
+def _accumulator_settings(producer: AIOKafkaProducer) -> tuple[int, bool, int] | None:
+    """(batch size, transactional, codec id) of the producer's batches when they are
+    unserialized and uncompressed or LZ4 (what a NativeBatch builds), as its create_batch()
+    would make them."""
     acc = getattr(producer, "_message_accumulator", None)
     size, compression = getattr(acc, "_batch_size", None), getattr(acc, "_compression_type", None)
-    if not isinstance(size, int) or compression != 0:
+    if not isinstance(size, int) or compression not in NATIVE_CODECS:
         return None
     if getattr(producer, "_key_serializer", None) is not None or getattr(producer, "_value_serializer", None) is not None:
         return None
     txn = getattr(acc, "_txn_manager", None)
-    return size, txn is not None and txn.transactional_id is not None
+    return size, txn is not None and txn.transactional_id is not None, compression
 
 
 def native_batch(producer: AIOKafkaProducer) -> BatchBuilder | None:
     """An empty NativeBatch for ``producer.send_batch``, or None: the extension is not there,
     its batches do not read back as aiokafka's own (probed once), or the producer compresses."""
     settings = _accumulator_settings(producer)
-    if settings is None or not _native_batches():
+    if settings is None or not _native_batches(settings[2]):
         return None
     return NativeBatch(*settings)
 
 
 @functools.cache
-def _native_batches() -> bool:
-    """walbus_native's record batches read back as aiokafka's own hold the same records, with
-    a valid CRC and the producer state aiokafka's sender sets."""
+def _native_batches(compression: int = 0) -> bool:
+    """walbus_native's record batches (with this codec) read back as aiokafka's own hold the
+    same records, with a valid CRC and the producer state aiokafka's sender sets."""
     module = native_module()
     if module is None or not hasattr(module, "RecordBatchBuilder"):
         return False
     try:
         records = [(b"k1", b"v1" * 300), (None, b"v2"), (b"k3", None), (b"", b"")]
-        theirs = BatchBuilder(16384, 0, is_transactional=1)
-        ours = NativeBatch(16384, True)
+        theirs = BatchBuilder(16384, compression, is_transactional=1)
+        ours = NativeBatch(16384, True, compression)
         for key, value in records:
             theirs.append(timestamp=None, key=key, value=value)
         if ours._builder.extend([k for k, _ in records], [v for _, v in records], 0) != len(records):
@@ -289,7 +299,8 @@ def _native_batches() -> bool:
         fields = [(b.validate_crc(), b.producer_id, b.producer_epoch, b.base_sequence, b.is_transactional,
                    [(r.offset, r.key, r.value, r.headers) for r in b]) for b in built]
         if fields[0] != fields[1] or not fields[1][0] or ours.record_count() != len(records):
-            log.warning("walbus_native's record batches differ from aiokafka's: building them in Python", extra={"aiokafka": aiokafka.__version__})
+            log.warning("walbus_native's record batches differ from aiokafka's: building them in Python",
+                        extra={"aiokafka": aiokafka.__version__, "compression": compression})
             return False
         return True
     except Exception:  # another aiokafka

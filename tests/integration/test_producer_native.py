@@ -1,6 +1,6 @@
 """The producer's native hot path (producer.native) against its pure-Python path on a real
-pgoutput or wal2json stream: two slots at the same position, one producer each (WALBUS_NATIVE=0 and the
-default), the same records in both topics, byte for byte."""
+pgoutput or wal2json stream: slots at the same position, one producer each (WALBUS_NATIVE=0, the
+default, and the default writing LZ4 batches), the same records in every topic, byte for byte."""
 
 from __future__ import annotations
 
@@ -53,17 +53,24 @@ def tail(log: Path) -> str:
     return log.read_text()[-3000:]
 
 
+VARIANTS = {  # name: the producer's settings
+    "pure": {"WALBUS_NATIVE": "0"},
+    "native": {"WALBUS_NATIVE": "1"},
+    "native-lz4": {"WALBUS_NATIVE": "1", "WALBUS_COMPRESSION": "lz4"},  # walbus_native's LZ4 record batches
+}
+
+
 async def drain(
     dsn: str, bootstrap: str, slot: str, topic: str, end: int, *, native: str, plugin: str, log: Path
 ) -> list[tuple[bytes | None, bytes | None]]:
     args = ["produce", "--pg-dsn", dsn, "--kafka-bootstrap", bootstrap, "--topic", topic, "--slot", slot, "--plugin", plugin,
             "--publication", "native_ab", "--snapshot-mode", "never", "--heartbeat-interval", "0"]
-    proc = walbus_process(args, env={"WALBUS_NATIVE": native}, log=log)
+    proc = walbus_process(args, env=VARIANTS[native], log=log)
     try:
         deadline = time.monotonic() + 90
         while slot_confirmed_lsn(dsn, slot) < end:
-            assert proc.poll() is None, f"the producer (WALBUS_NATIVE={native}) exited {proc.returncode}: {tail(log)}"
-            assert time.monotonic() < deadline, f"the producer (WALBUS_NATIVE={native}) did not reach the end"
+            assert proc.poll() is None, f"the producer ({native}) exited {proc.returncode}: {tail(log)}"
+            assert time.monotonic() < deadline, f"the producer ({native}) did not reach the end"
             await asyncio.sleep(0.2)
     finally:
         proc.terminate()
@@ -75,7 +82,7 @@ async def drain(
 async def test_native_and_pure_python_producers_write_the_same_records(
     pg_dsn: str, kafka_bootstrap: str, unique_name: str, tmp_path: Path, plugin: str
 ) -> None:
-    slots = {"0": f"{unique_name}_pure"[-63:].lower(), "1": f"{unique_name}_native"[-63:].lower()}
+    slots = {name: f"{unique_name}_{name.replace('-', '_')}"[-63:].lower() for name in VARIANTS}
     with psycopg.connect(pg_dsn, autocommit=True) as conn:
         conn.execute('CREATE SCHEMA "Odd ""Table"""')
         conn.execute(SCHEMA)
@@ -89,5 +96,6 @@ async def test_native_and_pure_python_producers_write_the_same_records(
     records = {native: await drain(pg_dsn, kafka_bootstrap, slot, f"{unique_name}.{native}", end, native=native, plugin=plugin,
                                       log=tmp_path / f"producer-{native}.log")
                for native, slot in slots.items()}
-    assert len(records["0"]) == 8 + 500 + 3 + 4 + 2 + 11 + 11 + 6, [v for _, v in records["0"]][:3]
-    assert records["1"] == records["0"]
+    assert len(records["pure"]) == 8 + 500 + 3 + 4 + 2 + 11 + 11 + 6, [v for _, v in records["pure"]][:3]
+    assert records["native"] == records["pure"]
+    assert records["native-lz4"] == records["pure"]
