@@ -70,11 +70,11 @@ class PgoutputDecoder:
         tuple_ = self._rel_tuple if self.native is None else self._native_tuple
         native = self.native
         changes = self.native_changes
-        skip = 0  # messages the native path took already
-        for i, (lsn, buf) in enumerate(messages):
-            if skip:
-                skip -= 1
-                continue
+        # An index, not enumerate(): a native run takes hundreds of messages, passed over at once.
+        i, end = 0, len(messages)
+        while i < end:
+            lsn, buf = messages[i]
+            i += 1
             kind = buf[0]
             if changes is not None and kind in (0x49, 0x55, 0x44):  # I U D
                 rel = relations.get(_U32.unpack_from(buf, 1)[0])
@@ -82,11 +82,11 @@ class PgoutputDecoder:
                     # Natively: this change and those that follow it, values and event values.
                     enc = self.encoder
                     key = rel.run_key()
-                    args = (messages, i, rel.relid, rel.kinds, enc.insert_parts(rel), enc.key_parts(), enc.seq,
+                    args = (messages, i - 1, rel.relid, rel.kinds, enc.insert_parts(rel), enc.key_parts(), enc.seq,
                             _CHANGE_RUN, key, None if key is None else enc.change_parts(rel))
                     run = changes(*args, False)  # the rows only if somebody looks (ChangeRun.images)
                     if run[0]:
-                        skip = len(run[0]) - 1
+                        i += len(run[0]) - 1
                         changed = enc.changed_run(rel, run, partial(changes, *args, True))
                         counts = rel.txn_counts
                         for op, n in changed.counts().items():

@@ -249,22 +249,22 @@ class Wal2jsonDecoder:
 
     def decode(self, messages: list[tuple[int, bytes]]) -> Iterator[Item]:
         changes = self.native_changes
-        skip = 0  # messages the native path took already
-        for i, (_start, buf) in enumerate(messages):
-            if skip:
-                skip -= 1
-                continue
+        # An index, not enumerate(): a native run takes hundreds of messages, passed over at once.
+        i, end = 0, len(messages)
+        while i < end:
+            buf = messages[i][1]
+            i += 1
             hot = self._hot
             if hot is not None and changes is not None and buf.startswith(_ROW_ACTIONS):
                 # Natively: changes like the last whole row (same table, same columns).
                 schema, table, signature, rel, ident = hot
                 enc = self.encoder
                 run = changes(
-                    messages, i, schema, table, signature, rel.kinds, enc.insert_parts(rel), enc.key_parts(), enc.seq,
+                    messages, i - 1, schema, table, signature, rel.kinds, enc.insert_parts(rel), enc.key_parts(), enc.seq,
                     _CHANGE_RUN, ident, None if ident is None else enc.change_parts(rel),
                 )
                 if run[0]:
-                    skip = len(run[0]) - 1
+                    i += len(run[0]) - 1
                     got = enc.changed_run(rel, run)
                     for op, n in got.counts().items():
                         counted = (rel.qualified, op)
