@@ -25,10 +25,6 @@ class DecodeTuple(Protocol):
     ) -> tuple[list[object], list[int], int, bytes | None] | None: ...
 
 
-# A change run: its keys, its values, each event's new row (None: a delete) and old key row
-# (None: not sent), and their operations' letters (I, U, D).
-
-
 class EncodeChanges(Protocol):
     def __call__(
         self, messages: list[tuple[int, bytes]], start: int, relid: int, kinds: bytes,

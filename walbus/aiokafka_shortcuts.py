@@ -224,11 +224,7 @@ class NativeBatch(BatchBuilder):  # type: ignore[misc]
     makes one)."""
 
     def __init__(self, batch_size: int, transactional: bool, compression: int = 0) -> None:  # no super(): no Cython builder
-        module = native_module()
-        self._builder: Any = (
-            module.RecordBatchBuilder(batch_size, transactional, compression) if compression
-            else module.RecordBatchBuilder(batch_size, transactional)
-        )
+        self._builder: Any = native_module().RecordBatchBuilder(batch_size, transactional, compression)
         self._relative_offset = 0
         self._buffer: bytes | None = None
         self._closed = False
@@ -271,7 +267,8 @@ def _accumulator_settings(producer: AIOKafkaProducer) -> tuple[int, bool, int] |
 
 def native_batch(producer: AIOKafkaProducer) -> BatchBuilder | None:
     """An empty NativeBatch for ``producer.send_batch``, or None: the extension is not there,
-    its batches do not read back as aiokafka's own (probed once), or the producer compresses."""
+    its batches do not read back as aiokafka's own (probed once per codec), or the producer
+    compresses with a codec other than LZ4."""
     settings = _accumulator_settings(producer)
     if settings is None or not _native_batches(settings[2]):
         return None
@@ -296,7 +293,7 @@ def _native_batches(compression: int = 0) -> bool:
         for b in (theirs, ours):
             b._set_producer_state(12345, 7, 99)
         built = [MemoryRecords(bytes(b._build())).next_batch() for b in (theirs, ours)]
-        fields = [(b.validate_crc(), b.producer_id, b.producer_epoch, b.base_sequence, b.is_transactional,
+        fields = [(b.validate_crc(), b.compression_type, b.producer_id, b.producer_epoch, b.base_sequence, b.is_transactional,
                    [(r.offset, r.key, r.value, r.headers) for r in b]) for b in built]
         if fields[0] != fields[1] or not fields[1][0] or ours.record_count() != len(records):
             log.warning("walbus_native's record batches differ from aiokafka's: building them in Python",

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from typing import Any
 
 import orjson
@@ -107,3 +108,46 @@ def test_warehouse_benchmark(services: Services) -> None:
     assert loads[2]["history_rows_added"] == 40  # the second load's events are new ones
     assert "seconds_per_extra_table" in loads[5] and "seconds_per_extra_table_second_load" in loads[5]
     assert all(line["history_rows_added"] == 200 for line in loads[6:])
+
+
+def test_the_producer_benchmark_stops_when_its_client_dies(services: Services, unique_name: str) -> None:
+    """bench.producer.measure of a producer (until the slot confirms the end) gives up with an
+    error once the client has died: it used to wait for the slot forever (a producer that
+    crashed stalled the whole benchmark)."""
+    import threading
+
+    import psycopg
+
+    from bench.producer import measure
+
+    slot = unique_name[-63:].lower()
+    with psycopg.connect(services.pg_dsn, autocommit=True) as conn:
+        conn.execute("SELECT pg_create_logical_replication_slot(%s, 'wal2json')", (slot,))
+    client = subprocess.Popen(["pg_recvlogical", "-d", services.pg_dsn, "--slot", slot, "--start", "-f", "/dev/null", "--no-loop"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    outcome: list[BaseException | None] = []
+
+    def run() -> None:
+        try:
+            measure(client, services.pg_dsn, slot, 1 << 62, None, until_exit=False)  # an end it never reaches
+            outcome.append(None)
+        except BaseException as e:
+            outcome.append(e)
+
+    waiting = threading.Thread(target=run, daemon=True)
+    waiting.start()
+    try:
+        waiting.join(3)  # streaming by now: measure is in its sampling loop
+        client.kill()
+        client.wait(30)
+        waiting.join(60)
+        assert outcome, "measure still waits for the slot of a client that died"
+        assert isinstance(outcome[0], RuntimeError) and "before the slot confirmed" in str(outcome[0]), outcome
+    finally:
+        client.kill()
+        with psycopg.connect(services.pg_dsn, autocommit=True) as conn:
+            for _ in range(50):  # the walsender lets go of the slot a moment after its client died
+                if conn.execute("SELECT active FROM pg_replication_slots WHERE slot_name = %s", (slot,)).fetchone() == (False,):
+                    break
+                time.sleep(0.1)
+            conn.execute("SELECT pg_drop_replication_slot(%s)", (slot,))
