@@ -28,13 +28,18 @@ from pyspark.sql.types import BooleanType, StructField
 
 from warehouse.frame import DELETED, META_FIELDS, POSITION, prev_name
 from warehouse.schema import SourceColumn, qcol, quote, sql_string, table_properties
-from warehouse.txn import Txn, last_commit_metrics, never_written
+from warehouse.txn import Txn, last_commit_metrics, never_written, table_size_bytes
 
 TRUNCATED_PROPERTY: Final = "walbus.truncatedAt"
 CURRENT_EXTRA_FIELDS: Final = (StructField(DELETED, BooleanType(), False),)
 CURRENT_PROPERTIES: Final = {
     "delta.enableDeletionVectors": "true",
 }
+# Deletion vectors spare a MERGE the rewrite of the large files it touches, for a fixed cost
+# of their own (measured on local[2]: a 1,600-row table's MERGE of 1,600 changes took 2.6-2.9 s
+# with them, 1.3-1.6 s rewriting its file). Below this size the MERGE rewrites (copy-on-write).
+COPY_ON_WRITE_BELOW_BYTES: Final = 64 << 20
+_MERGE_DV_CONF: Final = "spark.databricks.delta.merge.deletionVectors.persistent"
 _ORDERABLE_KEY_TYPES: Final = ("int", "bigint", "smallint", "string", "date", "timestamp", "double", "float")
 
 
@@ -143,8 +148,12 @@ def merge_current(
             inserted = int(last_commit_metrics(spark, path).get("numOutputRows", 0))
             updated = 0
         else:
+            session = txn.tagged_session(spark)
+            size = table_size_bytes(spark, path)
+            if size is not None and size < COPY_ON_WRITE_BELOW_BYTES:
+                session.conf.set(_MERGE_DV_CONF, "false")
             (
-                DeltaTable.forPath(txn.tagged_session(spark), path)
+                DeltaTable.forPath(session, path)
                 .alias("t")
                 .merge(source.alias("s"), cond)
                 # a tombstone keeps the row's last values, with the delete's position

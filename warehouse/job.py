@@ -398,7 +398,9 @@ def _load_table(
     rows = rows.persist(StorageLevel.MEMORY_AND_DISK)
     try:
         started = time.monotonic()
-        history = write_history(spark, paths.history, rows, columns, pk, txn, (meta["lsn_lo"], meta["lsn_hi"]))
+        history = write_history(
+            spark, paths.history, rows, columns, pk, txn, (meta["lsn_lo"], meta["lsn_hi"]), int(meta["events"])
+        )
         summary.timed("history", started)
         summary.history_rows += history.written
         summary.already_loaded = history.skipped

@@ -180,6 +180,17 @@ def never_written(spark: SparkSession, path: str) -> bool:
     return False
 
 
+def table_size_bytes(spark: SparkSession, path: str) -> int | None:
+    """The table's data size from its latest checksum file (no Spark job), or None when the
+    snapshot has none (computing it would be a job over the whole log: ~1 s)."""
+    try:
+        checksum = _jvm_snapshot(spark, path).checksumOpt()
+        return int(checksum.get().tableSizeBytes()) if checksum.isDefined() else None
+    except Exception:  # py4j trouble, or a Delta without checksums: unknown
+        log.debug("reading the table's checksum failed", extra={"path": path}, exc_info=True)
+        return None
+
+
 def table_configuration(spark: SparkSession, path: str) -> dict[str, str]:
     """The table's properties as SHOW TBLPROPERTIES gives those walbus reads (its metadata's
     configuration and its protocol's reader and writer versions), from the Delta snapshot:

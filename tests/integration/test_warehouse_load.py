@@ -323,3 +323,81 @@ def test_the_history_high_water_mark_follows_appends_and_foreign_commits(
     assert result.tables[TX].history_rows == 1
     assert history_high_water(spark, path) == HighWater(True, 0x3800)
     assert [int(r["pg_commit_lsn"]) for r in history(spark, tmp_path, unique_name)] == [0x1000, 0x2000, 0x3000, 0x3800]
+
+
+def _commit_actions(path: str) -> list[dict[str, Any]]:
+    """The actions of a Delta table's latest commit, read from its log file."""
+    import orjson
+
+    log = Path(path) / "_delta_log"
+    latest = max(log.glob("*.json"), key=lambda p: int(p.stem))
+    return [orjson.loads(line) for line in latest.read_bytes().splitlines() if line.strip()]
+
+
+@pytest.mark.parametrize("copy_on_write_below", [64 << 20, 0], ids=["rewrite", "deletion-vectors"])
+def test_a_small_current_table_is_merged_by_rewriting_its_files(
+    spark: Any, kafka_bootstrap: str, unique_name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    copy_on_write_below: int,
+) -> None:
+    """Below COPY_ON_WRITE_BELOW_BYTES a MERGE rewrites the files it touches (no deletion
+    vector: their extra jobs cost more than rewriting a small file); above it, deletion vectors.
+    Either way the same rows, tombstones and LSN guard."""
+    from warehouse import current as current_module
+
+    monkeypatch.setattr(current_module, "COPY_ON_WRITE_BELOW_BYTES", copy_on_write_below)
+    first = []
+    for i in range(6):
+        first += Txn(0x1000 + i * 0x100).insert(TX, TX_PK, tx_row(i, 1, 10 * i)).events
+    produce_events(kafka_bootstrap, unique_name, first)
+    load(spark, kafka_bootstrap, unique_name, tmp_path)
+    later = (
+        Txn(0x2000).update(TX, TX_PK, tx_row(1, 1, 111)).delete(TX, TX_PK, {"transaction_id": ("int4", 2)}).events
+        + Txn(0x2100).insert(TX, TX_PK, tx_row(9, 1, 90)).events
+        + Txn(0x0800).update(TX, TX_PK, tx_row(3, 1, -1)).events  # older than the row: ignored
+    )
+    produce_events(kafka_bootstrap, unique_name, later)
+    result = load(spark, kafka_bootstrap, unique_name, tmp_path)
+    assert (result.tables[TX].inserted, result.tables[TX].updated) == (1, 2)
+    merge = _commit_actions(table_paths(tmp_path, unique_name, TX).current)
+    assert any(a.get("commitInfo", {}).get("operation") == "MERGE" for a in merge)
+    vectors = [a["add"] for a in merge if "add" in a and a["add"].get("deletionVector")]
+    assert bool(vectors) == (copy_on_write_below == 0)
+    assert sorted((r["transaction_id"], r["amount"]) for r in current(spark, tmp_path, unique_name)) == [
+        (0, 0), (1, 111), (3, 30), (4, 40), (5, 50), (9, 90)
+    ]
+    tombs = [r["transaction_id"] for r in current(spark, tmp_path, unique_name, live=False) if r["_walbus_deleted"]]
+    assert tombs == [2]
+
+
+@pytest.mark.parametrize("one_file_rows", [200_000, 0], ids=["one-file", "range-partitioned"])
+def test_a_small_history_append_is_one_file_in_lsn_order(
+    spark: Any, kafka_bootstrap: str, unique_name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    one_file_rows: int,
+) -> None:
+    """A table's load of at most ONE_FILE_ROWS rows is one sorted file (no range sampling);
+    larger ones are range-partitioned. Either way each file's rows are in (commit LSN, seq) order."""
+    from warehouse import history as history_module
+
+    monkeypatch.setattr(history_module, "ONE_FILE_ROWS", one_file_rows)
+    events = []
+    for i in range(40):  # produced out of LSN order, across 4 partitions
+        events += Txn(0x9000 - i * 0x100).insert(TX, TX_PK, tx_row(i, 1, i)).insert(TX, TX_PK, tx_row(100 + i, 1, i)).events
+    produce_events(kafka_bootstrap, unique_name, events, partitions=4)
+    assert load(spark, kafka_bootstrap, unique_name, tmp_path).tables[TX].history_rows == 80
+    path = table_paths(tmp_path, unique_name, TX).history
+    files = [a["add"]["path"] for a in _commit_actions(path) if "add" in a]
+    if one_file_rows:
+        assert len(files) == 1
+    import orjson
+
+    created = (Path(path) / "_delta_log" / f"{0:020d}.json").read_bytes().splitlines()
+    schema = next(orjson.loads(a)["metaData"]["schemaString"] for a in created if b'"metaData"' in a)
+    fields = {f["name"]: f["metadata"].get("delta.columnMapping.physicalName", f["name"])
+              for f in orjson.loads(schema)["fields"]}
+    found = []
+    for f in files:  # each file read alone, in the order it holds its rows (history uses column mapping)
+        rows = spark.read.parquet(f"{path}/{f}").select(fields["pg_commit_lsn"], fields["pg_seq"]).collect()
+        in_file = [(int(r[0]), int(r[1])) for r in rows]
+        assert in_file == sorted(in_file)
+        found += in_file
+    assert sorted(found) == sorted((0x9000 - i * 0x100, s) for i in range(40) for s in (0, 1))
