@@ -184,18 +184,21 @@ def main() -> None:
     ap.add_argument("--skip-incremental", action="store_true")
     ap.add_argument("--tables", default="1,16", help="table counts of the many-tables load (comma-separated; empty: skip)")
     ap.add_argument("--tables-events", type=int, default=2_000, help="events of each many-tables load")
+    ap.add_argument("--conf", action="append", default=[], metavar="KEY=VALUE",
+                    help="a Spark setting for both jobs' session (repeatable)")
     args = ap.parse_args()
     from warehouse.spark import build_session
 
     with services() as (_, env_bootstrap):
         bootstrap = args.kafka_bootstrap or env_bootstrap
         spark = build_session(master=args.master, shuffle_partitions=args.shuffle_partitions,
-                              conf={"spark.driver.memory": args.driver_memory, "spark.ui.enabled": "false"})
+                              conf={"spark.driver.memory": args.driver_memory, "spark.ui.enabled": "false",
+                                    **dict(kv.split("=", 1) for kv in args.conf)})
         root = tempfile.mkdtemp(prefix="walbus-bench-warehouse-")
         run = uuid.uuid4().hex[:8]
         try:
             emit(bench="warehouse", master=args.master, events=args.events, spark=spark.version,
-                 shuffle_partitions=args.shuffle_partitions)
+                 shuffle_partitions=args.shuffle_partitions, conf=args.conf)
             # Both jobs once on a small topic first: the first Kafka read, Delta write and MERGE
             # of a session load classes and warm the JIT, a cost neither job should carry alone.
             topic = f"bench-wh-warmup-{run}"

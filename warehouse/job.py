@@ -7,11 +7,12 @@ table's data and its load marker are committed together.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Final
 
 from pyspark import StorageLevel
 from pyspark.sql import Column, DataFrame, SparkSession
@@ -56,6 +57,15 @@ from warehouse.toast import resolve_unchanged
 from warehouse.txn import Txn
 
 log = logging.getLogger("walbus.warehouse")
+
+# A load of at most this many records evaluates its expressions interpreted, without generated
+# code: compiling each query's code (Janino, then the JVM's JIT) costs more than it saves on a
+# few thousand rows, and a load of many small tables runs dozens of distinct queries a table.
+# Measured (bench.warehouse, local[2]): 2,000 events over 16 tables 33.3 -> 27.2 s, over one
+# table 5.3 -> 3.5 s; at 20,000 events neutral on a 3-column table and 20% slower on a
+# 16-column one, so the threshold stays well below that.
+INTERPRETED_BELOW_RECORDS: Final = 5_000
+_INTERPRETED_CONF: Final = {"spark.sql.codegen.factoryMode": "NO_CODEGEN", "spark.sql.codegen.wholeStage": "false"}
 
 HISTORY_PROPERTIES = {
     # column mapping lets PostgreSQL column names with spaces or ,;{}()= be Delta columns
@@ -222,13 +232,35 @@ def _run_batch(
         loads.record(spark, log_path, load)
     log.info("load", extra={"batch": load.batch_id, "start": load.start, "end": load.end, "replay": replay})
     raw = read_slice(spark, spec.kafka, spec.topic, load.start, load.end)
-    write_slice(spark, spec, raw, Txn(f"walbus:{spec.topic}", load.batch_id, replay), result)
+    records = sum(max(load.end[p] - load.start.get(p, 0), 0) for p in load.end)
+    with interpreted_if_small(spark, records):
+        write_slice(spark, spec, raw, Txn(f"walbus:{spec.topic}", load.batch_id, replay), result)
     loads.record(
         spark,
         log_path,
         loads.Load(load.batch_id, "committed", load.start, load.end),
         {t: s.as_dict() for t, s in result.tables.items()},
     )
+
+
+@contextlib.contextmanager
+def interpreted_if_small(spark: SparkSession, records: int) -> Iterator[None]:
+    """Run the block with generated code off when ``records`` is at most
+    INTERPRETED_BELOW_RECORDS (the session's settings are put back after it)."""
+    if records > INTERPRETED_BELOW_RECORDS:
+        yield
+        return
+    before: dict[str, str | None] = {key: spark.conf.get(key, None) for key in _INTERPRETED_CONF}
+    for key, value in _INTERPRETED_CONF.items():
+        spark.conf.set(key, value)
+    try:
+        yield
+    finally:
+        for key, old in before.items():
+            if old is None:
+                spark.conf.unset(key)
+            else:
+                spark.conf.set(key, old)
 
 
 def write_slice(spark: SparkSession, spec: LoadSpec, raw: DataFrame, txn: Txn, result: LoadResult) -> None:

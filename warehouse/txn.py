@@ -20,6 +20,11 @@ from pyspark.sql import SparkSession
 log = logging.getLogger("walbus.warehouse")
 
 
+# The settings of the loading session its tagged child sessions keep (warehouse.job's
+# interpreted mode for small loads).
+_INHERITED_SETTINGS = ("spark.sql.codegen.factoryMode", "spark.sql.codegen.wholeStage")
+
+
 @dataclass(frozen=True)
 class Txn:
     app_id: str
@@ -38,6 +43,10 @@ class Txn:
         tables' commits, which other driver threads make at the same time on ``spark``.
         """
         tagged = spark.newSession()
+        for key in _INHERITED_SETTINGS:  # a child session starts from the defaults
+            value = spark.conf.get(key, None)
+            if value is not None:
+                tagged.conf.set(key, value)
         tagged.conf.set("spark.databricks.delta.write.txnAppId", self.app_id)
         tagged.conf.set("spark.databricks.delta.write.txnVersion", str(self.batch_id))
         return tagged

@@ -166,10 +166,21 @@ def test_schema_evolution_no_pk_table_and_incompatible_change(
     assert t not in r4.tables
 
 
-def test_types(spark: Any, kafka_bootstrap: str, unique_name: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("generated_code", [False, True], ids=["interpreted", "generated-code"])
+def test_types(
+    spark: Any, kafka_bootstrap: str, unique_name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    generated_code: bool,
+) -> None:
+    """Every type, through both of Spark's ways to evaluate the load's expressions (a small load
+    runs interpreted; a large one with generated code)."""
     import datetime as dt
     import math
     from decimal import Decimal
+
+    from warehouse import job
+
+    if generated_code:
+        monkeypatch.setattr(job, "INTERPRETED_BELOW_RECORDS", 0)
 
     t, pk = "public.all_types", ["id"]
     row = {
@@ -401,3 +412,46 @@ def test_a_small_history_append_is_one_file_in_lsn_order(
         assert in_file == sorted(in_file)
         found += in_file
     assert sorted(found) == sorted((0x9000 - i * 0x100, s) for i in range(40) for s in (0, 1))
+
+
+def test_a_small_load_runs_without_generated_code_and_puts_the_settings_back(
+    spark: Any, kafka_bootstrap: str, unique_name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """At most INTERPRETED_BELOW_RECORDS records: the load's queries run interpreted (compiling
+    generated code costs more than it saves on a few rows), MERGE's child session too; the
+    session's own settings are back afterwards. A larger load keeps generated code."""
+    from warehouse import job
+    from warehouse.txn import Txn as LoadTxn
+
+    seen: list[tuple[str, str]] = []
+    merged: list[str] = []
+    write_slice, tagged_session = job.write_slice, LoadTxn.tagged_session
+
+    def watching(spark_: Any, *args: Any) -> None:
+        seen.append((spark_.conf.get("spark.sql.codegen.factoryMode"), spark_.conf.get("spark.sql.codegen.wholeStage")))
+        write_slice(spark_, *args)
+
+    def watching_merge(self: Any, spark_: Any) -> Any:
+        session = tagged_session(self, spark_)
+        merged.append(session.conf.get("spark.sql.codegen.factoryMode"))
+        return session
+
+    monkeypatch.setattr(job, "write_slice", watching)
+    monkeypatch.setattr(LoadTxn, "tagged_session", watching_merge)
+    spark.conf.set("spark.sql.codegen.wholeStage", "true")
+    loads = [
+        (job.INTERPRETED_BELOW_RECORDS, [e for i in range(3) for e in Txn(0x1000 + i).insert(TX, TX_PK, tx_row(i, 1, i)).events]),
+        (job.INTERPRETED_BELOW_RECORDS, Txn(0x2000).update(TX, TX_PK, tx_row(1, 1, 10)).events),  # a MERGE
+        (2, Txn(0x3000).update(TX, TX_PK, tx_row(2, 1, 20)).events * 3),  # 3 records: above 2
+    ]
+    for threshold, events in loads:
+        monkeypatch.setattr(job, "INTERPRETED_BELOW_RECORDS", threshold)
+        produce_events(kafka_bootstrap, unique_name, events)
+        load(spark, kafka_bootstrap, unique_name, tmp_path)
+    assert seen == [("NO_CODEGEN", "false"), ("NO_CODEGEN", "false"), ("FALLBACK", "true")]
+    assert merged == ["NO_CODEGEN", "FALLBACK"]
+    assert spark.conf.get("spark.sql.codegen.factoryMode") == "FALLBACK"
+    assert spark.conf.get("spark.sql.codegen.wholeStage") == "true"
+    assert sorted((r["transaction_id"], r["amount"]) for r in current(spark, tmp_path, unique_name)) == [
+        (0, 0), (1, 10), (2, 20)
+    ]
