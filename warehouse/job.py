@@ -54,7 +54,7 @@ from warehouse.schema import (
     table_properties,
 )
 from warehouse.toast import resolve_unchanged
-from warehouse.txn import Txn
+from warehouse.txn import INTERPRETED_SETTINGS, Txn
 
 log = logging.getLogger("walbus.warehouse")
 
@@ -65,7 +65,6 @@ log = logging.getLogger("walbus.warehouse")
 # table 5.3 -> 3.5 s; at 20,000 events neutral on a 3-column table and 20% slower on a
 # 16-column one, so the threshold stays well below that.
 INTERPRETED_BELOW_RECORDS: Final = 5_000
-_INTERPRETED_CONF: Final = {"spark.sql.codegen.factoryMode": "NO_CODEGEN", "spark.sql.codegen.wholeStage": "false"}
 
 HISTORY_PROPERTIES = {
     # column mapping lets PostgreSQL column names with spaces or ,;{}()= be Delta columns
@@ -250,8 +249,8 @@ def interpreted_if_small(spark: SparkSession, records: int) -> Iterator[None]:
     if records > INTERPRETED_BELOW_RECORDS:
         yield
         return
-    before: dict[str, str | None] = {key: spark.conf.get(key, None) for key in _INTERPRETED_CONF}
-    for key, value in _INTERPRETED_CONF.items():
+    before: dict[str, str | None] = {key: spark.conf.get(key, None) for key in INTERPRETED_SETTINGS}
+    for key, value in INTERPRETED_SETTINGS.items():
         spark.conf.set(key, value)
     try:
         yield

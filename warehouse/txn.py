@@ -12,7 +12,7 @@ import itertools
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
 
 import orjson
 from pyspark.sql import SparkSession
@@ -20,9 +20,9 @@ from pyspark.sql import SparkSession
 log = logging.getLogger("walbus.warehouse")
 
 
-# The settings of the loading session its tagged child sessions keep (warehouse.job's
-# interpreted mode for small loads).
-_INHERITED_SETTINGS = ("spark.sql.codegen.factoryMode", "spark.sql.codegen.wholeStage")
+# The settings under which a small load runs interpreted (warehouse.job), which a tagged child
+# session keeps from the loading session.
+INTERPRETED_SETTINGS: Final = {"spark.sql.codegen.factoryMode": "NO_CODEGEN", "spark.sql.codegen.wholeStage": "false"}
 
 
 @dataclass(frozen=True)
@@ -43,7 +43,7 @@ class Txn:
         tables' commits, which other driver threads make at the same time on ``spark``.
         """
         tagged = spark.newSession()
-        for key in _INHERITED_SETTINGS:  # a child session starts from the defaults
+        for key in INTERPRETED_SETTINGS:  # a child session starts from the defaults
             value = spark.conf.get(key, None)
             if value is not None:
                 tagged.conf.set(key, value)

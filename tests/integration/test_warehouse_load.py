@@ -336,13 +336,11 @@ def test_the_history_high_water_mark_follows_appends_and_foreign_commits(
     assert [int(r["pg_commit_lsn"]) for r in history(spark, tmp_path, unique_name)] == [0x1000, 0x2000, 0x3000, 0x3800]
 
 
-def _commit_actions(path: str) -> list[dict[str, Any]]:
-    """The actions of a Delta table's latest commit, read from its log file."""
-    import orjson
+def _commit_actions(spark: Any, path: str) -> list[dict[str, Any]]:
+    """The actions of a Delta table's latest commit."""
+    from warehouse.txn import _recent_commits
 
-    log = Path(path) / "_delta_log"
-    latest = max(log.glob("*.json"), key=lambda p: int(p.stem))
-    return [orjson.loads(line) for line in latest.read_bytes().splitlines() if line.strip()]
+    return next(_recent_commits(spark, path))[1]
 
 
 @pytest.mark.parametrize("copy_on_write_below", [64 << 20, 0], ids=["rewrite", "deletion-vectors"])
@@ -369,7 +367,7 @@ def test_a_small_current_table_is_merged_by_rewriting_its_files(
     produce_events(kafka_bootstrap, unique_name, later)
     result = load(spark, kafka_bootstrap, unique_name, tmp_path)
     assert (result.tables[TX].inserted, result.tables[TX].updated) == (1, 2)
-    merge = _commit_actions(table_paths(tmp_path, unique_name, TX).current)
+    merge = _commit_actions(spark, table_paths(tmp_path, unique_name, TX).current)
     assert any(a.get("commitInfo", {}).get("operation") == "MERGE" for a in merge)
     vectors = [a["add"] for a in merge if "add" in a and a["add"].get("deletionVector")]
     assert bool(vectors) == (copy_on_write_below == 0)
@@ -396,13 +394,14 @@ def test_a_small_history_append_is_one_file_in_lsn_order(
     produce_events(kafka_bootstrap, unique_name, events, partitions=4)
     assert load(spark, kafka_bootstrap, unique_name, tmp_path).tables[TX].history_rows == 80
     path = table_paths(tmp_path, unique_name, TX).history
-    files = [a["add"]["path"] for a in _commit_actions(path) if "add" in a]
+    files = [a["add"]["path"] for a in _commit_actions(spark, path) if "add" in a]
     if one_file_rows:
         assert len(files) == 1
     import orjson
 
-    created = (Path(path) / "_delta_log" / f"{0:020d}.json").read_bytes().splitlines()
-    schema = next(orjson.loads(a)["metaData"]["schemaString"] for a in created if b'"metaData"' in a)
+    from warehouse.txn import _commit_lines
+
+    schema = next(a["metaData"]["schemaString"] for a in _commit_lines(spark, path, 0) if "metaData" in a)
     fields = {f["name"]: f["metadata"].get("delta.columnMapping.physicalName", f["name"])
               for f in orjson.loads(schema)["fields"]}
     found = []
