@@ -358,7 +358,9 @@ class IncrementalSnapshot:
             self._recent = RecentChanges(pos.tables[0])
         if self._recent is not None:
             self._recent.prune()
-        if pos is not None and not pos.paused and self._chunk is None and time.monotonic() >= self._retry_at:
+        # self._eager: a signal of the transaction still being decoded changed the position;
+        # its later signals (a pause, a stop) apply before a chunk starts, not after one did.
+        if pos is not None and not pos.paused and self._chunk is None and not self._eager and time.monotonic() >= self._retry_at:
             self._start_chunk()
 
     async def save_confirmed(self, confirmed_lsn: int) -> None:

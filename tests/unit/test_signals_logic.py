@@ -129,6 +129,20 @@ async def test_pause_and_resume_are_saved_and_stop_chunks() -> None:
     assert registry.get_sample_value("walbus_snapshot_paused", {"kind": "incremental"}) == 0
 
 
+async def test_a_transactions_signals_apply_together_before_a_chunk_starts() -> None:
+    """execute-snapshot and pause-snapshot in one transaction: a batch boundary between the two
+    rows started the first chunk before the pause was read (CI met it: the table read at once,
+    though the snapshot was "started and paused")."""
+    inc, _ = _snapshot()
+    inc.signal("s1", "execute-snapshot", {"data-collections": ["public.orders"]})
+    await inc.tick(0)  # between batches, inside the signals' transaction
+    assert inc._chunk is None
+    inc.signal("p1", "pause-snapshot", {})
+    assert inc.on_commit(100)
+    await inc.tick(0)
+    assert inc._chunk is None and inc.position is not None and inc.position.paused
+
+
 def test_signal_topic_records() -> None:
     sig = read_signal("sigs", 4, OWN, orjson.dumps({"type": "execute-snapshot", "data": {"data-collections": ["public.t"]}}), own_key=OWN)
     assert (sig.sig_id, sig.type, sig.payload, sig.problem, sig.foreign) == (
