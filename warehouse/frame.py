@@ -69,25 +69,53 @@ def prev_fields(columns: Sequence[SourceColumn], pk: Sequence[str]) -> tuple[Str
     return tuple(StructField(prev_name(k), types[k], True) for k in pk if k in types)
 
 
+_NEW: Final = "_walbus_new"  # the event's row image as a map (column -> value text)
+_OLD: Final = "_walbus_old"  # its identity as a map
+
+
+def _raw(i: int) -> str:
+    return f"_walbus_raw_{i}"
+
+
+def _old_raw(i: int) -> str:
+    return f"_walbus_old_raw_{i}"
+
+
 def typed_rows(events: DataFrame, columns: Sequence[SourceColumn], pk: Sequence[str]) -> DataFrame:
     """One row per event with typed source values; deletes carry their identity values.
 
     With a primary key, ``_walbus_prev_<key>`` columns hold the identity's key values (the
     row's old key on an update; equal to the key when the identity has no key columns).
+
+    Three projections, each reading the one before's columns: the two maps, each column's
+    value text, then the conversions. Written as one, the optimizer copied each map into
+    every expression that read a value (a column's text is read by its conversion, its
+    exactness check and ``pg_raw_values``): 16 columns built the maps some 60 times a row
+    (100,000 events of a 16-column table: 8.5 s of CPU -> 4.7 s). A projection whose
+    expensive columns are read more than once is not merged into the next one.
     """
-    new_values = F.map_from_arrays(F.col("columns"), F.col("values"))
-    old_values = F.map_from_arrays(F.col("identity.columns"), F.col("identity.values"))
     is_delete = F.col("operation") == "delete"
+    maps = events.select(
+        "*",
+        F.map_from_arrays(F.col("columns"), F.col("values")).alias(_NEW),
+        F.map_from_arrays(F.col("identity.columns"), F.col("identity.values")).alias(_OLD),
+    )
+    texts: list[Column] = []
+    for i, col in enumerate(columns):
+        texts.append(F.when(is_delete, F.col(_OLD)[col.name]).otherwise(F.col(_NEW)[col.name]).alias(_raw(i)))
+        if col.name in pk:
+            texts.append(F.col(_OLD)[col.name].alias(_old_raw(i)))
+    staged = maps.select(*[F.col(c) for c in events.columns], *texts)
     typed: list[Column] = []
     raw_entries: list[Column] = []
     prev: list[Column] = []
-    for col in columns:
-        raw = F.when(is_delete, old_values[col.name]).otherwise(new_values[col.name])
+    for i, col in enumerate(columns):
+        raw = F.col(_raw(i))
         value, exact = convert(raw, col.pg_type, col.spark)
         typed.append(value.cast(col.spark).alias(col.name))
         raw_entries.append(F.when(~exact, F.struct(F.lit(col.name).alias("k"), raw.alias("v"))))
         if col.name in pk:
-            old_raw = old_values[col.name]
+            old_raw = F.col(_old_raw(i))
             old_value, _ = convert(old_raw, col.pg_type, col.spark)
             # an identity without this key column (REPLICA IDENTITY USING INDEX/NOTHING):
             # the key is taken as unchanged
@@ -97,7 +125,7 @@ def typed_rows(events: DataFrame, columns: Sequence[SourceColumn], pk: Sequence[
         if raw_entries
         else F.create_map().cast(MapType(StringType(), StringType()))
     )
-    return events.select(
+    return staged.select(
         F.col("lsn").alias("pg_lsn"),
         F.col("commit_lsn").alias("pg_commit_lsn"),
         F.col("seq").cast("int").alias("pg_seq"),

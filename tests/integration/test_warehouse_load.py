@@ -454,3 +454,37 @@ def test_a_small_load_runs_without_generated_code_and_puts_the_settings_back(
     assert sorted((r["transaction_id"], r["amount"]) for r in current(spark, tmp_path, unique_name)) == [
         (0, 0), (1, 10), (2, 20)
     ]
+
+
+def test_typed_rows_builds_each_events_maps_once(spark: Any) -> None:
+    """Each value's text is read by its conversion, its exactness check and pg_raw_values;
+    written as one projection, the optimizer copied the row's maps into every one of those
+    reads (3 columns: 32 map builds a row; a 16-column table's history phase spent most of
+    its CPU there)."""
+    from decimal import Decimal
+
+    from warehouse.frame import typed_rows
+    from warehouse.schema import SourceColumn
+    from warehouse.types import spark_type
+
+    schema = (
+        "lsn decimal(20,0), commit_lsn decimal(20,0), seq bigint, xid bigint, operation string, timestamp string, "
+        "columns array<string>, `values` array<string>, "
+        "identity struct<columns: array<string>, types: array<string>, `values`: array<string>>, unchanged array<string>"
+    )
+    events = spark.createDataFrame([
+        (Decimal(1), Decimal(2), 0, 7, "insert", "2024-01-02 03:04:05+00", ["id", "n", "t"], ["1", "NaN", "x"], None, None),
+        (Decimal(3), Decimal(4), 0, 8, "update", "2024-01-02 03:04:05+00", ["id", "n", "t"], ["2", "2.5", "y"],
+         (["id"], ["int4"], ["1"]), None),
+        (Decimal(5), Decimal(6), 0, 9, "delete", "2024-01-02 03:04:05+00", None, None, (["id"], ["int4"], ["2"]), None),
+    ], schema)
+    columns = [SourceColumn(n, t, spark_type(t)) for n, t in (("id", "int4"), ("n", "numeric"), ("t", "text"))]
+    rows = typed_rows(events, columns, ["id"])
+    plan = rows._jdf.queryExecution().optimizedPlan().toString()
+    assert plan.count("map_from_arrays(") == 2  # the row image's and the identity's, once each
+    got = [(r["pg_operation"], r["id"], r["n"], r["t"], r["_walbus_prev_id"], r["pg_raw_values"]) for r in rows.collect()]
+    assert got == [
+        ("insert", 1, None, "x", 1, {"n": "NaN"}),
+        ("update", 2, Decimal("2.5"), "y", 1, {}),
+        ("delete", 2, None, None, 2, {}),
+    ]
