@@ -197,6 +197,20 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def cpu_times() -> tuple[int, int]:
+    """(all CPU time, stolen time) of this machine so far, in clock ticks (/proc/stat's
+    first line): a virtual machine's host takes 'steal' from it, and a run during which it
+    took much measures the host's load, not the code (the spread of a ratio across rounds)."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    return sum(fields), fields[7]
+
+
+def steal_percent(before: tuple[int, int], after: tuple[int, int]) -> float:
+    """The share of the CPU time between two :func:`cpu_times` the host took."""
+    total = after[0] - before[0]
+    return round(100 * (after[1] - before[1]) / total, 1) if total > 0 else 0.0
+
+
 def listener_pid(port: int) -> int | None:
     """The process listening on TCP ``port`` on this machine (the broker), if it can be seen."""
     inodes: set[str] = set()

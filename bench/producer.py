@@ -9,7 +9,8 @@ Prints JSON lines. Every figure is measured in the same run on the same services
   beside ``pg_recvlogical`` draining a copy of the same slot to /dev/null with the same
   plugin (the decode ceiling), their ratio, and the CPU seconds per million rows of the
   client, its walsender and the broker (the broker is shared: its figure includes whatever
-  else it serves meanwhile). ``--baseline DIR``: another checkout's producer drains the same
+  else it serves meanwhile), and ``*_steal_pct``: the share of the machine's CPU a virtual
+  machine's host took during that run (a round with much of it measures the host's load). ``--baseline DIR``: another checkout's producer drains the same
   backlog in the same run (before/after figures).
 * ``latency``: commit -> Kafka append p50/p99 under a steady write load (the topic uses
   LogAppendTime, so the broker stamps each record when it appends it).
@@ -43,6 +44,7 @@ from bench.common import (
     ROOT,
     Stopwatch,
     cpu_seconds,
+    cpu_times,
     current_lsn,
     dsn_in_env,
     emit,
@@ -50,6 +52,7 @@ from bench.common import (
     peak_rss_mb,
     scratch_database,
     services,
+    steal_percent,
 )
 
 W1_DDL = "CREATE TABLE transactions (transaction_id INT PRIMARY KEY, user_id INT, amount INT)"
@@ -136,6 +139,7 @@ class Run:
     walsender_cpu: float = 0.0
     broker_cpu: float = 0.0
     peak_rss_mb: float = 0.0
+    steal_pct: float = 0.0  # of the machine's CPU time during the run, taken by a VM's host
 
     def figures(self, name: str, events: int) -> dict[str, float]:
         per_m = 1e6 / events
@@ -144,6 +148,7 @@ class Run:
             f"{name}_cpu_s_per_m_rows": round(self.client_cpu * per_m, 2),
             f"{name}_walsender_cpu_s_per_m_rows": round(self.walsender_cpu * per_m, 2),
             f"{name}_broker_cpu_s_per_m_rows": round(self.broker_cpu * per_m, 2),
+            f"{name}_steal_pct": self.steal_pct,
         }
 
 
@@ -160,6 +165,7 @@ def measure(proc: subprocess.Popen[bytes], dsn: str, slot: str, end: int, broker
         walsender = slot_info(dsn, slot)[0]
         time.sleep(0.005)
     start = time.perf_counter()
+    machine = cpu_times()
     base = (cpu_seconds(proc.pid), cpu_seconds(walsender), cpu_seconds(broker) if broker else 0.0)
     run = Run()
     while True:
@@ -177,6 +183,7 @@ def measure(proc: subprocess.Popen[bytes], dsn: str, slot: str, end: int, broker
             raise RuntimeError(f"{proc.args!r} exited with {proc.returncode} before the slot confirmed {end:X}")
         time.sleep(0.02)
     run.seconds = time.perf_counter() - start
+    run.steal_pct = steal_percent(machine, cpu_times())
     return run
 
 

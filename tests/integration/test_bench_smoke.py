@@ -77,6 +77,7 @@ def test_producer_benchmark(services: Services) -> None:
     for line in out:
         if line["kind"] == "throughput":
             assert line["producer_rows_per_s"] > 0 and line["ratio_to_recvlogical"] > 0
+            assert 0 <= line["producer_steal_pct"] <= 100 and 0 <= line["recvlogical_steal_pct"] <= 100
         if line["kind"] == "latency":
             assert line["events"] > 0 and line["p50_ms"] <= line["p99_ms"] <= line["max_ms"]
 
