@@ -17,7 +17,7 @@ import re
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
-from typing import Any, Final
+from typing import Any, Final, Protocol
 
 import orjson
 
@@ -268,8 +268,19 @@ class EncodedEvent:
 
 
 
+class RunRecords(Protocol):
+    """A native run's keys or values (walbus_native.Records): byte strings side by side in one
+    buffer, a ``bytes`` made only when one is read; the record batch copies them directly."""
+
+    def __len__(self) -> int: ...
+    def __getitem__(self, index: int, /) -> bytes: ...
+    def __iter__(self) -> Iterator[bytes]: ...
+    def max_len(self) -> int: ...
+    def tolist(self) -> list[bytes]: ...
+
+
 # A native run's (keys, values, new rows, old key rows, operations): see ChangeRun.
-ChangeRunParts = tuple[list[bytes], list[bytes], list[list[Any] | None], list[list[Any] | None], bytes]
+ChangeRunParts = tuple[RunRecords, RunRecords, list[list[Any] | None], list[list[Any] | None], bytes]
 _RUN_OPERATIONS: Final = {ord("I"): "insert", ord("U"): "update", ord("D"): "delete", ord("R"): "read"}
 
 
@@ -280,8 +291,8 @@ class ChangeRun:
 
     relation: Relation
     partition_key: bytes
-    keys: list[bytes]
-    values: list[bytes]
+    keys: RunRecords
+    values: RunRecords
     # Each event's new row, a value per relation column (None: a delete), and old key row as
     # sent (None: none was); both None when the run was encoded without them (``remake``).
     rows: list[list[Any] | None] | None

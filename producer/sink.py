@@ -135,7 +135,7 @@ class KafkaSink:
         p = 0 if self.partitions == 1 else _partition_for(run.partition_key, self.partitions)
         values, keys = run.values, run.keys
         surely_fit = self._values_surely_fit
-        if max(map(len, values), default=0) > surely_fit:  # in C: the loop only for a run that may not fit
+        if values.max_len() > surely_fit:  # natively: the loop only for a run that may not fit
             for i, value in enumerate(values):
                 if len(value) > surely_fit and not record_fits(self.max_message_bytes, keys[i], value):
                     raise oversized_error(self.topic, list(run.events())[i], self.max_message_bytes)

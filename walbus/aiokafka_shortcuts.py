@@ -54,6 +54,14 @@ CHECKED_VERSIONS: Final = ((0, 14),)
 NO_HEADERS: Final[list[tuple[str, bytes]]] = []
 
 
+class ByteStrings(Protocol):
+    """Keys or values for :meth:`OutputBatch.extend`: a list, or a change run's
+    walbus_native.Records (one buffer; a ``bytes`` made only when one is read)."""
+
+    def __len__(self) -> int: ...
+    def __getitem__(self, index: int, /) -> bytes | None: ...
+
+
 class SourceRecord(Protocol):
     """What walbus reads of a source record: a ConsumerRecord or aiokafka's Cython record."""
 
@@ -359,8 +367,9 @@ class OutputBatch:
         self.count += 1
         return True
 
-    def extend(self, keys: list[bytes], values: list[bytes], start: int = 0) -> int:
-        """Append ``zip(keys, values)[start:]`` until the batch is full; how many it took."""
+    def extend(self, keys: ByteStrings, values: ByteStrings, start: int = 0) -> int:
+        """Append ``zip(keys, values)[start:]`` until the batch is full; how many it took.
+        A native batch copies a change run's ``Records`` without a ``bytes`` each."""
         if self.native is not None:
             taken: int = self.native.extend(keys, values, start)
             self.count += taken

@@ -89,5 +89,5 @@ pub(crate) fn encode_copy_rows<'py>(
         value.extend_from_slice(parts.3.as_bytes());
         run.push(&key_parts, event_seq, b'R', &value, Some(values), None)?;
     }
-    Ok(run.finish())
+    run.finish()
 }

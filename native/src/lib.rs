@@ -16,8 +16,11 @@ mod copydata;
 mod copytext;
 mod event;
 mod lanes;
+mod records;
 mod recordbatch;
 mod wal2json;
+
+use records::Records;
 
 /// Column kinds, as the caller spells them.
 const INT: u8 = b'i';
@@ -254,18 +257,17 @@ pub(crate) type InsertParts<'py> = (Bound<'py, PyBytes>, Bound<'py, PyBytes>, Bo
 pub(crate) type KeyParts<'py> = (Bound<'py, PyBytes>, usize);
 
 /// The key of event `seq`: `head` and its seq (`%0<width>X`).
-pub(crate) fn event_key<'py>(py: Python<'py>, key: &KeyParts<'py>, seq: u64, out: &mut Vec<u8>) -> Bound<'py, PyBytes> {
+pub(crate) fn event_key(key: &KeyParts<'_>, seq: u64, out: &mut Vec<u8>) {
     use std::io::Write;
     out.clear();
     out.extend_from_slice(key.0.as_bytes());
     let _ = write!(out, "{:0width$X}", seq, width = key.1);
-    PyBytes::new(py, out)
 }
 
 /// What a change run gives the caller: each event's key, value, new row (None: a delete) and
 /// old row (None: none was sent; else a value per column, None outside the key), and its
 /// operation's letter (`I`, `U`, `D`).
-pub(crate) type ChangeRun<'py> = (Bound<'py, PyList>, Bound<'py, PyList>, Bound<'py, PyList>, Bound<'py, PyList>, Bound<'py, PyBytes>);
+pub(crate) type ChangeRun<'py> = (Bound<'py, Records>, Bound<'py, Records>, Bound<'py, PyList>, Bound<'py, PyList>, Bound<'py, PyBytes>);
 
 /// An update's and a delete's parts beside an insert's `(head, mid, tail, end)`:
 /// `(update_tail, delete_tail, identity_head, identity_end)`. An update's value is
@@ -273,12 +275,14 @@ pub(crate) type ChangeRun<'py> = (Bound<'py, PyList>, Bound<'py, PyList>, Bound<
 /// the same without `values` (and with `delete_tail`).
 pub(crate) type ChangeParts<'py> = (Bound<'py, PyBytes>, Bound<'py, PyBytes>, Bound<'py, PyBytes>, Bound<'py, PyBytes>);
 
-/// A change run being built: the lists `ChangeRun` hands over, and the operations.
+/// A change run being built: the keys and values (side by side, no object each), the row
+/// lists `ChangeRun` hands over, and the operations.
 pub(crate) struct RunBuilder<'py> {
     /// Whether the new and old rows are handed over (else their lists stay empty).
     pub(crate) images: bool,
-    keys: Bound<'py, PyList>,
-    values: Bound<'py, PyList>,
+    py: Python<'py>,
+    keys: Records,
+    values: Records,
     rows: Bound<'py, PyList>,
     olds: Bound<'py, PyList>,
     ops: Vec<u8>,
@@ -288,7 +292,10 @@ pub(crate) struct RunBuilder<'py> {
 impl<'py> RunBuilder<'py> {
     pub(crate) fn new(py: Python<'py>) -> Self {
         let list = || PyList::empty(py);
-        RunBuilder { images: true, keys: list(), values: list(), rows: list(), olds: list(), ops: Vec::new(), key_buf: Vec::new() }
+        RunBuilder {
+            images: true, py, keys: Records::default(), values: Records::default(), rows: list(), olds: list(),
+            ops: Vec::new(), key_buf: Vec::new(),
+        }
     }
 
     /// Append event `seq`: its operation, value, new row and old row.
@@ -301,9 +308,10 @@ impl<'py> RunBuilder<'py> {
         row: Option<Vec<Bound<'py, PyAny>>>,
         old: Option<Vec<Bound<'py, PyAny>>>,
     ) -> PyResult<()> {
-        let py = self.keys.py();
-        self.keys.append(event_key(py, key, seq, &mut self.key_buf))?;
-        self.values.append(PyBytes::new(py, value))?;
+        let py = self.py;
+        event_key(key, seq, &mut self.key_buf);
+        self.keys.push(&self.key_buf);
+        self.values.push(value);
         if self.images {
             match row {
                 Some(r) => self.rows.append(PyList::new(py, r)?)?,
@@ -318,9 +326,10 @@ impl<'py> RunBuilder<'py> {
         Ok(())
     }
 
-    pub(crate) fn finish(self) -> ChangeRun<'py> {
-        let ops = PyBytes::new(self.keys.py(), &self.ops);
-        (self.keys, self.values, self.rows, self.olds, ops)
+    pub(crate) fn finish(self) -> PyResult<ChangeRun<'py>> {
+        let py = self.py;
+        let ops = PyBytes::new(py, &self.ops);
+        Ok((Bound::new(py, self.keys)?, Bound::new(py, self.values)?, self.rows, self.olds, ops))
     }
 }
 
@@ -445,7 +454,7 @@ fn encode_changes<'py>(
             _ => break,
         }
     }
-    Ok(run.finish())
+    run.finish()
 }
 
 #[pymodule]
@@ -459,5 +468,6 @@ fn walbus_native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<event::EventDecoder>()?;
     m.add_class::<copydata::CopyReader>()?;
     m.add_class::<lanes::OrderLanes>()?;
+    m.add_class::<Records>()?;
     Ok(())
 }

@@ -17,6 +17,8 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList};
 
+use crate::records::Records;
+
 /// The batch header: base offset, length, leader epoch, magic, crc, attributes, last offset
 /// delta, first and max timestamp, producer id, producer epoch, base sequence, record count.
 const HEADER: usize = 8 + 4 + 4 + 1 + 4 + 2 + 4 + 8 + 8 + 8 + 2 + 4 + 4;
@@ -141,9 +143,20 @@ impl RecordBatchBuilder {
         self.push(key, value)
     }
 
-    /// Append `zip(keys, values)[start:]` (bytes or None each) until the batch is full; how
-    /// many it took.
-    fn extend(&mut self, keys: &Bound<'_, PyList>, values: &Bound<'_, PyList>, start: usize) -> PyResult<usize> {
+    /// Append `zip(keys, values)[start:]` (lists of bytes or None each, or a change run's
+    /// `Records`) until the batch is full; how many it took.
+    fn extend(&mut self, keys: &Bound<'_, PyAny>, values: &Bound<'_, PyAny>, start: usize) -> PyResult<usize> {
+        if let (Ok(keys), Ok(values)) = (keys.cast::<Records>(), values.cast::<Records>()) {
+            // A change run's: copied from its buffers, no object each.
+            let (keys, values) = (keys.get(), values.get());
+            let end = keys.count().min(values.count());
+            let mut i = start;
+            while i < end && self.push(Some(keys.get(i)), Some(values.get(i))) {
+                i += 1;
+            }
+            return Ok(i.saturating_sub(start));
+        }
+        let (keys, values) = (keys.cast::<PyList>()?, values.cast::<PyList>()?);
         let end = keys.len().min(values.len());
         let mut i = start;
         while i < end {

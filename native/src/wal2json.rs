@@ -235,7 +235,7 @@ pub(crate) fn encode_wal2json_changes<'py>(
             run.push(&key_parts, event_seq, op, &value_json, row, old)?;
         }
     }
-    Ok(run.finish())
+    run.finish()
 }
 
 /// The columns' values as a JSON array appended to `json`, each converted to `out` as the

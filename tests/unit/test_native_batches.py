@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 from aiokafka.producer.message_accumulator import BatchBuilder
 from aiokafka.record.memory_records import MemoryRecords
 from hypothesis import example, given, settings
@@ -80,3 +81,41 @@ def test_a_native_lz4_batch_is_lz4_framed_as_kafka_writes_it() -> None:
     read = MemoryRecords(built).next_batch()
     assert read.validate_crc() and read.compression_type == 3
     assert [r.value for r in read] == values
+
+
+@settings(max_examples=200)
+@given(st.lists(st.tuples(st.binary(max_size=40), st.binary(max_size=3000)), max_size=60), st.integers(0, 5),
+       st.sampled_from([200, 16384, 200_000]), st.sampled_from([0, 3]))
+def test_a_change_runs_records_fill_a_batch_as_their_lists_do(records: list[tuple[bytes, bytes]], start: int,
+                                                             size: int, codec: int) -> None:
+    """A change run's keys and values come as walbus_native.Records (one buffer): the batch
+    copies them as it would the lists, and they read back as the lists."""
+    module = native_module()
+    if module is None:
+        return
+    keys, values = [k for k, _ in records], [v for _, v in records]
+    as_records = module.Records(keys), module.Records(values)
+    assert as_records[0] == keys and as_records[1] == values and as_records[0] == module.Records(keys)
+    assert as_records[1].tolist() == values and list(as_records[1]) == values and len(as_records[1]) == len(values)
+    assert as_records[1].max_len() == max(map(len, values), default=0)
+    if values:
+        assert as_records[1][-1] == values[-1] and as_records[1][0] == values[0]
+    with pytest.raises(IndexError):
+        as_records[1][len(values)]
+    from_lists, from_records = NativeBatch(size, False, codec), NativeBatch(size, False, codec)
+    taken = from_lists._builder.extend(keys, values, start)
+    assert from_records._builder.extend(*as_records, start) == taken
+    if taken:
+        for b in (from_lists, from_records):
+            b._set_producer_state(1, 0, 0)
+        assert _read(from_lists)[1:] == _read(from_records)[1:]  # same records (timestamps aside: none are read)
+
+
+def test_records_equal_only_equal_lists_and_records() -> None:
+    module = native_module()
+    if module is None:
+        return
+    records = module.Records([b"a", b"", b"bc"])
+    assert records == [b"a", b"", b"bc"] and records != [b"a", b"", b"b"] and records != module.Records([b"a"])
+    assert records != (b"a", b"", b"bc") and records != "abc" and records != 3  # a list's equality: lists only
+    assert repr(records) == "<Records of 3 byte strings, 3 bytes>"
