@@ -11,9 +11,11 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+from collections.abc import Callable
 from typing import Any, Protocol, cast
 
 from producer.codec import ChangeRunParts
+from producer.decoders import WalMessages
 from walbus.native import native_module, switched_off
 
 log = logging.getLogger("walbus.producer.native")
@@ -27,7 +29,7 @@ class DecodeTuple(Protocol):
 
 class EncodeChanges(Protocol):
     def __call__(
-        self, messages: list[tuple[int, bytes]], start: int, relid: int, kinds: bytes,
+        self, messages: WalMessages, start: int, relid: int, kinds: bytes,
         parts: tuple[bytes, bytes, bytes, bytes], key_parts: tuple[bytes, int], seq: int, limit: int,
         key: list[int] | None = None, change_parts: tuple[bytes, bytes, bytes, bytes] | None = None,
         rows: bool = True, /,
@@ -36,7 +38,7 @@ class EncodeChanges(Protocol):
 
 class EncodeWal2jsonChanges(Protocol):
     def __call__(
-        self, messages: list[tuple[int, bytes]], start: int, schema: str, table: str,
+        self, messages: WalMessages, start: int, schema: str, table: str,
         signature: list[tuple[str, int, str | None, bool | None]], kinds: bytes,
         parts: tuple[bytes, bytes, bytes, bytes], key_parts: tuple[bytes, int], seq: int, limit: int,
         key: list[int] | None = None, change_parts: tuple[bytes, bytes, bytes, bytes] | None = None, /,
@@ -106,7 +108,14 @@ def loads_exact() -> LoadsExact | None:
 
 
 class CopyReader(Protocol):
-    def read(self, pgconn: int, out: list[tuple[int, bytes]], limit: int, /) -> tuple[int, int, bool]: ...
+    def read(self, pgconn: int, out: WalMessages, limit: int, /) -> tuple[int, int, bool]: ...
+
+
+def new_messages() -> Callable[[], WalMessages] | None:
+    """The extension's empty walbus_native.Messages maker, for the CopyReader to fill (None:
+    pure Python, whose reads are lists)."""
+    found = getattr(_module(), "Messages", None)
+    return None if found is None else cast(Callable[[], WalMessages], found)
 
 
 @functools.cache

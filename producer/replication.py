@@ -22,7 +22,8 @@ from dataclasses import dataclass
 import psycopg
 from psycopg import pq
 
-from producer.native import copy_reader
+from producer.decoders import WalMessages
+from producer.native import copy_reader, new_messages
 from walbus.contract import Lsn
 
 log = logging.getLogger("walbus.producer.replication")
@@ -79,6 +80,8 @@ class ReplicationStream:
         self._closed = False
         self._reading: asyncio.Future[None] | None = None  # a read waiting for data: wake() ends it
         self._copy_reader = copy_reader()  # libpq's messages taken in one native call, or None
+        # What a native read fills: one buffer, no object a message (None: lists of tuples).
+        self._new_messages = new_messages() if self._copy_reader is not None else None
         self._pulls_left = 0  # pull()s allowed before the next read
 
     @classmethod
@@ -154,13 +157,13 @@ class ReplicationStream:
         if fut is not None and not fut.done():
             fut.set_result(None)
 
-    async def read(self, max_messages: int = 20000, timeout: float = 1.0) -> list[tuple[int, bytes]]:
+    async def read(self, max_messages: int = 20000, timeout: float = 1.0) -> WalMessages:
         """Every XLogData message available now (waiting up to ``timeout`` for the first).
 
-        Returns ``[(data_start, payload), …]``; an empty list when idle
-        (keepalives are absorbed into :attr:`position`).
+        Returns ``(data_start, payload)`` pairs (walbus_native.Messages when the native reader
+        is there, else a list); empty when idle (keepalives are absorbed into :attr:`position`).
         """
-        out: list[tuple[int, bytes]] = []
+        out: WalMessages = self._new_messages() if self._new_messages is not None else []
         waited = False
         refilled = False
         while True:
@@ -182,7 +185,7 @@ class ReplicationStream:
             waited = True
             self._consume()
 
-    def _take(self, out: list[tuple[int, bytes]], limit: int) -> int:
+    def _take(self, out: WalMessages, limit: int) -> int:
         """Move up to ``limit`` XLogData messages libpq holds into ``out`` (keepalives into
         :attr:`position`); 1 at the limit, else get_copy_data's 0 (no more now), -1 or -2."""
         reader = self._copy_reader
@@ -198,6 +201,7 @@ class ReplicationStream:
             if status == _MALFORMED:
                 raise ReplicationError("the server sent a replication message shorter than its header")
             return status
+        assert isinstance(out, list)  # the pure-Python reader's reads are lists
         pgconn = self._pgconn
         taken = 0
         while taken < limit:

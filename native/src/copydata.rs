@@ -12,6 +12,8 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList, PyTuple};
 
+use crate::messages::Messages;
+
 type GetCopyData = unsafe extern "C" fn(*mut c_void, *mut *mut c_char, c_int) -> c_int;
 type FreeMem = unsafe extern "C" fn(*mut c_void);
 
@@ -61,10 +63,16 @@ impl CopyReader {
     /// COPY BOTH mode, as psycopg's `pgconn.pgconn_ptr`) without waiting, appended to `out` as
     /// `(data start, payload)`. Returns `(status, highest keepalive WAL end or 0, whether a
     /// keepalive asked for a reply)`; status 0, -1 and -2 as `PQgetCopyData`, 1 at the limit.
-    fn read<'py>(&self, py: Python<'py>, pgconn: usize, out: &Bound<'py, PyList>, limit: usize) -> PyResult<Bound<'py, PyTuple>> {
+    fn read<'py>(&self, py: Python<'py>, pgconn: usize, out: &Bound<'py, PyAny>, limit: usize) -> PyResult<Bound<'py, PyTuple>> {
         if pgconn == 0 {
             return Err(PyValueError::new_err("CopyReader.read: no connection"));
         }
+        // Into `Messages` (one buffer, no object a message), or a list of tuples.
+        let mut native = match out.cast::<Messages>() {
+            Ok(m) => Some(m.try_borrow_mut()?),
+            Err(_) => None,
+        };
+        let list = if native.is_none() { Some(out.cast::<PyList>()?) } else { None };
         let conn = pgconn as *mut c_void;
         let (mut wal_end, mut reply) = (0u64, false);
         let mut taken = 0usize;
@@ -82,9 +90,7 @@ impl CopyReader {
             // SAFETY: as above: n bytes at buf, freed once just below, after the last use.
             let data = unsafe { std::slice::from_raw_parts(buf.cast::<u8>().cast_const(), n as usize) };
             let item = match data.first() {
-                Some(&XLOG_DATA) if data.len() >= XLOG_HEADER => {
-                    Some((u64_at(data, 1), PyBytes::new(py, &data[XLOG_HEADER..])))
-                }
+                Some(&XLOG_DATA) if data.len() >= XLOG_HEADER => Some((u64_at(data, 1), &data[XLOG_HEADER..])),
                 Some(&KEEPALIVE) if data.len() >= KEEPALIVE_LEN => {
                     wal_end = wal_end.max(u64_at(data, 1));
                     reply |= data[KEEPALIVE_LEN - 1] != 0;
@@ -97,10 +103,17 @@ impl CopyReader {
                 }
                 _ => None, // anything else the server may add to the protocol: not ours
             };
-            // SAFETY: buf came from PQgetCopyData and is freed exactly once.
+            let appended = match (item, native.as_mut(), list) {
+                (Some((start, payload)), Some(messages), _) => {
+                    messages.push(start, payload);
+                    Ok(true)
+                }
+                (Some((start, payload)), None, Some(list)) => list.append((start, PyBytes::new(py, payload))).map(|()| true),
+                _ => Ok(false),
+            };
+            // SAFETY: buf came from PQgetCopyData and is freed exactly once, after its last use.
             unsafe { (self.freemem)(buf.cast::<c_void>()) };
-            if let Some((start, payload)) = item {
-                out.append((start, payload))?;
+            if appended? {
                 taken += 1;
             }
         };

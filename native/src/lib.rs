@@ -16,10 +16,12 @@ mod copydata;
 mod copytext;
 mod event;
 mod lanes;
+mod messages;
 mod records;
 mod recordbatch;
 mod wal2json;
 
+use messages::{MessageSource, Messages};
 use records::Records;
 
 /// Column kinds, as the caller spells them.
@@ -375,7 +377,7 @@ fn push_key_json(out: &mut Vec<u8>, src: Option<&[u8]>, spans: &[(usize, usize)]
 #[allow(clippy::too_many_arguments)]
 fn encode_changes<'py>(
     py: Python<'py>,
-    messages: &Bound<'py, PyList>,
+    messages: &Bound<'py, PyAny>,
     start: usize,
     relid: u32,
     kinds: &[u8],
@@ -394,10 +396,10 @@ fn encode_changes<'py>(
     let mut old_json: Vec<u8> = Vec::new();
     let mut new_spans: Vec<(usize, usize)> = Vec::new();
     let mut old_spans: Vec<(usize, usize)> = Vec::new();
+    let messages = MessageSource::of(messages)?;
     for i in start..messages.len().min(start.saturating_add(limit)) {
-        let item = messages.get_item(i)?;
-        let (lsn, payload): (u64, Bound<'py, PyBytes>) = item.extract()?;
-        let buf = payload.as_bytes();
+        let (lsn, payload) = messages.get(i)?;
+        let buf = payload.bytes();
         // the operation, the relation's id, then 'N' (a new tuple), 'K' (an old key) or 'O'
         if buf.len() < 6 || buf[1..5] != relid.to_be_bytes() {
             break;
@@ -469,5 +471,6 @@ fn walbus_native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<copydata::CopyReader>()?;
     m.add_class::<lanes::OrderLanes>()?;
     m.add_class::<Records>()?;
+    m.add_class::<Messages>()?;
     Ok(())
 }

@@ -15,10 +15,11 @@
 use std::borrow::Cow;
 
 use pyo3::prelude::*;
-use pyo3::types::{PyBool, PyBytes, PyDict, PyFloat, PyInt, PyList, PyString};
+use pyo3::types::{PyBool, PyDict, PyFloat, PyInt, PyList, PyString};
 use serde::Deserialize;
 use serde_json::value::RawValue;
 
+use crate::messages::MessageSource;
 use crate::{change_args, convert, push_event_head_with, push_json_string, ChangeParts, ChangeRun, InsertParts, KeyParts, RunBuilder, BOOL, TEXT};
 
 /// One column of a change, as wal2json prints it with `include-type-oids`, `include-typmod`
@@ -157,7 +158,7 @@ fn is_key(identity: &[Column<'_>], key: &[usize], signature: &[Signature]) -> bo
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn encode_wal2json_changes<'py>(
     py: Python<'py>,
-    messages: &Bound<'py, PyList>,
+    messages: &Bound<'py, PyAny>,
     start: usize,
     schema: &str,
     table: &str,
@@ -174,10 +175,10 @@ pub(crate) fn encode_wal2json_changes<'py>(
     let changes = change_args(&key, &change_parts, kinds.len());
     if signature.len() == kinds.len() {
         let mut value_json: Vec<u8> = Vec::new();
+        let messages = MessageSource::of(messages)?;
         for i in start..messages.len().min(start.saturating_add(limit)) {
-            let item = messages.get_item(i)?;
-            let (_, payload): (u64, Bound<'py, PyBytes>) = item.extract()?;
-            let buf = payload.as_bytes();
+            let (_, payload) = messages.get(i)?;
+            let buf = payload.bytes();
             let op = match buf.get(..13) {
                 Some(b"{\"action\":\"I\"") => b'I',
                 Some(b"{\"action\":\"U\"") if changes.is_some() => b'U',

@@ -57,11 +57,20 @@ def flat(items: Iterable[Item]) -> Iterator[EncodedEvent | TxnBegin | TxnEnd | L
             yield item
 
 
+class WalMessages(Protocol):
+    """A read's XLogData messages as ``(position, payload)``: a list (the pure-Python reader),
+    or walbus_native.Messages (one buffer; a tuple made only for the message that is read,
+    and the native run encoders read the buffer itself)."""
+
+    def __len__(self) -> int: ...
+    def __getitem__(self, index: int, /) -> tuple[int, bytes]: ...
+
+
 class Decoder(Protocol):
     plugin: str
 
     def start_options(self, publication: str) -> dict[str, str]: ...
 
-    def decode(self, messages: list[tuple[int, bytes]]) -> Iterator[Item]:
+    def decode(self, messages: WalMessages) -> Iterator[Item]:
         """The items of ``messages``, in order (lazily: the caller may await between them)."""
         ...

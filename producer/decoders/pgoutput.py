@@ -20,7 +20,7 @@ from producer.codec import (
     Relation,
     pg_timestamp_iso,
 )
-from producer.decoders import Item, LogicalMessage, TxnBegin, TxnEnd
+from producer.decoders import Item, LogicalMessage, TxnBegin, TxnEnd, WalMessages
 from producer.native import DecodeTuple, EncodeChanges, decode_tuple, encode_changes
 from producer.replication import quote_ident
 
@@ -64,7 +64,7 @@ class PgoutputDecoder:
         # A list of identifiers: quoted, or PostgreSQL folds the name to lower case.
         return {"proto_version": "1", "publication_names": quote_ident(publication), "messages": "true"}
 
-    def decode(self, messages: list[tuple[int, bytes]]) -> Iterator[Item]:
+    def decode(self, messages: WalMessages) -> Iterator[Item]:
         relations = self.relations
         insert = self.encoder.insert
         tuple_ = self._rel_tuple if self.native is None else self._native_tuple

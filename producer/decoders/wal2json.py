@@ -19,7 +19,7 @@ import orjson
 
 from producer.catalog import CatalogLookup, TableInfo, modifiers_from_text, type_modifiers
 from producer.codec import CaptureFilter, EventEncoder, Relation, iso_from_pg_text
-from producer.decoders import Item, LogicalMessage, TxnBegin, TxnEnd
+from producer.decoders import Item, LogicalMessage, TxnBegin, TxnEnd, WalMessages
 from producer.decoders.pgoutput import DecodeError
 from producer.native import EncodeWal2jsonChanges, LoadsExact, encode_wal2json_changes, loads_exact
 from walbus.contract import BOOL_TYPES, FLOAT_TYPES, INT_TYPES, qualify_table
@@ -247,7 +247,7 @@ class Wal2jsonDecoder:
         if self.native_changes is not None and rel.plain and "bytea" not in rel.types:  # (bytea: see _value_converter)
             self._hot = (schema, table, _signatures(cols), rel, rel.run_key())
 
-    def decode(self, messages: list[tuple[int, bytes]]) -> Iterator[Item]:
+    def decode(self, messages: WalMessages) -> Iterator[Item]:
         changes = self.native_changes
         # An index, not enumerate(): a native run takes hundreds of messages, passed over at once.
         i, end = 0, len(messages)

@@ -14,12 +14,13 @@ from hypothesis import strategies as st
 
 from producer.catalog import TableInfo
 from producer.codec import CaptureFilter, text_converter
+from producer.decoders import WalMessages
 from producer.decoders.pgoutput import PgoutputDecoder
 from producer.native import decode_tuple
 from tests.support.catalog import StaticCatalog
 from tests.support.prop import FLOAT_SPECIALS, columns, decoded, strict
 from walbus.contract import qualify_table
-from walbus.native import switched_off
+from walbus.native import native_module, switched_off
 
 # A type name per kind of converter (and a few that are text to the decoder).
 TYPES = {"int2": 21, "int4": 23, "int8": 20, "oid": 26, "float4": 700, "float8": 701, "bool": 16, "text": 25,
@@ -112,7 +113,7 @@ def streams(draw: st.DrawFn, keyed: bool = False) -> tuple[StaticCatalog, Captur
     return one_table(cols, types, pk), capture, [(0x100 + i, m) for i, m in enumerate(msgs)]
 
 
-def outcome(native: bool, tables: StaticCatalog, capture: CaptureFilter, msgs: list[tuple[int, bytes]]) -> list[Any]:
+def outcome(native: bool, tables: StaticCatalog, capture: CaptureFilter, msgs: WalMessages) -> list[Any]:
     """Each item the decoder gives, then the error that stopped it (if one did)."""
     return decoded(lambda: PgoutputDecoder(tables, capture, native=native).decode(msgs))
 
@@ -126,7 +127,11 @@ def test_the_native_path_is_there_where_it_can_be_built() -> None:
 @given(st.one_of(streams(), streams(keyed=True)))
 def test_native_and_pure_python_give_the_same_items(stream: tuple[StaticCatalog, CaptureFilter, list[tuple[int, bytes]]]) -> None:
     tables, capture, msgs = stream
-    assert outcome(True, tables, capture, msgs) == outcome(False, tables, capture, msgs)
+    expected = outcome(False, tables, capture, msgs)
+    assert outcome(True, tables, capture, msgs) == expected
+    module = native_module()
+    if module is not None:  # the native reader's form: one buffer, the run encoder reads it
+        assert outcome(True, tables, capture, module.Messages(msgs)) == expected
 
 
 def test_native_renders_what_orjson_renders() -> None:
@@ -204,3 +209,17 @@ def test_a_pgoutput_run_makes_its_rows_only_when_asked() -> None:
     assert run.rows is None and run.operations == b"IIID"
     assert run.images() == ([[0, "r0"], [1, "r1"], [2, "r2"], None], [None, None, None, [1, None]])
     assert [e.operation for e in run.events()] == ["insert", "insert", "insert", "delete"]
+
+
+def test_a_reads_messages_read_as_its_list() -> None:
+    """walbus_native.Messages (what the native reader fills) reads as the list of
+    ``(position, payload)`` pairs the pure-Python reader makes."""
+    module = native_module()
+    if module is None:
+        return
+    pairs = [(0x16B3748, b"I\0\0\0\x07N"), (2**64 - 1, b""), (0, b"C" * 3000)]
+    messages = module.Messages(pairs)
+    assert len(messages) == 3 and list(messages) == pairs and [messages[i] for i in range(3)] == pairs
+    assert messages[-1] == pairs[-1] and not module.Messages() and bool(messages)
+    with pytest.raises(IndexError):
+        messages[3]
