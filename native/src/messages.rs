@@ -6,9 +6,10 @@
 //! for the messages that start a run or are not changes) gets `(position, payload)` tuples
 //! made on demand, through the sequence protocol.
 
-use pyo3::exceptions::PyIndexError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList, PyTuple};
+
+use crate::records::sequence_index;
 
 #[pyclass(sequence, module = "walbus_native")]
 #[derive(Default)]
@@ -59,12 +60,7 @@ impl Messages {
     }
 
     fn __getitem__<'py>(&self, py: Python<'py>, index: isize) -> PyResult<Bound<'py, PyTuple>> {
-        let n = self.count() as isize;
-        let i = if index < 0 { index + n } else { index };
-        if i < 0 || i >= n {
-            return Err(PyIndexError::new_err("Messages index out of range"));
-        }
-        self.item(py, i as usize)
+        self.item(py, sequence_index(index, self.count(), "Messages")?)
     }
 
     fn __iter__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {

@@ -11,6 +11,15 @@ use pyo3::exceptions::PyIndexError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList};
 
+/// A Python sequence's index (negative: from the end) as a position below `len`.
+pub(crate) fn sequence_index(index: isize, len: usize, what: &str) -> PyResult<usize> {
+    let i = if index < 0 { index + len as isize } else { index };
+    if i < 0 || i >= len as isize {
+        return Err(PyIndexError::new_err(format!("{what} index out of range")));
+    }
+    Ok(i as usize)
+}
+
 #[pyclass(frozen, sequence, module = "walbus_native")]
 #[derive(Default, PartialEq, Eq)]
 pub struct Records {
@@ -57,12 +66,7 @@ impl Records {
     }
 
     fn __getitem__<'py>(&self, py: Python<'py>, index: isize) -> PyResult<Bound<'py, PyBytes>> {
-        let n = self.count() as isize;
-        let i = if index < 0 { index + n } else { index };
-        if i < 0 || i >= n {
-            return Err(PyIndexError::new_err("Records index out of range"));
-        }
-        Ok(PyBytes::new(py, self.get(i as usize)))
+        Ok(PyBytes::new(py, self.get(sequence_index(index, self.count(), "Records")?)))
     }
 
     fn __iter__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
