@@ -71,9 +71,9 @@ def test_demux_benchmark(services: Services, partitions: int) -> None:
 
 def test_producer_benchmark(services: Services) -> None:
     out = run_bench(services, "producer", "--rows", "2000", "--txns", "10", "--plugins", "pgoutput",
-                    "--latency-rate", "200", "--latency-seconds", "2", "--big-rows", "2000")
+                    "--latency-rate", "200", "--latency-seconds", "2", "--big-rows", "2000", "--warmup-rows", "500")
     kinds = [line["kind"] for line in out]
-    assert {"load", "throughput", "latency", "rss"} <= set(kinds)
+    assert {"warmup", "load", "throughput", "latency", "rss"} <= set(kinds) and kinds[0] == "warmup"
     for line in out:
         if line["kind"] == "throughput":
             assert line["producer_rows_per_s"] > 0 and line["ratio_to_recvlogical"] > 0
