@@ -28,7 +28,7 @@ from pyspark.sql.types import BooleanType, StructField
 
 from warehouse.frame import DELETED, META_FIELDS, POSITION, prev_name
 from warehouse.schema import SourceColumn, qcol, quote, sql_string, table_properties
-from warehouse.txn import Txn, last_commit_metrics, never_written, table_size_bytes
+from warehouse.txn import Txn, last_commit_metrics, never_written, table_size_bytes, table_version
 
 TRUNCATED_PROPERTY: Final = "walbus.truncatedAt"
 CURRENT_EXTRA_FIELDS: Final = (StructField(DELETED, BooleanType(), False),)
@@ -141,17 +141,19 @@ def merge_current(
         if never_written(spark, path):
             # No row to match (a table's first load): every source row is the MERGE's insert,
             # so an append writes the same rows without the MERGE's join jobs (~1 s a table).
+            before = table_version(spark, path)
             (
                 source.select(*[qcol(c) for c in all_cols]).write.format("delta").mode("append")
-                .option("txnAppId", txn.app_id).option("txnVersion", txn.batch_id).save(path)
+                .option("userMetadata", txn.user_metadata()).save(path)
             )
-            inserted = int(last_commit_metrics(spark, path).get("numOutputRows", 0))
+            inserted = int(last_commit_metrics(spark, path, since=before).get("numOutputRows", 0))
             updated = 0
         else:
             session = txn.tagged_session(spark)
             size = table_size_bytes(spark, path)
             if size is not None and size < COPY_ON_WRITE_BELOW_BYTES:
                 session.conf.set(_MERGE_DV_CONF, "false")
+            before = table_version(spark, path)
             (
                 DeltaTable.forPath(session, path)
                 .alias("t")
@@ -162,7 +164,7 @@ def merge_current(
                 .whenNotMatchedInsert(values=full_set)
                 .execute()
             )
-            metrics = last_commit_metrics(spark, path)
+            metrics = last_commit_metrics(spark, path, since=before)
             inserted = int(metrics.get("numTargetRowsInserted", 0))
             updated = int(metrics.get("numTargetRowsUpdated", 0))
     if truncate is not None:
@@ -179,6 +181,7 @@ def _apply_truncate(spark: SparkSession, path: str, position: tuple[int, int]) -
         return 0
     lsn, seq = POSITION
     older = (F.col(lsn) < F.lit(position[0])) | ((F.col(lsn) == F.lit(position[0])) & (F.col(seq) < F.lit(position[1])))
+    before = table_version(spark, path)
     DeltaTable.forPath(spark, path).update(
         condition=(~F.col(DELETED)) & older,
         set={
@@ -188,7 +191,7 @@ def _apply_truncate(spark: SparkSession, path: str, position: tuple[int, int]) -
             "pg_operation": F.lit("truncate"),
         },
     )
-    metrics = last_commit_metrics(spark, path)
+    metrics = last_commit_metrics(spark, path, since=before)
     value = f"{position[0]}:{position[1]}"
     spark.sql(f"ALTER TABLE delta.{quote(path)} SET TBLPROPERTIES ('{TRUNCATED_PROPERTY}' = {sql_string(value)})")
     return int(metrics.get("numUpdatedRows", 0))

@@ -12,13 +12,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Final
 
-import orjson
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
 from warehouse.frame import POSITION, table_columns
 from warehouse.schema import SourceColumn
-from warehouse.txn import HIGH_WATER_KEY, Txn, history_high_water, last_commit_metrics
+from warehouse.txn import (
+    HIGH_WATER_KEY,
+    Txn,
+    history_high_water,
+    last_commit_metrics,
+    table_version,
+)
 
 # A table's load of at most this many rows is written as one sorted file, not range-partitioned.
 ONE_FILE_ROWS: Final = 200_000
@@ -65,15 +70,14 @@ def write_history(
     else:
         fresh = fresh.orderBy(*POSITION)
     high = int(hi) if high is None else max(high, int(hi))
+    before = table_version(spark, path)
     (
         fresh.write.format("delta")
         .mode("append")
-        .option("txnAppId", txn.app_id)
-        .option("txnVersion", txn.batch_id)
-        .option("userMetadata", orjson.dumps({HIGH_WATER_KEY: str(high)}).decode())
+        .option("userMetadata", txn.user_metadata({HIGH_WATER_KEY: str(high)}))
         .save(path)
     )
-    metrics = last_commit_metrics(spark, path)
+    metrics = last_commit_metrics(spark, path, since=before)
     return HistoryResult(int(metrics.get("numOutputRows", 0)), False)
 
 

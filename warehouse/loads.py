@@ -8,7 +8,7 @@ Hadoop FileSystem API, so any warehouse URI works and no Spark job is spent on t
 * ``<N>.committed.json`` written after every table has committed load N (with a summary).
 
 Each file is written to a temporary name and renamed, so it is either complete or absent.
-Together with the per-table markers of :mod:`warehouse.txn` this is a two-phase protocol:
+Together with the idempotent, load-tagged writes of :mod:`warehouse.txn` this is a two-phase protocol:
 
 * last load committed -> the next load starts at its end offsets;
 * last load only planned (the job died) -> the next run replays load N with exactly the same

@@ -3,9 +3,10 @@
 Spark's Kafka source reads the topic; Spark's checkpoint (``--checkpoint``, by default
 ``<warehouse>/<topic>/_walbus_stream``) is the offset store, in place of the load log of
 ``walbus warehouse load``. Each micro-batch runs the batch load's own per-slice logic
-(:func:`warehouse.job.write_slice`), every Delta write tagged with Delta's idempotent marker
-``(walbus-stream:<topic>, micro-batch id)``: Spark replays an unfinished micro-batch with the
-same id and offsets, and the tables that had committed it skip it. So the job runs unchanged
+(:func:`warehouse.job.write_slice`), every Delta commit tagged with the load marker
+``(walbus-stream:<topic>, micro-batch id)`` (:mod:`warehouse.txn`): Spark replays an unfinished
+micro-batch with the same id and offsets, the tables that had committed it skip it, and a
+write made twice changes nothing. So the job runs unchanged
 under spark-submit on any cluster (Databricks, EMR, YARN, Kubernetes).
 
 Triggers: ``available-now`` (the default: everything up to now, in batches, then exit; the

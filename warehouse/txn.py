@@ -1,9 +1,19 @@
 """Exactly-once writes per Delta table: the load id travels in the table's own commit.
 
-Every write of load N to a table carries Delta's idempotent-transaction marker
-``(txnAppId = walbus:<topic>, txnVersion = N)`` in the same atomic commit as the data. Delta
-skips a write whose marker the table already has, so a load replayed after a crash (same N,
-same offsets, see :mod:`warehouse.loads`) redoes exactly the tables it had not committed.
+Every write of load N to a table is exactly-once by what it writes: a history append leaves
+out the events the table holds already (their ``(commit LSN, seq)``, :mod:`warehouse.history`),
+and the current table's MERGE replaces a row only with a strictly later event
+(:mod:`warehouse.current`), so a load written twice leaves the tables as once. A load replayed
+after a crash (same N, same offsets, see :mod:`warehouse.loads`) therefore never needs to know
+which tables had committed it; it asks only to skip their work and to say so.
+
+That is what the load marker is for: each commit carries ``{"walbus.load": [<app id>, N]}`` in
+its ``userMetadata`` (``walbus:<topic>`` for ``load``, ``walbus-stream:<topic>`` for
+``stream``), read back from the table's latest commit files (:func:`applied_load`). Delta's own
+idempotent-transaction marker (``txnAppId``/``txnVersion``, which walbus wrote until stop 35
+and still writes on the quarantine table, whose appends nothing de-duplicates) is not used on
+the tables: Delta 4.4 checks it by computing the table's state, three Spark jobs a write, ~1.4 s
+of a small table's load (docs/warehouse.md).
 """
 
 from __future__ import annotations
@@ -23,6 +33,9 @@ log = logging.getLogger("walbus.warehouse")
 # The settings under which a small load runs interpreted (warehouse.job), which a tagged child
 # session keeps from the loading session.
 INTERPRETED_SETTINGS: Final = {"spark.sql.codegen.factoryMode": "NO_CODEGEN", "spark.sql.codegen.wholeStage": "false"}
+# The key of a commit's userMetadata that names the load which made it: [app id, load id].
+LOAD_KEY: Final = "walbus.load"
+_USER_METADATA_CONF: Final = "spark.databricks.delta.commitInfo.userMetadata"
 
 
 @dataclass(frozen=True)
@@ -33,22 +46,25 @@ class Txn:
 
     def applied(self, spark: SparkSession, path: str) -> bool:
         """Whether the table at ``path`` already committed this load (or a later one)."""
-        return self.replay and applied_version(spark, path, self.app_id) >= self.batch_id
+        return self.replay and applied_load(spark, path, self.app_id) >= self.batch_id
+
+    def user_metadata(self, extra: dict[str, str] | None = None) -> str:
+        """A commit's userMetadata naming this load (and ``extra`` keys)."""
+        return orjson.dumps({LOAD_KEY: [self.app_id, self.batch_id], **(extra or {})}).decode()
 
     def tagged_session(self, spark: SparkSession) -> SparkSession:
-        """A session whose DML commits (MERGE) carry this load's marker.
+        """A session whose DML commits (MERGE, UPDATE) carry this load's marker.
 
-        Delta takes a DML statement's marker from session settings. A child session (same
-        SparkContext, cache and Delta logs; settings of its own) keeps the tag off the other
-        tables' commits, which other driver threads make at the same time on ``spark``.
+        Delta takes a DML statement's userMetadata from a session setting. A child session
+        (same SparkContext, cache and Delta logs; settings of its own) keeps the tag off the
+        other tables' commits, which other driver threads make at the same time on ``spark``.
         """
         tagged = spark.newSession()
         for key in INTERPRETED_SETTINGS:  # a child session starts from the defaults
             value = spark.conf.get(key, None)
             if value is not None:
                 tagged.conf.set(key, value)
-        tagged.conf.set("spark.databricks.delta.write.txnAppId", self.app_id)
-        tagged.conf.set("spark.databricks.delta.write.txnVersion", str(self.batch_id))
+        tagged.conf.set(_USER_METADATA_CONF, self.user_metadata())
         return tagged
 
 
@@ -80,12 +96,70 @@ def applied_version(spark: SparkSession, path: str, app_id: str) -> int:
     return int(value.get()) if value.isDefined() else -1
 
 
-def last_commit_metrics(spark: SparkSession, path: str) -> dict[str, str]:
-    """Operation metrics of the table's latest commit (the write just made: one writer).
+# Commits looked back through for a load marker: a load makes one to three commits a table
+# (an append or MERGE, a TRUNCATE's UPDATE and property), so the last load's marker is among
+# the latest few unless other writers (OPTIMIZE, VACUUM) committed since.
+_MARKER_COMMITS = 32
+
+
+def applied_load(spark: SparkSession, path: str, app_id: str) -> int:
+    """The last load of ``app_id`` the table committed (-1: none, or no table): the newest
+    commit naming one, by its userMetadata (:data:`LOAD_KEY`) or, for a commit of an older
+    walbus, Delta's transaction marker in it. Read from the latest commit files; Delta's
+    computed state decides only when they cannot say (more commits than are looked through, a
+    commit file removed by log cleanup)."""
+    from delta.tables import DeltaTable
+
+    if not DeltaTable.isDeltaTable(spark, path):
+        return -1
+    try:
+        version = int(_jvm_snapshot(spark, path).version())
+        for v in range(version, max(version - _MARKER_COMMITS, -1), -1):
+            for action in itertools.islice(_commit_lines(spark, path, v), _SCANNED_LINES):
+                found = _load_marker(action, app_id)
+                if found is not None:
+                    return found
+            if v == 0:
+                return -1  # every commit looked at: none of this app's
+    except Exception:  # py4j, file-system or JSON trouble, a commit file gone: Delta decides
+        log.debug("reading the table's load markers failed", extra={"path": path}, exc_info=True)
+    return applied_version(spark, path, app_id)
+
+
+def _load_marker(action: Any, app_id: str) -> int | None:
+    """The load id of ``app_id`` that one action of a commit names, if it names one."""
+    if not isinstance(action, dict):
+        return None
+    info = action.get("commitInfo")
+    if isinstance(info, dict) and isinstance(info.get("userMetadata"), str):
+        try:
+            mark = orjson.loads(info["userMetadata"]).get(LOAD_KEY)
+        except (orjson.JSONDecodeError, AttributeError):
+            return None  # another writer's userMetadata
+        if isinstance(mark, list) and len(mark) == 2 and mark[0] == app_id and isinstance(mark[1], int):
+            return mark[1]
+        return None
+    txn = action.get("txn")
+    if isinstance(txn, dict) and txn.get("appId") == app_id and isinstance(txn.get("version"), int):
+        return int(txn["version"])
+    return None
+
+
+def table_version(spark: SparkSession, path: str) -> int:
+    """The table's latest version."""
+    return int(_jvm_snapshot(spark, path).version())
+
+
+def last_commit_metrics(spark: SparkSession, path: str, since: int | None = None) -> dict[str, str]:
+    """Operation metrics of the table's latest commit (the write just made: one writer); none
+    when the table has no commit after version ``since`` (Delta commits nothing for a write
+    that adds no file and carries no transaction marker).
 
     Read from that commit's own file, ``_delta_log/<version>.json`` (its ``commitInfo``
     action), through the table's Hadoop file system: DESCRIBE HISTORY cost ~220 ms a call, a
     fixed cost every table of a load paid twice. Delta's history is the fallback."""
+    if since is not None and table_version(spark, path) <= since:
+        return {}
     try:
         metrics = _commit_file_metrics(spark, path)
     except Exception:  # py4j or file-system trouble: Delta's own (slower) way decides

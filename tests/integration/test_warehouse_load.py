@@ -343,6 +343,69 @@ def _commit_actions(spark: Any, path: str) -> list[dict[str, Any]]:
     return next(_recent_commits(spark, path))[1]
 
 
+def test_each_commit_names_its_load_without_delta_transaction_markers(
+    spark: Any, kafka_bootstrap: str, unique_name: str, tmp_path: Path
+) -> None:
+    """A Delta transaction marker (txnAppId) made Delta compute the table's state at every
+    write, three Spark jobs (~1.4 s of a small table's load): the history append, the current
+    table's first append and its MERGE now carry the load in their userMetadata instead, and
+    that is what a replay reads back (applied_load); a table an older walbus tagged with
+    Delta's marker is still read right."""
+    import orjson
+
+    from warehouse.txn import LOAD_KEY, applied_load
+
+    app = f"walbus:{unique_name}"
+    paths = table_paths(tmp_path, unique_name, TX)
+    for load_id, commit in enumerate((0x1000, 0x2000)):  # an append, then a MERGE into current
+        produce_events(kafka_bootstrap, unique_name, Txn(commit).insert(TX, TX_PK, tx_row(load_id, 1, 1)).events)
+        load(spark, kafka_bootstrap, unique_name, tmp_path)
+        for path in (paths.history, paths.current):
+            actions = _commit_actions(spark, path)
+            assert not [a for a in actions if "txn" in a], path
+            (info,) = [a["commitInfo"] for a in actions if "commitInfo" in a]
+            assert orjson.loads(info["userMetadata"])[LOAD_KEY] == [app, load_id], info
+            assert applied_load(spark, path, app) == load_id
+            assert applied_load(spark, path, "walbus:another-topic") == -1
+    old = str(tmp_path / "older")
+    spark.range(3).write.format("delta").option("txnAppId", app).option("txnVersion", 7).save(old)
+    spark.range(3).write.format("delta").mode("append").save(old)  # a commit of no load after it
+    assert applied_load(spark, old, app) == 7
+
+
+def test_a_load_written_twice_leaves_the_tables_as_once(
+    spark: Any, kafka_bootstrap: str, unique_name: str, tmp_path: Path
+) -> None:
+    """What makes a replayed load exactly-once whether or not a table's marker is found: its
+    history append leaves out the events the table holds, its MERGE replaces rows only with
+    strictly later events. The slice is written twice as a replay that finds no marker would."""
+    from warehouse.job import LoadResult, LoadSpec, write_slice
+    from warehouse.read import read_slice, topic_bounds
+    from warehouse.txn import Txn as LoadTxn
+
+    events = []
+    for i in range(4):
+        events += Txn(0x1000 + i * 0x100).insert(TX, TX_PK, tx_row(i, 1, 10 + i)).events
+    events += Txn(0x2000).update(TX, TX_PK, tx_row(1, 1, 99)).delete(TX, TX_PK, {"transaction_id": ("int4", 2)}).events
+    events += Txn(0x2100).update(TX, TX_PK, tx_row(5, 1, 50), identity={"transaction_id": ("int4", 3)}).events
+    events += Txn(0x2200).truncate(TX, TX_PK).events + Txn(0x2300).insert(TX, TX_PK, tx_row(7, 1, 70)).events
+    produce_events(kafka_bootstrap, unique_name, events)
+    spec = LoadSpec(kafka_options(kafka_bootstrap), unique_name, str(tmp_path))
+    bounds = topic_bounds(spec.kafka, unique_name)
+    states = []
+    for _ in range(2):
+        raw = read_slice(spark, spec.kafka, unique_name, dict(bounds.earliest), dict(bounds.latest))
+        write_slice(spark, spec, raw, LoadTxn(f"walbus:{unique_name}", 0), LoadResult())
+        states.append((
+            [(int(r["pg_commit_lsn"]), r["pg_seq"], r["pg_operation"]) for r in history(spark, tmp_path, unique_name)],
+            sorted((r["transaction_id"], r["amount"], r["_walbus_deleted"], int(r["pg_commit_lsn"]))
+                   for r in current(spark, tmp_path, unique_name, live=False)),
+        ))
+    assert states[1] == states[0]
+    assert len(states[0][0]) == len(events)
+    assert [(k, a) for k, a, deleted, _ in states[0][1] if not deleted] == [(7, 70)]
+
+
 @pytest.mark.parametrize("copy_on_write_below", [64 << 20, 0], ids=["rewrite", "deletion-vectors"])
 def test_a_small_current_table_is_merged_by_rewriting_its_files(
     spark: Any, kafka_bootstrap: str, unique_name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,

@@ -11,7 +11,7 @@ import pytest
 from tests.support.warehouse import Txn, kafka_options, produce_events, table_paths
 from warehouse.cli import run_sql
 from warehouse.job import LoadSpec, run_load
-from warehouse.txn import applied_version
+from warehouse.txn import applied_load
 
 pytestmark = [pytest.mark.spark, pytest.mark.integration]
 
@@ -51,7 +51,7 @@ def test_tables_written_at_once_each_get_exactly_their_events(
             expected = {(k, v) for n in range(load_id + 1) for k, v in ((1 + n * 10, 1), (3 + n * 10, 30 + n * 100))}
             assert {(r["id"], r["amount"]) for r in live.collect()} == expected, table
             for path in (paths.history, paths.current):
-                assert applied_version(spark, path, f"walbus:{unique_name}") == load_id, (table, path)
+                assert applied_load(spark, path, f"walbus:{unique_name}") == load_id, (table, path)
 
 
 def test_as_of_lsn_rebuilds_the_table_from_history(
@@ -101,4 +101,4 @@ def test_stream_available_now_loads_like_the_batch_load_and_resumes_from_its_che
         live = spark.read.format("delta").load(paths.current).where("NOT _walbus_deleted").collect()
         expected = {(k, v) for n in range(run + 1) for k, v in ((1 + n * 10, 1), (3 + n * 10, 30 + n * 100))}
         assert {(r["id"], r["amount"]) for r in live} == expected
-        assert applied_version(spark, paths.history, stream_app_id(unique_name)) == run
+        assert applied_load(spark, paths.history, stream_app_id(unique_name)) == run
