@@ -53,7 +53,7 @@ class Txn:
         return orjson.dumps({LOAD_KEY: [self.app_id, self.batch_id], **(extra or {})}).decode()
 
     def tagged_session(self, spark: SparkSession) -> SparkSession:
-        """A session whose DML commits (MERGE, UPDATE) carry this load's marker.
+        """A session whose MERGE commits carry this load's marker.
 
         Delta takes a DML statement's userMetadata from a session setting. A child session
         (same SparkContext, cache and Delta logs; settings of its own) keeps the tag off the
