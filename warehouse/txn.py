@@ -113,15 +113,13 @@ def applied_load(spark: SparkSession, path: str, app_id: str) -> int:
     if not DeltaTable.isDeltaTable(spark, path):
         return -1
     try:
-        version = int(_jvm_snapshot(spark, path).version())
-        for v in range(version, max(version - _MARKER_COMMITS, -1), -1):
-            for action in itertools.islice(_commit_lines(spark, path, v), _SCANNED_LINES):
-                found = _load_marker(action, app_id)
-                if found is not None:
-                    return found
+        for v, actions in _recent_commits(spark, path, _MARKER_COMMITS):
+            found = next((n for a in actions if (n := _load_marker(a, app_id)) is not None), None)
+            if found is not None:
+                return found
             if v == 0:
                 return -1  # every commit looked at: none of this app's
-    except Exception:  # py4j, file-system or JSON trouble, a commit file gone: Delta decides
+    except Exception:  # py4j, file-system or JSON trouble, a commit file gone, a huge commit: Delta decides
         log.debug("reading the table's load markers failed", extra={"path": path}, exc_info=True)
     return applied_version(spark, path, app_id)
 
@@ -158,10 +156,15 @@ def last_commit_metrics(spark: SparkSession, path: str, since: int | None = None
     Read from that commit's own file, ``_delta_log/<version>.json`` (its ``commitInfo``
     action), through the table's Hadoop file system: DESCRIBE HISTORY cost ~220 ms a call, a
     fixed cost every table of a load paid twice. Delta's history is the fallback."""
-    if since is not None and table_version(spark, path) <= since:
+    try:
+        version = table_version(spark, path)
+    except Exception:  # py4j trouble: Delta's own (slower) way decides below
+        log.debug("reading the table's version failed", extra={"path": path}, exc_info=True)
+        version = None
+    if since is not None and version is not None and version <= since:
         return {}
     try:
-        metrics = _commit_file_metrics(spark, path)
+        metrics = None if version is None else _commit_file_metrics(spark, path, version)
     except Exception:  # py4j or file-system trouble: Delta's own (slower) way decides
         log.debug("reading the last commit's file failed", extra={"path": path}, exc_info=True)
         metrics = None
@@ -193,8 +196,7 @@ def _commit_lines(spark: SparkSession, path: str, version: int) -> Iterator[Any]
         reader.close()
 
 
-def _commit_file_metrics(spark: SparkSession, path: str) -> dict[str, str] | None:
-    version = int(_jvm_snapshot(spark, path).version())
+def _commit_file_metrics(spark: SparkSession, path: str, version: int) -> dict[str, str] | None:
     for action in itertools.islice(_commit_lines(spark, path, version), _COMMIT_LINES):
         info = action.get("commitInfo") if isinstance(action, dict) else None
         if isinstance(info, dict):
@@ -212,11 +214,11 @@ class HighWater:
     lsn: int | None = None
 
 
-def _recent_commits(spark: SparkSession, path: str) -> Iterator[tuple[int, list[Any]]]:
-    """The table's latest commits, newest first, each with its actions (at most
-    ``_SCANNED_COMMITS`` of them; ValueError for a commit of more than ``_SCANNED_LINES``)."""
-    version = int(_jvm_snapshot(spark, path).version())
-    for v in range(version, max(version - _SCANNED_COMMITS, -1), -1):
+def _recent_commits(spark: SparkSession, path: str, limit: int = _SCANNED_COMMITS) -> Iterator[tuple[int, list[Any]]]:
+    """The table's latest commits, newest first, each with its actions (at most ``limit`` of
+    them; ValueError for a commit of more than ``_SCANNED_LINES``)."""
+    version = table_version(spark, path)
+    for v in range(version, max(version - limit, -1), -1):
         actions = list(itertools.islice(_commit_lines(spark, path, v), _SCANNED_LINES + 1))
         if len(actions) > _SCANNED_LINES:
             raise ValueError(f"commit {v} of {path} has more than {_SCANNED_LINES} actions")
