@@ -11,6 +11,7 @@ by "]" and more), which orjson cannot write.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import orjson
@@ -115,9 +116,11 @@ def mutated_records(draw: st.DrawFn) -> Record:
         fields[draw(st.sampled_from(sorted(FIELD_BITS)))] = draw(st.sampled_from(NUMBERS))
     elif how == "drop":
         fields.pop(draw(st.sampled_from(list(fields))))
-    elif how == "duplicate":  # the last of two wins, in orjson as in Spark
+    elif how == "duplicate":  # the last of two wins, in orjson as in Spark, the odd one first or last
         name = draw(st.sampled_from(names))
-        return key, _dump([*fields.items(), (name, draw(st.sampled_from([*WEIRD, fields.get(name, "null")])))])
+        odd = (name, draw(st.sampled_from([*WEIRD, fields.get(name, "null")])))
+        items = list(fields.items())
+        return key, _dump([*items, odd] if draw(st.booleans()) else [odd, *items])
     elif how == "typmods":
         fields["typmods"] = draw(st.sampled_from(TYPMODS))
         if draw(st.booleans()):
@@ -150,13 +153,50 @@ def contract_verdict(key: bytes | None, value: bytes | None) -> tuple[bool, Any]
         check_key(key, event)
     except ContractError:
         return False, None
-    identity = (list(event.identity.columns), list(event.identity.types)) if event.identity is not None else None
+    identity = (
+        (list(event.identity.columns), list(event.identity.types), _texts(event.identity.values))
+        if event.identity is not None else None
+    )
     return True, (
         qualify_table(*split_table(event.table)), event.commit_lsn, event.seq, event.lsn, event.xid,
         event.operation, event.timestamp, list(event.pk), list(event.new.columns) if event.new else None,
         list(event.new.types) if event.new else None, identity, list(event.unchanged) or None,
         list(event.not_null) or None, {name: list(mods) for name, mods in event.typmods.items()} or None,
+        _texts(event.new.values) if event.new else None,
     )
+
+
+def _texts(values: Any) -> list[Any] | None:
+    """Row values as the warehouse reads them: a string as itself, anything else as its JSON
+    text, then as :func:`_spark_texts` compares them."""
+    return _spark_texts([v if v is None or isinstance(v, str) else orjson.dumps(v).decode() for v in values])
+
+
+def _spark_texts(values: list[Any] | None) -> list[Any] | None:
+    """Texts as compared: a list or object's text is Spark's own spelling of it (spacing,
+    escapes), compared as "nested" only; a fraction is Spark's spelling of the double
+    (12657241.0 is 1.2657241E7), compared as that double. (A string holding such text reads
+    the same: the column's type decides.)"""
+    if values is None:
+        return None
+    return [_compared(v) for v in values]
+
+
+def _compared(text: str | None) -> Any:
+    if text is None:
+        return None
+    if text[:1] in ("[", "{") and _is_json_container(text):
+        return "nested"
+    if re.fullmatch(r"-?[0-9]+(\.[0-9]+)?([eE][-+]?[0-9]+)?", text) and not re.fullmatch(r"-?[0-9]+", text):
+        return float(text)
+    return text
+
+
+def _is_json_container(text: str) -> bool:
+    try:
+        return isinstance(orjson.loads(text), list | dict)
+    except orjson.JSONDecodeError:
+        return False
 
 
 def spark_verdicts(spark: Any, batch: list[Record]) -> list[tuple[bool, Any, str | None]]:
@@ -173,8 +213,10 @@ def spark_verdicts(spark: Any, batch: list[Record]) -> list[tuple[bool, Any, str
         ident = r["identity"]
         fields = (
             r["table"], int(r["commit_lsn"]), r["seq"], int(r["lsn"]), xid, r["operation"], r["timestamp"],
-            r["pk"] or [], r["columns"], r["types"], (ident["columns"], ident["types"]) if ident else None,
+            r["pk"] or [], r["columns"], r["types"],
+            (ident["columns"], ident["types"], _spark_texts(ident["values"])) if ident else None,
             r["unchanged"] or None, r["not_null"] or None, dict(r["typmods"] or {}) or None,
+            _spark_texts(r["values"]) if r["columns"] is not None else None,
         ) if valid else None
         out.append((valid, fields, r[INVALID]))
     return out
