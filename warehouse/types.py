@@ -168,6 +168,10 @@ def _convert_array(raw: Column, element_pg_type: str, target: ArrayType) -> tupl
     simple = raw.rlike(r'^\{(("(?:[^"\\]|\\.)*"|[^{},"]+)(,("(?:[^"\\]|\\.)*"|[^{},"]+))*)?\}$')
     body = F.regexp_replace(F.substring(raw, 2, 1 << 30), r"\}$", "")
     texts = F.transform(F.regexp_extract_all(body, F.lit(_ARRAY_ELEMENT_RE), 0), _unquote)
+    if isinstance(element_type, StringType):
+        # each element's text is its value: exact, without two more passes over the elements
+        # (lambdas are evaluated element by element, interpreted)
+        return F.when(simple, texts), raw.isNull() | simple
     converted = F.transform(texts, lambda t: _convert_scalar(t, element_pg_type, element_type))
     all_exact = F.forall(
         F.arrays_zip(texts.alias("t"), converted.alias("c")),
