@@ -28,7 +28,7 @@ import orjson
 from pyspark.sql import SparkSession
 
 from warehouse.read import Offsets
-from warehouse.txn import jvm
+from warehouse.txn import hadoop_path, jvm_class
 
 _NAME = re.compile(r"^(\d{20})\.(planned|committed)\.json$")
 
@@ -42,7 +42,7 @@ class Load:
 
 
 def _fs(spark: SparkSession, path: str) -> tuple[Any, Any]:
-    hpath = jvm(spark).org.apache.hadoop.fs.Path(path)
+    hpath = hadoop_path(spark, path)
     return hpath.getFileSystem(spark._jsparkSession.sessionState().newHadoopConf()), hpath
 
 
@@ -73,8 +73,7 @@ def _read(spark: SparkSession, path: str) -> bytes:
     fs, hpath = _fs(spark, path)
     stream = fs.open(hpath)
     try:
-        gw = jvm(spark)
-        data = gw.org.apache.commons.io.IOUtils.toByteArray(stream)
+        data = jvm_class(spark, "org.apache.commons.io.IOUtils").toByteArray(stream)
         return bytes(data)
     finally:
         stream.close()
@@ -94,9 +93,8 @@ def record(spark: SparkSession, path: str, load: Load, summary: dict[str, Any] |
     )
     fs, dir_path = _fs(spark, path)
     fs.mkdirs(dir_path)
-    gw = jvm(spark)
-    final = gw.org.apache.hadoop.fs.Path(f"{path}/{load.batch_id:020d}.{load.status}.json")
-    tmp = gw.org.apache.hadoop.fs.Path(f"{path}/.{uuid.uuid4().hex}.tmp")
+    final = hadoop_path(spark, f"{path}/{load.batch_id:020d}.{load.status}.json")
+    tmp = hadoop_path(spark, f"{path}/.{uuid.uuid4().hex}.tmp")
     out = fs.create(tmp, False)
     try:
         out.write(bytearray(body))

@@ -23,7 +23,7 @@ from pyspark.sql import Column, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql.types import DataType, StructField, StructType
 
-from warehouse.txn import table_configuration
+from warehouse.txn import is_delta_table, table_configuration
 from warehouse.types import compatible, describe, spark_type, widest
 
 
@@ -137,9 +137,7 @@ def qcol(name: str) -> Column:
 
 
 def table_exists(spark: SparkSession, path: str) -> bool:
-    from delta.tables import DeltaTable
-
-    return bool(DeltaTable.isDeltaTable(spark, path))
+    return is_delta_table(spark, path)
 
 
 def ensure_table(

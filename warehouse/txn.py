@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Final
@@ -76,17 +77,48 @@ def jvm(spark: SparkSession) -> Any:
     return gateway
 
 
+# The JVM classes walbus calls, per gateway. py4j resolves ``jvm.org.apache.x.Y`` one name at a
+# time, a round trip each, and every package prefix is first tried as a class: a failed lookup
+# through every jar on the classpath (and through each of pyspark's star imports for the first
+# name), ~13 failed lookups for one class. A load asked for ~40 such classes a table.
+_CLASSES: dict[int, tuple[Any, dict[str, Any]]] = {}
+_CLASSES_LOCK = threading.Lock()
+
+
+def jvm_class(spark: SparkSession, name: str) -> Any:
+    """The JVM class ``name`` (fully qualified), looked up once per gateway."""
+    gateway = jvm(spark)
+    with _CLASSES_LOCK:
+        held = _CLASSES.get(id(gateway))
+        if held is None or held[0] is not gateway:  # a new gateway (a JVM started again)
+            held = _CLASSES[id(gateway)] = (gateway, {})
+        found = held[1].get(name)
+    if found is None:
+        found = getattr(gateway, name)  # one lookup of the whole name
+        with _CLASSES_LOCK:
+            held[1][name] = found
+    return found
+
+
 def _jvm_snapshot(spark: SparkSession, path: str) -> Any:
-    gw = jvm(spark)
-    log = gw.org.apache.spark.sql.delta.DeltaLog.forTable(spark._jsparkSession, path)
-    return log.update(False, gw.scala.Option.empty(), gw.scala.Option.empty())
+    log = jvm_class(spark, "org.apache.spark.sql.delta.DeltaLog").forTable(spark._jsparkSession, path)
+    none = jvm_class(spark, "scala.Option").empty()
+    return log.update(False, none, none)
+
+
+def is_delta_table(spark: SparkSession, path: str) -> bool:
+    """Whether ``path`` holds a Delta table (``DeltaTable.isDeltaTable``, its class looked up once)."""
+    return bool(jvm_class(spark, "io.delta.tables.DeltaTable").isDeltaTable(spark._jsparkSession, path))
+
+
+def hadoop_path(spark: SparkSession, path: str) -> Any:
+    """A Hadoop ``Path`` object for ``path``."""
+    return jvm_class(spark, "org.apache.hadoop.fs.Path")(path)
 
 
 def applied_version(spark: SparkSession, path: str, app_id: str) -> int:
     """The last txnVersion the table committed for ``app_id`` (-1: none, or no table)."""
-    from delta.tables import DeltaTable
-
-    if not DeltaTable.isDeltaTable(spark, path):
+    if not is_delta_table(spark, path):
         return -1
     # Delta keeps the markers as SetTransaction actions in the log; read them with SQL on
     # the log's JSON/checkpoint files would couple us to its layout, so ask the snapshot.
@@ -108,9 +140,7 @@ def applied_load(spark: SparkSession, path: str, app_id: str) -> int:
     walbus, Delta's transaction marker in it. Read from the latest commit files; Delta's
     computed state decides only when they cannot say (more commits than are looked through, a
     commit file removed by log cleanup)."""
-    from delta.tables import DeltaTable
-
-    if not DeltaTable.isDeltaTable(spark, path):
+    if not is_delta_table(spark, path):
         return -1
     try:
         for v, actions in _recent_commits(spark, path, _MARKER_COMMITS):
@@ -177,27 +207,44 @@ def last_commit_metrics(spark: SparkSession, path: str, since: int | None = None
 
 
 _COMMIT_LINES = 64  # commitInfo is a commit file's first action; a few lines at most are read
+_COMMIT_BYTES = 1 << 20  # ... out of the file's first MiB
 _SCANNED_LINES = 4096  # a commit scanned whole for data changes: more actions, no answer
+_SCANNED_BYTES = 8 << 20  # nor from a larger file (~2 KiB an action at most)
 _SCANNED_COMMITS = 8  # commits looked back through for the history's high-water mark
 # The history's highest commit LSN after a walbus append: in that commit's userMetadata.
 HIGH_WATER_KEY = "walbus.history.maxCommitLsn"
 
 
-def _commit_lines(spark: SparkSession, path: str, version: int) -> Iterator[Any]:
-    """The actions of the table's commit ``version`` (its ``_delta_log`` JSON file), in order."""
-    gw = jvm(spark)
-    commit = gw.org.apache.hadoop.fs.Path(f"{path.rstrip('/')}/_delta_log/{version:020d}.json")
+def _commit_lines(
+    spark: SparkSession, path: str, version: int, max_bytes: int | None = None, *, whole: bool = False
+) -> Iterator[Any]:
+    """The actions of the table's commit ``version`` (its ``_delta_log`` JSON file), in order:
+    those of the whole lines in its first ``max_bytes`` bytes when given (``whole``: a larger
+    file is a ValueError instead).
+
+    The file comes over in one call (py4j: a round trip per line read cost more than the
+    rest of a small table's log reads)."""
+    commit = hadoop_path(spark, f"{path.rstrip('/')}/_delta_log/{version:020d}.json")
     fs = commit.getFileSystem(spark._jsc.hadoopConfiguration())
-    reader = gw.java.io.BufferedReader(gw.java.io.InputStreamReader(fs.open(commit), "UTF-8"))
+    size = int(fs.getFileStatus(commit).getLen())
+    cut = size if max_bytes is None else min(size, max_bytes)
+    if whole and cut < size:
+        raise ValueError(f"commit {version} of {path} is larger than {max_bytes} bytes")
+    stream = fs.open(commit)
     try:
-        while (line := reader.readLine()) is not None:
-            yield orjson.loads(line)
+        data = bytes(jvm_class(spark, "org.apache.commons.io.IOUtils").toByteArray(stream, cut))
     finally:
-        reader.close()
+        stream.close()
+    lines = data.split(b"\n")
+    if cut < size:
+        lines.pop()  # a line cut short
+    for line in lines:
+        if line.strip():
+            yield orjson.loads(line)
 
 
 def _commit_file_metrics(spark: SparkSession, path: str, version: int) -> dict[str, str] | None:
-    for action in itertools.islice(_commit_lines(spark, path, version), _COMMIT_LINES):
+    for action in itertools.islice(_commit_lines(spark, path, version, _COMMIT_BYTES), _COMMIT_LINES):
         info = action.get("commitInfo") if isinstance(action, dict) else None
         if isinstance(info, dict):
             found = info.get("operationMetrics") or {}
@@ -216,10 +263,10 @@ class HighWater:
 
 def _recent_commits(spark: SparkSession, path: str, limit: int = _SCANNED_COMMITS) -> Iterator[tuple[int, list[Any]]]:
     """The table's latest commits, newest first, each with its actions (at most ``limit`` of
-    them; ValueError for a commit of more than ``_SCANNED_LINES``)."""
+    them; ValueError for a commit of more than ``_SCANNED_LINES`` actions or ``_SCANNED_BYTES``)."""
     version = table_version(spark, path)
     for v in range(version, max(version - limit, -1), -1):
-        actions = list(itertools.islice(_commit_lines(spark, path, v), _SCANNED_LINES + 1))
+        actions = list(itertools.islice(_commit_lines(spark, path, v, _SCANNED_BYTES, whole=True), _SCANNED_LINES + 1))
         if len(actions) > _SCANNED_LINES:
             raise ValueError(f"commit {v} of {path} has more than {_SCANNED_LINES} actions")
         yield v, actions
@@ -279,12 +326,12 @@ def table_size_bytes(spark: SparkSession, path: str) -> int | None:
 def table_configuration(spark: SparkSession, path: str) -> dict[str, str]:
     """The table's properties as SHOW TBLPROPERTIES gives those walbus reads (its metadata's
     configuration and its protocol's reader and writer versions), from the Delta snapshot:
-    SHOW TBLPROPERTIES cost ~50 ms a call, several times a table per load."""
-    gw = jvm(spark)
+    SHOW TBLPROPERTIES cost ~50 ms a call, several times a table per load. The metadata and
+    protocol actions come over as their log JSON, a round trip each (not one per property)."""
     snapshot = _jvm_snapshot(spark, path)
-    configuration = gw.scala.jdk.javaapi.CollectionConverters.asJava(snapshot.metadata().configuration())
-    found = {str(k): str(v) for k, v in dict(configuration).items()}
-    protocol = snapshot.protocol()
-    found["delta.minReaderVersion"] = str(protocol.minReaderVersion())
-    found["delta.minWriterVersion"] = str(protocol.minWriterVersion())
+    metadata = orjson.loads(snapshot.metadata().json())["metaData"]
+    protocol = orjson.loads(snapshot.protocol().json())["protocol"]
+    found = {str(k): str(v) for k, v in (metadata.get("configuration") or {}).items()}
+    found["delta.minReaderVersion"] = str(protocol["minReaderVersion"])
+    found["delta.minWriterVersion"] = str(protocol["minWriterVersion"])
     return found

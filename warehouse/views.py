@@ -16,12 +16,12 @@ from warehouse import layout
 from warehouse.current import latest_actions
 from warehouse.frame import DELETED, META_NAMES, prev_name
 from warehouse.schema import PRIMARY_KEY_PROPERTY, existing_columns, quote, table_properties
-from warehouse.txn import jvm
+from warehouse.txn import hadoop_path, is_delta_table
 
 
 def _list_dirs(spark: SparkSession, path: str) -> list[str]:
     """Sub-directory names of ``path`` on any Hadoop filesystem."""
-    hpath = jvm(spark).org.apache.hadoop.fs.Path(path)
+    hpath = hadoop_path(spark, path)
     fs = hpath.getFileSystem(spark._jsparkSession.sessionState().newHadoopConf())
     if not fs.exists(hpath):
         return []
@@ -36,11 +36,9 @@ def topics(spark: SparkSession, warehouse: str) -> list[str]:
 def as_of(spark: SparkSession, paths: layout.TablePaths, lsn: int) -> tuple[DataFrame, DataFrame | None]:
     """(history up to commit LSN ``lsn``, the table's rows then with tombstones, or None
     when the table has no primary key)."""
-    from delta.tables import DeltaTable
-
     history_path = paths.history
     history = spark.read.format("delta").load(history_path).where(F.col("pg_commit_lsn") <= F.lit(lsn))
-    keyed = DeltaTable.isDeltaTable(spark, paths.current)
+    keyed = is_delta_table(spark, paths.current)
     pk = [k for k in table_properties(spark, paths.current).get(PRIMARY_KEY_PROPERTY, "").split(",") if k] if keyed else []
     if not pk:
         return history, None
@@ -62,8 +60,6 @@ def register_views(
     :mod:`warehouse.layout`) for ``topic`` (default: the only topic), and
     ``_walbus_quarantine`` when the topic has quarantined records; with ``as_of_lsn`` the
     tables as of that commit LSN (see the module doc)."""
-    from delta.tables import DeltaTable
-
     if topic is None:
         found = topics(spark, warehouse)
         if len(found) != 1:
@@ -72,7 +68,7 @@ def register_views(
     root = layout.topic_root(warehouse, topic)
     names: list[str] = []
     quarantine = layout.quarantine_path(warehouse, topic)
-    if DeltaTable.isDeltaTable(spark, quarantine):
+    if is_delta_table(spark, quarantine):
         spark.read.format("delta").load(quarantine).createOrReplaceTempView(layout.QUARANTINE_VIEW)
         names.append(layout.QUARANTINE_VIEW)
     for segment in _list_dirs(spark, root):
@@ -83,10 +79,10 @@ def register_views(
         if as_of_lsn is not None:
             names += _as_of_views(spark, paths, as_of_lsn)
             continue
-        if DeltaTable.isDeltaTable(spark, paths.history):
+        if is_delta_table(spark, paths.history):
             _view(spark.read.format("delta").load(paths.history), paths.view("history"))
             names.append(paths.view("history"))
-        if DeltaTable.isDeltaTable(spark, paths.current):
+        if is_delta_table(spark, paths.current):
             current = spark.read.format("delta").load(paths.current)
             _view(current, paths.view("all"))
             _view(current.where(~F.col(DELETED)).drop(DELETED), paths.view(""))
@@ -95,9 +91,7 @@ def register_views(
 
 
 def _as_of_views(spark: SparkSession, paths: layout.TablePaths, lsn: int) -> list[str]:
-    from delta.tables import DeltaTable
-
-    if not DeltaTable.isDeltaTable(spark, paths.history):
+    if not is_delta_table(spark, paths.history):
         return []
     history, state = as_of(spark, paths, lsn)
     _view(history, paths.view("history"))

@@ -336,6 +336,33 @@ def test_the_history_high_water_mark_follows_appends_and_foreign_commits(
     assert [int(r["pg_commit_lsn"]) for r in history(spark, tmp_path, unique_name)] == [0x1000, 0x2000, 0x3000, 0x3800]
 
 
+def test_a_commit_file_is_read_in_one_call_whole_or_cut_at_a_line(spark: Any, tmp_path: Path) -> None:
+    """The log reads take a commit file in one py4j call: all its actions; a prefix of whole
+    lines under a byte limit; or, asked for the whole file, a ValueError past the limit (the
+    caller then lets Delta decide). The properties come from the snapshot's own JSON."""
+    import orjson
+
+    from warehouse.txn import _commit_lines, jvm_class, table_configuration
+
+    path = str(tmp_path / "t")
+    spark.range(3).write.format("delta").option("delta.appendOnly", "true").save(path)
+    lines = (tmp_path / "t" / "_delta_log" / f"{0:020d}.json").read_bytes().splitlines()
+    assert len(lines) >= 3
+    assert list(_commit_lines(spark, path, 0)) == [orjson.loads(line) for line in lines]
+    two = len(lines[0]) + 1 + len(lines[1]) + 1
+    assert list(_commit_lines(spark, path, 0, two + 3)) == [orjson.loads(line) for line in lines[:2]]
+    assert list(_commit_lines(spark, path, 0, two - 1)) == [orjson.loads(lines[0])]
+    with pytest.raises(ValueError, match="larger than"):
+        list(_commit_lines(spark, path, 0, two, whole=True))
+    props = table_configuration(spark, path)
+    shown = {r["key"]: r["value"] for r in spark.sql(f"SHOW TBLPROPERTIES delta.`{path}`").collect()}
+    assert props["delta.appendOnly"] == "true"
+    assert {k: props[k] for k in ("delta.appendOnly", "delta.minReaderVersion", "delta.minWriterVersion")} == {
+        k: shown[k] for k in ("delta.appendOnly", "delta.minReaderVersion", "delta.minWriterVersion")
+    }
+    assert jvm_class(spark, "org.apache.hadoop.fs.Path") is jvm_class(spark, "org.apache.hadoop.fs.Path")
+
+
 def _commit_actions(spark: Any, path: str) -> list[dict[str, Any]]:
     """The actions of a Delta table's latest commit."""
     from warehouse.txn import _recent_commits
