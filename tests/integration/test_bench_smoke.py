@@ -103,6 +103,10 @@ def test_warehouse_benchmark(services: Services) -> None:
     loads = lines[1:]
     assert loads[0]["walbus"]["history_rows_added"] == 2000
     assert loads[0]["baseline"]["events"] == 2000
+    # each job twice, in mirrored order, each run loading the whole topic into its own warehouse
+    assert loads[0]["order"] == ["walbus", "naive", "naive", "walbus"]
+    assert loads[0]["walbus"]["events_each"] == loads[0]["baseline"]["events_each"] == [2000, 2000]
+    assert lines[0]["order"] == ["walbus", "naive"]
     # each table count: a first load, then a second one into the same tables
     assert [(line.get("tables"), line.get("load")) for line in loads[1:5]] == [(1, "first"), (1, "second"), (2, "first"), (2, "second")]
     assert all(line["events"] == 40 for line in loads[1:5])
