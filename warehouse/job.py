@@ -53,11 +53,10 @@ from warehouse.schema import (
     ensure_table,
     existing_columns,
     plan,
-    table_exists,
     table_properties,
 )
 from warehouse.toast import resolve_unchanged
-from warehouse.txn import INTERPRETED_SETTINGS, Txn
+from warehouse.txn import INTERPRETED_SETTINGS, Txn, is_delta_table
 
 log = logging.getLogger("walbus.warehouse")
 
@@ -356,7 +355,7 @@ def _register(spark: SparkSession, spec: LoadSpec, metas: list[dict[str, Any]]) 
     assert spec.catalog_database is not None
     for meta in metas:
         paths = layout.table_paths(spec.warehouse, spec.topic, *split_table(meta["table"]))
-        kinds = tuple(k for k, p in (("history", paths.history), ("current", paths.current)) if table_exists(spark, p))
+        kinds = tuple(k for k, p in (("history", paths.history), ("current", paths.current)) if is_delta_table(spark, p))
         try:
             catalog.register(spark, spec.catalog_database, paths, kinds)
         except catalog.CatalogError as e:
@@ -419,7 +418,7 @@ def _load_table(
     summary.events += int(meta["events"])
     summary.history_only = not pk
     existing = None
-    if table_exists(spark, paths.history):
+    if is_delta_table(spark, paths.history):
         fields = spark.read.format("delta").load(paths.history).schema.fields
         meta_names = {*META_NAMES, *(prev_name(k) for k in pk)}
         existing = existing_columns(fields, table_properties(spark, paths.history), meta_names)
@@ -473,7 +472,7 @@ def _load_table(
 
 
 def _check_primary_key(spark: SparkSession, table: str, path: str, pk: list[str]) -> None:
-    if not table_exists(spark, path):
+    if not is_delta_table(spark, path):
         return
     stored = table_properties(spark, path).get(PRIMARY_KEY_PROPERTY, "")
     if stored and stored != ",".join(pk):

@@ -136,10 +136,6 @@ def qcol(name: str) -> Column:
     return F.col(quote(name))
 
 
-def table_exists(spark: SparkSession, path: str) -> bool:
-    return is_delta_table(spark, path)
-
-
 def ensure_table(
     spark: SparkSession,
     path: str,
@@ -156,7 +152,7 @@ def ensure_table(
 
     pg_types = {c.name: c.pg_type for c in schema_plan.columns}
     props = {**properties, PG_TYPES_PROPERTY: orjson.dumps(pg_types).decode()}
-    if not table_exists(spark, path):
+    if not is_delta_table(spark, path):
         schema = StructType([*meta_fields, *(StructField(c.name, c.spark, True) for c in schema_plan.columns)])
         builder = DeltaTable.createIfNotExists(spark).location(path).addColumns(schema)
         for key, value in props.items():

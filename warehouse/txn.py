@@ -80,7 +80,7 @@ def jvm(spark: SparkSession) -> Any:
 # The JVM classes walbus calls, per gateway. py4j resolves ``jvm.org.apache.x.Y`` one name at a
 # time, a round trip each, and every package prefix is first tried as a class: a failed lookup
 # through every jar on the classpath (and through each of pyspark's star imports for the first
-# name), ~13 failed lookups for one class. A load asked for ~40 such classes a table.
+# name), ~13 failed lookups for one class. A load asked for ~45 such classes a table.
 _CLASSES: dict[int, tuple[Any, dict[str, Any]]] = {}
 _CLASSES_LOCK = threading.Lock()
 
