@@ -10,7 +10,9 @@
 2. ``wide``: the same for a 16-column table (text, numeric, timestamptz, jsonb, uuid, bool,
    int8, float8, date, text[]), N events;
 3. ``tables``: one load of 2,000 events spread over T tables (``--tables 1,16``), then a second
-   one into the existing tables: seconds per extra table of each;
+   one into the existing tables: seconds per extra table of each, walbus', the naive job's
+   over many tables and Delta's least (two appends a table), on the same slices (see
+   ``tables_sweep``);
 4. ``incremental``: 10,000 more events over an N-event table, and over one of N/10 events:
    the load time must not scale with the table's size.
 
@@ -163,36 +165,62 @@ def compare(
 
 def tables_sweep(spark: Any, bootstrap: str, root: str, run: str, counts: list[int], total: int) -> None:
     """One load of ``total`` events spread over T tables, for each T, then a second one into the
-    same (now existing) tables, as every later nightly load: seconds per extra table of each."""
-    seconds: dict[int, float] = {}
-    again: dict[int, float] = {}
+    same (now existing) tables, as every later nightly load: seconds per extra table of each.
+
+    After each walbus load, on the same slice, in the same session: the naive job over many
+    tables (``naive``: the slice read once, each table's history append and current MERGE,
+    as many tables at once as walbus writes) and Delta's least work for the same tables
+    (``delta_floor``: the same job with the current table appended, not merged: two Delta
+    appends a table, nothing read back). A loader that keeps a history and a current table
+    per source table pays the floor's cost per table whatever else it does."""
+    from bench import warehouse_baseline
+
+    columns = list(zip(TX_COLS, TX_TYPES, strict=True))
+    seconds: dict[str, dict[int, list[float]]] = {job: {} for job in ("walbus", "naive", "delta_floor")}
+
+    def timed(job: str, count: int, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        started = time.monotonic()
+        out = fn(*args, **kwargs)
+        seconds[job].setdefault(count, []).append(time.monotonic() - started)
+        return out
+
     for count in counts:
         topic = f"bench-wh-tables-{count}-{run}"
-        recs: list[tuple[bytes, bytes]] = []
+        names = [f"public.t{i}" for i in range(count)]
+        sizes = [total // count + (1 if i < total % count else 0) for i in range(count)]
         state: list[tuple[list[int], int]] = []
-        for i in range(count):
-            n = total // count + (1 if i < total % count else 0)
-            part, live, next_key = events(n, f"public.t{i}", TX_COLS, TX_TYPES, tx_values, first_commit=(i + 1) << 32, seed=i)
-            recs += part
-            state.append((live, next_key))
-        fill(bootstrap, topic, recs)
-        result = load(spark, bootstrap, topic, root)
-        seconds[count] = result["seconds"]
-        emit(workload="tables", load="first", **result)
-        recs = []
-        for i, (live, next_key) in enumerate(state):
-            n = total // count + (1 if i < total % count else 0)
-            part, _, _ = events(n, f"public.t{i}", TX_COLS, TX_TYPES, tx_values, first_key=next_key,
-                                first_commit=((i + 1) << 32) + (1 << 31), live=live, seed=100 + i)
-            recs += part
-        fill(bootstrap, topic, recs)
-        result = load(spark, bootstrap, topic, root)
-        again[count] = result["seconds"]
-        emit(workload="tables", load="second", **result)
-    if len(seconds) > 1:
-        low, high = min(seconds), max(seconds)
-        emit(workload="tables", seconds_per_extra_table=round((seconds[high] - seconds[low]) / (high - low), 3),
-             seconds_per_extra_table_second_load=round((again[high] - again[low]) / (high - low), 3),
+        end = 0
+        for load_no in range(2):
+            recs: list[tuple[bytes, bytes]] = []
+            for i, n in enumerate(sizes):
+                if load_no == 0:
+                    part, live, next_key = events(n, names[i], TX_COLS, TX_TYPES, tx_values, first_commit=(i + 1) << 32, seed=i)
+                    state.append((live, next_key))
+                else:
+                    live, next_key = state[i]
+                    part, _, _ = events(n, names[i], TX_COLS, TX_TYPES, tx_values, first_key=next_key,
+                                        first_commit=((i + 1) << 32) + (1 << 31), live=live, seed=100 + i)
+                recs += part
+            fill(bootstrap, topic, recs)
+            start, end = end, end + len(recs)
+            result = timed("walbus", count, load, spark, bootstrap, topic, root)
+            rows = {}
+            for job, merge in (("naive", True), ("delta_floor", False)):
+                rows[job] = timed(job, count, warehouse_baseline.run_tables, spark, bootstrap, topic,
+                                  f"{root}/{job}-{topic}", names, columns, (start, end), merge=merge)
+            emit(workload="tables", load=("first", "second")[load_no], **result,
+                 naive_s=round(seconds["naive"][count][-1], 2), naive_rows=rows["naive"],
+                 delta_floor_s=round(seconds["delta_floor"][count][-1], 2))
+    if len(counts) > 1:
+        low, high = min(counts), max(counts)
+
+        def per_table(job: str, load_no: int) -> float:
+            return round((seconds[job][high][load_no] - seconds[job][low][load_no]) / (high - low), 3)
+
+        emit(workload="tables", seconds_per_extra_table=per_table("walbus", 0),
+             seconds_per_extra_table_second_load=per_table("walbus", 1),
+             naive=[per_table("naive", 0), per_table("naive", 1)],
+             delta_floor=[per_table("delta_floor", 0), per_table("delta_floor", 1)],
              between=[low, high], events=total)
 
 

@@ -14,9 +14,11 @@ Spark cannot hold exactly, and commit each load exactly once.
 
 from __future__ import annotations
 
+import concurrent.futures
 from collections.abc import Sequence
 from typing import Any
 
+import orjson
 from pyspark.sql import DataFrame, SparkSession, Window
 from pyspark.sql import functions as F
 
@@ -43,17 +45,24 @@ def _value(name: str, pg_type: str) -> Any:
     return raw.cast(_CASTS.get(pg_type, "string")).alias(name)
 
 
-def rows(spark: SparkSession, bootstrap: str, topic: str, columns: Sequence[tuple[str, str]]) -> DataFrame:
-    raw = (
-        spark.read.format("kafka")
-        .option("kafka.bootstrap.servers", bootstrap)
-        .option("subscribe", topic)
-        .option("startingOffsets", "earliest")
-        .option("endingOffsets", "latest")
-        .load()
-    )
+def rows(
+    spark: SparkSession, bootstrap: str, topic: str, columns: Sequence[tuple[str, str]],
+    offsets: tuple[int, int] | None = None,
+) -> DataFrame:
+    """The topic's events, typed: all of them, or partition 0's ``offsets`` (start, end)."""
+    reader = spark.read.format("kafka").option("kafka.bootstrap.servers", bootstrap)
+    if offsets is None:
+        reader = reader.option("subscribe", topic).option("startingOffsets", "earliest").option("endingOffsets", "latest")
+    else:
+        reader = (
+            reader.option("assign", orjson.dumps({topic: [0]}).decode())
+            .option("startingOffsets", orjson.dumps({topic: {"0": offsets[0]}}).decode())
+            .option("endingOffsets", orjson.dumps({topic: {"0": offsets[1]}}).decode())
+        )
+    raw = reader.load()
     parsed = raw.select(F.from_json(F.col("value").cast("string"), _ENVELOPE).alias("e"))
     return parsed.select(
+        F.col("e.table").alias("table"),
         F.col("e.commit_lsn").alias("commit_lsn"),
         F.col("e.seq").alias("seq"),
         F.col("e.operation").alias("operation"),
@@ -64,10 +73,19 @@ def rows(spark: SparkSession, bootstrap: str, topic: str, columns: Sequence[tupl
 
 def run(spark: SparkSession, bootstrap: str, topic: str, root: str, columns: Sequence[tuple[str, str]]) -> int:
     """Load ``topic`` (one table, keyed on its first column) into ``root``; events loaded."""
+    events = rows(spark, bootstrap, topic, columns).drop("table").cache()  # read from Kafka once
+    try:
+        return write_table(spark, events, root, columns[0][0])
+    finally:
+        events.unpersist()
+
+
+def write_table(spark: SparkSession, events: DataFrame, root: str, key: str, *, merge: bool = True) -> int:
+    """One table's events into ``root``/history (appended) and ``root``/current (the latest
+    row per key MERGEd; ``merge=False``: appended, Delta's least work for a second table);
+    the rows appended to the history."""
     from delta.tables import DeltaTable
 
-    key = columns[0][0]
-    events = rows(spark, bootstrap, topic, columns).cache()  # read from Kafka once
     history, current = f"{root}/history", f"{root}/current"
     events.write.format("delta").mode("append").save(history)
     latest = (
@@ -75,15 +93,39 @@ def run(spark: SparkSession, bootstrap: str, topic: str, root: str, columns: Seq
         .where("_n = 1")
         .drop("_n")
     )
-    if not DeltaTable.isDeltaTable(spark, current):
-        latest.where("operation != 'delete'").limit(0).write.format("delta").save(current)
-    (
-        DeltaTable.forPath(spark, current).alias("t")
-        .merge(latest.alias("s"), f"t.{key} = s.{key}")
-        .whenMatchedDelete(condition="s.operation = 'delete'")
-        .whenMatchedUpdateAll()
-        .whenNotMatchedInsertAll(condition="s.operation != 'delete'")
-        .execute()
-    )
-    events.unpersist()
+    if not merge:
+        latest.write.format("delta").mode("append").save(current)
+    else:
+        if not DeltaTable.isDeltaTable(spark, current):
+            latest.where("operation != 'delete'").limit(0).write.format("delta").save(current)
+        (
+            DeltaTable.forPath(spark, current).alias("t")
+            .merge(latest.alias("s"), f"t.{key} = s.{key}")
+            .whenMatchedDelete(condition="s.operation = 'delete'")
+            .whenMatchedUpdateAll()
+            .whenNotMatchedInsertAll(condition="s.operation != 'delete'")
+            .execute()
+        )
     return int(DeltaTable.forPath(spark, history).history(1).select("operationMetrics").first()[0]["numOutputRows"])
+
+
+def run_tables(
+    spark: SparkSession, bootstrap: str, topic: str, root: str, tables: Sequence[str],
+    columns: Sequence[tuple[str, str]], offsets: tuple[int, int], *, merge: bool = True, threads: int = 8,
+) -> int:
+    """The naive job over a topic of many tables (all with ``columns``): the slice read once
+    and cached, then each table written as :func:`write_table` does, ``threads`` at a time
+    (walbus' default); the rows appended to the histories."""
+    events = rows(spark, bootstrap, topic, columns, offsets).cache()
+    try:
+        events.count()
+
+        def one(i_table: tuple[int, str]) -> int:
+            i, table = i_table
+            mine = events.where(F.col("table") == table).drop("table")
+            return write_table(spark, mine, f"{root}/t{i}", columns[0][0], merge=merge)
+
+        with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+            return sum(pool.map(one, enumerate(tables)))
+    finally:
+        events.unpersist()

@@ -111,7 +111,10 @@ def test_warehouse_benchmark(services: Services) -> None:
     assert [(line.get("tables"), line.get("load")) for line in loads[1:5]] == [(1, "first"), (1, "second"), (2, "first"), (2, "second")]
     assert all(line["events"] == 40 for line in loads[1:5])
     assert loads[2]["history_rows_added"] == 40  # the second load's events are new ones
+    # the naive many-tables job and Delta's floor ran on each load's slice, and only on it
+    assert all(line["naive_rows"] == 40 and line["delta_floor_s"] > 0 for line in loads[1:5])
     assert "seconds_per_extra_table" in loads[5] and "seconds_per_extra_table_second_load" in loads[5]
+    assert len(loads[5]["naive"]) == len(loads[5]["delta_floor"]) == 2
     assert all(line["history_rows_added"] == 200 for line in loads[6:])
 
 
