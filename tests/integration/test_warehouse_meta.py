@@ -38,7 +38,8 @@ def _meta(spark: Any, records: list[tuple[bytes, bytes]]) -> tuple[dict[str, dic
     group = f"meta-{uuid.uuid4().hex}"  # unique: the tracker keeps the groups of earlier tests' jobs
     spark.sparkContext.setJobGroup(group, "table meta")
     try:
-        metas = _table_meta(events)
+        metas, others = _table_meta(events)
+        assert others == 0
     finally:
         spark.sparkContext.setLocalProperty("spark.jobGroup.id", None)
         events.unpersist()
@@ -84,3 +85,34 @@ def test_unchanged_names_come_from_a_job_of_their_own(spark: Any) -> None:
     assert sorted(metas["public.docs"]["unchanged"]) == ["blob", "doc"]
     assert metas["public.plain"]["unchanged"] == []
     assert metas["public.docs"]["events"] == 3
+
+
+def test_a_loads_first_pass_summarises_the_tables_and_counts_the_unusual_records_in_one_job(spark: Any) -> None:
+    """write_slice's first pass over the slice (it fills the cache) is the summary itself: the
+    records the fast parse does not prove valid are counted under a null table, their fields
+    left out of every table's summary. (A count job before the summary read the cache again.)"""
+    from warehouse.job import _table_meta
+    from warehouse.read import fast_checked, summary_events
+
+    cols, types = ["id", "name"], ["int4", "text"]
+    records = [
+        _event(0, "public.orders", "insert", new=_row(cols, types, [1, "a"])),
+        (b"k", b'{"v": 1, "table": "public.orders", "columns": ["evil"], "types": ["int4"], "values": [1]}'),
+        (b"k", b"not json"),
+        _event(1, "public.orders", "update", new=_row(cols, types, [1, "b"])),
+    ]
+    raw = spark.createDataFrame([(k, v, 0, i) for i, (k, v) in enumerate(records)],
+                                "key binary, value binary, partition int, offset bigint")
+    fast = fast_checked(raw).cache()
+    group = f"meta-{uuid.uuid4().hex}"
+    spark.sparkContext.setJobGroup(group, "first pass")
+    try:
+        metas, others = _table_meta(summary_events(fast))
+    finally:
+        spark.sparkContext.setLocalProperty("spark.jobGroup.id", None)
+        fast.unpersist()
+    assert len(spark.sparkContext.statusTracker().getJobIdsForGroup(group)) == 1
+    assert others == 2
+    (orders,) = metas
+    assert orders["table"] == "public.orders" and orders["events"] == 2
+    assert sorted(orders["pairs"]) == [("id", "int4"), ("name", "text")]  # no "evil" column
