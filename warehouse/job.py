@@ -284,9 +284,9 @@ def write_slice(spark: SparkSession, spec: LoadSpec, raw: DataFrame, txn: Txn, r
     try:
         # One job over every partition at once: reads the slice, parses it into the cache,
         # summarises each table and counts the records the fast parse does not prove valid
-        # (a count job before the summary's cost a pass over the cache: ~0.5 s in 100,000
-        # events). Only when there are such records is the exact check planned and run, over
-        # them alone, and the summary made again with the valid ones among them.
+        # (a count job before the summary made it a second pass over the cache). Only when
+        # there are such records is the exact check planned and run, over them alone, and the
+        # summary made again with the valid ones among them.
         metas, unusual = _table_meta(summary_events(fast))
         valid = fast_events(fast)
         if unusual:
