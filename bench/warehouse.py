@@ -10,9 +10,9 @@
 2. ``wide``: the same for a 16-column table (text, numeric, timestamptz, jsonb, uuid, bool,
    int8, float8, date, text[]), N events;
 3. ``tables``: one load of 2,000 events spread over T tables (``--tables 1,16``), then a second
-   one into the existing tables: seconds per extra table of each, walbus', the naive job's
-   over many tables and Delta's least (two appends a table), on the same slices (see
-   ``tables_sweep``);
+   one into the existing tables, then a third of inserts only (append-only tables): seconds
+   per extra table of each, walbus', the naive job's over many tables and Delta's least (two
+   appends a table), on the same slices (see ``tables_sweep``);
 4. ``incremental``: 10,000 more events over an N-event table, and over one of N/10 events:
    the load time must not scale with the table's size.
 
@@ -64,8 +64,10 @@ def wide_values(rnd: random.Random, key: int) -> list[Any]:
 def events(
     n: int, table: str, columns: list[str], types: list[str], values: Callable[[random.Random, int], list[Any]],
     *, first_key: int = 1, first_commit: int = 0x1_0000_0000, live: list[int] | None = None, seed: int = 1,
+    inserts_only: bool = False,
 ) -> tuple[list[tuple[bytes, bytes]], list[int], int]:
-    """(records, live keys, next key) of n events: 80% inserts, 15% updates, 5% deletes."""
+    """(records, live keys, next key) of n events: 80% inserts, 15% updates, 5% deletes (or
+    inserts of new keys only)."""
     rnd = random.Random(seed)
     live = list(live or [])
     out: list[tuple[bytes, bytes]] = []
@@ -79,7 +81,7 @@ def events(
         common: dict[str, Any] = {"lsn": commit - 0x8000 + seq, "commit_lsn": commit, "seq": seq,
                                   "xid": 1000 + i // 500, "table": table, "timestamp": TS, "pk": pk}
         r = rnd.random()
-        if r < 0.8 or len(live) < 10:
+        if r < 0.8 or len(live) < 10 or inserts_only:
             key, next_key = next_key, next_key + 1
             live.append(key)
             v = encode_event(operation="insert", new={"columns": columns, "types": types, "values": values(rnd, key)},
@@ -115,11 +117,10 @@ def load(spark: Any, bootstrap: str, topic: str, warehouse: str) -> dict[str, An
         "events": result.events, "seconds": round(seconds, 2), "events_per_s": round(result.events / seconds),
         "tables": len(summaries), "phases_s": {"read_parse": result.phases.get("read", 0.0)},
     }
+    out.update(history_rows_added=sum(s.history_rows for s in summaries),
+               current_inserted=sum(s.inserted for s in summaries), current_updated=sum(s.updated for s in summaries))
     if len(summaries) == 1:
-        (summary,) = summaries
-        out.update(history_rows_added=summary.history_rows, current_inserted=summary.inserted,
-                   current_updated=summary.updated)
-        out["phases_s"].update(summary.seconds)
+        out["phases_s"].update(summaries[0].seconds)
     return out
 
 
@@ -163,9 +164,15 @@ def compare(
     return {"walbus": ours, "baseline": naive, "order": order, "speedup": round(mean("naive") / mean("walbus"), 2)}
 
 
+# the many-tables loads, in order: a first one, a second (updates and deletes among inserts),
+# a third of inserts only
+LOADS = ("first", "second", "inserts")
+
+
 def tables_sweep(spark: Any, bootstrap: str, root: str, run: str, counts: list[int], total: int) -> None:
     """One load of ``total`` events spread over T tables, for each T, then a second one into the
-    same (now existing) tables, as every later nightly load: seconds per extra table of each.
+    same (now existing) tables, as every later nightly load, then a third of inserts of new
+    keys only (append-only tables: logs, events): seconds per extra table of each.
 
     After each walbus load, on the same slice, in the same session: the naive job over many
     tables (``naive``: the slice read once, each table's history append and current MERGE,
@@ -190,16 +197,18 @@ def tables_sweep(spark: Any, bootstrap: str, root: str, run: str, counts: list[i
         sizes = [total // count + (1 if i < total % count else 0) for i in range(count)]
         state: list[tuple[list[int], int]] = []
         end = 0
-        for load_no in range(2):
+        for load_no, kind in enumerate(LOADS):
             recs: list[tuple[bytes, bytes]] = []
             for i, n in enumerate(sizes):
                 if load_no == 0:
                     part, live, next_key = events(n, names[i], TX_COLS, TX_TYPES, tx_values, first_commit=(i + 1) << 32, seed=i)
-                    state.append((live, next_key))
                 else:
                     live, next_key = state[i]
-                    part, _, _ = events(n, names[i], TX_COLS, TX_TYPES, tx_values, first_key=next_key,
-                                        first_commit=((i + 1) << 32) + (1 << 31), live=live, seed=100 + i)
+                    part, live, next_key = events(
+                        n, names[i], TX_COLS, TX_TYPES, tx_values, first_key=next_key,
+                        first_commit=((i + 1) << 32) + load_no * (1 << 30), live=live, seed=100 * load_no + i,
+                        inserts_only=kind == "inserts")
+                state[i:i + 1] = [(live, next_key)]
                 recs += part
             fill(bootstrap, topic, recs)
             start, end = end, end + len(recs)
@@ -208,7 +217,7 @@ def tables_sweep(spark: Any, bootstrap: str, root: str, run: str, counts: list[i
             for job, merge in (("naive", True), ("delta_floor", False)):
                 rows[job] = timed(job, count, warehouse_baseline.run_tables, spark, bootstrap, topic,
                                   f"{root}/{job}-{topic}", names, columns, (start, end), merge=merge)
-            emit(workload="tables", load=("first", "second")[load_no], **result,
+            emit(workload="tables", load=kind, **result,
                  naive_s=round(seconds["naive"][count][-1], 2), naive_rows=rows["naive"],
                  delta_floor_s=round(seconds["delta_floor"][count][-1], 2))
     if len(counts) > 1:
@@ -219,9 +228,10 @@ def tables_sweep(spark: Any, bootstrap: str, root: str, run: str, counts: list[i
 
         emit(workload="tables", seconds_per_extra_table=per_table("walbus", 0),
              seconds_per_extra_table_second_load=per_table("walbus", 1),
-             naive=[per_table("naive", 0), per_table("naive", 1)],
-             delta_floor=[per_table("delta_floor", 0), per_table("delta_floor", 1)],
-             between=[low, high], events=total)
+             seconds_per_extra_table_inserts=per_table("walbus", 2),
+             naive=[per_table("naive", n) for n in range(len(LOADS))],
+             delta_floor=[per_table("delta_floor", n) for n in range(len(LOADS))],
+             loads=list(LOADS), between=[low, high], events=total)
 
 
 def main() -> None:

@@ -14,6 +14,11 @@ order, maintained by a Delta MERGE of each load's latest version per key.
 * The MERGE's target side is limited to the key range of the load (on the first key column)
   so Delta skips the files outside it (min/max file statistics); deletion vectors keep
   updates from rewriting whole files.
+* No MERGE where no row can match: a table's first load, and a load whose keys all lie past
+  every key the table holds (an integer first key column, as serial and identity keys are:
+  an insert-only load of such a table). Each walbus write notes the table's highest first
+  key in its commit (:data:`KEY_HIGH_WATER_KEY`), so knowing it costs no Spark job; those
+  loads append their rows, the same rows the MERGE would insert.
 """
 
 from __future__ import annotations
@@ -28,7 +33,15 @@ from pyspark.sql.types import BooleanType, StructField
 
 from warehouse.frame import DELETED, META_FIELDS, POSITION, prev_name
 from warehouse.schema import SourceColumn, qcol, quote, sql_string, table_properties
-from warehouse.txn import Txn, last_commit_metrics, never_written, table_size_bytes, table_version
+from warehouse.txn import (
+    HighWater,
+    Txn,
+    high_water,
+    last_commit_metrics,
+    never_written,
+    table_size_bytes,
+    table_version,
+)
 
 TRUNCATED_PROPERTY: Final = "walbus.truncatedAt"
 CURRENT_EXTRA_FIELDS: Final = (StructField(DELETED, BooleanType(), False),)
@@ -41,6 +54,10 @@ CURRENT_PROPERTIES: Final = {
 COPY_ON_WRITE_BELOW_BYTES: Final = 64 << 20
 _MERGE_DV_CONF: Final = "spark.databricks.delta.merge.deletionVectors.persistent"
 _ORDERABLE_KEY_TYPES: Final = ("int", "bigint", "smallint", "string", "date", "timestamp", "double", "float")
+# The current table's highest first key column value after a walbus write (integer keys),
+# in that commit's userMetadata: a load whose keys all lie past it cannot match a row.
+KEY_HIGH_WATER_KEY: Final = "walbus.current.maxFirstKey"
+_INTEGER_KEY_TYPES: Final = ("tinyint", "smallint", "int", "bigint")
 
 
 @dataclass(frozen=True)
@@ -118,6 +135,7 @@ def merge_current(
 ) -> CurrentResult:
     from delta.tables import DeltaTable
 
+    key_mark: dict[str, str] = {}
     if txn.applied(spark, path):
         inserted = updated = deleted = 0
         skipped = True
@@ -138,18 +156,20 @@ def merge_current(
         all_cols = [*meta_names, *[c.name for c in columns], DELETED]
         tombstone_set: dict[str, str | Column] = {quote(c): f"s.{quote(c)}" for c in [*meta_names, DELETED]}
         full_set: dict[str, str | Column] = {quote(c): f"s.{quote(c)}" for c in all_cols}
-        if never_written(spark, path):
-            # No row to match (a table's first load): every source row is the MERGE's insert,
-            # so an append writes the same rows without the MERGE's join jobs (~1 s a table).
+        key_mark, past_the_end = _key_high_water(spark, path, source, pk[0], bounds)
+        if past_the_end or never_written(spark, path):
+            # No row to match (a table's first load, or keys past every key it holds): every
+            # source row is the MERGE's insert, so an append writes the same rows without the
+            # MERGE's join jobs (~1 s a table).
             before = table_version(spark, path)
             (
                 source.select(*[qcol(c) for c in all_cols]).write.format("delta").mode("append")
-                .option("userMetadata", txn.user_metadata()).save(path)
+                .option("userMetadata", txn.user_metadata(key_mark)).save(path)
             )
             inserted = int(last_commit_metrics(spark, path, since=before).get("numOutputRows", 0))
             updated = 0
         else:
-            session = txn.tagged_session(spark)
+            session = txn.tagged_session(spark, key_mark)
             size = table_size_bytes(spark, path)
             if size is not None and size < COPY_ON_WRITE_BELOW_BYTES:
                 session.conf.set(_MERGE_DV_CONF, "false")
@@ -168,8 +188,31 @@ def merge_current(
             inserted = int(metrics.get("numTargetRowsInserted", 0))
             updated = int(metrics.get("numTargetRowsUpdated", 0))
     if truncate is not None:
-        deleted += _apply_truncate(spark, path, truncate)
+        # its UPDATE keeps the keys, and says so: the next load still knows the highest one
+        deleted += _apply_truncate(txn.tagged_session(spark, key_mark), path, truncate)
     return CurrentResult(inserted, updated, deleted, skipped)
+
+
+def _key_high_water(
+    spark: SparkSession, path: str, source: DataFrame, first_key: str, bounds: tuple[Any, Any] | None
+) -> tuple[dict[str, str], bool]:
+    """(the mark this load's write notes, whether every source key lies past the table's
+    highest), for an integer first key column; ({}, False) for any other key.
+
+    The table's highest first key comes from its latest walbus commit's mark, or from its data
+    (a Spark job) after a commit that added rows without one: another writer's, or an older
+    walbus'. A foreign DELETE only lowers the real highest key, so the mark stays a bound."""
+    if bounds is None or source.schema[first_key].dataType.simpleString() not in _INTEGER_KEY_TYPES:
+        return {}, False
+    mark: HighWater = high_water(spark, path, KEY_HIGH_WATER_KEY)
+    top = mark.value if mark.known else _max_key(spark, path, first_key)
+    low, high = int(bounds[0]), int(bounds[1])
+    return {KEY_HIGH_WATER_KEY: str(high if top is None else max(top, high))}, top is None or low > top
+
+
+def _max_key(spark: SparkSession, path: str, column: str) -> int | None:
+    row = spark.read.format("delta").load(path).agg(F.max(qcol(column)).alias("hi")).first()
+    return None if row is None or row["hi"] is None else int(row["hi"])
 
 
 def _apply_truncate(spark: SparkSession, path: str, position: tuple[int, int]) -> int:

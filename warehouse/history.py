@@ -55,7 +55,7 @@ def write_history(
         return HistoryResult(0, False)
     table = spark.read.format("delta").load(path)
     mark = history_high_water(spark, path)
-    high = mark.lsn if mark.known else _max_lsn(table)  # the data decides: ~1 s, after foreign commits
+    high = mark.value if mark.known else _max_lsn(table)  # the data decides: ~1 s, after foreign commits
     if high is None or high < int(lo):
         # Every row of this load is past the table's last position: nothing to de-duplicate
         # against (the anti-join's read and join cost ~1 s a table, most loads never need it).

@@ -53,8 +53,8 @@ class Txn:
         """A commit's userMetadata naming this load (and ``extra`` keys)."""
         return orjson.dumps({LOAD_KEY: [self.app_id, self.batch_id], **(extra or {})}).decode()
 
-    def tagged_session(self, spark: SparkSession) -> SparkSession:
-        """A session whose MERGE commits carry this load's marker.
+    def tagged_session(self, spark: SparkSession, extra: dict[str, str] | None = None) -> SparkSession:
+        """A session whose MERGE (UPDATE…) commits carry this load's marker (and ``extra`` keys).
 
         Delta takes a DML statement's userMetadata from a session setting. A child session
         (same SparkContext, cache and Delta logs; settings of its own) keeps the tag off the
@@ -65,7 +65,7 @@ class Txn:
             value = spark.conf.get(key, None)
             if value is not None:
                 tagged.conf.set(key, value)
-        tagged.conf.set(_USER_METADATA_CONF, self.user_metadata())
+        tagged.conf.set(_USER_METADATA_CONF, self.user_metadata(extra))
         return tagged
 
 
@@ -254,11 +254,12 @@ def _commit_file_metrics(spark: SparkSession, path: str, version: int) -> dict[s
 
 @dataclass(frozen=True)
 class HighWater:
-    """What the table's own log says of its highest ``pg_commit_lsn``: ``known`` False when it
-    cannot say (the caller asks the data); ``lsn`` None for a table without rows."""
+    """What a table's own log says of the highest value of one of its columns (a walbus
+    writer's mark): ``known`` False when it cannot say (the caller asks the data); ``value``
+    None for a table without rows."""
 
     known: bool
-    lsn: int | None = None
+    value: int | None = None
 
 
 def _recent_commits(spark: SparkSession, path: str, limit: int = _SCANNED_COMMITS) -> Iterator[tuple[int, list[Any]]]:
@@ -272,18 +273,18 @@ def _recent_commits(spark: SparkSession, path: str, limit: int = _SCANNED_COMMIT
         yield v, actions
 
 
-def history_high_water(spark: SparkSession, path: str) -> HighWater:
-    """The history's highest commit LSN, from its latest commits: the last walbus append's
-    ``userMetadata`` (:data:`HIGH_WATER_KEY`), or an empty table, with only commits that add
-    no rows since (schema changes, properties, OPTIMIZE). Unknown after any other commit that
-    adds rows, a commit file gone (log cleanup) or too long a search."""
+def high_water(spark: SparkSession, path: str, key: str) -> HighWater:
+    """The highest value walbus noted under ``key`` in a commit's ``userMetadata``, from the
+    table's latest commits: the last walbus write's mark, or an empty table, with only
+    commits that add no rows since (schema changes, properties, OPTIMIZE). Unknown after any
+    other commit that adds rows, a commit file gone (log cleanup) or too long a search."""
     try:
         for v, actions in _recent_commits(spark, path):
             adds_rows = False
             for action in actions:
                 info = action.get("commitInfo") if isinstance(action, dict) else None
                 if isinstance(info, dict) and isinstance(info.get("userMetadata"), str):
-                    mark = orjson.loads(info["userMetadata"]).get(HIGH_WATER_KEY)
+                    mark = orjson.loads(info["userMetadata"]).get(key)
                     if mark is not None:
                         return HighWater(True, int(mark))
                 add = action.get("add") if isinstance(action, dict) else None
@@ -294,8 +295,13 @@ def history_high_water(spark: SparkSession, path: str) -> HighWater:
             if v == 0:
                 return HighWater(True, None)  # created empty, no rows added since
     except Exception:  # py4j, file-system or JSON trouble: the data decides
-        log.debug("reading the history's high-water mark failed", extra={"path": path}, exc_info=True)
+        log.debug("reading a table's high-water mark failed", extra={"path": path, "key": key}, exc_info=True)
     return HighWater(False)
+
+
+def history_high_water(spark: SparkSession, path: str) -> HighWater:
+    """The history's highest commit LSN (:data:`HIGH_WATER_KEY`, see :func:`high_water`)."""
+    return high_water(spark, path, HIGH_WATER_KEY)
 
 
 def never_written(spark: SparkSession, path: str) -> bool:

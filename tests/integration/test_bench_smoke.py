@@ -98,7 +98,7 @@ def test_warehouse_benchmark(services: Services) -> None:
     )
     lines = [line for line in out if "workload" in line]
     assert [line["workload"] for line in lines] == [
-        "warmup", "transactions", "tables", "tables", "tables", "tables", "tables", "incremental", "incremental"]
+        "warmup", "transactions", *["tables"] * 7, "incremental", "incremental"]
     assert lines[0]["walbus"]["history_rows_added"] == lines[0]["baseline"]["events"] > 0
     loads = lines[1:]
     assert loads[0]["walbus"]["history_rows_added"] == 2000
@@ -107,15 +107,20 @@ def test_warehouse_benchmark(services: Services) -> None:
     assert loads[0]["order"] == ["walbus", "naive", "naive", "walbus"]
     assert loads[0]["walbus"]["events_each"] == loads[0]["baseline"]["events_each"] == [2000, 2000]
     assert lines[0]["order"] == ["walbus", "naive"]
-    # each table count: a first load, then a second one into the same tables
-    assert [(line.get("tables"), line.get("load")) for line in loads[1:5]] == [(1, "first"), (1, "second"), (2, "first"), (2, "second")]
-    assert all(line["events"] == 40 for line in loads[1:5])
-    assert loads[2]["history_rows_added"] == 40  # the second load's events are new ones
+    # each table count: a first load, then a second one into the same tables, then inserts only
+    sweep = loads[1:7]
+    assert [(line.get("tables"), line.get("load")) for line in sweep] == [
+        (t, load) for t in (1, 2) for load in ("first", "second", "inserts")]
+    assert all(line["events"] == 40 for line in sweep)
+    # the later loads' events are new ones; the inserts-only load's are all new rows
+    assert all(line["history_rows_added"] == 40 for line in sweep)
+    assert [line["current_inserted"] for line in sweep if line["load"] == "inserts"] == [40, 40]
     # the naive many-tables job and Delta's floor ran on each load's slice, and only on it
-    assert all(line["naive_rows"] == 40 and line["delta_floor_s"] > 0 for line in loads[1:5])
-    assert "seconds_per_extra_table" in loads[5] and "seconds_per_extra_table_second_load" in loads[5]
-    assert len(loads[5]["naive"]) == len(loads[5]["delta_floor"]) == 2
-    assert all(line["history_rows_added"] == 200 for line in loads[6:])
+    assert all(line["naive_rows"] == 40 and line["delta_floor_s"] > 0 for line in sweep)
+    summary = loads[7]
+    assert {"seconds_per_extra_table", "seconds_per_extra_table_second_load", "seconds_per_extra_table_inserts"} <= set(summary)
+    assert len(summary["naive"]) == len(summary["delta_floor"]) == 3
+    assert all(line["history_rows_added"] == 200 for line in loads[8:])
 
 
 def test_the_producer_benchmark_stops_when_its_client_dies(services: Services, unique_name: str) -> None:

@@ -336,6 +336,73 @@ def test_the_history_high_water_mark_follows_appends_and_foreign_commits(
     assert [int(r["pg_commit_lsn"]) for r in history(spark, tmp_path, unique_name)] == [0x1000, 0x2000, 0x3000, 0x3800]
 
 
+def _current_operation(spark: Any, warehouse: Path, topic: str) -> str:
+    """The operation of the current table's latest data commit (a TRUNCATE's property commit
+    looked through)."""
+    from warehouse.txn import _recent_commits
+
+    for _, actions in _recent_commits(spark, table_paths(warehouse, topic, TX).current):
+        (info,) = [a["commitInfo"] for a in actions if "commitInfo" in a]
+        if info["operation"] != "SET TBLPROPERTIES":
+            return str(info["operation"])
+    raise AssertionError("no data commit")
+
+
+def test_a_load_of_keys_past_the_current_tables_highest_appends_instead_of_merging(
+    spark: Any, kafka_bootstrap: str, unique_name: str, tmp_path: Path
+) -> None:
+    """With an integer first key, each write notes the current table's highest key in its
+    commit; a load whose keys all lie past it (an insert-only load of a serial key) cannot
+    match a row and appends. Anything else MERGEs: a key at or below the mark (an update, a
+    key-changing update's tombstone), and after a foreign commit the data gives the mark."""
+    from pyspark.sql import functions as F
+
+    from warehouse.current import KEY_HIGH_WATER_KEY
+    from warehouse.txn import HighWater, high_water
+
+    path = table_paths(tmp_path, unique_name, TX).current
+
+    def load_events(*txns: Any) -> Any:
+        produce_events(kafka_bootstrap, unique_name, [e for t in txns for e in t.events])
+        return load(spark, kafka_bootstrap, unique_name, tmp_path).tables[TX]
+
+    def state() -> list[tuple[int, int, bool]]:
+        return sorted((r["transaction_id"], r["amount"], r["_walbus_deleted"])
+                      for r in current(spark, tmp_path, unique_name, live=False))
+
+    def mark() -> HighWater:
+        return high_water(spark, path, KEY_HIGH_WATER_KEY)
+
+    load_events(Txn(0x1000).insert(TX, TX_PK, tx_row(1, 1, 10)).insert(TX, TX_PK, tx_row(3, 1, 30)))
+    assert (_current_operation(spark, tmp_path, unique_name), mark()) == ("WRITE", HighWater(True, 3))
+    # inserts past the mark, and a delete of a key never seen (a tombstone): appended
+    done = load_events(Txn(0x2000).insert(TX, TX_PK, tx_row(5, 1, 50)).delete(TX, TX_PK, {"transaction_id": ("int4", 4)}))
+    assert (done.inserted, done.updated, done.deleted) == (2, 0, 1)
+    assert (_current_operation(spark, tmp_path, unique_name), mark()) == ("WRITE", HighWater(True, 5))
+    # an insert past the mark beside an update below it: merged
+    done = load_events(Txn(0x3000).insert(TX, TX_PK, tx_row(7, 1, 70)).update(TX, TX_PK, tx_row(1, 1, 11)))
+    assert (done.inserted, done.updated) == (1, 1)
+    assert (_current_operation(spark, tmp_path, unique_name), mark()) == ("MERGE", HighWater(True, 7))
+    # a key moved past the mark tombstones its old key, below it: merged
+    load_events(Txn(0x4000).update(TX, TX_PK, tx_row(9, 1, 90), identity={"transaction_id": ("int4", 3)}))
+    assert (_current_operation(spark, tmp_path, unique_name), mark()) == ("MERGE", HighWater(True, 9))
+    assert state() == [(1, 11, False), (3, 30, True), (4, None, True), (5, 50, False), (7, 70, False), (9, 90, False)]
+    # Another writer's row past the mark: the log no longer knows the highest key, the data
+    # does, so a load of key 20 (below that row's key 100) is merged, and an older event for
+    # key 100 does not replace it.
+    row = spark.read.format("delta").load(path).where("transaction_id = 9")
+    row.withColumn("transaction_id", F.lit(100)).write.format("delta").mode("append").save(path)
+    assert mark() == HighWater(False)
+    load_events(Txn(0x5000).insert(TX, TX_PK, tx_row(20, 1, 200)), Txn(0x3500).insert(TX, TX_PK, tx_row(100, 1, -1)))
+    assert (_current_operation(spark, tmp_path, unique_name), mark()) == ("MERGE", HighWater(True, 100))
+    # a TRUNCATE and an insert past the mark: appended; the TRUNCATE's commits keep the mark
+    done = load_events(Txn(0x6000).truncate(TX, TX_PK), Txn(0x6100).insert(TX, TX_PK, tx_row(101, 1, 1010)))
+    assert (done.inserted, done.updated) == (1, 0)
+    assert mark() == HighWater(True, 101)
+    assert [(k, a) for k, a, deleted in state() if not deleted] == [(101, 1010)]
+    assert len(state()) == 9
+
+
 def test_a_commit_file_is_read_in_one_call_whole_or_cut_at_a_line(spark: Any, tmp_path: Path) -> None:
     """The log reads take a commit file in one py4j call: all its actions; a prefix of whole
     lines under a byte limit; or, asked for the whole file, a ValueError past the limit (the
@@ -520,8 +587,8 @@ def test_a_small_load_runs_without_generated_code_and_puts_the_settings_back(
         seen.append((spark_.conf.get("spark.sql.codegen.factoryMode"), spark_.conf.get("spark.sql.codegen.wholeStage")))
         write_slice(spark_, *args)
 
-    def watching_merge(self: Any, spark_: Any) -> Any:
-        session = tagged_session(self, spark_)
+    def watching_merge(self: Any, spark_: Any, extra: Any = None) -> Any:
+        session = tagged_session(self, spark_, extra)
         merged.append(session.conf.get("spark.sql.codegen.factoryMode"))
         return session
 
