@@ -65,6 +65,11 @@ def base_conf(*, shuffle_partitions: int = 4) -> dict[str, str]:
         # for small tables on a few cores.
         "spark.databricks.delta.snapshotPartitions": str(max(shuffle_partitions, 1)),
         "spark.ui.showConsoleProgress": "false",
+        # pyspark 4 notes the Python call site of every DataFrame and Column call for error
+        # messages: ~4 py4j round trips and a failed `import IPython` each, 3/4 of the
+        # commands building a table's DataFrames costs (a 16-table insert-only load: 16.7 ->
+        # 10.1 s). A load's DataFrames are walbus' own code: the note would name its lines.
+        "spark.python.sql.dataFrameDebugging.enabled": "false",
     }
 
 

@@ -645,3 +645,38 @@ def test_typed_rows_builds_each_events_maps_once(spark: Any) -> None:
         ("update", 2, Decimal("2.5"), "y", 1, {}),
         ("delete", 2, None, None, 2, {}),
     ]
+
+
+def test_building_a_loads_dataframes_sends_no_call_site_notes(spark: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """pyspark 4 notes the Python call site of every DataFrame and Column call in the JVM
+    (PySparkCurrentOrigin, for error messages): ~4 extra py4j round trips a call, 3/4 of
+    what building a table's DataFrames cost. walbus' sessions turn the notes off."""
+    from py4j.clientserver import ClientServerConnection  # type: ignore[import-untyped]
+    from pyspark.errors.utils import is_debugging_enabled
+    from pyspark.sql import functions as F
+
+    from warehouse.current import latest_actions
+    from warehouse.frame import typed_rows
+    from warehouse.schema import SourceColumn
+    from warehouse.types import spark_type
+
+    sent: list[str] = []
+    send = ClientServerConnection.send_command
+
+    def counting(self: Any, command: str) -> Any:
+        sent.append(command)
+        return send(self, command)
+
+    events = spark.createDataFrame([], (
+        "lsn decimal(20,0), commit_lsn decimal(20,0), seq bigint, xid bigint, operation string, timestamp string, "
+        "columns array<string>, `values` array<string>, "
+        "identity struct<columns: array<string>, types: array<string>, `values`: array<string>>, unchanged array<string>"
+    ))
+    columns = [SourceColumn(n, t, spark_type(t)) for n, t in (("id", "int4"), ("n", "numeric"), ("t", "text"))]
+    monkeypatch.setattr(ClientServerConnection, "send_command", counting)
+    latest_actions(typed_rows(events, columns, ["id"]), ["id"], columns).where(F.col("n") > 1)
+    monkeypatch.undo()
+    assert spark.conf.get("spark.python.sql.dataFrameDebugging.enabled") == "false"
+    assert not is_debugging_enabled()
+    assert len(sent) > 100  # the DataFrames were built through py4j, and watched
+    assert not [c for c in sent if "PySparkCurrentOrigin" in c or "stackTracesInDataFrameContext" in c]
