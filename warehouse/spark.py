@@ -67,8 +67,8 @@ def base_conf(*, shuffle_partitions: int = 4) -> dict[str, str]:
         "spark.ui.showConsoleProgress": "false",
         # pyspark 4 notes the Python call site of every DataFrame and Column call for error
         # messages: ~4 py4j round trips and a failed `import IPython` each, 3/4 of the
-        # commands building a table's DataFrames costs (a 16-table insert-only load: 16.7 ->
-        # 10.1 s). A load's DataFrames are walbus' own code: the note would name its lines.
+        # commands building a table's DataFrames costs (a 16-table insert-only load: 16.5-16.7
+        # -> 10.1-14.3 s). A load's DataFrames are walbus' own code: the note names its lines.
         "spark.python.sql.dataFrameDebugging.enabled": "false",
     }
 
