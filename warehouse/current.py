@@ -157,7 +157,8 @@ def merge_current(
         tombstone_set: dict[str, str | Column] = {quote(c): f"s.{quote(c)}" for c in [*meta_names, DELETED]}
         full_set: dict[str, str | Column] = {quote(c): f"s.{quote(c)}" for c in all_cols}
         key_mark, past_the_end = _key_high_water(spark, path, source, pk[0], bounds)
-        if past_the_end or never_written(spark, path):
+        # an integer key's mark already says whether the table has rows: no second log read
+        if past_the_end or (not key_mark and never_written(spark, path)):
             # No row to match (a table's first load, or keys past every key it holds): every
             # source row is the MERGE's insert, so an append writes the same rows without the
             # MERGE's join jobs (~1 s a table).
