@@ -41,7 +41,7 @@ class EncodeWal2jsonChanges(Protocol):
         self, messages: WalMessages, start: int, schema: str, table: str,
         signature: list[tuple[str, int, str | None, bool | None]], kinds: bytes,
         parts: tuple[bytes, bytes, bytes, bytes], key_parts: tuple[bytes, int], seq: int, limit: int,
-        key: list[int] | None = None, change_parts: tuple[bytes, bytes, bytes, bytes] | None = None, /,
+        key: list[int] | None = None, change_parts: tuple[bytes, bytes, bytes, bytes] | None = None, rows: bool = True, /,
     ) -> ChangeRunParts: ...
 
 

@@ -20,7 +20,7 @@ use serde::Deserialize;
 use serde_json::value::RawValue;
 
 use crate::messages::MessageSource;
-use crate::{change_args, convert, push_event_head_with, push_json_string, ChangeParts, ChangeRun, InsertParts, KeyParts, RunBuilder, BOOL, TEXT};
+use crate::{change_args, convert_to, push_event_head_with, push_json_string, ChangeParts, ChangeRun, InsertParts, KeyParts, RunBuilder, BOOL, TEXT};
 
 /// One column of a change, as wal2json prints it with `include-type-oids`, `include-typmod`
 /// and `include-not-null`.
@@ -37,13 +37,18 @@ struct Column<'a> {
     value: &'a RawValue,
 }
 
-/// The fields of a change this path reads; others (`xid`, `timestamp`, …) are skipped.
+/// The fields of a change this path reads; others are skipped. `xid` and `timestamp` only
+/// for where they lie (they vary from one transaction to the next: holes of a [`Shape`]).
 #[derive(Deserialize)]
 struct Change<'a> {
     #[serde(borrow)]
     action: Cow<'a, str>,
+    #[serde(borrow, default)]
+    xid: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    timestamp: Option<&'a RawValue>,
     #[serde(borrow)]
-    lsn: Cow<'a, str>,
+    lsn: &'a RawValue,
     #[serde(borrow)]
     schema: Cow<'a, str>,
     #[serde(borrow)]
@@ -97,15 +102,16 @@ impl ExactMark<'_> {
     }
 }
 
-/// One value, as the caller's slow path converts it; its JSON appended to `json`. `exact`:
-/// whether the payload has `EXACT_MARK`.
-fn value<'py>(py: Python<'py>, kind: u8, raw: &RawValue, exact: &mut ExactMark<'_>, json: &mut Vec<u8>) -> Option<Bound<'py, PyAny>> {
-    let text = raw.get();
+/// One value, as the caller's slow path converts it; its JSON appended to `json`. `text`: the
+/// value's JSON text (valid UTF-8, no raw control character: serde or [`scan_value`] saw to
+/// it). `exact`: whether the payload has `EXACT_MARK`. `Some(None)`: taken, without its Python
+/// value (`make` false).
+fn value<'py>(py: Python<'py>, kind: u8, text: &str, exact: &mut ExactMark<'_>, json: &mut Vec<u8>, make: bool) -> Option<Option<Bound<'py, PyAny>>> {
     let bytes = text.as_bytes();
     match bytes.first()? {
         b'n' if text == "null" => {
             json.extend_from_slice(b"null");
-            Some(py.None().into_bound(py))
+            Some(make.then(|| py.None().into_bound(py)))
         }
         b't' | b'f' if kind == BOOL => {
             let v = match text {
@@ -114,12 +120,12 @@ fn value<'py>(py: Python<'py>, kind: u8, raw: &RawValue, exact: &mut ExactMark<'
                 _ => return None,
             };
             json.extend_from_slice(text.as_bytes());
-            Some(PyBool::new(py, v).to_owned().into_any())
+            Some(make.then(|| PyBool::new(py, v).to_owned().into_any()))
         }
         b'"' if kind == TEXT => {
-            let s: Cow<'_, str> = serde_json::from_str(text).ok()?;
+            let s = json_str(text)?;
             push_json_string(json, &s);
-            Some(PyString::new(py, &s).into_any())
+            Some(make.then(|| PyString::new(py, &s).into_any()))
         }
         // A number: an int or float column's text (the tuple converters take it as
         // pgoutput's), or a numeric's, kept as the text it is.
@@ -130,10 +136,154 @@ fn value<'py>(py: Python<'py>, kind: u8, raw: &RawValue, exact: &mut ExactMark<'
             if ((wide || (fraction && kind == TEXT)) && !exact.get()) || (kind == TEXT && (text == "-0" || !plain_number(bytes))) {
                 return None;
             }
-            convert(py, kind, bytes, json)
+            convert_to(py, kind, bytes, json, make)
         }
         _ => None,
     }
+}
+
+/// Where a change's parts vary: between its holes a change of the same shape repeats the
+/// learned one byte for byte.
+#[derive(Clone, Copy)]
+enum Hole {
+    /// `xid`, `timestamp`: read by nobody here, so held to plain ASCII text or a number.
+    Skip,
+    Lsn,
+    /// The value of column `n` of `columns` (`New`) or `identity` (`Old`).
+    New(usize),
+    Old(usize),
+}
+
+/// The shape of a change (one per operation letter), learned from one that serde read and
+/// this path took: its text, and the spans of its holes in order. A change that repeats the
+/// text between the holes and has a JSON scalar in each is the same change as far as this
+/// path reads (same action, table, column signature, identity columns), so it is taken
+/// without a parse; any other goes through serde as before.
+struct Shape {
+    text: Vec<u8>,
+    holes: Vec<(usize, usize, Hole)>,
+}
+
+/// Where one change's parts lie in its payload, as spans.
+#[derive(Default)]
+struct Spans {
+    lsn: (usize, usize),
+    new: Vec<(usize, usize)>,
+    old: Vec<(usize, usize)>,
+}
+
+impl Spans {
+    fn reset(&mut self, new: usize, old: usize) {
+        self.new.clear();
+        self.new.resize(new, (0, 0));
+        self.old.clear();
+        self.old.resize(old, (0, 0));
+    }
+}
+
+/// The span of `raw` within `buf`, which it was borrowed from.
+fn span_in(buf: &[u8], raw: &RawValue) -> (usize, usize) {
+    let start = raw.get().as_ptr() as usize - buf.as_ptr() as usize;
+    (start, start + raw.get().len())
+}
+
+impl Shape {
+    /// The shape of `buf`, whose holes `spans` has (and `skip`: `xid`, `timestamp`).
+    fn learn(buf: &[u8], spans: &Spans, skip: &[(usize, usize)]) -> Self {
+        let mut holes: Vec<(usize, usize, Hole)> = skip.iter().map(|&(a, b)| (a, b, Hole::Skip)).collect();
+        holes.push((spans.lsn.0, spans.lsn.1, Hole::Lsn));
+        holes.extend(spans.new.iter().enumerate().map(|(n, &(a, b))| (a, b, Hole::New(n))));
+        holes.extend(spans.old.iter().enumerate().map(|(n, &(a, b))| (a, b, Hole::Old(n))));
+        holes.sort_unstable_by_key(|h| h.0);
+        Shape { text: buf.to_vec(), holes }
+    }
+
+    /// Whether `buf` has this shape; its holes' spans into `spans` (sized for them already).
+    fn fit(&self, buf: &[u8], spans: &mut Spans) -> bool {
+        let (mut at, mut done) = (0, 0);
+        for &(start, end, hole) in &self.holes {
+            let between = &self.text[done..start];
+            if buf.get(at..at + between.len()) != Some(between) {
+                return false;
+            }
+            at += between.len();
+            let Some((len, plain)) = scan_value(&buf[at..]) else { return false };
+            let span = (at, at + len);
+            match hole {
+                Hole::Skip | Hole::Lsn if !plain => return false,
+                Hole::Skip => {}
+                Hole::Lsn => spans.lsn = span,
+                Hole::New(n) => spans.new[n] = span,
+                Hole::Old(n) => spans.old[n] = span,
+            }
+            at += len;
+            done = end;
+        }
+        buf.get(at..) == Some(&self.text[done..])
+    }
+}
+
+/// The length of the JSON scalar that `buf` starts with (a string, a number, `null`, `true`,
+/// `false`; what serde would take, or else `None`), and whether it is plain: a number, or a
+/// string of printable ASCII without escapes. A string's escapes and UTF-8 are its reader's to
+/// check (serde, when the value is used); raw control characters are refused here.
+fn scan_value(buf: &[u8]) -> Option<(usize, bool)> {
+    match *buf.first()? {
+        b'"' => {
+            let mut plain = true;
+            let mut i = 1;
+            loop {
+                match *buf.get(i)? {
+                    b'"' => return Some((i + 1, plain)),
+                    b'\\' => {
+                        plain = false;
+                        i += 2;
+                    }
+                    b if b < 0x20 => return None,
+                    b => {
+                        plain &= b < 0x7f;
+                        i += 1;
+                    }
+                }
+            }
+        }
+        b'n' if buf.starts_with(b"null") => Some((4, false)),
+        b't' if buf.starts_with(b"true") => Some((4, false)),
+        b'f' if buf.starts_with(b"false") => Some((5, false)),
+        b'-' | b'0'..=b'9' => number_len(buf).map(|n| (n, true)),
+        _ => None,
+    }
+}
+
+/// The length of the JSON number `buf` starts with (JSON's grammar: no leading zeros, no
+/// bare dot), `None` if it starts with none.
+fn number_len(buf: &[u8]) -> Option<usize> {
+    let digits = |from: usize| buf[from..].iter().take_while(|b| b.is_ascii_digit()).count();
+    let mut i = usize::from(buf.first() == Some(&b'-'));
+    match buf.get(i)? {
+        b'0' => i += 1,
+        b'1'..=b'9' => i += digits(i),
+        _ => return None,
+    }
+    if buf.get(i) == Some(&b'.') {
+        let n = digits(i + 1);
+        if n == 0 {
+            return None;
+        }
+        i += 1 + n;
+    }
+    if matches!(buf.get(i), Some(b'e' | b'E')) {
+        i += 1;
+        if matches!(buf.get(i), Some(b'+' | b'-')) {
+            i += 1;
+        }
+        let n = digits(i);
+        if n == 0 {
+            return None;
+        }
+        i += n;
+    }
+    Some(i)
 }
 
 /// Whether `identity` is the relation's key as the caller's slow path reads it: its columns
@@ -152,9 +302,10 @@ fn is_key(identity: &[Column<'_>], key: &[usize], signature: &[Signature]) -> bo
 /// the caller gives the relation's `key` (its replica identity's column indexes) and
 /// `change_parts`. `kinds`: a letter per column. The run stops before the first message that
 /// is something else or that the slow path must decide (an update without some column: an
-/// unchanged TOAST value; an identity that is not exactly the key).
+/// unchanged TOAST value; an identity that is not exactly the key). Without `rows` the new and
+/// old rows' lists stay empty, as `encode_changes`' do.
 #[pyfunction]
-#[pyo3(signature = (messages, start, schema, table, signature, kinds, parts, key_parts, seq, limit, key=None, change_parts=None))]
+#[pyo3(signature = (messages, start, schema, table, signature, kinds, parts, key_parts, seq, limit, key=None, change_parts=None, rows=true))]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn encode_wal2json_changes<'py>(
     py: Python<'py>,
@@ -170,67 +321,67 @@ pub(crate) fn encode_wal2json_changes<'py>(
     limit: usize,
     key: Option<Vec<usize>>,
     change_parts: Option<ChangeParts<'py>>,
+    rows: bool,
 ) -> PyResult<ChangeRun<'py>> {
     let mut run = RunBuilder::new(py);
+    run.images = rows;
     let changes = change_args(&key, &change_parts, kinds.len());
     if signature.len() == kinds.len() {
         let mut value_json: Vec<u8> = Vec::new();
+        let mut spans = Spans::default();
+        let mut shapes: [Option<Shape>; 3] = [None, None, None]; // I, U, D
         let messages = MessageSource::of(messages)?;
         for i in start..messages.len().min(start.saturating_add(limit)) {
             let (_, payload) = messages.get(i)?;
             let buf = payload.bytes();
-            let op = match buf.get(..13) {
-                Some(b"{\"action\":\"I\"") => b'I',
-                Some(b"{\"action\":\"U\"") if changes.is_some() => b'U',
-                Some(b"{\"action\":\"D\"") if changes.is_some() => b'D',
+            let (op, slot) = match buf.get(..13) {
+                Some(b"{\"action\":\"I\"") => (b'I', 0),
+                Some(b"{\"action\":\"U\"") if changes.is_some() => (b'U', 1),
+                Some(b"{\"action\":\"D\"") if changes.is_some() => (b'D', 2),
                 _ => break,
             };
-            let Ok(change) = serde_json::from_slice::<Change<'_>>(buf) else { break };
-            if change.action.as_bytes() != [op] || change.schema != schema || change.table != table {
-                break;
-            }
-            let whole = change.columns.len() == signature.len()
-                && change.columns.iter().zip(&signature).all(|(c, s)| {
-                    c.name == s.0.as_str() && c.typeoid == s.1 && c.declared.as_deref() == s.2.as_deref() && c.optional == s.3
-                });
-            if !(if op == b'D' { change.columns.is_empty() } else { whole }) {
-                break;
-            }
-            let identity = match (op, changes, &change.identity) {
-                (b'I', _, None) => None,
-                (b'U' | b'D', Some((k, cp)), Some(ident)) if is_key(ident, k, &signature) => Some((k, cp, ident)),
+            let identity = match (op, changes) {
+                (b'I', _) => None,
+                (_, Some(kc)) => Some(kc),
                 _ => break,
             };
-            let Some(lsn) = parse_lsn(&change.lsn) else { break };
+            spans.reset(if op == b'D' { 0 } else { kinds.len() }, identity.map_or(0, |(k, _)| k.len()));
+            if !shapes[slot].as_ref().is_some_and(|shape| shape.fit(buf, &mut spans)) {
+                let Some(shape) = read_change(buf, op, schema, table, &signature, identity.map(|(k, _)| k), &mut spans) else { break };
+                shapes[slot] = Some(shape);
+            }
+            let Some(lsn) = text_at(buf, spans.lsn).and_then(json_str).and_then(|t| parse_lsn(&t)) else { break };
             let mut exact = ExactMark { buf, found: None };
             let event_seq = seq + (i - start) as u64;
             value_json.clear();
             let tail = match identity {
                 None => parts.2.as_bytes(),
-                Some((_, cp, _)) => if op == b'U' { cp.0.as_bytes() } else { cp.1.as_bytes() },
+                Some((_, cp)) => if op == b'U' { cp.0.as_bytes() } else { cp.1.as_bytes() },
             };
             push_event_head_with(&mut value_json, &parts, tail, lsn, event_seq);
             let mut row: Option<Vec<Bound<'py, PyAny>>> = None;
             if op != b'D' {
-                let mut new = Vec::with_capacity(kinds.len());
-                if !push_values(py, change.columns.iter().zip(kinds.iter().copied()), &mut exact, &mut value_json, &mut new) {
+                let mut new = Vec::with_capacity(if rows { kinds.len() } else { 0 });
+                if !push_values(py, buf, spans.new.iter().copied().zip(kinds.iter().copied()), &mut exact, &mut value_json, &mut new, rows) {
                     break;
                 }
                 row = Some(new);
             }
             let mut old: Option<Vec<Bound<'py, PyAny>>> = None;
-            if let Some((k, cp, ident)) = identity {
+            if let Some((k, cp)) = identity {
                 value_json.extend_from_slice(cp.2.as_bytes());
-                let mut key_values = Vec::with_capacity(k.len());
-                if !push_values(py, ident.iter().zip(k.iter().map(|&c| kinds[c])), &mut exact, &mut value_json, &mut key_values) {
+                let mut key_values = Vec::with_capacity(if rows { k.len() } else { 0 });
+                if !push_values(py, buf, spans.old.iter().copied().zip(k.iter().map(|&c| kinds[c])), &mut exact, &mut value_json, &mut key_values, rows) {
                     break;
                 }
                 value_json.extend_from_slice(cp.3.as_bytes());
-                let mut whole_old: Vec<Bound<'py, PyAny>> = (0..kinds.len()).map(|_| py.None().into_bound(py)).collect();
-                for (&c, v) in k.iter().zip(key_values) {
-                    whole_old[c] = v;
+                if rows {
+                    let mut whole_old: Vec<Bound<'py, PyAny>> = (0..kinds.len()).map(|_| py.None().into_bound(py)).collect();
+                    for (&c, v) in k.iter().zip(key_values) {
+                        whole_old[c] = v;
+                    }
+                    old = Some(whole_old);
                 }
-                old = Some(whole_old);
             }
             value_json.extend_from_slice(parts.3.as_bytes());
             run.push(&key_parts, event_seq, op, &value_json, row, old)?;
@@ -239,22 +390,74 @@ pub(crate) fn encode_wal2json_changes<'py>(
     run.finish()
 }
 
-/// The columns' values as a JSON array appended to `json`, each converted to `out` as the
-/// slow path converts it (`kinds` beside them); false when one is the slow path's to decide.
-fn push_values<'a, 'py>(
+/// A change read by serde, when it is one this path takes (operation `op` of `schema`.`table`,
+/// every column with `signature`, an identity that is exactly `key`): its parts' spans into
+/// `spans` (sized for them), and its shape, for the next ones.
+fn read_change(
+    buf: &[u8], op: u8, schema: &str, table: &str, signature: &[Signature], key: Option<&[usize]>, spans: &mut Spans,
+) -> Option<Shape> {
+    let change = serde_json::from_slice::<Change<'_>>(buf).ok()?;
+    if change.action.as_bytes() != [op] || change.schema != schema || change.table != table {
+        return None;
+    }
+    let whole = change.columns.len() == signature.len()
+        && change.columns.iter().zip(signature).all(|(c, s)| {
+            c.name == s.0.as_str() && c.typeoid == s.1 && c.declared.as_deref() == s.2.as_deref() && c.optional == s.3
+        });
+    if !(if op == b'D' { change.columns.is_empty() } else { whole }) {
+        return None;
+    }
+    match (key, &change.identity) {
+        (None, None) => {}
+        (Some(k), Some(ident)) if is_key(ident, k, signature) => {
+            for (n, c) in ident.iter().enumerate() {
+                spans.old[n] = span_in(buf, c.value);
+            }
+        }
+        _ => return None,
+    }
+    for (n, c) in change.columns.iter().enumerate() {
+        spans.new[n] = span_in(buf, c.value);
+    }
+    spans.lsn = span_in(buf, change.lsn);
+    let skip: Vec<(usize, usize)> = [change.xid, change.timestamp].into_iter().flatten().map(|r| span_in(buf, r)).collect();
+    Some(Shape::learn(buf, spans, &skip))
+}
+
+/// The JSON text at `span` of `buf`.
+fn text_at(buf: &[u8], span: (usize, usize)) -> Option<&str> {
+    std::str::from_utf8(buf.get(span.0..span.1)?).ok()
+}
+
+/// A JSON string's value: its text between the quotes when it has no escape, else serde's.
+fn json_str(text: &str) -> Option<Cow<'_, str>> {
+    match text.strip_prefix('"').and_then(|t| t.strip_suffix('"')) {
+        Some(inner) if !inner.contains(['\\', '"']) => Some(Cow::Borrowed(inner)),
+        _ => serde_json::from_str(text).ok(),
+    }
+}
+
+/// The values at `columns`' spans of `buf` as a JSON array appended to `json`, each converted
+/// to `out` (when `make`) as the slow path converts it (`kinds` beside them); false when one is
+/// the slow path's to decide.
+fn push_values<'py>(
     py: Python<'py>,
-    columns: impl Iterator<Item = (&'a Column<'a>, u8)>,
+    buf: &[u8],
+    columns: impl Iterator<Item = ((usize, usize), u8)>,
     exact: &mut ExactMark<'_>,
     json: &mut Vec<u8>,
     out: &mut Vec<Bound<'py, PyAny>>,
+    make: bool,
 ) -> bool {
     json.push(b'[');
-    for (n, (c, kind)) in columns.enumerate() {
+    for (n, (span, kind)) in columns.enumerate() {
         if n > 0 {
             json.push(b',');
         }
-        match value(py, kind, c.value, exact, json) {
-            Some(v) => out.push(v),
+        let Some(text) = text_at(buf, span) else { return false };
+        match value(py, kind, text, exact, json, make) {
+            Some(Some(v)) => out.push(v),
+            Some(None) => {}
             None => return false,
         }
     }

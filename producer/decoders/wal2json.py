@@ -13,6 +13,7 @@ import json
 import logging
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
+from functools import partial
 from typing import Any
 
 import orjson
@@ -259,13 +260,12 @@ class Wal2jsonDecoder:
                 # Natively: changes like the last whole row (same table, same columns).
                 schema, table, signature, rel, ident = hot
                 enc = self.encoder
-                run = changes(
-                    messages, i - 1, schema, table, signature, rel.kinds, enc.insert_parts(rel), enc.key_parts(), enc.seq,
-                    _CHANGE_RUN, ident, None if ident is None else enc.change_parts(rel),
-                )
+                args = (messages, i - 1, schema, table, signature, rel.kinds, enc.insert_parts(rel), enc.key_parts(), enc.seq,
+                        _CHANGE_RUN, ident, None if ident is None else enc.change_parts(rel))
+                run = changes(*args, False)  # the rows only if somebody looks (ChangeRun.images)
                 if run[0]:
                     i += len(run[0]) - 1
-                    got = enc.changed_run(rel, run)
+                    got = enc.changed_run(rel, run, partial(changes, *args, True))
                     for op, n in got.counts().items():
                         counted = (rel.qualified, op)
                         self._counts[counted] = self._counts.get(counted, 0) + n

@@ -85,7 +85,13 @@ def streams(draw: st.DrawFn) -> tuple[StaticCatalog, list[tuple[int, bytes]]]:
     for n in range(draw(st.integers(1, 12))):  # runs of inserts go through the native path in one call
         op = draw(st.sampled_from("IIIIUUUDDX"))
         lsn = f'"lsn":"0/{0x900 + n:X}"'.encode()
-        head = b'{"action":"' + (b"I" if op == "X" else op.encode()) + b'","xid":42,' + lsn + b',"schema":"s","table":"t",'
+        # A run's changes of one shape are taken without a parse (their text between the parts
+        # that vary repeated): parts that vary here, and now and then a change of another shape.
+        xid = draw(st.sampled_from([b"42", b"42", b"43", b"4294967295"]))
+        stamp = draw(st.sampled_from([b"", b"", b'"timestamp":"2026-01-01 00:00:00.5+00",',
+                                      b'"timestamp":"2026-01-01 00:00:01+00",', b'"timestamp":"\\u00322026",']))
+        head = (b'{"action":"' + (b"I" if op == "X" else op.encode()) + b'","xid":' + xid + b"," + stamp + lsn
+                + b',"schema":"s","table":"t",')
         if op in ("I", "X"):
             msg = head + row(op)
             if op == "X":  # another signature: a declared type changed, or another table
@@ -97,6 +103,11 @@ def streams(draw: st.DrawFn) -> tuple[StaticCatalog, list[tuple[int, bytes]]]:
         else:
             msg = head + identity()
         msg += b"}"
+        if draw(st.integers(0, 10)) == 0:  # the same change, spelled otherwise
+            spelled = draw(st.sampled_from([(b'"lsn":"0/', b'"lsn":"0\\/'), (b',"value":', b',"value": '),
+                                            (b'"xid":', b'"xid":null,"xid":'), (b'"xid":' + xid, b'"xid":"' + xid + b'"'),
+                                            (b'"value":', b'"value":"\\u0000",  "value":'), (b"}", b"} ")]))
+            msg = msg.replace(*spelled, 1)
         if draw(st.integers(0, 24)) == 0:  # damaged: cut short
             msg = msg[: draw(st.integers(1, len(msg)))]
         msgs.append(msg)
@@ -134,7 +145,8 @@ def test_a_run_of_plain_inserts_goes_natively_in_one_item() -> None:
     items = list(Wal2jsonDecoder(catalog, CaptureFilter()).decode([(0, m) for m in msgs]))
     assert [type(i).__name__ for i in items] == ["TxnBegin", "EncodedEvent", "ChangeRun"]
     run = items[2]
-    assert isinstance(run, ChangeRun) and run.rows == [[i, f"n\u00e4{i}"] for i in range(1, 5)]
+    assert isinstance(run, ChangeRun) and run.rows is None  # made only when somebody looks
+    assert run.images()[0] == [[i, f"n\u00e4{i}"] for i in range(1, 5)]
     assert [orjson.loads(v)["seq"] for v in run.values] == [1, 2, 3, 4]
 
 
@@ -163,7 +175,41 @@ def test_a_transaction_of_updates_and_deletes_goes_natively() -> None:
     assert [type(i).__name__ for i in items] == ["TxnBegin", "EncodedEvent", "ChangeRun", "TxnEnd"]
     run = items[2]
     assert isinstance(run, ChangeRun) and run.operations == b"UUUDUD"
-    assert run.rows[3] is None and run.olds is not None and run.olds[3] == [4, None]
+    rows, olds = run.images()
+    assert rows[3] is None and olds[3] == [4, None]
+    assert outcome(True, catalog, stream) == outcome(False, catalog, stream)
+
+
+@pytest.mark.parametrize(("other", "taken"), [
+    ((b'"table":"t"', b'"table":"u"'), False),  # another table, its name as long
+    ((b'"optional":true', b'"optional":null'), False),  # another signature
+    ((b'"type":"text"', b'"type":"name"'), False),
+    ((b'"name":"b"', b'"name":"c"'), False),
+    ((b'"value":"', b'"value": "'), True),  # the same change, spelled otherwise: serde reads it
+    ((b'"lsn":"0/', b'"lsn":"0\\/'), True),
+    ((b'"xid":42', b'"xid":"42"'), True),
+])
+def test_only_changes_of_the_learned_shape_are_taken_without_a_parse(other: tuple[bytes, bytes], taken: bool) -> None:
+    """After its first change a native run takes those that repeat its text between the parts
+    that vary (values, lsn, xid, timestamp) without parsing them: a change that differs
+    anywhere else, even by as many bytes, is read by serde (and decided by the slow path)."""
+    if encode_wal2json_changes() is None:
+        return
+    info = TableInfo("s", "t", ("a", "b"), (23, 25), ("a",), "d", ("a",))
+    catalog = StaticCatalog.of({23: "int4", 25: "text", 19: "name"}, info)
+
+    def insert(i: int, text: str) -> bytes:
+        return (b'{"action":"I","xid":42,"timestamp":"2026-01-01 00:00:00+00","lsn":"0/%X","schema":"s","table":"t","columns":[%s,%s]}'
+                % (0x900 + i, _column("a", "int4", False, b"%d" % i), _column("b", "text", True, orjson.dumps(text))))
+
+    msgs = [b'{"action":"B","xid":42,"timestamp":"2026-01-01 00:00:00+00","lsn":"0/900","nextlsn":"0/930"}']
+    msgs += [insert(i, f"v\u00e4\"{i}") for i in range(4)]
+    msgs.append(insert(4, "x").replace(*other, 1))
+    msgs.append(b'{"action":"C","xid":42,"timestamp":"2026-01-01 00:00:00+00","lsn":"0/930","nextlsn":"0/960"}')
+    stream = [(0, m) for m in msgs]
+    items = list(Wal2jsonDecoder(catalog, CaptureFilter()).decode(stream))
+    runs = [i for i in items if isinstance(i, ChangeRun)]
+    assert [len(r.keys) for r in runs] == [4 if taken else 3]  # the first insert is Python's
     assert outcome(True, catalog, stream) == outcome(False, catalog, stream)
 
 
