@@ -33,7 +33,9 @@ def raw_value(typname: str) -> st.SearchStrategy[bytes]:
     """A column value as wal2json prints it (numbers and booleans bare, the rest quoted), now
     and then one it would not print."""
     odd = st.sampled_from([b'"7"', b"7.0", b"-0", b"1e5", b"1E+400", b"99999999999999999999999", b"true", b"[1]",
-                           b'"\\ud800"', b'"\xff"', b"00", b"-", b"1.", b".5", b"null"])
+                           b'"\\ud800"', b'"\xff"', b"00", b"-", b"1.", b".5", b"null",
+                           # escapes other than the ones the events' JSON writes for the same characters
+                           b'"a\\/b"', b'"\\u00e4\\""', b'"\\u001F"', b'"\\u001f\\\\"', b'"\\u0008"', b'"x\\u000a"'])
     usual: st.SearchStrategy[bytes]
     if typname in ("int2", "int4", "int8", "oid"):
         usual = st.integers(-(2**63), 2**63 - 1).map(lambda i: str(i).encode())
@@ -210,6 +212,26 @@ def test_only_changes_of_the_learned_shape_are_taken_without_a_parse(other: tupl
     items = list(Wal2jsonDecoder(catalog, CaptureFilter()).decode(stream))
     runs = [i for i in items if isinstance(i, ChangeRun)]
     assert [len(r.keys) for r in runs] == [4 if taken else 3]  # the first insert is Python's
+    assert outcome(True, catalog, stream) == outcome(False, catalog, stream)
+
+
+@pytest.mark.parametrize("escaped", [b'"a\\/b"', b'"\\u00e4"', b'"\\u001F"', b'"\\u001f"', b'"\\u0008"', b'"\\u000a"',
+                                     b'"\\"\\\\\\n\\t\\b\\f\\r\\u0001"', b'"\\ud83d\\ude00"', b'"plain \xc3\xa4"'])
+def test_a_runs_escaped_text_is_written_as_the_events_json_writes_it(escaped: bytes) -> None:
+    """A text value whose escapes are the ones the events' JSON writes is copied as it is; any
+    other spelling of the same characters (``\\/``, ``\\u00e4``, upper-case hex, a short form
+    written long) is decoded and written again: the same bytes as pure Python either way."""
+    if encode_wal2json_changes() is None:
+        return
+    info = TableInfo("s", "t", ("a", "b"), (23, 25), ("a",), "d", ("a",))
+    catalog = StaticCatalog.of({23: "int4", 25: "text"}, info)
+    msgs = [b'{"action":"B","xid":42,"timestamp":"2026-01-01 00:00:00+00","lsn":"0/900","nextlsn":"0/930"}']
+    msgs += [b'{"action":"I","xid":42,"lsn":"0/%X","schema":"s","table":"t","columns":[%s,%s]}'
+             % (0x900 + i, _column("a", "int4", False, b"%d" % i), _column("b", "text", True, escaped)) for i in range(4)]
+    msgs.append(b'{"action":"C","xid":42,"timestamp":"2026-01-01 00:00:00+00","lsn":"0/930","nextlsn":"0/960"}')
+    stream = [(0, m) for m in msgs]
+    items = list(Wal2jsonDecoder(catalog, CaptureFilter()).decode(stream))
+    assert [len(i.keys) for i in items if isinstance(i, ChangeRun)] == [3]
     assert outcome(True, catalog, stream) == outcome(False, catalog, stream)
 
 
