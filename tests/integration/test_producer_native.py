@@ -47,6 +47,14 @@ def write_changes(dsn: str) -> None:
         conn.execute("UPDATE plain SET big = 'changed ' || id WHERE id BETWEEN 30 AND 40")  # every column
         conn.execute("UPDATE plain SET id = id + 2000 WHERE id BETWEEN 50 AND 55")  # the key changes
         conn.commit()
+        # DDL inside a transaction, several rows of each version: a run's shape changes with it
+        conn.execute("INSERT INTO plain SELECT g, 'before ' || g FROM generate_series(600, 605) g")
+        conn.execute("ALTER TABLE plain ADD COLUMN extra numeric(10,2)")
+        conn.execute("INSERT INTO plain SELECT g, 'added ' || g, g / 4.0 FROM generate_series(606, 611) g")
+        conn.execute("ALTER TABLE plain ALTER COLUMN extra TYPE numeric(12,4)")
+        conn.execute("INSERT INTO plain SELECT g, 'retyped \"x\" ' || g, g / 4.0 FROM generate_series(612, 617) g")
+        conn.execute("UPDATE plain SET extra = -extra WHERE id >= 606")
+        conn.commit()
 
 
 def tail(log: Path) -> str:
@@ -96,6 +104,6 @@ async def test_native_and_pure_python_producers_write_the_same_records(
     records = {native: await drain(pg_dsn, kafka_bootstrap, slot, f"{unique_name}.{native}", end, native=native, plugin=plugin,
                                       log=tmp_path / f"producer-{native}.log")
                for native, slot in slots.items()}
-    assert len(records["pure"]) == 8 + 500 + 3 + 4 + 2 + 11 + 11 + 6, [v for _, v in records["pure"]][:3]
+    assert len(records["pure"]) == 8 + 500 + 3 + 4 + 2 + 11 + 11 + 6 + 18 + 21, [v for _, v in records["pure"]][:3]
     assert records["native"] == records["pure"]
     assert records["native-lz4"] == records["pure"]
