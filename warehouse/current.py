@@ -27,12 +27,21 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
-from pyspark.sql import Column, DataFrame, SparkSession
+from pyspark.sql import Column, DataFrame, Observation, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql.types import BooleanType, StructField
 
+from warehouse import frame
 from warehouse.frame import DELETED, META_FIELDS, POSITION, prev_name
-from warehouse.schema import SourceColumn, qcol, quote, sql_string, table_properties
+from warehouse.schema import (
+    NewTable,
+    SourceColumn,
+    create_table,
+    qcol,
+    quote,
+    sql_string,
+    table_properties,
+)
 from warehouse.txn import (
     HighWater,
     Txn,
@@ -88,10 +97,13 @@ def _after(position: tuple[int, int] | None) -> Column:
     return (F.col(lsn) > F.lit(position[0])) | ((F.col(lsn) == F.lit(position[0])) & (F.col(seq) > F.lit(position[1])))
 
 
-def latest_actions(rows: DataFrame, pk: Sequence[str], columns: Sequence[SourceColumn]) -> DataFrame:
+def latest_actions(
+    rows: DataFrame, pk: Sequence[str], columns: Sequence[SourceColumn], *, one_task: bool = False
+) -> DataFrame:
     """The last action per key in this load: an upsert or a tombstone.
 
     An update that changed the key also tombstones its old key, at the same position.
+    ``one_task``: found in one task (a single partition needs no shuffle: a Spark job fewer).
     """
     meta = [f.name for f in META_FIELDS]
     source = [c.name for c in columns]
@@ -104,6 +116,8 @@ def latest_actions(rows: DataFrame, pk: Sequence[str], columns: Sequence[SourceC
         F.lit(True).alias(DELETED),
     )
     actions = upserts.unionByName(moved).where(" AND ".join(f"{quote(k)} IS NOT NULL" for k in pk))
+    if one_task:
+        actions = actions.coalesce(1)  # after the union: its two inputs would be two partitions
     others = [c for c in actions.columns if c not in pk]
     latest = actions.groupBy(*[qcol(k) for k in pk]).agg(
         F.max_by(F.struct(*[qcol(c) for c in others]), F.struct(*[F.col(c) for c in POSITION])).alias("a")
@@ -111,13 +125,20 @@ def latest_actions(rows: DataFrame, pk: Sequence[str], columns: Sequence[SourceC
     return latest.select(*[qcol(k) for k in pk], *[F.col("a")[c].alias(c) for c in others])
 
 
-def _source_stats(source: DataFrame, first_key: str) -> tuple[tuple[Any, Any] | None, int]:
-    """(key range of the first key column if orderable, number of tombstones) in one job."""
-    row = source.agg(
-        F.min(qcol(first_key)).alias("lo"), F.max(qcol(first_key)).alias("hi"), F.count_if(F.col(DELETED)).alias("d")
-    ).first()
-    if row is None:
-        return None, 0
+def _observed_stats(source: DataFrame, first_key: str) -> tuple[DataFrame, Observation]:
+    """``source`` with its first key column's range and its tombstones counted as it is
+    computed (:func:`_source_stats` reads them after its first action): no job of their own,
+    where an aggregate over the checkpointed source was one or two a table on every load."""
+    stats = Observation()
+    return source.observe(
+        stats,
+        F.min(qcol(first_key)).alias("lo"), F.max(qcol(first_key)).alias("hi"), F.count_if(F.col(DELETED)).alias("d"),
+    ), stats
+
+
+def _source_stats(source: DataFrame, stats: Observation, first_key: str) -> tuple[tuple[Any, Any] | None, int]:
+    """(key range of the first key column if orderable, number of tombstones)."""
+    row = stats.get
     key_type = source.schema[first_key].dataType.simpleString()
     orderable = key_type in _ORDERABLE_KEY_TYPES or key_type.startswith("decimal")
     bounds = (row["lo"], row["hi"]) if orderable and row["lo"] is not None else None
@@ -132,7 +153,12 @@ def merge_current(
     columns: Sequence[SourceColumn],
     txn: Txn,
     truncate: tuple[int, int] | None,
+    new_table: NewTable | None = None,
+    events: int | None = None,
 ) -> CurrentResult:
+    """Apply the load's latest action per key (``new_table``: the table does not exist yet;
+    this load's write creates it; ``events``: how many rows ``rows`` holds at most, when the
+    caller knows)."""
     from delta.tables import DeltaTable
 
     key_mark: dict[str, str] = {}
@@ -141,14 +167,17 @@ def merge_current(
         skipped = True
     else:
         skipped = False
-        floor = truncated_at(table_properties(spark, path))
+        floor = None if new_table is not None else truncated_at(table_properties(spark, path))
         if truncate is not None and (floor is None or truncate > floor):
             floor = truncate
-        source = latest_actions(rows.where(_after(floor)), pk, columns).localCheckpoint()
+        one_task = events is not None and events <= frame.ONE_TASK_ROWS
+        latest = latest_actions(rows.where(_after(floor)), pk, columns, one_task=one_task)
+        observed, stats = _observed_stats(latest, pk[0])
+        source = observed.localCheckpoint()
         cond: Column = F.lit(True)
         for k in pk:
             cond = cond & (F.col(f"t.{quote(k)}") == F.col(f"s.{quote(k)}"))
-        bounds, deleted = _source_stats(source, pk[0])
+        bounds, deleted = _source_stats(source, stats, pk[0])
         if bounds is not None:
             # a target-only predicate: Delta prunes the files outside the load's key range
             cond = cond & F.col(f"t.{quote(pk[0])}").between(F.lit(bounds[0]), F.lit(bounds[1]))
@@ -156,9 +185,14 @@ def merge_current(
         all_cols = [*meta_names, *[c.name for c in columns], DELETED]
         tombstone_set: dict[str, str | Column] = {quote(c): f"s.{quote(c)}" for c in [*meta_names, DELETED]}
         full_set: dict[str, str | Column] = {quote(c): f"s.{quote(c)}" for c in all_cols}
-        key_mark, past_the_end = _key_high_water(spark, path, source, pk[0], bounds)
+        key_mark, past_the_end = _key_high_water(spark, path, source, pk[0], bounds, new=new_table is not None)
+        if new_table is not None:
+            # the table's first write creates it: every source row is an insert
+            create_table(spark, path, source, new_table, txn, key_mark)
+            inserted = int(last_commit_metrics(spark, path).get("numOutputRows", 0))
+            updated = 0
         # an integer key's mark already says whether the table has rows: no second log read
-        if past_the_end or (not key_mark and never_written(spark, path)):
+        elif past_the_end or (not key_mark and never_written(spark, path)):
             # No row to match (a table's first load, or keys past every key it holds): every
             # source row is the MERGE's insert, so an append writes the same rows without the
             # MERGE's join jobs (~1 s a table).
@@ -195,17 +229,19 @@ def merge_current(
 
 
 def _key_high_water(
-    spark: SparkSession, path: str, source: DataFrame, first_key: str, bounds: tuple[Any, Any] | None
+    spark: SparkSession, path: str, source: DataFrame, first_key: str, bounds: tuple[Any, Any] | None,
+    *, new: bool = False,
 ) -> tuple[dict[str, str], bool]:
     """(the mark this load's write notes, whether every source key lies past the table's
     highest), for an integer first key column; ({}, False) for any other key.
 
     The table's highest first key comes from its latest walbus commit's mark, or from its data
     (a Spark job) after a commit that added rows without one: another writer's, or an older
-    walbus'. A foreign DELETE only lowers the real highest key, so the mark stays a bound."""
+    walbus'. A foreign DELETE only lowers the real highest key, so the mark stays a bound.
+    ``new``: the table does not exist yet (it holds no key)."""
     if bounds is None or source.schema[first_key].dataType.simpleString() not in _INTEGER_KEY_TYPES:
         return {}, False
-    mark: HighWater = high_water(spark, path, KEY_HIGH_WATER_KEY)
+    mark: HighWater = HighWater(True, None) if new else high_water(spark, path, KEY_HIGH_WATER_KEY)
     top = mark.value if mark.known else _max_key(spark, path, first_key)
     low, high = int(bounds[0]), int(bounds[1])
     return {KEY_HIGH_WATER_KEY: str(high if top is None else max(top, high))}, top is None or low > top

@@ -53,6 +53,10 @@ META_FIELDS: Final = (
     StructField("pg_raw_values", MapType(StringType(), StringType(), True), True),
 )
 META_NAMES: Final = frozenset(f.name for f in META_FIELDS)
+# A table's load of at most this many events is handled in one task: its history rows are
+# de-duplicated and sorted, and its latest action per key found, with no shuffle before
+# (each a Spark job of its own), and its history append is one sorted file.
+ONE_TASK_ROWS: Final = 200_000
 DELETED: Final = "_walbus_deleted"  # tombstone flag of the current table
 POSITION: Final = ("pg_commit_lsn", "pg_seq")
 PREV_PREFIX: Final = "_walbus_prev_"  # the row's key before the event (history, and within a load)

@@ -10,13 +10,14 @@ the load starts past the table's highest commit LSN, which each append notes in 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any
 
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
+from warehouse import frame
 from warehouse.frame import POSITION, table_columns
-from warehouse.schema import SourceColumn
+from warehouse.schema import NewTable, SourceColumn, create_table
 from warehouse.txn import (
     HIGH_WATER_KEY,
     Txn,
@@ -24,9 +25,6 @@ from warehouse.txn import (
     last_commit_metrics,
     table_version,
 )
-
-# A table's load of at most this many rows is written as one sorted file, not range-partitioned.
-ONE_FILE_ROWS: Final = 200_000
 
 
 @dataclass(frozen=True)
@@ -37,25 +35,35 @@ class HistoryResult:
 
 def write_history(
     spark: SparkSession, path: str, rows: DataFrame, columns: list[SourceColumn], pk: list[str], txn: Txn,
-    lsn_range: tuple[Any, Any] | None = None, events: int | None = None,
+    lsn_range: tuple[Any, Any] | None = None, events: int | None = None, new_table: NewTable | None = None,
 ) -> HistoryResult:
     """Append the load's new events; with a primary key each row keeps the key it had before
     the event (``_walbus_prev_<key>``), so a key-changing update says which row it moved.
     ``lsn_range``: the lowest and highest commit LSN of ``rows`` when the caller knows them
     (the load's per-table summary does: one Spark job a table fewer). ``events``: how many
-    rows ``rows`` holds at most, when the caller knows (a small load is written as one file)."""
+    rows ``rows`` holds at most, when the caller knows (a small load is written as one file).
+    ``new_table``: the table does not exist yet; this write creates it."""
     if txn.applied(spark, path):
         return HistoryResult(0, True)
-    rows = rows.select(*table_columns(columns, pk)).dropDuplicates(list(POSITION))
+    one_file = events is not None and events <= frame.ONE_TASK_ROWS
+    rows = rows.select(*table_columns(columns, pk))
+    if one_file:
+        # One task de-duplicates and sorts it: a single partition satisfies the
+        # de-duplication's distribution, so no shuffle (a Spark job of its own) comes first.
+        rows = rows.coalesce(1)
+    rows = rows.dropDuplicates(list(POSITION))
     if lsn_range is None:
         bounds = rows.agg(F.min("pg_commit_lsn").alias("lo"), F.max("pg_commit_lsn").alias("hi")).first()
         lsn_range = (None, None) if bounds is None else (bounds["lo"], bounds["hi"])
     lo, hi = lsn_range
     if lo is None or hi is None:
         return HistoryResult(0, False)
-    table = spark.read.format("delta").load(path)
-    mark = history_high_water(spark, path)
-    high = mark.value if mark.known else _max_lsn(table)  # the data decides: ~1 s, after foreign commits
+    if new_table is not None:
+        high = None
+    else:
+        table = spark.read.format("delta").load(path)
+        mark = history_high_water(spark, path)
+        high = mark.value if mark.known else _max_lsn(table)  # the data decides: ~1 s, after foreign commits
     if high is None or high < int(lo):
         # Every row of this load is past the table's last position: nothing to de-duplicate
         # against (the anti-join's read and join cost ~1 s a table, most loads never need it).
@@ -63,13 +71,16 @@ def write_history(
     else:
         existing = table.where(F.col("pg_commit_lsn").between(lo, hi)).select(*POSITION)
         fresh = rows.join(existing, list(POSITION), "left_anti")
-    if events is not None and events <= ONE_FILE_ROWS:
+    if one_file:
         # One task sorts it: a global orderBy first samples its input for the range
         # boundaries, a second run of the whole plan (~0.5 s a table for a few thousand rows).
         fresh = fresh.coalesce(1).sortWithinPartitions(*POSITION)
     else:
         fresh = fresh.orderBy(*POSITION)
     high = int(hi) if high is None else max(high, int(hi))
+    if new_table is not None:
+        create_table(spark, path, fresh, new_table, txn, {HIGH_WATER_KEY: str(high)})
+        return HistoryResult(int(last_commit_metrics(spark, path).get("numOutputRows", 0)), False)
     before = table_version(spark, path)
     (
         fresh.write.format("delta")

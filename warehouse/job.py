@@ -441,9 +441,11 @@ def _load_table(
         if missing:
             raise SchemaChangeError(f"{table}: primary-key column(s) {missing} missing from the events")
     history_meta = [*META_FIELDS, *prev_fields(schema_plan.columns, pk)]
-    ensure_table(spark, paths.history, history_meta, schema_plan, HISTORY_PROPERTIES)
+    # a table that does not exist yet is created by its first write (one commit, not two)
+    new_history = ensure_table(spark, paths.history, history_meta, schema_plan, HISTORY_PROPERTIES)
+    new_current = None
     if pk:
-        ensure_table(
+        new_current = ensure_table(
             spark,
             paths.current,
             [*META_FIELDS, *CURRENT_EXTRA_FIELDS],
@@ -456,12 +458,13 @@ def _load_table(
     known = {c.name for c in columns}
     unchanged = [c for c in (meta["unchanged"] or []) if c in known and c not in pk]
     if pk and unchanged:
-        rows = resolve_unchanged(spark, rows, pk, unchanged, paths.current)
+        rows = resolve_unchanged(spark, rows, pk, unchanged, paths.current if new_current is None else None)
     rows = rows.persist(StorageLevel.MEMORY_AND_DISK)
     try:
         started = time.monotonic()
         history = write_history(
-            spark, paths.history, rows, columns, pk, txn, (meta["lsn_lo"], meta["lsn_hi"]), int(meta["events"])
+            spark, paths.history, rows, columns, pk, txn, (meta["lsn_lo"], meta["lsn_hi"]), int(meta["events"]),
+            new_history,
         )
         summary.timed("history", started)
         summary.history_rows += history.written
@@ -470,7 +473,9 @@ def _load_table(
             truncate = meta["truncate"]
             position = (int(truncate["commit_lsn"]), int(truncate["seq"])) if truncate is not None else None
             started = time.monotonic()
-            current = merge_current(spark, paths.current, rows, pk, columns, txn, position)
+            current = merge_current(
+                spark, paths.current, rows, pk, columns, txn, position, new_current, int(meta["events"])
+            )
             summary.timed("current", started)
             summary.inserted += current.inserted
             summary.updated += current.updated

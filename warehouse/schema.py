@@ -15,15 +15,16 @@ so the rules are unit-tested without Spark:
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import orjson
-from pyspark.sql import Column, SparkSession
+from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql.types import DataType, StructField, StructType
 
-from warehouse.txn import is_delta_table, table_configuration
+from warehouse.txn import Txn, hadoop_path, is_delta_table, table_configuration
 from warehouse.types import compatible, describe, spark_type, widest
 
 
@@ -136,32 +137,34 @@ def qcol(name: str) -> Column:
     return F.col(quote(name))
 
 
+@dataclass(frozen=True)
+class NewTable:
+    """A table that does not exist yet, as its first write creates it (:func:`create_table`)."""
+
+    schema: StructType
+    properties: Mapping[str, str]
+
+
 def ensure_table(
     spark: SparkSession,
     path: str,
     meta_fields: Iterable[StructField],
     schema_plan: SchemaPlan,
     properties: Mapping[str, str],
-) -> None:
-    """Create the Delta table, or add the planned columns; record the pg types.
+) -> NewTable | None:
+    """Add the planned columns to the Delta table and record the pg types; for a table that
+    does not exist yet, what its first write (:func:`create_table`) creates it with.
 
     Each step is its own Delta commit and idempotent, so a crash between two of them is
     repaired by the next load.
     """
-    from delta.tables import DeltaTable
-
     pg_types = {c.name: c.pg_type for c in schema_plan.columns}
     props = {**properties, PG_TYPES_PROPERTY: orjson.dumps(pg_types).decode()}
+    wanted = [*meta_fields, *(StructField(c.name, c.spark, True) for c in schema_plan.columns)]
     if not is_delta_table(spark, path):
-        schema = StructType([*meta_fields, *(StructField(c.name, c.spark, True) for c in schema_plan.columns)])
-        builder = DeltaTable.createIfNotExists(spark).location(path).addColumns(schema)
-        for key, value in props.items():
-            builder = builder.property(key, value)
-        builder.execute()
-        return
+        return NewTable(StructType(wanted), props)
     current = {f.name for f in spark.read.format("delta").load(path).schema.fields}
     # metadata fields too: a table written by an older walbus lacks the newer ones
-    wanted = [*meta_fields, *(StructField(c.name, c.spark, True) for c in schema_plan.columns)]
     missing = [f for f in wanted if f.name not in current]
     if missing:
         cols = ", ".join(f"{quote(f.name)} {f.dataType.simpleString()}" for f in missing)
@@ -170,6 +173,52 @@ def ensure_table(
     if any(not _property_holds(k, old.get(k), v) for k, v in props.items()):
         assignments = ", ".join(f"'{k}' = {sql_string(v)}" for k, v in props.items())
         spark.sql(f"ALTER TABLE delta.{quote(path)} SET TBLPROPERTIES ({assignments})")
+    return None
+
+
+def create_table(
+    spark: SparkSession, path: str, rows: DataFrame, table: NewTable, txn: Txn, extra: dict[str, str] | None = None
+) -> None:
+    """Create the table with its first rows in one commit (CREATE TABLE AS SELECT) that names
+    the load (``txn``, ``extra`` keys) as every walbus write does.
+
+    Creating it empty and appending were two commits, each with its snapshot update: measured
+    on local[2] over 16 tables written 8 at a time, 7.5-9.0 s against 5.1-6.0 s. A CTAS keeps
+    its columns' nullability from its query, so the metadata columns are nullable (walbus
+    never writes a null in them). ``rows`` holds the table's columns by name."""
+    data = rows.select(*[qcol(f.name).cast(f.dataType).alias(f.name) for f in table.schema.fields])
+    tagged = txn.tagged_session(spark, extra)  # the commit's userMetadata comes from the session
+    if _path_exists(spark, path):
+        # Files of a first write that died before its commit: a CTAS refuses a location that
+        # is not empty, an append does not (those files are in no commit, so not in the table).
+        delta = {k: v for k, v in table.properties.items() if k.startswith("delta.")}
+        (
+            data.write.format("delta").mode("append").options(**delta)
+            .option("userMetadata", txn.user_metadata(extra)).save(path)
+        )
+        own = {k: v for k, v in table.properties.items() if k not in delta}
+        if own:
+            assignments = ", ".join(f"{sql_string(k)} = {sql_string(v)}" for k, v in own.items())
+            tagged.sql(f"ALTER TABLE delta.{quote(path)} SET TBLPROPERTIES ({assignments})")
+        return
+    # The query reaches the tagged session as a global temporary view (the session's own
+    # temporary views are its own); the name is this call's alone.
+    view = f"walbus_new_table_{uuid.uuid4().hex}"
+    data.createGlobalTempView(view)
+    try:
+        assignments = ", ".join(f"{sql_string(k)} = {sql_string(v)}" for k, v in table.properties.items())
+        views = spark.conf.get("spark.sql.globalTempDatabase", "global_temp") or "global_temp"
+        tagged.sql(
+            f"CREATE TABLE delta.{quote(path)} USING delta TBLPROPERTIES ({assignments}) "
+            f"AS SELECT * FROM {quote(views)}.{quote(view)}"
+        )
+    finally:
+        spark.catalog.dropGlobalTempView(view)
+
+
+def _path_exists(spark: SparkSession, path: str) -> bool:
+    where = hadoop_path(spark, path)
+    return bool(where.getFileSystem(spark._jsc.hadoopConfiguration()).exists(where))
 
 
 # Protocol versions: a table never goes below what it has (deletion vectors raise a current

@@ -46,9 +46,9 @@ def _events() -> list[bytes]:
 
 
 def _committed_tables(warehouse: Path, topic: str) -> int:
-    """Tables whose history has committed data (Delta version 1: the append after the create)."""
+    """Tables whose history has committed data (Delta version 0: a table's first write creates it)."""
     return sum(
-        Path(table_paths(warehouse, topic, t).history, "_delta_log", f"{1:020d}.json").exists()
+        Path(table_paths(warehouse, topic, t).history, "_delta_log", f"{0:020d}.json").exists()
         for t in TABLES
     )
 

@@ -288,15 +288,19 @@ def test_an_unchanged_table_gets_no_commit_from_ensure_table(spark: Any, tmp_pat
     from warehouse.current import CURRENT_EXTRA_FIELDS, CURRENT_PROPERTIES
     from warehouse.frame import META_FIELDS
     from warehouse.job import HISTORY_PROPERTIES
-    from warehouse.schema import ensure_table, plan
+    from warehouse.schema import create_table, ensure_table, plan
+    from warehouse.txn import Txn as LoadTxn
     from warehouse.txn import _jvm_snapshot
 
     path = str(tmp_path / "current")
     schema_plan = plan(TX, None, [("transaction_id", "int4")], reserved=set(), numeric_scale=10)
     props = {**HISTORY_PROPERTIES, **CURRENT_PROPERTIES, "walbus.primaryKey": "transaction_id"}
+    new = ensure_table(spark, path, [*META_FIELDS, *CURRENT_EXTRA_FIELDS], schema_plan, props)
+    assert new is not None  # no table yet: its first write creates it
+    create_table(spark, path, spark.createDataFrame([], new.schema), new, LoadTxn("walbus:test", 0))
     versions = []
     for _ in range(3):
-        ensure_table(spark, path, [*META_FIELDS, *CURRENT_EXTRA_FIELDS], schema_plan, props)
+        assert ensure_table(spark, path, [*META_FIELDS, *CURRENT_EXTRA_FIELDS], schema_plan, props) is None
         versions.append(int(_jvm_snapshot(spark, path).version()))
     assert versions == [0, 0, 0]
 
@@ -358,7 +362,7 @@ def test_a_load_of_keys_past_the_current_tables_highest_appends_instead_of_mergi
     from pyspark.sql import functions as F
 
     from warehouse.current import KEY_HIGH_WATER_KEY
-    from warehouse.txn import HighWater, high_water
+    from warehouse.txn import HighWater, high_water, table_version
 
     path = table_paths(tmp_path, unique_name, TX).current
 
@@ -373,8 +377,10 @@ def test_a_load_of_keys_past_the_current_tables_highest_appends_instead_of_mergi
     def mark() -> HighWater:
         return high_water(spark, path, KEY_HIGH_WATER_KEY)
 
+    # the first load creates the table with its rows: one commit
     load_events(Txn(0x1000).insert(TX, TX_PK, tx_row(1, 1, 10)).insert(TX, TX_PK, tx_row(3, 1, 30)))
-    assert (_current_operation(spark, tmp_path, unique_name), mark()) == ("WRITE", HighWater(True, 3))
+    assert (_current_operation(spark, tmp_path, unique_name), mark()) == ("CREATE TABLE AS SELECT", HighWater(True, 3))
+    assert table_version(spark, path) == 0
     # inserts past the mark, and a delete of a key never seen (a tombstone): appended
     done = load_events(Txn(0x2000).insert(TX, TX_PK, tx_row(5, 1, 50)).delete(TX, TX_PK, {"transaction_id": ("int4", 4)}))
     assert (done.inserted, done.updated, done.deleted) == (2, 0, 1)
@@ -500,6 +506,46 @@ def test_a_load_written_twice_leaves_the_tables_as_once(
     assert [(k, a) for k, a, deleted, _ in states[0][1] if not deleted] == [(7, 70)]
 
 
+def test_a_new_tables_first_write_creates_it_and_files_of_one_that_died_are_left_out(
+    spark: Any, kafka_bootstrap: str, unique_name: str, tmp_path: Path
+) -> None:
+    """A table's first write creates it (CREATE TABLE AS SELECT: one commit, with walbus'
+    properties and the load's name). A first write that died before its commit leaves data
+    files in a directory that is no Delta table, where a CTAS refuses to go: the load appends
+    there instead (the files are in no commit, so not in the table) and sets the properties."""
+    import orjson
+
+    from warehouse.schema import PG_TYPES_PROPERTY, PRIMARY_KEY_PROPERTY, table_properties
+    from warehouse.txn import LOAD_KEY, applied_load, table_version
+
+    other = "public.other"
+    paths = table_paths(tmp_path, unique_name, TX)
+    died = table_paths(tmp_path, unique_name, other)
+    for path in (died.history, died.current):  # a write that died: data files, no _delta_log
+        spark.range(5).selectExpr("id AS transaction_id").write.parquet(path)
+        (Path(path) / "_SUCCESS").unlink()
+    events = Txn(0x1000).insert(TX, TX_PK, tx_row(1, 1, 10)).insert(other, TX_PK, tx_row(2, 1, 20)).events
+    produce_events(kafka_bootstrap, unique_name, events)
+    load(spark, kafka_bootstrap, unique_name, tmp_path)
+    app = f"walbus:{unique_name}"
+    for table, tables in ((TX, paths), (other, died)):
+        for path in (tables.history, tables.current):
+            props = table_properties(spark, path)
+            assert props.get(PRIMARY_KEY_PROPERTY) == ("transaction_id" if path == tables.current else None), path
+            assert orjson.loads(props[PG_TYPES_PROPERTY]) == {c: "int4" for c in ("transaction_id", "user_id", "amount")}
+            assert props["delta.columnMapping.mode"] == "name"
+            assert applied_load(spark, path, app) == 0
+            rows = spark.read.format("delta").load(path).collect()
+            assert [(r["transaction_id"], r["amount"]) for r in rows] == [(1, 10) if table == TX else (2, 20)], path
+        assert [table_version(spark, p) for p in (tables.history, tables.current)] == ([0, 0] if table == TX else [1, 1])
+        info = _commit_actions(spark, tables.history)
+        assert any(orjson.loads(a["commitInfo"]["userMetadata"])[LOAD_KEY] == [app, 0] for a in info if "commitInfo" in a)
+    # the next load finds ordinary tables: an update MERGEs
+    produce_events(kafka_bootstrap, unique_name, Txn(0x2000).update(other, TX_PK, tx_row(2, 1, 21)).events)
+    load(spark, kafka_bootstrap, unique_name, tmp_path)
+    assert [(r["transaction_id"], r["amount"]) for r in current(spark, tmp_path, unique_name, other)] == [(2, 21)]
+
+
 @pytest.mark.parametrize("copy_on_write_below", [64 << 20, 0], ids=["rewrite", "deletion-vectors"])
 def test_a_small_current_table_is_merged_by_rewriting_its_files(
     spark: Any, kafka_bootstrap: str, unique_name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
@@ -540,11 +586,11 @@ def test_a_small_history_append_is_one_file_in_lsn_order(
     spark: Any, kafka_bootstrap: str, unique_name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
     one_file_rows: int,
 ) -> None:
-    """A table's load of at most ONE_FILE_ROWS rows is one sorted file (no range sampling);
+    """A table's load of at most ONE_TASK_ROWS rows is one sorted file (no range sampling);
     larger ones are range-partitioned. Either way each file's rows are in (commit LSN, seq) order."""
-    from warehouse import history as history_module
+    from warehouse import frame
 
-    monkeypatch.setattr(history_module, "ONE_FILE_ROWS", one_file_rows)
+    monkeypatch.setattr(frame, "ONE_TASK_ROWS", one_file_rows)
     events = []
     for i in range(40):  # produced out of LSN order, across 4 partitions
         events += Txn(0x9000 - i * 0x100).insert(TX, TX_PK, tx_row(i, 1, i)).insert(TX, TX_PK, tx_row(100 + i, 1, i)).events
@@ -574,7 +620,8 @@ def test_a_small_load_runs_without_generated_code_and_puts_the_settings_back(
     spark: Any, kafka_bootstrap: str, unique_name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """At most INTERPRETED_BELOW_RECORDS records: the load's queries run interpreted (compiling
-    generated code costs more than it saves on a few rows), MERGE's child session too; the
+    generated code costs more than it saves on a few rows), the child session of a MERGE or a
+    table's creation too; the
     session's own settings are back afterwards. A larger load keeps generated code."""
     from warehouse import job
     from warehouse.txn import Txn as LoadTxn
@@ -605,7 +652,8 @@ def test_a_small_load_runs_without_generated_code_and_puts_the_settings_back(
         produce_events(kafka_bootstrap, unique_name, events)
         load(spark, kafka_bootstrap, unique_name, tmp_path)
     assert seen == [("NO_CODEGEN", "false"), ("NO_CODEGEN", "false"), ("FALLBACK", "true")]
-    assert merged == ["NO_CODEGEN", "FALLBACK"]
+    # the first load's two tables are created in a tagged session too; then one MERGE a load
+    assert merged == ["NO_CODEGEN", "NO_CODEGEN", "NO_CODEGEN", "FALLBACK"]
     assert spark.conf.get("spark.sql.codegen.factoryMode") == "FALLBACK"
     assert spark.conf.get("spark.sql.codegen.wholeStage") == "true"
     assert sorted((r["transaction_id"], r["amount"]) for r in current(spark, tmp_path, unique_name)) == [
