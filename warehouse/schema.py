@@ -171,8 +171,7 @@ def ensure_table(
         spark.sql(f"ALTER TABLE delta.{quote(path)} ADD COLUMNS ({cols})")
     old = table_properties(spark, path)
     if any(not _property_holds(k, old.get(k), v) for k, v in props.items()):
-        assignments = ", ".join(f"'{k}' = {sql_string(v)}" for k, v in props.items())
-        spark.sql(f"ALTER TABLE delta.{quote(path)} SET TBLPROPERTIES ({assignments})")
+        _set_properties(spark, path, props)
     return None
 
 
@@ -198,22 +197,29 @@ def create_table(
         )
         own = {k: v for k, v in table.properties.items() if k not in delta}
         if own:
-            assignments = ", ".join(f"{sql_string(k)} = {sql_string(v)}" for k, v in own.items())
-            tagged.sql(f"ALTER TABLE delta.{quote(path)} SET TBLPROPERTIES ({assignments})")
+            _set_properties(tagged, path, own)
         return
     # The query reaches the tagged session as a global temporary view (the session's own
     # temporary views are its own); the name is this call's alone.
     view = f"walbus_new_table_{uuid.uuid4().hex}"
     data.createGlobalTempView(view)
     try:
-        assignments = ", ".join(f"{sql_string(k)} = {sql_string(v)}" for k, v in table.properties.items())
         views = spark.conf.get("spark.sql.globalTempDatabase", "global_temp") or "global_temp"
         tagged.sql(
-            f"CREATE TABLE delta.{quote(path)} USING delta TBLPROPERTIES ({assignments}) "
+            f"CREATE TABLE delta.{quote(path)} USING delta TBLPROPERTIES ({_properties_sql(table.properties)}) "
             f"AS SELECT * FROM {quote(views)}.{quote(view)}"
         )
     finally:
         spark.catalog.dropGlobalTempView(view)
+
+
+def _properties_sql(properties: Mapping[str, str]) -> str:
+    """``'key' = 'value', …`` for a TBLPROPERTIES clause."""
+    return ", ".join(f"{sql_string(k)} = {sql_string(v)}" for k, v in properties.items())
+
+
+def _set_properties(spark: SparkSession, path: str, properties: Mapping[str, str]) -> None:
+    spark.sql(f"ALTER TABLE delta.{quote(path)} SET TBLPROPERTIES ({_properties_sql(properties)})")
 
 
 def _path_exists(spark: SparkSession, path: str) -> bool:
