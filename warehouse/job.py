@@ -90,7 +90,7 @@ class LoadSpec:
     tables: Sequence[str] = ()  # table patterns (walbus.contract.NameMatcher); empty: all
     numeric_scale: int = NUMERIC_SCALE
     skip_invalid: bool = False  # quarantine records that are not contract-v1 events
-    parallel_tables: int = 8  # tables written at once (driver threads, one FAIR pool each)
+    parallel_tables: int = 8  # tables written at once (driver threads; their jobs share one FIFO scheduler)
     catalog_database: str | None = None  # register the tables in this catalog database
 
 
