@@ -144,9 +144,17 @@ def str_converters(types: Sequence[str]) -> list[Callable[[str], Any] | None]:
 def convert_line(line: bytes, converters: Sequence[Any], str_convs: Sequence[Callable[[str], Any] | None]) -> list[Any]:
     """A COPY text line as JSON-ready values — the initial snapshot's hot path: a row without
     a backslash (no NULL, no escape) is decoded once and split, and text columns cost nothing."""
-    if b"\\" in line:
+    if b"\\" in line or (int in str_convs and not line.isascii()):
+        # int() of a str takes any Unicode digit or space (int("\u0663") == 3), of bytes ASCII
+        # only, as PostgreSQL writes an integer: convert_row reads such a line as a native
+        # run's fallback does.
         return convert_row(line, converters)[0]
-    return [f if c is None else c(f) for c, f in zip(str_convs, line.decode()[:-1].split("\t"), strict=True)]
+    try:
+        return [f if c is None else c(f) for c, f in zip(str_convs, line.decode()[:-1].split("\t"), strict=True)]
+    except ValueError:
+        # Text the converters refuse: convert_row decides, so the error is the same whichever
+        # way the line came (a native run leaves such a line to convert_row).
+        return convert_row(line, converters)[0]
 
 
 def convert_row(line: bytes, converters: Sequence[Any]) -> tuple[list[Any], Sequence[bytes | None]]:
