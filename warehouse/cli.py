@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import re
 import sys
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -16,6 +18,7 @@ from walbus.config import ConfigError, load_config, option
 from walbus.contract import ContractError, Lsn, NameMatcher
 from walbus.kafka import KafkaOptions
 from walbus.logs import setup_logging
+from walbus.metrics import DEFAULT_METRICS_ADDR
 from warehouse import NUMERIC_SCALE
 from warehouse.extra import spark_missing
 
@@ -85,11 +88,19 @@ class LoadConfig(CatalogOptions, SparkOptions, KafkaOptions):
     parallel_tables: int = option(
         8, help="tables written at once (driver threads): their fixed Spark/Delta costs overlap"
     )
+    metrics_file: str | None = option(
+        None,
+        help="write Prometheus metrics to this file after each load and at exit (node_exporter's textfile "
+        "collector); default: none",
+        env="command",
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.parallel_tables < 1:
             raise ValueError(f"--parallel-tables: {self.parallel_tables} is not a positive number")
+        if self.metrics_file is not None and not os.path.isdir(os.path.dirname(os.path.abspath(self.metrics_file))):
+            raise ValueError(f"--metrics-file: the directory of {self.metrics_file!r} does not exist")
 
 
 @dataclass(kw_only=True)
@@ -100,8 +111,15 @@ class StreamConfig(LoadConfig):
         help="available-now: load everything there is, then exit; or an interval ('30 seconds'): run until stopped",
     )
 
+    metrics_port: int | None = option(
+        None, help="serve Prometheus /metrics, /healthz and /readyz on this port; default: none", env="command"
+    )
+    metrics_addr: str = option(DEFAULT_METRICS_ADDR, help="address the metrics port binds (0.0.0.0: every interface)")
+
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.metrics_port is not None and not 0 < self.metrics_port <= 65535:
+            raise ValueError(f"--metrics-port: {self.metrics_port} is not a TCP port")
         if self.trigger != "available-now" and not re.fullmatch(r"[0-9]+ *(milliseconds?|seconds?|minutes?|hours?)", self.trigger):
             raise ValueError(f"--trigger: {self.trigger!r} is neither available-now nor an interval like '30 seconds'")
 
@@ -154,6 +172,13 @@ def _failed(command: str, e: BaseException) -> int:
     return 1
 
 
+def _metrics(config: LoadConfig) -> Any:
+    from walbus.metrics import new_registry
+    from warehouse.metrics import WarehouseMetrics
+
+    return WarehouseMetrics(new_registry(), config.topic)
+
+
 def load_main(argv: Sequence[str]) -> int:
     config = load_config(LoadConfig, argv, prog="walbus warehouse load", section="warehouse")
     try:
@@ -161,20 +186,28 @@ def load_main(argv: Sequence[str]) -> int:
     except ContractError as e:
         raise ConfigError(f"--tables: {e}") from None
     setup_logging(config.log_level)
-    from warehouse.job import LoadError, run_load
+    from warehouse.job import LoadError, LoadResult, run_load
     from warehouse.read import TopicError
 
     spec = _spec(config)
+    metrics = _metrics(config)
     spark = _session(config)
+    result = LoadResult()
+    started = time.monotonic()
     try:
-        result = run_load(spark, spec)
+        run_load(spark, spec, result)
     except (LoadError, TopicError) as e:
+        metrics.failed(result)
         print(f"walbus warehouse load: error: {e}", file=sys.stderr)
         return 1
     except Exception as e:  # Spark/JVM failures
+        metrics.failed(result)
         return _failed("load", e)
+    else:
+        metrics.succeeded(result, time.monotonic() - started)
     finally:
         spark.stop()
+        metrics.write(config.metrics_file)
     for line in result.lines():
         print(line)
     print(f"loaded {result.events} events in {result.seconds:.1f} s (loads {result.batches})", file=sys.stderr)
@@ -184,18 +217,32 @@ def load_main(argv: Sequence[str]) -> int:
 def stream_main(argv: Sequence[str]) -> int:
     config = load_config(StreamConfig, argv, prog="walbus warehouse stream", section="warehouse")
     setup_logging(config.log_level)
+    from walbus.metrics import serve_metrics
     from warehouse.stream import start_stream
 
+    metrics = _metrics(config)
+    queries: list[Any] = []  # the query, once started: ready while it runs
+    server = serve_metrics(
+        config.metrics_port, metrics.registry, addr=config.metrics_addr,
+        ready=lambda: bool(queries) and bool(queries[0].isActive),
+    )
     spark = _session(config)
     try:
-        query = start_stream(spark, _spec(config), checkpoint=config.checkpoint, trigger=config.trigger)
+        query = start_stream(
+            spark, _spec(config), checkpoint=config.checkpoint, trigger=config.trigger,
+            metrics=metrics, metrics_file=config.metrics_file,
+        )
+        queries.append(query)
         query.awaitTermination()
     except KeyboardInterrupt:
         return 130
-    except Exception as e:  # the query's failure
+    except Exception as e:  # the query's failure (its micro-batch counted it)
         return _failed("stream", e)
     finally:
         spark.stop()
+        metrics.write(config.metrics_file)
+        if server is not None:
+            server.shutdown()
     return 0
 
 

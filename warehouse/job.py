@@ -144,8 +144,11 @@ class LoadResult:
         return lines
 
 
-def run_load(spark: SparkSession, spec: LoadSpec) -> LoadResult:
-    """Load everything from the last committed load to the topic's end offsets now."""
+def run_load(spark: SparkSession, spec: LoadSpec, result: LoadResult | None = None) -> LoadResult:
+    """Load everything from the last committed load to the topic's end offsets now.
+
+    ``result``: filled as the load goes (and returned), so that a caller still has what was
+    written when the load fails part way (its metrics count the tables that failed)."""
     started = time.monotonic()
     log_path = layout.loads_path(spec.warehouse, spec.topic)
     last = loads.last_load(spark, log_path)
@@ -163,7 +166,7 @@ def run_load(spark: SparkSession, spec: LoadSpec) -> LoadResult:
         check_no_gap(spec.topic, start, bounds.earliest)
     if any(bounds.latest[p] > start[p] for p in bounds.latest):
         todo.append(loads.Load(next_id, "planned", start, dict(bounds.latest)))
-    result = LoadResult()
+    result = LoadResult() if result is None else result
     for load in todo:
         _run_batch(spark, spec, log_path, load, result, replay=load is last)
     result.seconds = time.monotonic() - started

@@ -17,7 +17,8 @@ One writer per warehouse and topic: do not mix ``load`` and ``stream`` on one wa
 from __future__ import annotations
 
 import logging
-from typing import Any
+import time
+from typing import TYPE_CHECKING, Any
 
 from pyspark.sql import DataFrame, SparkSession
 
@@ -25,6 +26,9 @@ from warehouse import layout
 from warehouse.job import LoadResult, LoadSpec, write_slice
 from warehouse.read import spark_kafka_options
 from warehouse.txn import Txn
+
+if TYPE_CHECKING:
+    from warehouse.metrics import WarehouseMetrics
 
 log = logging.getLogger("walbus.warehouse")
 AVAILABLE_NOW = "available-now"
@@ -34,8 +38,12 @@ def stream_app_id(topic: str) -> str:
     return f"walbus-stream:{topic}"
 
 
-def start_stream(spark: SparkSession, spec: LoadSpec, *, checkpoint: str | None = None, trigger: str = AVAILABLE_NOW) -> Any:
-    """Start the query (a StreamingQuery); the caller awaits it."""
+def start_stream(
+    spark: SparkSession, spec: LoadSpec, *, checkpoint: str | None = None, trigger: str = AVAILABLE_NOW,
+    metrics: WarehouseMetrics | None = None, metrics_file: str | None = None,
+) -> Any:
+    """Start the query (a StreamingQuery); the caller awaits it. ``metrics`` count each
+    micro-batch (written to ``metrics_file`` after each one, when given)."""
     reader = spark.readStream.format("kafka")
     for key, value in spark_kafka_options(spec.kafka).items():
         reader = reader.option(key, value)
@@ -50,10 +58,20 @@ def start_stream(spark: SparkSession, spec: LoadSpec, *, checkpoint: str | None 
 
     def micro_batch(frame: DataFrame, batch_id: int) -> None:
         result = LoadResult()
-        # replay=True: any micro-batch may be one Spark re-runs after a failure
-        write_slice(frame.sparkSession, spec, frame, Txn(stream_app_id(spec.topic), batch_id, replay=True), result)
+        started = time.monotonic()
+        try:
+            # replay=True: any micro-batch may be one Spark re-runs after a failure
+            write_slice(frame.sparkSession, spec, frame, Txn(stream_app_id(spec.topic), batch_id, replay=True), result)
+        except BaseException:
+            if metrics is not None:
+                metrics.failed(result)
+                metrics.write(metrics_file)
+            raise
         log.info("micro-batch", extra={"batch": batch_id, "events": result.events,
                                        "tables": {t: s.as_dict() for t, s in result.tables.items()}})
+        if metrics is not None:
+            metrics.succeeded(result, time.monotonic() - started)
+            metrics.write(metrics_file)
 
     writer = raw.writeStream.foreachBatch(micro_batch).option(
         "checkpointLocation", checkpoint or layout.stream_checkpoint_path(spec.warehouse, spec.topic)

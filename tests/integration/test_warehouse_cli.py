@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -99,16 +100,26 @@ def test_load_killed_mid_way_then_rerun_is_exact(
     assert f"{0:020d}.committed.json" in {p.name for p in loads_dir.iterdir()}
 
 
-def test_load_leaves_the_terminal_and_the_working_directory_clean(
+def _metrics_file(path: Path) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(path.read_text()) for s in family.samples
+    }
+
+
+def test_load_leaves_the_terminal_and_the_working_directory_clean_and_its_metrics_in_a_file(
     kafka_bootstrap: str, unique_name: str, tmp_path: Path
 ) -> None:
-    cwd, log = tmp_path / "cwd", tmp_path / "spark.log"
+    cwd, log, metrics = tmp_path / "cwd", tmp_path / "spark.log", tmp_path / "walbus.prom"
     cwd.mkdir()
     produce_events(kafka_bootstrap, unique_name, Txn(0x1000).insert(TABLES[0], ["id"], {"id": ("int4", 1)}).events)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "WALBUS_SPARK_LOG": str(log)}
     done = subprocess.run(
         _cli("load", "--kafka-bootstrap", kafka_bootstrap, "--topic", unique_name,
-             "--warehouse", str(tmp_path / "wh"), "--master", "local[1]", "--spark-conf", "spark.ui.enabled=false"),
+             "--warehouse", str(tmp_path / "wh"), "--master", "local[1]", "--spark-conf", "spark.ui.enabled=false",
+             "--metrics-file", str(metrics)),
         cwd=cwd, env=env, capture_output=True, text=True, timeout=600,
     )
     assert done.returncode == 0, done.stderr[-3000:]
@@ -121,17 +132,80 @@ def test_load_leaves_the_terminal_and_the_working_directory_clean(
     assert ":: resolving dependencies ::" in spark_log and "log4j" in spark_log
     # nothing of Spark's in the working directory (an empty artifacts/ or spark-warehouse/)
     assert os.listdir(cwd) == []
+    # the load's metrics, for node_exporter's textfile collector
+    samples = _metrics_file(metrics)
+    topic = (("topic", unique_name),)
+    assert samples[("walbus_warehouse_events_total", (("table", TABLES[0]), *topic))] == 1
+    assert samples[("walbus_warehouse_current_rows_total", (("action", "inserted"), ("table", TABLES[0]), *topic))] == 1
+    assert samples[("walbus_warehouse_loads_total", topic)] == 1
+    assert samples[("walbus_warehouse_load_failures_total", topic)] == 0
+    assert samples[("walbus_warehouse_last_success_timestamp_seconds", topic)] > time.time() - 600
 
 
 def test_cli_reports_failures_clearly(tmp_path: Path, kafka_bootstrap: str, unique_name: str) -> None:
+    metrics = tmp_path / "walbus.prom"
     done = subprocess.run(
         _cli("load", "--kafka-bootstrap", kafka_bootstrap, "--topic", unique_name, "--warehouse", str(tmp_path),
-             "--master", "local[1]"),
+             "--master", "local[1]", "--metrics-file", str(metrics)),
         capture_output=True, timeout=300,
     )
     assert done.returncode == 1
     assert f"topic {unique_name!r} does not exist" in done.stderr.decode()
+    samples = _metrics_file(metrics)  # the failure is in the metrics file too
+    assert samples[("walbus_warehouse_load_failures_total", (("topic", unique_name),))] == 1
+    assert samples[("walbus_warehouse_last_success_timestamp_seconds", (("topic", unique_name),))] == 0
     usage = subprocess.run(_cli("load"), capture_output=True, timeout=60)
     assert usage.returncode == 2 and b"--topic" in usage.stderr
     helped = subprocess.run(_cli("load", "--help"), capture_output=True, timeout=60)
     assert helped.returncode == 0 and b"--skip-invalid" in helped.stdout
+
+
+def test_stream_command_serves_health_and_writes_its_metrics(
+    tmp_path: Path, kafka_bootstrap: str, unique_name: str
+) -> None:
+    import socket
+    import urllib.error
+    import urllib.request
+
+    txn = Txn(0x2000)
+    for k in range(3):
+        txn.insert(TABLES[0], ["id"], {"id": ("int4", k)})
+    produce_events(kafka_bootstrap, unique_name, txn.events)
+    with socket.socket() as probe:  # a port nobody listens on now
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    metrics = tmp_path / "walbus.prom"
+    proc = subprocess.Popen(
+        _cli("stream", "--kafka-bootstrap", kafka_bootstrap, "--topic", unique_name, "--warehouse", str(tmp_path / "wh"),
+             "--master", "local[1]", "--spark-conf", "spark.ui.enabled=false", "--trigger", "available-now",
+             "--metrics-port", str(port), "--metrics-file", str(metrics)),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+    )
+
+    def status(path: str) -> int:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as response:
+                return int(response.status)
+        except urllib.error.HTTPError as e:
+            return e.code
+
+    seen: set[tuple[str, int]] = set()
+    try:
+        deadline = time.monotonic() + 300
+        while proc.poll() is None and time.monotonic() < deadline:
+            with contextlib.suppress(OSError):  # not listening yet, or closed already
+                seen |= {("/healthz", status("/healthz")), ("/readyz", status("/readyz"))}
+            time.sleep(0.05)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    assert proc.returncode == 0, err.decode()[-3000:]
+    # live from the start; not ready while Spark starts (no query yet)
+    assert {("/healthz", 200), ("/readyz", 503)} <= seen, seen
+    samples = _metrics_file(metrics)
+    topic = (("topic", unique_name),)
+    assert samples[("walbus_warehouse_events_total", (("table", TABLES[0]), *topic))] == 3
+    assert samples[("walbus_warehouse_loads_total", topic)] >= 1
+    assert samples[("walbus_warehouse_load_failures_total", topic)] == 0
