@@ -236,7 +236,9 @@ def stream_main(argv: Sequence[str]) -> int:
         query.awaitTermination()
     except KeyboardInterrupt:
         return 130
-    except Exception as e:  # the query's failure (its micro-batch counted it)
+    except Exception as e:  # the query's failure
+        if not metrics.failed_runs:  # not a micro-batch's (that one counted itself): the source's, say
+            metrics.failed()
         return _failed("stream", e)
     finally:
         spark.stop()

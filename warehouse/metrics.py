@@ -28,12 +28,13 @@ class WarehouseMetrics:
     def __init__(self, registry: CollectorRegistry, topic: str) -> None:
         self.registry = registry
         self.topic = topic
+        self.failed_runs = 0  # failures counted by this process
         self.loads = Counter(
             "walbus_warehouse_loads", "Loads (stream: micro-batches) committed: slices of the topic", ["topic"],
             registry=registry,
         )
         self.failures = Counter(
-            "walbus_warehouse_load_failures", "Runs (stream: micro-batches) that stopped with an error", ["topic"],
+            "walbus_warehouse_load_failures", "Runs that stopped with an error (stream: a micro-batch or the query)", ["topic"],
             registry=registry,
         )
         self.events = Counter("walbus_warehouse_events", "Events loaded, by table", ["topic", "table"], registry=registry)
@@ -83,6 +84,7 @@ class WarehouseMetrics:
         """A run or micro-batch stopped with an error; ``result``: what it had written by then
         (the tables that committed, and those that failed)."""
         self.failures.labels(self.topic).inc()
+        self.failed_runs += 1
         if result is not None:
             self._tables(result)
 

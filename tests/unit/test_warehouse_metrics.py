@@ -75,6 +75,7 @@ def test_a_failed_load_counts_the_failure_and_its_failed_tables_but_not_their_ro
     ))
     metrics.failed()
     assert _value(metrics, "walbus_warehouse_load_failures_total") == 2
+    assert metrics.failed_runs == 2  # what `stream` reads to count a query's failure once
     assert _value(metrics, "walbus_warehouse_table_failures_total", table="public.b") == 1
     assert _value(metrics, "walbus_warehouse_events_total", table="public.b") is None
     assert _value(metrics, "walbus_warehouse_events_total", table="public.a") == 4  # committed before the failure
