@@ -241,10 +241,10 @@ def stream_main(argv: Sequence[str]) -> int:
             metrics.failed()
         return _failed("stream", e)
     finally:
+        if server is not None:  # first: a scrape would ask a stopped JVM whether the query runs
+            server.shutdown()
         spark.stop()
         metrics.write(config.metrics_file)
-        if server is not None:
-            server.shutdown()
     return 0
 
 
