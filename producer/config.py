@@ -13,7 +13,7 @@ from walbus.kafka import KafkaOptions
 from walbus.metrics import DEFAULT_METRICS_ADDR
 
 # PostgreSQL's rule for replication slot names.
-_SLOT_NAME = re.compile(r"^[a-z0-9_]{1,63}$")
+_SLOT_NAME = re.compile(r"[a-z0-9_]{1,63}")
 _SLOT_UNSAFE = re.compile(r"[^a-z0-9_]")
 _SLOT_PREFIX = "walbus_"
 SNAPSHOT_MODES = ("initial", "when_needed", "always", "never", "no_data", "initial_only")
@@ -115,7 +115,7 @@ def load(argv: Sequence[str] | None) -> ProducerConfig:
     problem = topic_name_error(cfg.topic_name, limit=MAX_DATABASE_TOPIC_LENGTH)
     if problem is not None:
         raise ConfigError(f"--topic (or --topic-prefix) {problem}")
-    if cfg.slot is not None and not _SLOT_NAME.match(cfg.slot):
+    if cfg.slot is not None and not _SLOT_NAME.fullmatch(cfg.slot):
         raise ConfigError(f"--slot {cfg.slot!r}: a slot name has 1 to 63 lower-case letters, digits and underscores")
     if cfg.partitions < 1 or (cfg.replication_factor is not None and cfg.replication_factor < 1):
         raise ConfigError("--partitions and --replication-factor must be at least 1")

@@ -86,7 +86,7 @@ IMAGE_HEADS: Final[dict[str, bytes]] = {
 OPERATION_PARTS: Final[dict[str, bytes]] = {op: FIELD_HEADS["operation"] + orjson.dumps(op) for op in sorted(OPERATIONS)}
 VALUE_END: Final = b"}"
 
-_LSN_TEXT = re.compile(r"^([0-9A-Fa-f]{1,8})/([0-9A-Fa-f]{1,8})$")
+_LSN_TEXT = re.compile(r"([0-9A-Fa-f]{1,8})/([0-9A-Fa-f]{1,8})")
 _KEY_TEXT = re.compile(KEY_PATTERN.encode())
 _KEY_BYTES_FORMAT: Final = KEY_FORMAT.encode()
 _T = TypeVar("_T")
@@ -103,7 +103,7 @@ class Lsn(int):
 
     @classmethod
     def parse(cls, text: str) -> Lsn:
-        m = _LSN_TEXT.match(text.strip())
+        m = _LSN_TEXT.fullmatch(text.strip())
         if m is None:
             raise ValueError(f"not an LSN: {text!r} (expected the form 16/B374D848)")
         return cls((int(m.group(1), 16) << 32) | int(m.group(2), 16))
@@ -821,11 +821,12 @@ class NameMatcher:
 MAX_TOPIC_LENGTH: Final = 249
 # A database topic leaves room for its side topics' suffixes ('.transaction' is the longest).
 MAX_DATABASE_TOPIC_LENGTH: Final = MAX_TOPIC_LENGTH - 1 - max(len(s) for s in SIDE_TOPIC_SUFFIXES)
-_TOPIC_NAME = re.compile(r"^[A-Za-z0-9._-]+$")
+# fullmatch, never match with "$": "$" also matches before a final newline
+_TOPIC_NAME = re.compile(r"[A-Za-z0-9._-]+")
 _SAFE_TOPIC_CHARS: Final = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_")
 _HEX_UPPER: Final = frozenset("0123456789ABCDEF")
 _ESCAPED = re.compile(r"-([0-9A-F]{2})")
-_TOPIC_PART_SAFE = re.compile(r"^[A-Za-z0-9_]+$")
+_TOPIC_PART_SAFE = re.compile(r"[A-Za-z0-9_]+")
 
 
 def _plain_dash_before(name: str, i: int) -> bool:
@@ -838,7 +839,7 @@ def _plain_dash_before(name: str, i: int) -> bool:
 
 def escape_topic_part(name: str) -> str:
     """One topic-name part for a database, schema or table name (reversible)."""
-    if _TOPIC_PART_SAFE.match(name):
+    if _TOPIC_PART_SAFE.fullmatch(name):
         return name
     out: list[str] = []
     n = len(name)
@@ -871,7 +872,7 @@ def unescape_topic_part(part: str) -> str:
 
 def topic_name_error(name: str, *, limit: int = MAX_TOPIC_LENGTH) -> str | None:
     """Why Kafka would refuse ``name`` as a topic (``None``: it would not)."""
-    if not _TOPIC_NAME.match(name) or len(name) > limit or name in (".", ".."):
+    if not _TOPIC_NAME.fullmatch(name) or len(name) > limit or name in (".", ".."):
         return f"must be a Kafka topic name ([A-Za-z0-9._-], at most {limit} characters), got {name!r}"
     return None
 

@@ -32,7 +32,7 @@ SIDE_TOPICS = frozenset(SIDE_TOPIC_SUFFIXES)
 # wal_status of pg_replication_slots, worst last: "lost" means the slot can no longer be used.
 WAL_STATUSES = ("reserved", "extended", "unreserved", "lost")
 # The warehouse's load log file names (warehouse/loads.py): <20-digit id>.<state>.json.
-_LOAD_FILE = re.compile(r"^(\d{20})\.(planned|committed)\.json$")
+_LOAD_FILE = re.compile(r"(\d{20})\.(planned|committed)\.json")
 
 _SLOTS_SQL = """
 SELECT slot_name, plugin, database, active, confirmed_flush_lsn::text, restart_lsn::text,
@@ -174,7 +174,7 @@ def last_committed_load(loads_dir: Path) -> WarehouseLoad | None:
     """The newest *committed* load (what the warehouse tables hold)."""
     if not loads_dir.is_dir():
         return None
-    ids = sorted(int(m.group(1)) for e in loads_dir.iterdir() if (m := _LOAD_FILE.match(e.name)) and m.group(2) == "committed")
+    ids = sorted(int(m.group(1)) for e in loads_dir.iterdir() if (m := _LOAD_FILE.fullmatch(e.name)) and m.group(2) == "committed")
     if not ids:
         return None
     doc = orjson.loads((loads_dir / f"{ids[-1]:020d}.committed.json").read_bytes())

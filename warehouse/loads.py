@@ -30,7 +30,7 @@ from pyspark.sql import SparkSession
 from warehouse.read import Offsets
 from warehouse.txn import hadoop_path, jvm_class
 
-_NAME = re.compile(r"^(\d{20})\.(planned|committed)\.json$")
+_NAME = re.compile(r"(\d{20})\.(planned|committed)\.json")
 
 
 @dataclass(frozen=True)
@@ -56,7 +56,7 @@ def last_load(spark: SparkSession, path: str) -> Load | None:
         return None
     latest: tuple[int, bool] | None = None  # (load id, committed): committed sorts last
     for status in fs.listStatus(dir_path):
-        m = _NAME.match(status.getPath().getName())
+        m = _NAME.fullmatch(status.getPath().getName())
         if m is None:
             continue
         key = (int(m.group(1)), m.group(2) == "committed")
