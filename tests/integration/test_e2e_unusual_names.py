@@ -1,7 +1,7 @@
 """Names PostgreSQL accepts but Kafka and Spark do not take as they are, end to end.
 
-A schema with a dot, tables named ``Order Items``, ``a.b`` beside ``a_b``, ``say "hi"`` and a
-63-byte unicode name, columns named ``a.b``, ``Qty "x"`` and ``ö``, a 1.5 MB value left
+A schema with a dot, tables named ``Order Items``, ``a.b`` beside ``a_b``, ``say "hi"``, a
+63-byte unicode name and one ending in a newline, columns named ``a.b``, ``Qty "x"`` and ``ö``, a 1.5 MB value left
 unchanged by a later update, and an ADD COLUMN inside a transaction that already wrote to the
 table: through the real producer, demux, ``Feed``, ``Table`` and warehouse load, every change
 arrives once with its exact names and values.
@@ -35,6 +35,7 @@ TABLES: dict[tuple[str, str], list[str]] = {
     ("public", "a_b"): ["id", "v"],
     ("Sales.EU", 'say "hi"'): ["id", "v"],
     ("public", LONG): ["id", LONG_COL],
+    ("public", "orders\n"): ["id", "v"],  # "$" also matched before a final newline: Kafka refused the topic
 }
 
 
@@ -72,7 +73,7 @@ def _workload(dsn: str, big: str) -> None:
     with psycopg.connect(dsn, autocommit=True) as conn:
         for i in range(1, 6):
             _insert(conn, *oi, {"id": i, "a.b": f"dot {i}", 'Qty "x"': i, "ö": "ü" * i, "big": big if i == 1 else "s"})
-            for schema, table in [("public", "a.b"), ("public", "a_b"), ("Sales.EU", 'say "hi"')]:
+            for schema, table in [("public", "a.b"), ("public", "a_b"), ("Sales.EU", 'say "hi"'), ("public", "orders\n")]:
                 _insert(conn, schema, table, {"id": i, "v": f"{table} {i}"})
             _insert(conn, "public", LONG, {"id": i, LONG_COL: f"long {i}"})
         # an update leaving the 1.5 MB TOASTed value unchanged, a delete, a key change
