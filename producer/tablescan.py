@@ -150,7 +150,7 @@ def convert_line(line: bytes, converters: Sequence[Any], str_convs: Sequence[Cal
         # run's fallback does.
         return convert_row(line, converters)[0]
     try:
-        return [f if c is None else c(f) for c, f in zip(str_convs, line.decode()[:-1].split("\t"), strict=True)]
+        return [f if c is None else c(f) for c, f in zip(str_convs, line[:-1].decode().split("\t"), strict=True)]
     except ValueError:
         # Text the converters refuse: convert_row decides, so the error is the same whichever
         # way the line came (a native run leaves such a line to convert_row).
