@@ -10,7 +10,7 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
@@ -21,6 +21,9 @@ from walbus.logs import setup_logging
 from walbus.metrics import DEFAULT_METRICS_ADDR
 from warehouse import NUMERIC_SCALE
 from warehouse.extra import spark_missing
+
+if TYPE_CHECKING:
+    from warehouse.metrics import WarehouseMetrics
 
 USAGE = """usage: walbus warehouse <command> [options]
 
@@ -172,11 +175,11 @@ def _failed(command: str, e: BaseException) -> int:
     return 1
 
 
-def _metrics(config: LoadConfig) -> Any:
+def _metrics(config: LoadConfig) -> WarehouseMetrics:
     from walbus.metrics import new_registry
     from warehouse.metrics import WarehouseMetrics
 
-    return WarehouseMetrics(new_registry(), config.topic)
+    return WarehouseMetrics(new_registry(), config.topic, config.metrics_file)
 
 
 def load_main(argv: Sequence[str]) -> int:
@@ -207,7 +210,7 @@ def load_main(argv: Sequence[str]) -> int:
         metrics.succeeded(result, time.monotonic() - started)
     finally:
         spark.stop()
-        metrics.write(config.metrics_file)
+        metrics.write()
     for line in result.lines():
         print(line)
     print(f"loaded {result.events} events in {result.seconds:.1f} s (loads {result.batches})", file=sys.stderr)
@@ -230,7 +233,7 @@ def stream_main(argv: Sequence[str]) -> int:
     try:
         query = start_stream(
             spark, _spec(config), checkpoint=config.checkpoint, trigger=config.trigger,
-            metrics=metrics, metrics_file=config.metrics_file,
+            metrics=metrics,
         )
         queries.append(query)
         query.awaitTermination()
@@ -244,7 +247,7 @@ def stream_main(argv: Sequence[str]) -> int:
         if server is not None:  # first: a scrape would ask a stopped JVM whether the query runs
             server.shutdown()
         spark.stop()
-        metrics.write(config.metrics_file)
+        metrics.write()
     return 0
 
 

@@ -25,9 +25,10 @@ _LOAD_BUCKETS = (1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600, 7200)
 class WarehouseMetrics:
     """Counters of what the loads of one topic wrote, and when the last one committed."""
 
-    def __init__(self, registry: CollectorRegistry, topic: str) -> None:
+    def __init__(self, registry: CollectorRegistry, topic: str, path: str | None = None) -> None:
         self.registry = registry
         self.topic = topic
+        self.path = path  # the text file written by write() (None: none)
         self.failed_runs = 0  # failures counted by this process
         self.loads = Counter(
             "walbus_warehouse_loads", "Loads (stream: micro-batches) committed: slices of the topic", ["topic"],
@@ -102,8 +103,8 @@ class WarehouseMetrics:
                 if rows:
                     self.current_rows.labels(topic, table, action).inc(rows)
 
-    def write(self, path: str | None) -> None:
-        """The registry in Prometheus' text format at ``path`` (written whole, then renamed
-        into place: a collector never reads half a file); nothing when ``path`` is None."""
-        if path is not None:
-            write_to_textfile(path, self.registry)
+    def write(self) -> None:
+        """The registry in Prometheus' text format at ``self.path`` (written whole, then renamed
+        into place: a collector never reads half a file); nothing without a path."""
+        if self.path is not None:
+            write_to_textfile(self.path, self.registry)

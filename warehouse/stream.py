@@ -40,10 +40,10 @@ def stream_app_id(topic: str) -> str:
 
 def start_stream(
     spark: SparkSession, spec: LoadSpec, *, checkpoint: str | None = None, trigger: str = AVAILABLE_NOW,
-    metrics: WarehouseMetrics | None = None, metrics_file: str | None = None,
+    metrics: WarehouseMetrics | None = None,
 ) -> Any:
     """Start the query (a StreamingQuery); the caller awaits it. ``metrics`` count each
-    micro-batch (written to ``metrics_file`` after each one, when given)."""
+    micro-batch (and are written to their file after each one)."""
     reader = spark.readStream.format("kafka")
     for key, value in spark_kafka_options(spec.kafka).items():
         reader = reader.option(key, value)
@@ -65,13 +65,13 @@ def start_stream(
         except BaseException:
             if metrics is not None:
                 metrics.failed(result)
-                metrics.write(metrics_file)
+                metrics.write()
             raise
         log.info("micro-batch", extra={"batch": batch_id, "events": result.events,
                                        "tables": {t: s.as_dict() for t, s in result.tables.items()}})
         if metrics is not None:
             metrics.succeeded(result, time.monotonic() - started)
-            metrics.write(metrics_file)
+            metrics.write()
 
     writer = raw.writeStream.foreachBatch(micro_batch).option(
         "checkpointLocation", checkpoint or layout.stream_checkpoint_path(spec.warehouse, spec.topic)

@@ -84,10 +84,10 @@ def test_a_failed_load_counts_the_failure_and_its_failed_tables_but_not_their_ro
 
 
 def test_the_metrics_file_is_prometheus_text(tmp_path: Path) -> None:
-    metrics = WarehouseMetrics(new_registry(), TOPIC)
-    metrics.succeeded(_result(TableSummary("public.a", events=3, history_rows=3, inserted=3)), 2.0)
     path = tmp_path / "walbus_warehouse.prom"
-    metrics.write(str(path))
+    metrics = WarehouseMetrics(new_registry(), TOPIC, str(path))
+    metrics.succeeded(_result(TableSummary("public.a", events=3, history_rows=3, inserted=3)), 2.0)
+    metrics.write()
     samples = {
         (s.name, tuple(sorted(s.labels.items()))): s.value
         for family in text_string_to_metric_families(path.read_text()) for s in family.samples
@@ -95,7 +95,7 @@ def test_the_metrics_file_is_prometheus_text(tmp_path: Path) -> None:
     assert samples[("walbus_warehouse_events_total", (("table", "public.a"), ("topic", TOPIC)))] == 3
     assert samples[("walbus_warehouse_loads_total", (("topic", TOPIC),))] == 1
     assert [p.name for p in tmp_path.iterdir()] == ["walbus_warehouse.prom"]  # no temporary file left
-    metrics.write(None)  # no file asked for: nothing happens
+    WarehouseMetrics(new_registry(), "other").write()  # no file asked for: nothing happens
 
 
 def test_the_stream_metrics_port_is_its_own_and_checked() -> None:
