@@ -22,6 +22,13 @@ from walbus.contract import ColumnType, NameMatcher, split_table
 from walbus.kafka import KafkaOptions
 from warehouse import NUMERIC_SCALE, catalog, layout, loads
 from warehouse.current import CURRENT_EXTRA_FIELDS, CURRENT_PROPERTIES, merge_current
+from warehouse.decode import (
+    INVALID,
+    decoded_records,
+    describe_invalid,
+    invalid_events,
+    valid_events,
+)
 from warehouse.frame import (
     DELETED,
     META_FIELDS,
@@ -32,21 +39,7 @@ from warehouse.frame import (
     typed_rows,
 )
 from warehouse.history import write_history
-from warehouse.read import (
-    FAST_OK,
-    INVALID,
-    Offsets,
-    check_no_gap,
-    describe_invalid,
-    exact_checked,
-    exact_events,
-    fast_checked,
-    fast_events,
-    invalid_events,
-    read_slice,
-    summary_events,
-    topic_bounds,
-)
+from warehouse.read import Offsets, check_no_gap, read_slice, topic_bounds
 from warehouse.schema import (
     PRIMARY_KEY_PROPERTY,
     SchemaChangeError,
@@ -175,8 +168,8 @@ def run_load(spark: SparkSession, spec: LoadSpec, result: LoadResult | None = No
 
 def _table_meta(events: DataFrame) -> tuple[list[dict[str, Any]], int]:
     """Per table: count, pk, column order, (column, type) pairs, unchanged, last truncate;
-    and how many rows have a null ``table`` (:func:`warehouse.read.summary_events`' records
-    left to the exact checks).
+    and how many rows have a null ``table`` (:func:`warehouse.decode.decoded_records`'
+    invalid records).
 
     One job in the usual case. The (column, type) pairs come from each event's columns,
     types and typmods, collected as they are: the distinct ones are one per table schema the
@@ -281,33 +274,25 @@ def interpreted_if_small(spark: SparkSession, records: int) -> Iterator[None]:
 def write_slice(spark: SparkSession, spec: LoadSpec, raw: DataFrame, txn: Txn, result: LoadResult) -> None:
     """One slice of the topic (Kafka rows) into every table, each write tagged with ``txn``:
     the whole of a batch load, and the body of each micro-batch of ``walbus warehouse stream``."""
-    fast = fast_checked(raw).persist(StorageLevel.MEMORY_AND_DISK)
-    exact: DataFrame | None = None
+    records = decoded_records(raw).persist(StorageLevel.MEMORY_AND_DISK)
     started = time.monotonic()
     try:
-        # One job over every partition at once: reads the slice, parses it into the cache,
-        # summarises each table and counts the records the fast parse does not prove valid
-        # (a count job before the summary made it a second pass over the cache). Only when
-        # there are such records is the exact check planned and run, over them alone, and the
-        # summary made again with the valid ones among them.
-        metas, unusual = _table_meta(summary_events(fast))
-        valid = fast_events(fast)
-        if unusual:
-            exact = exact_events(fast).persist(StorageLevel.MEMORY_AND_DISK)
+        # One job over every partition at once: reads the slice, decodes it into the cache,
+        # summarises each table and counts the invalid records (those under a null table).
+        metas, invalid = _table_meta(records)
+        valid = valid_events(records)
+        if invalid:
             # The first invalid record by (partition, offset): the same one on every replay.
-            (found,) = exact.where(invalid_events()).select(
+            (found,) = records.where(invalid_events()).select(
                 F.min(F.struct("kafka_partition", "kafka_offset", INVALID)).alias("first")
-            ).collect()  # a global aggregate: one row, its value null when every record is valid
+            ).collect()
             bad = found["first"]
-            if bad is not None:
-                if not spec.skip_invalid:
-                    raise LoadError(
-                        f"{describe_invalid(spec.topic, bad)}: not a walbus contract-v1 event; nothing of "
-                        "this load was written (--skip-invalid quarantines such records and loads the rest)"
-                    )
-                result.quarantined += _quarantine(spark, spec, fast, txn, bad)
-            valid = valid.unionByName(exact.where(~invalid_events()))
-            metas, _ = _table_meta(valid)
+            if not spec.skip_invalid:
+                raise LoadError(
+                    f"{describe_invalid(spec.topic, bad)}: not a walbus contract-v1 event; nothing of "
+                    "this load was written (--skip-invalid quarantines such records and loads the rest)"
+                )
+            result.quarantined += _quarantine(spark, spec, records, txn, bad, invalid)
         metas.sort(key=lambda r: r["table"])
         result.phases["read"] = round(result.phases.get("read", 0.0) + time.monotonic() - started, 3)
         selected = NameMatcher(spec.tables)
@@ -326,9 +311,7 @@ def write_slice(spark: SparkSession, spec: LoadSpec, raw: DataFrame, txn: Txn, r
                 "every run replays it until the table is fixed (or left out with --tables)."
             )
     finally:
-        fast.unpersist()
-        if exact is not None:
-            exact.unpersist()
+        records.unpersist()
 
 
 def _load_tables(
@@ -374,21 +357,20 @@ def _register(spark: SparkSession, spec: LoadSpec, metas: list[dict[str, Any]]) 
             raise LoadError(str(e)) from None
 
 
-def _quarantine(spark: SparkSession, spec: LoadSpec, fast: DataFrame, txn: Txn, first: Any) -> int:
-    """Append the load's invalid records (from :func:`fast_checked` rows) to the topic's
+def _quarantine(spark: SparkSession, spec: LoadSpec, records: DataFrame, txn: Txn, first: Any, count: int) -> int:
+    """Append the load's ``count`` invalid records (of :func:`decoded_records`) to the topic's
     quarantine table (once per load)."""
     path = layout.quarantine_path(spec.warehouse, spec.topic)
-    bad = exact_checked(fast.where(~F.col(FAST_OK))).select(
+    bad = records.where(invalid_events()).select(
         F.lit(spec.topic).alias("kafka_topic"),
-        F.col("partition").alias("kafka_partition"),
-        F.col("offset").alias("kafka_offset"),
-        F.col("key").alias("kafka_key"),
-        F.col("value").alias("kafka_value"),
+        "kafka_partition",
+        "kafka_offset",
+        "kafka_key",
+        "kafka_value",
         F.col(INVALID).alias("reason"),
         F.lit(txn.batch_id).cast("bigint").alias("load_id"),
         F.current_timestamp().alias("quarantined_at"),
-    ).where(F.col("reason").isNotNull())
-    count = bad.count()
+    )
     log.error(
         "invalid records quarantined",
         extra={

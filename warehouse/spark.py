@@ -57,9 +57,6 @@ def base_conf(*, shuffle_partitions: int = 4) -> dict[str, str]:
         # a column named twice in one event keeps its last value (as the demux does), not a
         # failed load
         "spark.sql.mapKeyDedupPolicy": "LAST_WIN",
-        # a key named twice in a record's JSON keeps its last value, as orjson (walbus.contract)
-        # reads it, in the contract check's variant parses too (warehouse.read, both paths)
-        "spark.sql.variant.allowDuplicateKeys": "true",
         "spark.sql.shuffle.partitions": str(shuffle_partitions),
         # Delta reconstructs its snapshot with this many tasks (50 by default): far too many
         # for small tables on a few cores.

@@ -1,8 +1,8 @@
 """PostgreSQL type names (``pg_type.typname``, as in the event's ``types``) -> Spark types,
 and the Spark expressions that turn contract-v1 text values into them.
 
-Values arrive as strings (the raw JSON text of each value, see :mod:`warehouse.read`):
-integers and floats as their JSON number text, ``NaN``/``Infinity`` as PostgreSQL prints
+Values arrive as strings (each value's text, see :mod:`warehouse.decode`):
+integers and floats as JSON number text, ``NaN``/``Infinity`` as PostgreSQL prints
 them, everything else as PostgreSQL's text output.
 
 Exactness rule: a value is converted only when the Spark type holds it exactly. Anything

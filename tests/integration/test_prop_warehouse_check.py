@@ -1,12 +1,14 @@
-"""The warehouse's contract check (Spark expressions, warehouse.read.checked) against the
-contract itself (walbus.contract.decode_event + check_key): the same verdict on every record.
+"""The warehouse's first pass (warehouse.decode: the contract's decoder in Python workers)
+against the contract itself (walbus.contract.decode_event + check_key): the same verdict on
+every record, and the fields and value texts the load reads.
 
 Each hypothesis example is a batch of records (valid ones from the reference encoder, and
 mutations of them: junk JSON, wrong types, misaligned lists, bad keys, out-of-range
 integers, bad table quoting, duplicate keys) checked by one Spark job, so the whole file
-stays near a minute on one local session. Not generated: the three inputs read.py lists as
-known gaps (lone surrogate escapes, numbers beyond the double range, a JSON value followed
-by "]" and more), which orjson cannot write.
+stays near a minute on one local session. The three inputs the Spark-expression check it
+replaced accepted and the contract refuses (a lone surrogate escape, a number beyond the
+double range, a JSON value followed by "]" and more), which orjson cannot write, are a test
+of their own.
 """
 
 from __future__ import annotations
@@ -200,7 +202,7 @@ def _is_json_container(text: str) -> bool:
 
 
 def spark_verdicts(spark: Any, batch: list[Record]) -> list[tuple[bool, Any, str | None]]:
-    from warehouse.read import INVALID, parse_events
+    from warehouse.decode import INVALID, parse_events
 
     raw = spark.createDataFrame(
         [(k, v, 0, i) for i, (k, v) in enumerate(batch)], "key binary, value binary, partition int, offset bigint"
@@ -270,7 +272,7 @@ def test_reasons_name_the_broken_rule(spark: Any) -> None:
     assert "unknown contract version 2" in (reasons[2] or "")
     assert "differ in length" in (reasons[3] or "")
     assert reasons[4] == "row columns: names must be strings"
-    assert "is not the event's position 0000000000000010-00000002" in (reasons[5] or "")
+    assert "is not the event's position b'0000000000000010-00000002'" in (reasons[5] or "")
     assert reasons[6] == "field 'seq' is out of range: 4294967296"
     assert reasons[7] == "field 'lsn' must be an integer, got 15.0"
     assert reasons[8] is None
@@ -301,10 +303,29 @@ def test_types_without_columns_are_no_row_image(spark: Any) -> None:
     value = raw_event(commit_lsn=16, seq=2, operation="delete", schema="public", table="t", pk=["id"],
                       identity=image(["id"], ["int4"], [1]))
     stray = value[:-1] + b',"types":["text"],"values":["x"]}'
-    from warehouse.read import parse_events
+    from warehouse.decode import parse_events
 
     raw = spark.createDataFrame([(event_key(16, 2), stray, 0, 0)], "key binary, value binary, partition int, offset bigint")
     (row,) = parse_events(raw).collect()
     assert row["invalid_reason"] is None
     assert (row["columns"], row["types"], row["values"]) == (None, None, None)
     assert row["identity"]["types"] == ["int4"]
+
+
+@pytest.mark.spark
+def test_what_the_spark_expression_check_accepted_and_the_contract_refuses_is_invalid(spark: Any) -> None:
+    # The check written as Spark expressions took these (Spark's JSON reader does) where the
+    # contract refuses them, so a load wrote events no other walbus consumer would read.
+    key = event_key(16, 2)
+    good = raw_event(commit_lsn=16, seq=2, operation="insert", schema="public", table="t", pk=["id"],
+                     new=image(["id", "a"], ["int4", "float8"], [1, 0.5]))
+    batch: list[Record] = [
+        (key, good.replace(b'"values":[1,0.5]', b'"values":[1,"\\ud800"]')),  # a lone surrogate
+        (key, good.replace(b'"values":[1,0.5]', b'"values":[1,1e400]')),  # beyond the double range
+        (key, good + b"]"),  # a whole JSON value, then "]"
+        (key, good),
+    ]
+    verdicts = spark_verdicts(spark, batch)
+    assert [contract_verdict(k, v)[0] for k, v in batch] == [False, False, False, True]
+    assert [valid for valid, _, _ in verdicts] == [False, False, False, True]
+    assert all(reason for _, _, reason in verdicts[:3])

@@ -28,8 +28,8 @@ def _row(cols: list[str], types: list[str], values: list[Any]) -> dict[str, list
 
 def _meta(spark: Any, records: list[tuple[bytes, bytes]]) -> tuple[dict[str, dict[str, Any]], int]:
     """The summary per table, and the Spark jobs it ran."""
+    from warehouse.decode import parse_events
     from warehouse.job import _table_meta
-    from warehouse.read import parse_events
 
     raw = spark.createDataFrame([(k, v, 0, i) for i, (k, v) in enumerate(records)],
                                 "key binary, value binary, partition int, offset bigint")
@@ -87,12 +87,12 @@ def test_unchanged_names_come_from_a_job_of_their_own(spark: Any) -> None:
     assert metas["public.docs"]["events"] == 3
 
 
-def test_a_loads_first_pass_summarises_the_tables_and_counts_the_unusual_records_in_one_job(spark: Any) -> None:
+def test_a_loads_first_pass_summarises_the_tables_and_counts_the_invalid_records_in_one_job(spark: Any) -> None:
     """write_slice's first pass over the slice (it fills the cache) is the summary itself: the
-    records the fast parse does not prove valid are counted under a null table, their fields
-    left out of every table's summary. (A count job before the summary read the cache again.)"""
+    invalid records are counted under a null table, their fields left out of every table's
+    summary. (A count job before the summary read the cache again.)"""
+    from warehouse.decode import decoded_records
     from warehouse.job import _table_meta
-    from warehouse.read import fast_checked, summary_events
 
     cols, types = ["id", "name"], ["int4", "text"]
     records = [
@@ -103,11 +103,11 @@ def test_a_loads_first_pass_summarises_the_tables_and_counts_the_unusual_records
     ]
     raw = spark.createDataFrame([(k, v, 0, i) for i, (k, v) in enumerate(records)],
                                 "key binary, value binary, partition int, offset bigint")
-    fast = fast_checked(raw).cache()
+    fast = decoded_records(raw).cache()
     group = f"meta-{uuid.uuid4().hex}"
     spark.sparkContext.setJobGroup(group, "first pass")
     try:
-        metas, others = _table_meta(summary_events(fast))
+        metas, others = _table_meta(fast)
     finally:
         spark.sparkContext.setLocalProperty("spark.jobGroup.id", None)
         fast.unpersist()

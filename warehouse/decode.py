@@ -1,0 +1,192 @@
+"""Kafka records -> contract-v1 events, checked by the contract's own decoder.
+
+A load's first pass over its slice: Python workers take the records in Arrow batches
+(``mapInArrow``) and decode each with :func:`walbus.contract.decode_keyed_event_as`, the
+decoder every walbus consumer uses (the compiled one from walbus_native when it is
+installed, else msgspec and the reference checks). So a record is valid here exactly when
+it is valid to the feed client and the demux, and an invalid record's reason is the
+contract's own message: there is no second copy of the contract's rules to keep in step.
+(It replaced a check written as Spark expressions, two JSON parses and ~60 rules a record,
+which cost more than twice as much on two cores: see docs/warehouse.md, "Stop 43".)
+
+Each value in ``values`` comes out as the text the typed columns read (warehouse.types):
+a string as itself, ``true``/``false``, a number as its digits, anything else as its JSON.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterator
+from typing import Any, Final
+
+import orjson
+from pyspark.sql import Column, DataFrame
+from pyspark.sql import functions as F
+
+from walbus.contract import (
+    CONTRACT_VERSION,
+    FIELD_ORDER,
+    ChangeEvent,
+    ContractError,
+    RowImage,
+    decode_keyed_event_as,
+    qualify_table,
+    split_table,
+)
+from warehouse.schema import quote
+
+# The Spark types of the contract-v1 fields (walbus.contract.FIELD_ORDER: a field added to
+# the contract fails here until it is given a type). ``values`` as each value's text (see
+# above): the column's pg type decides how to read it.
+_FIELD_TYPES: Final = {
+    "v": "int",
+    "lsn": "decimal(20,0)",
+    "commit_lsn": "decimal(20,0)",
+    "seq": "bigint",
+    "xid": "bigint",
+    "operation": "string",
+    "table": "string",
+    "timestamp": "string",
+    "pk": "array<string>",
+    "not_null": "array<string>",
+    "typmods": "map<string, array<int>>",
+    "columns": "array<string>",
+    "types": "array<string>",
+    "values": "array<string>",
+    "identity": "struct<columns: array<string>, types: array<string>, values: array<string>>",
+    "unchanged": "array<string>",
+}
+INVALID: Final = "invalid_reason"  # why a record is not a contract-v1 event; null if it is
+_POSITION: Final = ("kafka_partition int", "kafka_offset bigint", f"{INVALID} string")
+# the record itself, kept only where it is invalid (the quarantine holds its bytes)
+_RECORD: Final = ("kafka_key binary", "kafka_value binary")
+EVENT_SCHEMA: Final = ", ".join(
+    [*_POSITION, *(f"{quote(name)} {_FIELD_TYPES[name]}" for name in FIELD_ORDER), *_RECORD]
+)
+# one event's columns (EVENT_SCHEMA without the record's bytes)
+EVENT_COLUMNS: Final = tuple(c.split(" ")[0] for c in _POSITION) + tuple(FIELD_ORDER)
+_INT64_LIMIT: Final = 1 << 63  # xid past it has no bigint: null, as the history's pg_txn_id
+
+
+def _value_text(value: Any) -> str | None:
+    """A JSON value as the text the typed columns read: a string as itself, a scalar as JSON
+    writes it, a list or object as its JSON."""
+    if value is None or type(value) is str:
+        return value
+    if value is True:
+        return "true"
+    if value is False:
+        return "false"
+    if type(value) is int:
+        return str(value)
+    if type(value) is float:
+        return repr(value)  # the shortest text of the same double (Java's parseDouble reads it)
+    return orjson.dumps(value).decode()
+
+
+def _texts(values: tuple[Any, ...]) -> list[str | None]:
+    return [v if type(v) is str else _value_text(v) for v in values]
+
+
+def _image(image: RowImage | None) -> dict[str, Any] | None:
+    if image is None:
+        return None
+    return {"columns": image.columns, "types": image.types, "values": _texts(image.values)}
+
+
+def _table(name: str) -> str:
+    """One spelling of a (schema, table) pair: ``"public"."a b"`` loads as ``public.a b``."""
+    return qualify_table(*split_table(name)) if '"' in name else name
+
+
+def _decode_batches(arrow_schema: Any, batches: Iterator[Any]) -> Iterator[Any]:
+    """mapInArrow's function: Kafka rows (key, value, partition, offset) -> EVENT_SCHEMA."""
+    import pyarrow as pa
+
+    names = [f.name for f in arrow_schema]
+    for batch in batches:
+        keys = batch.column("key").to_pylist()
+        values = batch.column("value").to_pylist()
+        out: dict[str, list[Any]] = {name: [] for name in names}
+        out["kafka_partition"] = batch.column("partition")
+        out["kafka_offset"] = batch.column("offset")
+        reasons, record_keys, record_values = out[INVALID], out["kafka_key"], out["kafka_value"]
+        fields = [out[name] for name in FIELD_ORDER]
+        for key, value in zip(keys, values, strict=True):
+            try:
+                event = decode_keyed_event_as(key, value, ChangeEvent)
+            except ContractError as e:
+                reasons.append(str(e))
+                record_keys.append(key)
+                record_values.append(value)
+                for column in fields:
+                    column.append(None)
+                continue
+            reasons.append(None)
+            record_keys.append(None)
+            record_values.append(None)
+            for column, item in zip(fields, _fields(event), strict=True):
+                column.append(item)
+        yield pa.RecordBatch.from_arrays(
+            [c if isinstance(c, pa.Array) else pa.array(c, type=f.type) for c, f in zip(out.values(), arrow_schema, strict=True)],
+            schema=arrow_schema,
+        )
+
+
+def _fields(event: ChangeEvent) -> Iterator[Any]:
+    """The event's FIELD_ORDER values as EVENT_SCHEMA types them."""
+    new = event.new
+    for name in FIELD_ORDER:
+        yield _FIELD_GETTERS[name](event, new)
+
+
+_FIELD_GETTERS: Final[dict[str, Callable[[ChangeEvent, RowImage | None], Any]]] = {
+    "v": lambda e, n: CONTRACT_VERSION,
+    "lsn": lambda e, n: e.lsn,
+    "commit_lsn": lambda e, n: e.commit_lsn,
+    "seq": lambda e, n: e.seq,
+    "xid": lambda e, n: e.xid if e.xid < _INT64_LIMIT else None,
+    "operation": lambda e, n: e.operation,
+    "table": lambda e, n: _table(e.table),
+    "timestamp": lambda e, n: e.timestamp,
+    "pk": lambda e, n: e.pk,
+    "not_null": lambda e, n: e.not_null,
+    "typmods": lambda e, n: list(e.typmods.items()),
+    "columns": lambda e, n: None if n is None else n.columns,
+    "types": lambda e, n: None if n is None else n.types,
+    "values": lambda e, n: None if n is None else _texts(n.values),
+    "identity": lambda e, n: _image(e.identity),
+    "unchanged": lambda e, n: e.unchanged,
+}
+
+
+def decoded_records(raw: DataFrame) -> DataFrame:
+    """Kafka rows -> one row per record (:data:`EVENT_SCHEMA`): its partition and offset,
+    :data:`INVALID` (the contract's reason, or null), the event's fields (null where invalid)
+    and, where invalid, the record's key and value."""
+    from pyspark.sql.pandas.types import to_arrow_schema
+    from pyspark.sql.types import StructType
+
+    schema = StructType.fromDDL(EVENT_SCHEMA)
+    assert isinstance(schema, StructType)
+    decode = functools.partial(_decode_batches, to_arrow_schema(schema))
+    return raw.select("key", "value", "partition", "offset").mapInArrow(decode, schema)
+
+
+def valid_events(records: DataFrame) -> DataFrame:
+    """The events of :func:`decoded_records`' valid records (:data:`EVENT_COLUMNS`)."""
+    return records.where(F.col(INVALID).isNull()).select(*[quote(c) for c in EVENT_COLUMNS])
+
+
+def parse_events(raw: DataFrame) -> DataFrame:
+    """Kafka rows -> one row per record, valid or not (:data:`EVENT_COLUMNS`)."""
+    return decoded_records(raw).select(*[quote(c) for c in EVENT_COLUMNS])
+
+
+def invalid_events() -> Column:
+    """Rows that are not contract-v1 events."""
+    return F.col(INVALID).isNotNull()
+
+
+def describe_invalid(topic: str, row: Any) -> str:
+    return f"record at {topic} partition {row['kafka_partition']} offset {row['kafka_offset']}: {row[INVALID]}"
