@@ -16,7 +16,8 @@ a string as itself, ``true``/``false``, a number as its digits, anything else as
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterator
+import itertools
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Final
 
 import orjson
@@ -57,14 +58,22 @@ _FIELD_TYPES: Final = {
     "unchanged": "array<string>",
 }
 INVALID: Final = "invalid_reason"  # why a record is not a contract-v1 event; null if it is
+# Whether the event's position follows the one before it in its task (the first valid one of a
+# task: true), and EDGE_FIRST/EDGE_LAST on a task's first and last valid one (see
+# positions_unique): a slice whose positions rise through every task, and from task to task,
+# holds each position once, and its history append needs no de-duplication.
+ORDERED: Final = "_walbus_ordered"
+EDGE: Final = "_walbus_edge"
+EDGE_FIRST: Final = 1
+EDGE_LAST: Final = 2
 _POSITION: Final = ("kafka_partition int", "kafka_offset bigint", f"{INVALID} string")
 # the record itself, kept only where it is invalid (the quarantine holds its bytes)
-_RECORD: Final = ("kafka_key binary", "kafka_value binary")
+_RECORD: Final = ("kafka_key binary", "kafka_value binary", f"{ORDERED} boolean", f"{EDGE} tinyint")
 EVENT_SCHEMA: Final = ", ".join(
     [*_POSITION, *(f"{quote(name)} {_FIELD_TYPES[name]}" for name in FIELD_ORDER), *_RECORD]
 )
 # one event's columns (EVENT_SCHEMA without the record's bytes)
-EVENT_COLUMNS: Final = tuple(c.split(" ")[0] for c in _POSITION) + tuple(FIELD_ORDER)
+EVENT_COLUMNS: Final = (*(c.split(" ")[0] for c in _POSITION), *FIELD_ORDER, ORDERED, EDGE)
 _INT64_LIMIT: Final = 1 << 63  # xid past it has no bigint: null, as the history's pg_txn_id
 
 
@@ -100,37 +109,74 @@ def _table(name: str) -> str:
 
 
 def _decode_batches(arrow_schema: Any, batches: Iterator[Any]) -> Iterator[Any]:
-    """mapInArrow's function: Kafka rows (key, value, partition, offset) -> EVENT_SCHEMA."""
+    """mapInArrow's function: one task's Kafka rows (key, value, partition, offset), in offset
+    order -> EVENT_SCHEMA. Each batch goes out when the next one is in (or the task's rows
+    end), so that the task's last valid event can be marked."""
     import pyarrow as pa
 
-    names = [f.name for f in arrow_schema]
+    previous: tuple[int, int] | None = None  # the task's last valid position so far
+    held: tuple[dict[str, Any], int | None] | None = None  # a decoded batch, its last valid row
     for batch in batches:
-        keys = batch.column("key").to_pylist()
-        values = batch.column("value").to_pylist()
-        out: dict[str, list[Any]] = {name: [] for name in names}
-        out["kafka_partition"] = batch.column("partition")
-        out["kafka_offset"] = batch.column("offset")
-        reasons, record_keys, record_values = out[INVALID], out["kafka_key"], out["kafka_value"]
-        fields = [out[name] for name in FIELD_ORDER]
-        for key, value in zip(keys, values, strict=True):
-            try:
-                event = decode_keyed_event_as(key, value, ChangeEvent)
-            except ContractError as e:
-                reasons.append(str(e))
-                record_keys.append(key)
-                record_values.append(value)
-                for column in fields:
-                    column.append(None)
-                continue
-            reasons.append(None)
-            record_keys.append(None)
-            record_values.append(None)
-            for column, item in zip(fields, _fields(event), strict=True):
-                column.append(item)
-        yield pa.RecordBatch.from_arrays(
-            [c if isinstance(c, pa.Array) else pa.array(c, type=f.type) for c, f in zip(out.values(), arrow_schema, strict=True)],
-            schema=arrow_schema,
-        )
+        columns, last, previous = _decode_batch(batch, previous)
+        if held is not None:
+            yield _arrow_batch(pa, arrow_schema, *held, mark_last=False)
+        held = (columns, last)
+    if held is not None:
+        yield _arrow_batch(pa, arrow_schema, *held, mark_last=True)
+
+
+def _decode_batch(
+    batch: Any, previous: tuple[int, int] | None
+) -> tuple[dict[str, Any], int | None, tuple[int, int] | None]:
+    """One Arrow batch -> EVENT_SCHEMA's columns as lists (the Kafka position's as arrays),
+    the index of its last valid row, and the last valid position so far."""
+    keys = batch.column("key").to_pylist()
+    values = batch.column("value").to_pylist()
+    out: dict[str, Any] = {"kafka_partition": batch.column("partition"), "kafka_offset": batch.column("offset")}
+    reasons: list[str | None] = []
+    out[INVALID] = reasons
+    fields: list[list[Any]] = []
+    for name in FIELD_ORDER:
+        out[name] = []
+        fields.append(out[name])
+    record_keys: list[bytes | None] = []
+    record_values: list[bytes | None] = []
+    ordered: list[bool | None] = []
+    edges: list[int | None] = []
+    out.update({"kafka_key": record_keys, "kafka_value": record_values, ORDERED: ordered, EDGE: edges})
+    last: int | None = None
+    for i, (key, value) in enumerate(zip(keys, values, strict=True)):
+        try:
+            event = decode_keyed_event_as(key, value, ChangeEvent)
+        except ContractError as e:
+            reasons.append(str(e))
+            record_keys.append(key)
+            record_values.append(value)
+            ordered.append(None)
+            edges.append(None)
+            for column in fields:
+                column.append(None)
+            continue
+        reasons.append(None)
+        record_keys.append(None)
+        record_values.append(None)
+        position = (event.commit_lsn, event.seq)
+        ordered.append(previous is None or position > previous)
+        edges.append(EDGE_FIRST if previous is None else None)
+        previous, last = position, i
+        for column, item in zip(fields, _fields(event), strict=True):
+            column.append(item)
+    return out, last, previous
+
+
+def _arrow_batch(pa: Any, arrow_schema: Any, columns: dict[str, Any], last: int | None, *, mark_last: bool) -> Any:
+    if mark_last and last is not None:
+        edges = columns[EDGE]
+        edges[last] = (edges[last] or 0) | EDGE_LAST
+    return pa.RecordBatch.from_arrays(
+        [c if isinstance(c, pa.Array) else pa.array(c, type=f.type) for c, f in zip(columns.values(), arrow_schema, strict=True)],
+        schema=arrow_schema,
+    )
 
 
 def _fields(event: ChangeEvent) -> Iterator[Any]:
@@ -171,6 +217,26 @@ def decoded_records(raw: DataFrame) -> DataFrame:
     assert isinstance(schema, StructType)
     decode = functools.partial(_decode_batches, to_arrow_schema(schema))
     return raw.select("key", "value", "partition", "offset").mapInArrow(decode, schema)
+
+
+def positions_unique(edges: Iterable[tuple[int, int, tuple[int, int]]]) -> bool:
+    """Whether a slice whose tasks each hold rising positions (every valid event's ORDERED is
+    true) holds each position once, from its tasks' first and last valid events:
+    ``(kafka partition, offset, (commit_lsn, seq))``. Within a Kafka partition the positions
+    must rise from task to task in offset order; the Kafka partitions' ranges must not overlap.
+    A topic written once, in commit order, always passes; a re-sent transaction does not."""
+    by_partition: dict[int, list[tuple[int, tuple[int, int]]]] = {}
+    for partition, offset, position in edges:
+        by_partition.setdefault(partition, []).append((offset, position))
+    ranges: list[tuple[tuple[int, int], tuple[int, int]]] = []
+    for rows in by_partition.values():
+        rows.sort()
+        positions = [p for _, p in rows]
+        if any(b <= a for a, b in itertools.pairwise(positions)):
+            return False
+        ranges.append((positions[0], positions[-1]))
+    ranges.sort()
+    return all(hi < lo for (_, hi), (lo, _) in itertools.pairwise(ranges))
 
 
 def valid_events(records: DataFrame) -> DataFrame:

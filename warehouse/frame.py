@@ -57,6 +57,9 @@ META_NAMES: Final = frozenset(f.name for f in META_FIELDS)
 # de-duplicated and sorted, and its latest action per key found, with no shuffle before
 # (each a Spark job of its own), and its history append is one sorted file.
 ONE_TASK_ROWS: Final = 200_000
+# A history append with nothing to de-duplicate writes a file per this many rows (at most one
+# per core), each sorted in its own task.
+FILE_ROWS: Final = 50_000
 DELETED: Final = "_walbus_deleted"  # tombstone flag of the current table
 POSITION: Final = ("pg_commit_lsn", "pg_seq")
 PREV_PREFIX: Final = "_walbus_prev_"  # the row's key before the event (history, and within a load)

@@ -23,10 +23,13 @@ from walbus.kafka import KafkaOptions
 from warehouse import NUMERIC_SCALE, catalog, layout, loads
 from warehouse.current import CURRENT_EXTRA_FIELDS, CURRENT_PROPERTIES, merge_current
 from warehouse.decode import (
+    EDGE,
     INVALID,
+    ORDERED,
     decoded_records,
     describe_invalid,
     invalid_events,
+    positions_unique,
     valid_events,
 )
 from warehouse.frame import (
@@ -167,8 +170,9 @@ def run_load(spark: SparkSession, spec: LoadSpec, result: LoadResult | None = No
 
 
 def _table_meta(events: DataFrame) -> tuple[list[dict[str, Any]], int]:
-    """Per table: count, pk, column order, (column, type) pairs, unchanged, last truncate;
-    and how many rows have a null ``table`` (:func:`warehouse.decode.decoded_records`'
+    """Per table: count, pk, column order, (column, type) pairs, unchanged, last truncate,
+    whether the slice holds each position once (``unique_positions``, the same for every
+    table: see :func:`warehouse.decode.positions_unique`); and how many rows have a null ``table`` (:func:`warehouse.decode.decoded_records`'
     invalid records).
 
     One job in the usual case. The (column, type) pairs come from each event's columns,
@@ -189,6 +193,8 @@ def _table_meta(events: DataFrame) -> tuple[list[dict[str, Any]], int]:
     per_table: dict[str, dict[str, Any]] = {}
     others = 0
     any_unchanged = False
+    ordered = True
+    edges: list[tuple[int, int, tuple[int, int]]] = []
     for r in (
         events.groupBy("table")
         .agg(
@@ -200,6 +206,10 @@ def _table_meta(events: DataFrame) -> tuple[list[dict[str, Any]], int]:
             F.max("commit_lsn").alias("lsn_hi"),
             F.collect_set(schema).alias("schemas"),
             F.count(F.when(F.size("unchanged") > 0, F.lit(1))).alias("with_unchanged"),
+            F.min(ORDERED).alias("ordered"),
+            F.collect_list(
+                F.when(F.col(EDGE).isNotNull(), F.struct("kafka_partition", "kafka_offset", "commit_lsn", "seq"))
+            ).alias("edges"),
         )
         .collect()
     ):
@@ -208,6 +218,8 @@ def _table_meta(events: DataFrame) -> tuple[list[dict[str, Any]], int]:
             continue
         meta = r.asDict()
         schemas, with_unchanged = meta.pop("schemas"), meta.pop("with_unchanged")
+        ordered = ordered and meta.pop("ordered") is True
+        edges += [(e["kafka_partition"], e["kafka_offset"], (int(e["commit_lsn"]), e["seq"])) for e in meta.pop("edges")]
         meta["pairs"] = list(dict.fromkeys(pair for s in schemas for pair in _declared_pairs(s)))
         meta["unchanged"] = []
         any_unchanged = any_unchanged or with_unchanged > 0
@@ -215,6 +227,9 @@ def _table_meta(events: DataFrame) -> tuple[list[dict[str, Any]], int]:
     if any_unchanged:
         for r in events.select("table", F.explode("unchanged").alias("u")).distinct().collect():
             per_table[r["table"]]["unchanged"].append(r["u"])
+    unique = ordered and positions_unique(edges)
+    for meta in per_table.values():
+        meta["unique_positions"] = unique  # the whole slice's: no position in it twice
     return list(per_table.values()), others
 
 
@@ -450,6 +465,8 @@ def _load_table(
         history = write_history(
             spark, paths.history, rows, columns, pk, txn, (meta["lsn_lo"], meta["lsn_hi"]), int(meta["events"]),
             new_history,
+            # the rows keep the slice's partitions in offset order unless the TOAST fill joined them
+            unique=bool(meta.get("unique_positions")) and not (pk and unchanged),
         )
         summary.timed("history", started)
         summary.history_rows += history.written

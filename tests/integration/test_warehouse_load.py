@@ -616,6 +616,56 @@ def test_a_small_history_append_is_one_file_in_lsn_order(
     assert sorted(found) == sorted((0x9000 - i * 0x100, s) for i in range(40) for s in (0, 1))
 
 
+def _history_files_positions(spark: Any, path: str) -> list[list[tuple[int, int]]]:
+    """Each data file of a history table's latest commit: its rows' positions, in file order."""
+    import orjson
+
+    from warehouse.txn import _commit_lines
+
+    schema = next(a["metaData"]["schemaString"] for a in _commit_lines(spark, path, 0) if "metaData" in a)
+    fields = {f["name"]: f["metadata"].get("delta.columnMapping.physicalName", f["name"])
+              for f in orjson.loads(schema)["fields"]}
+    out = []
+    for f in (a["add"]["path"] for a in _commit_actions(spark, path) if "add" in a):
+        rows = spark.read.parquet(f"{path}/{f}").select(fields["pg_commit_lsn"], fields["pg_seq"]).collect()
+        out.append([(int(r[0]), int(r[1])) for r in rows])
+    return out
+
+
+def test_a_load_in_commit_order_writes_its_history_files_side_by_side_and_a_resent_one_is_deduplicated(
+    spark: Any, kafka_bootstrap: str, unique_name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A slice whose positions rise through the topic holds each once: its history append
+    skips the de-duplication and writes a sorted file per core's share, side by side. A slice
+    that holds a transaction twice (re-sent, later in the topic) is de-duplicated as before."""
+    from warehouse import frame
+
+    monkeypatch.setattr(frame, "FILE_ROWS", 10)
+    events = []
+    for i in range(30):
+        events += Txn(0x1000 + i * 0x100).insert(TX, TX_PK, tx_row(i, 1, i)).insert(TX, TX_PK, tx_row(100 + i, 1, i)).events
+    produce_events(kafka_bootstrap, unique_name, events)
+    assert load(spark, kafka_bootstrap, unique_name, tmp_path).tables[TX].history_rows == 60
+    path = table_paths(tmp_path, unique_name, TX).history
+    files = sorted(_history_files_positions(spark, path))
+    assert len(files) == spark.sparkContext.defaultParallelism == 2
+    assert all(f == sorted(f) for f in files)
+    assert files[0][-1] < files[1][0]  # the files' ranges do not overlap
+    assert sorted(p for f in files for p in f) == sorted((0x1000 + i * 0x100, s) for i in range(30) for s in (0, 1))
+
+    # the next 20 transactions twice: the slice's two tasks each rise, but the second one's
+    # first position is not past the first one's last
+    more = []
+    for i in range(30, 50):
+        more += Txn(0x1000 + i * 0x100).insert(TX, TX_PK, tx_row(i, 1, i)).insert(TX, TX_PK, tx_row(100 + i, 1, i)).events
+    produce_events(kafka_bootstrap, unique_name, more + more)
+    again = load(spark, kafka_bootstrap, unique_name, tmp_path)
+    assert again.events == 80 and again.tables[TX].history_rows == 40
+    found = [p for f in _history_files_positions(spark, path) for p in f]
+    assert sorted(found) == sorted((0x1000 + i * 0x100, s) for i in range(30, 50) for s in (0, 1))
+    assert len(history(spark, tmp_path, unique_name)) == 100
+
+
 def test_a_small_load_runs_without_generated_code_and_puts_the_settings_back(
     spark: Any, kafka_bootstrap: str, unique_name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
