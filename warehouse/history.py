@@ -1,7 +1,8 @@
 """History tables: every event exactly once, rows written in (commit LSN, seq) order.
 
 Duplicates (the producer re-sends after a crash; a topic written twice) are removed twice:
-within the load, and against the rows already in the table. The latter reads only the files
+within the load (unless its first pass saw the positions rise through the whole slice, see
+:func:`warehouse.decode.positions_unique`), and against the rows already in the table. The latter reads only the files
 whose ``pg_commit_lsn`` range overlaps the load's (Delta data skipping on the file stats that
 LSN-ordered appends keep tight), so it does not scan the whole history; and not at all when
 the load starts past the table's highest commit LSN, which each append notes in its commit.
