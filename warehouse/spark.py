@@ -54,6 +54,10 @@ def base_conf(*, shuffle_partitions: int = 4) -> dict[str, str]:
         "spark.sql.session.timeZone": "UTC",
         # PostgreSQL identifiers are case-sensitive ("Amount" and amount are two columns).
         "spark.sql.caseSensitive": "true",
+        # The Python workers that decode a load's records (warehouse.decode) take them in Arrow
+        # batches of at most 10,000 records (Spark's default) and this many bytes, so a slice of
+        # huge rows does not put gigabytes in one worker's batch (it holds two at a time).
+        "spark.sql.execution.arrow.maxBytesPerBatch": str(16 << 20),
         # a column named twice in one event keeps its last value (as the demux does), not a
         # failed load
         "spark.sql.mapKeyDedupPolicy": "LAST_WIN",

@@ -641,6 +641,16 @@ def test_a_load_in_commit_order_writes_its_history_files_side_by_side_and_a_rese
     from warehouse import frame
 
     monkeypatch.setattr(frame, "FILE_ROWS", 10)
+    # several Arrow batches a task: the decoder's order marks carry from batch to batch
+    assert spark.conf.get("spark.sql.execution.arrow.maxBytesPerBatch") == str(16 << 20)
+    spark.conf.set("spark.sql.execution.arrow.maxRecordsPerBatch", "7")
+    try:
+        _side_by_side(spark, kafka_bootstrap, unique_name, tmp_path)
+    finally:
+        spark.conf.unset("spark.sql.execution.arrow.maxRecordsPerBatch")
+
+
+def _side_by_side(spark: Any, kafka_bootstrap: str, unique_name: str, tmp_path: Path) -> None:
     events = []
     for i in range(30):
         events += Txn(0x1000 + i * 0x100).insert(TX, TX_PK, tx_row(i, 1, i)).insert(TX, TX_PK, tx_row(100 + i, 1, i)).events
