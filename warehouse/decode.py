@@ -114,19 +114,22 @@ def _table(name: str) -> str:
 
 def _decode_batches(arrow_schema: Any, batches: Iterator[Any]) -> Iterator[Any]:
     """mapInArrow's function: one task's Kafka rows (key, value, partition, offset), in offset
-    order -> EVENT_SCHEMA. Each batch goes out when the next one is in (or the task's rows
+    order -> EVENT_SCHEMA. The batch that holds the latest valid event (and any batches of
+    invalid records only after it) goes out when a later batch holds one (or the task's rows
     end), so that the task's last valid event can be marked."""
     import pyarrow as pa
 
     previous: tuple[int, int] | None = None  # the task's last valid position so far
-    held: tuple[dict[str, Any], int | None] | None = None  # a decoded batch, its last valid row
+    held: list[tuple[dict[str, Any], int | None]] = []  # decoded batches, each with its last valid row
     for batch in batches:
         columns, last, previous = _decode_batch(batch, previous)
-        if held is not None:
-            yield _arrow_batch(pa, arrow_schema, *held, mark_last=False)
-        held = (columns, last)
-    if held is not None:
-        yield _arrow_batch(pa, arrow_schema, *held, mark_last=True)
+        if last is not None:
+            for done in held:
+                yield _arrow_batch(pa, arrow_schema, *done, mark_last=False)
+            held = []
+        held.append((columns, last))
+    for i, done in enumerate(held):
+        yield _arrow_batch(pa, arrow_schema, *done, mark_last=i == 0)
 
 
 def _decode_batch(

@@ -116,3 +116,24 @@ def test_a_loads_first_pass_summarises_the_tables_and_counts_the_invalid_records
     (orders,) = metas
     assert orders["table"] == "public.orders" and orders["events"] == 2
     assert sorted(orders["pairs"]) == [("id", "int4"), ("name", "text")]  # no "evil" column
+
+
+@pytest.mark.parametrize("tail", [0, 1, 3], ids=["no-invalid-tail", "invalid-tail", "invalid-batches"])
+def test_the_decoder_marks_each_tasks_first_and_last_valid_event(spark: Any, tail: int) -> None:
+    """A task's last valid event is marked even when the batches after it hold invalid records
+    only: without the mark, positions_unique would not see where the task ends, and a
+    re-sent event in the next task could skip the history's de-duplication."""
+    from warehouse.decode import EDGE, EDGE_FIRST, EDGE_LAST, ORDERED, decoded_records
+
+    cols, types = ["id"], ["int4"]
+    records = [_event(i, "public.t", "insert", new=_row(cols, types, [i])) for i in range(4)]
+    records += [(b"k", b"not json")] * tail
+    raw = spark.createDataFrame([(k, v, 0, i) for i, (k, v) in enumerate(records)],
+                                "key binary, value binary, partition int, offset bigint").coalesce(1)
+    spark.conf.set("spark.sql.execution.arrow.maxRecordsPerBatch", "2")
+    try:
+        rows = decoded_records(raw).orderBy("kafka_offset").collect()
+    finally:
+        spark.conf.unset("spark.sql.execution.arrow.maxRecordsPerBatch")
+    assert [r[EDGE] for r in rows] == [EDGE_FIRST, None, None, EDGE_LAST] + [None] * tail
+    assert [r[ORDERED] for r in rows] == [True] * 4 + [None] * tail
