@@ -68,12 +68,13 @@ EDGE_FIRST: Final = 1
 EDGE_LAST: Final = 2
 _POSITION: Final = ("kafka_partition int", "kafka_offset bigint", f"{INVALID} string")
 # the record itself, kept only where it is invalid (the quarantine holds its bytes)
-_RECORD: Final = ("kafka_key binary", "kafka_value binary", f"{ORDERED} boolean", f"{EDGE} tinyint")
+_RECORD: Final = ("kafka_key binary", "kafka_value binary")
+_MARKS: Final = (f"{ORDERED} boolean", f"{EDGE} tinyint")
 EVENT_SCHEMA: Final = ", ".join(
-    [*_POSITION, *(f"{quote(name)} {_FIELD_TYPES[name]}" for name in FIELD_ORDER), *_RECORD]
+    [*_POSITION, *(f"{quote(name)} {_FIELD_TYPES[name]}" for name in FIELD_ORDER), *_RECORD, *_MARKS]
 )
 # one event's columns (EVENT_SCHEMA without the record's bytes)
-EVENT_COLUMNS: Final = (*(c.split(" ")[0] for c in _POSITION), *FIELD_ORDER, ORDERED, EDGE)
+EVENT_COLUMNS: Final = tuple(c.split(" ")[0] for c in (*_POSITION, *FIELD_ORDER, *_MARKS))
 _INT64_LIMIT: Final = 1 << 63  # xid past it has no bigint: null, as the history's pg_txn_id
 _ROW_FIELDS: Final = (
     "v", "lsn", "commit_lsn", "seq", "xid", "operation", "table", "timestamp", "pk", "not_null", "typmods",
