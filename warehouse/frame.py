@@ -78,6 +78,7 @@ def prev_fields(columns: Sequence[SourceColumn], pk: Sequence[str]) -> tuple[Str
 
 _NEW: Final = "_walbus_new"  # the event's row image as a map (column -> value text)
 _OLD: Final = "_walbus_old"  # its identity as a map
+_IN_ORDER: Final = "_walbus_in_order"  # the event's columns are the table's, in order
 
 
 def _raw(i: int) -> str:
@@ -100,37 +101,60 @@ def typed_rows(events: DataFrame, columns: Sequence[SourceColumn], pk: Sequence[
     exactness check and ``pg_raw_values``): 16 columns built the maps some 60 times a row
     (100,000 events of a 16-column table: 8.2-8.6 s -> 2.0-3.2 s). A projection whose
     expensive columns are read more than once is not merged into the next one.
+
+    Two shortcuts for the usual row, each giving what the general expression gives:
+
+    * an event whose ``columns`` are the table's, in its order (every insert and update of a
+      table whose schema did not change), has its values read by position: no map is built;
+    * a row whose values all convert exactly has ``pg_raw_values`` empty without building
+      the array of its columns' entries (a higher-order ``filter`` is evaluated element by
+      element, interpreted).
+
+    Measured on 100,000 events of a 16-column table (typed rows written to ``noop``, warm,
+    3 rounds): 2.67 s of tasks -> 1.75 s.
     """
     is_delete = F.col("operation") == "delete"
+    in_order = (
+        F.col("columns") == F.array(*[F.lit(c.name) for c in columns]) if columns else F.lit(False)
+    )
     maps = events.select(
         "*",
-        F.map_from_arrays(F.col("columns"), F.col("values")).alias(_NEW),
+        in_order.alias(_IN_ORDER),
+        F.when(~in_order, F.map_from_arrays(F.col("columns"), F.col("values"))).alias(_NEW),
         F.map_from_arrays(F.col("identity.columns"), F.col("identity.values")).alias(_OLD),
     )
     texts: list[Column] = []
     for i, col in enumerate(columns):
-        texts.append(F.when(is_delete, F.col(_OLD)[col.name]).otherwise(F.col(_NEW)[col.name]).alias(_raw(i)))
+        texts.append(
+            F.when(is_delete, F.col(_OLD)[col.name])
+            .when(F.col(_IN_ORDER), F.col("values")[i])
+            .otherwise(F.col(_NEW)[col.name])
+            .alias(_raw(i))
+        )
         if col.name in pk:
             texts.append(F.col(_OLD)[col.name].alias(_old_raw(i)))
     staged = maps.select(*[F.col(c) for c in events.columns], *texts)
     typed: list[Column] = []
     raw_entries: list[Column] = []
+    all_exact: Column = F.lit(True)
     prev: list[Column] = []
     for i, col in enumerate(columns):
         raw = F.col(_raw(i))
         value, exact = convert(raw, col.pg_type, col.spark)
         typed.append(value.cast(col.spark).alias(col.name))
         raw_entries.append(F.when(~exact, F.struct(F.lit(col.name).alias("k"), raw.alias("v"))))
+        all_exact = all_exact & exact
         if col.name in pk:
             old_raw = F.col(_old_raw(i))
             old_value, _ = convert(old_raw, col.pg_type, col.spark)
             # an identity without this key column (REPLICA IDENTITY USING INDEX/NOTHING):
             # the key is taken as unchanged
             prev.append(F.when(old_raw.isNotNull(), old_value.cast(col.spark)).otherwise(value.cast(col.spark)).alias(prev_name(col.name)))
+    no_raw = F.create_map().cast(MapType(StringType(), StringType()))
     raw_map = (
-        F.map_from_entries(F.filter(F.array(*raw_entries), lambda e: e.isNotNull()))
+        F.when(all_exact, no_raw).otherwise(F.map_from_entries(F.array_compact(F.array(*raw_entries))))
         if raw_entries
-        else F.create_map().cast(MapType(StringType(), StringType()))
+        else no_raw
     )
     return staged.select(
         F.col("lsn").alias("pg_lsn"),

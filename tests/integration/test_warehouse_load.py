@@ -755,6 +755,45 @@ def test_typed_rows_builds_each_events_maps_once(spark: Any) -> None:
     ]
 
 
+def test_typed_rows_reads_values_in_the_tables_order_by_position_and_any_other_by_name(spark: Any) -> None:
+    """An event whose columns are the table's in its order is read by position, any other
+    (reordered, a column missing, one the table lacks) by name: the same typed values and
+    the same pg_raw_values either way, inexact values included."""
+    from decimal import Decimal
+
+    from warehouse.frame import typed_rows
+    from warehouse.schema import SourceColumn
+    from warehouse.types import spark_type
+
+    schema = (
+        "lsn decimal(20,0), commit_lsn decimal(20,0), seq bigint, xid bigint, operation string, timestamp string, "
+        "columns array<string>, `values` array<string>, "
+        "identity struct<columns: array<string>, types: array<string>, `values`: array<string>>, unchanged array<string>"
+    )
+    ts = "2024-01-02 03:04:05+00"
+    events = spark.createDataFrame([
+        (Decimal(1), Decimal(1), 0, 7, "insert", ts, ["id", "n", "t"], ["1", "1.5", "a"], None, None),
+        (Decimal(2), Decimal(2), 0, 7, "insert", ts, ["t", "id", "n"], ["b", "2", "2.5"], None, None),
+        (Decimal(3), Decimal(3), 0, 7, "insert", ts, ["id", "t"], ["3", "c"], None, None),
+        (Decimal(4), Decimal(4), 0, 7, "insert", ts, ["id", "n", "t", "extra"], ["4", "NaN", "d", "z"], None, None),
+        (Decimal(5), Decimal(5), 0, 7, "insert", ts, ["n", "t", "id"], ["NaN", "e", "5"], None, None),
+        (Decimal(6), Decimal(6), 0, 7, "update", ts, ["id", "n", "t"], ["6", "NaN", "f"], (["id"], ["int4"], ["60"]), None),
+        (Decimal(7), Decimal(7), 0, 7, "delete", ts, None, None, (["id"], ["int4"], ["6"]), None),
+    ], schema)
+    columns = [SourceColumn(n, t, spark_type(t)) for n, t in (("id", "int4"), ("n", "numeric"), ("t", "text"))]
+    rows = typed_rows(events, columns, ["id"]).orderBy("pg_lsn").collect()
+    got = [(r["id"], r["n"], r["t"], r["_walbus_prev_id"], r["pg_raw_values"]) for r in rows]
+    assert got == [
+        (1, Decimal("1.5"), "a", 1, {}),
+        (2, Decimal("2.5"), "b", 2, {}),
+        (3, None, "c", 3, {}),
+        (4, None, "d", 4, {"n": "NaN"}),
+        (5, None, "e", 5, {"n": "NaN"}),
+        (6, None, "f", 60, {"n": "NaN"}),
+        (6, None, None, 6, {}),
+    ]
+
+
 def test_building_a_loads_dataframes_sends_no_call_site_notes(spark: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """pyspark 4 notes the Python call site of every DataFrame and Column call in the JVM
     (PySparkCurrentOrigin, for error messages): ~4 extra py4j round trips a call, 3/4 of
