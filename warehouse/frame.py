@@ -136,14 +136,14 @@ def typed_rows(events: DataFrame, columns: Sequence[SourceColumn], pk: Sequence[
     staged = maps.select(*[F.col(c) for c in events.columns], *texts)
     typed: list[Column] = []
     raw_entries: list[Column] = []
-    all_exact: Column = F.lit(True)
+    exacts: list[Column] = []
     prev: list[Column] = []
     for i, col in enumerate(columns):
         raw = F.col(_raw(i))
         value, exact = convert(raw, col.pg_type, col.spark)
         typed.append(value.cast(col.spark).alias(col.name))
         raw_entries.append(F.when(~exact, F.struct(F.lit(col.name).alias("k"), raw.alias("v"))))
-        all_exact = all_exact & exact
+        exacts.append(exact)
         if col.name in pk:
             old_raw = F.col(_old_raw(i))
             old_value, _ = convert(old_raw, col.pg_type, col.spark)
@@ -152,7 +152,7 @@ def typed_rows(events: DataFrame, columns: Sequence[SourceColumn], pk: Sequence[
             prev.append(F.when(old_raw.isNotNull(), old_value.cast(col.spark)).otherwise(value.cast(col.spark)).alias(prev_name(col.name)))
     no_raw = F.create_map().cast(MapType(StringType(), StringType()))
     raw_map = (
-        F.when(all_exact, no_raw).otherwise(F.map_from_entries(F.array_compact(F.array(*raw_entries))))
+        F.when(_all_of(exacts), no_raw).otherwise(F.map_from_entries(F.array_compact(F.array(*raw_entries))))
         if raw_entries
         else no_raw
     )
@@ -168,6 +168,15 @@ def typed_rows(events: DataFrame, columns: Sequence[SourceColumn], pk: Sequence[
         *typed,
         *prev,
     )
+
+
+def _all_of(conditions: Sequence[Column]) -> Column:
+    """The conjunction of ``conditions`` as a balanced tree: a chain of 1,600 ANDs (a table
+    of PostgreSQL's most columns) overflowed the JVM's stack in Spark's analysis."""
+    level = list(conditions) or [F.lit(True)]
+    while len(level) > 1:
+        level = [level[i] & level[i + 1] if i + 1 < len(level) else level[i] for i in range(0, len(level), 2)]
+    return level[0]
 
 
 def table_columns(columns: Sequence[SourceColumn], pk: Sequence[str] = ()) -> list[Column]:

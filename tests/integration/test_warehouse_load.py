@@ -794,6 +794,35 @@ def test_typed_rows_reads_values_in_the_tables_order_by_position_and_any_other_b
     ]
 
 
+def test_typed_rows_of_a_table_with_postgresqls_most_columns(spark: Any) -> None:
+    """1,600 columns (PostgreSQL's limit), one row with every value exact and one with none:
+    the check that a row needs no pg_raw_values entry is one condition over every column,
+    and written as a chain of ANDs it overflowed the JVM's stack in Spark's analysis."""
+    from decimal import Decimal
+
+    from warehouse.frame import typed_rows
+    from warehouse.schema import SourceColumn
+    from warehouse.types import spark_type
+
+    schema = (
+        "lsn decimal(20,0), commit_lsn decimal(20,0), seq bigint, xid bigint, operation string, timestamp string, "
+        "columns array<string>, `values` array<string>, "
+        "identity struct<columns: array<string>, types: array<string>, `values`: array<string>>, unchanged array<string>"
+    )
+    names = ["id", *(f"c{i}" for i in range(1, 1600))]
+    ts = "2024-01-02 03:04:05+00"
+    events = spark.createDataFrame([
+        (Decimal(1), Decimal(1), 0, 7, "insert", ts, names, ["1", *(str(i) for i in range(1, 1600))], None, None),
+        (Decimal(2), Decimal(2), 0, 7, "insert", ts, names, ["2", *(["NaN"] * 1599)], None, None),
+    ], schema)
+    columns = [SourceColumn("id", "int4", spark_type("int4"))]
+    columns += [SourceColumn(n, "numeric", spark_type("numeric")) for n in names[1:]]
+    exact, inexact = typed_rows(events, columns, ["id"]).orderBy("pg_lsn").collect()
+    assert (exact["c1"], exact["c1599"], exact["pg_raw_values"]) == (Decimal(1), Decimal(1599), {})
+    assert (inexact["c1"], inexact["c1599"]) == (None, None)
+    assert inexact["pg_raw_values"] == {n: "NaN" for n in names[1:]}
+
+
 def test_building_a_loads_dataframes_sends_no_call_site_notes(spark: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """pyspark 4 notes the Python call site of every DataFrame and Column call in the JVM
     (PySparkCurrentOrigin, for error messages): ~4 extra py4j round trips a call, 3/4 of
