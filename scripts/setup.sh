@@ -33,14 +33,11 @@ else
   echo "setup: no cargo: the producer falls back to its pure-Python path (install Rust, then pip install ./native)"
 fi
 # Spark's Delta and Kafka connector jars (spark.jars.packages, the versions that match the
-# installed pyspark and delta-spark: io.delta:delta-spark_4.2_2.13:4.4.0 and
-# org.apache.spark:spark-sql-kafka-0-10_2.13:4.2.0) once, into Ivy's cache, so that
-# the first `walbus warehouse load` or `walbus demo` does not resolve them; Ivy's output goes
-# to the Spark log file, not here.
-python3 -c '
-from warehouse.spark import prefetch_jars
-print("setup: spark jars", " ".join(prefetch_jars()))
-'
+# installed pyspark and delta-spark) once, into Ivy's cache, so that the first `walbus
+# warehouse load` or `walbus demo` does not resolve them, and the driver JVM's class archive
+# (~/.cache/walbus/jvm), so that every later driver JVM starts faster (docs/warehouse.md,
+# "Stop 45"); their output goes to the Spark log file, not here.
+walbus warehouse prepare | sed 's/^/setup: /'
 # Fetch the Kafka broker's jars from Maven Central once (cached in ~/.cache/walbus): the
 # default 4.x, and 3.9 for the tests that check it still works (tests/integration/test_kafka39.py).
 python3 -c '

@@ -1,4 +1,4 @@
-"""``walbus warehouse load`` and ``walbus warehouse sql``."""
+"""``walbus warehouse load``, ``stream``, ``sql`` and ``prepare``."""
 
 from __future__ import annotations
 
@@ -31,6 +31,7 @@ commands:
   load    load the database topic into history and current tables (Delta)
   stream  the same load as a Spark Structured Streaming query (checkpointed; any Spark cluster)
   sql     run a Spark SQL query over a warehouse's tables
+  prepare fetch Spark's connector jars and write the driver JVM's class archive (once a host)
 
 `walbus warehouse <command> --help` for the options.
 """
@@ -142,6 +143,11 @@ class SqlConfig(CatalogOptions, SparkOptions):
         super().__post_init__()
         if self.as_of_lsn is not None:
             Lsn.parse(self.as_of_lsn)  # ValueError: a configuration error
+
+
+@dataclass(kw_only=True)
+class PrepareConfig(SparkOptions):
+    force: bool = option(False, help="write the class archive again even when there is one for this JVM")
 
 
 def _session(config: LoadConfig | SqlConfig) -> Any:
@@ -296,6 +302,23 @@ def sql_main(argv: Sequence[str]) -> int:
     return 0
 
 
+def prepare_main(argv: Sequence[str]) -> int:
+    config = load_config(PrepareConfig, argv, prog="walbus warehouse prepare", section="warehouse")
+    setup_logging(config.log_level)
+    from warehouse.prepare import prepare
+
+    try:
+        done = prepare(master=config.master or "local[2]", conf=config.spark_settings(), force=config.force)
+    except Exception as e:
+        return _failed("prepare", e)
+    print("spark jars:", " ".join(done.packages))
+    if done.archive is None:
+        print("class archive: off (WALBUS_SPARK_CLASS_ARCHIVE) or no java found")
+    else:
+        print(f"class archive: {done.archive} ({'written' if done.written else 'already there'})")
+    return 0
+
+
 def print_table(columns: list[str], rows: list[list[Any]]) -> None:
     """Rows as an aligned text table (used by `walbus warehouse sql` and `walbus demo`)."""
     cells = [[("NULL" if v is None else str(v)) for v in row] for row in rows]
@@ -312,7 +335,7 @@ def main(argv: Sequence[str]) -> int:
     if not args or args[0] in ("-h", "--help", "help"):
         print(USAGE)
         return 0 if args else 2
-    commands = {"load": load_main, "stream": stream_main, "sql": sql_main}
+    commands = {"load": load_main, "stream": stream_main, "sql": sql_main, "prepare": prepare_main}
     command = commands.get(args[0])
     if command is None:
         print(f"walbus warehouse: unknown command {args[0]!r}\n\n{USAGE}", file=sys.stderr)

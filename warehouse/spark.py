@@ -9,12 +9,18 @@ resolved by the driver and shipped to the executors by Spark itself.
 from __future__ import annotations
 
 import importlib.metadata
+import logging
 import os
 import re
 import sys
 import tempfile
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any, Final
+
+from warehouse import class_archive
+
+log = logging.getLogger("walbus.warehouse")
 
 SCALA_VERSION = "2.13"
 # The Kafka connector release per Spark minor version: one whose dependency
@@ -127,13 +133,17 @@ def rotate_log(path: str, *, max_bytes: int = LOG_ROTATE_BYTES, keep: int = LOG_
     return True
 
 
-def _launch_jvm(settings: Mapping[str, str], log_path: str) -> None:
+def _launch_jvm(settings: Mapping[str, str], log_path: str, archive_output: str | None = None) -> None:
     """Start the driver JVM with its stdout/stderr appended to ``log_path``.
 
     PySpark would start it with this process' terminal as its output, where Ivy prints some
     hundred lines on a first run and log4j its warnings; Spark's own launcher takes the
     same settings (``--conf``) either way. Nothing happens when a JVM is already there or
     when spark-submit started this process (PYSPARK_GATEWAY_PORT).
+
+    The JVM maps walbus' class-data archive when there is one for it
+    (:mod:`warehouse.class_archive`); with ``archive_output`` it writes one there as it exits
+    instead (``walbus warehouse prepare``).
     """
     from pyspark import SparkConf, SparkContext
     from pyspark.java_gateway import launch_gateway
@@ -141,6 +151,7 @@ def _launch_jvm(settings: Mapping[str, str], log_path: str) -> None:
     with SparkContext._lock:
         if SparkContext._gateway is not None or "PYSPARK_GATEWAY_PORT" in os.environ:
             return
+        settings = _with_class_archive(settings, archive_output)
         conf = SparkConf(loadDefaults=False).setAll(list(settings.items()))
         os.makedirs(os.path.dirname(os.path.abspath(log_path)), exist_ok=True)
         rotate_log(log_path)
@@ -150,6 +161,17 @@ def _launch_jvm(settings: Mapping[str, str], log_path: str) -> None:
         SparkContext._jvm = gateway.jvm
 
 
+def _with_class_archive(settings: Mapping[str, str], archive_output: str | None) -> Mapping[str, str]:
+    if archive_output is not None:
+        return class_archive.with_java_option(settings, class_archive.write_option(Path(archive_output)))
+    archive = class_archive.archive_path(settings)
+    if archive is None or not archive.is_file():
+        log.debug("spark driver class archive: none", extra={"archive": str(archive) if archive else None})
+        return settings
+    log.debug("spark driver class archive", extra={"archive": str(archive)})
+    return class_archive.with_java_option(settings, class_archive.map_option(archive))
+
+
 def build_session(
     *,
     master: str | None = None,
@@ -157,11 +179,14 @@ def build_session(
     conf: Mapping[str, str] | None = None,
     shuffle_partitions: int = 4,
     log_path: str | None = None,
+    archive_output: str | None = None,
 ) -> Any:
     """Create (or return the running) SparkSession with walbus' settings.
 
     ``master`` None leaves it to spark-submit / SPARK_MASTER (cluster deployments). The
     JVM's own output goes to ``log_path`` (default: :func:`default_log_path`), not the terminal.
+    ``archive_output``: the driver JVM this starts writes its class-data archive there as it
+    exits (see :mod:`warehouse.prepare`).
     """
     from pyspark.sql import SparkSession
 
@@ -183,7 +208,7 @@ def build_session(
     for key, value in settings.items():
         builder = builder.config(key, value)
     _launch_jvm({**settings, "spark.app.name": app_name, **({"spark.master": master} if master else {})},
-                log_path or default_log_path())
+                log_path or default_log_path(), archive_output)
     session = builder.getOrCreate()
     session.sparkContext.setLogLevel("ERROR")
     _import_hot_classes(session)
@@ -210,11 +235,3 @@ def _import_hot_classes(session: Any) -> None:
         return
     for name in _HOT_CLASSES:
         java_import(view, name)
-
-
-def prefetch_jars() -> list[str]:
-    """Resolve the Delta and Kafka connector jars into Ivy's cache (a local session started
-    and stopped); the Maven coordinates."""
-    session = build_session(master="local[1]", conf={"spark.ui.enabled": "false"}, shuffle_partitions=1)
-    session.stop()
-    return packages()
