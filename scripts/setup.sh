@@ -33,10 +33,9 @@ else
   echo "setup: no cargo: the producer falls back to its pure-Python path (install Rust, then pip install ./native)"
 fi
 # Spark's Delta and Kafka connector jars (spark.jars.packages, the versions that match the
-# installed pyspark and delta-spark) once, into Ivy's cache, so that the first `walbus
-# warehouse load` or `walbus demo` does not resolve them, and the driver JVM's class archive
-# (~/.cache/walbus/jvm), so that every later driver JVM starts faster (docs/warehouse.md,
-# "Stop 45"); their output goes to the Spark log file, not here.
+# installed pyspark and delta-spark) once, into Ivy's cache, and what makes a later driver JVM
+# start faster: the jars' list and the JVM's class archive, in ~/.cache/walbus/jvm
+# (docs/warehouse.md); the JVMs' output goes to the Spark log file, not here.
 walbus warehouse prepare | sed 's/^/setup: /'
 # Fetch the Kafka broker's jars from Maven Central once (cached in ~/.cache/walbus): the
 # default 4.x, and 3.9 for the tests that check it still works (tests/integration/test_kafka39.py).

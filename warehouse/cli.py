@@ -147,7 +147,7 @@ class SqlConfig(CatalogOptions, SparkOptions):
 
 @dataclass(kw_only=True)
 class PrepareConfig(SparkOptions):
-    force: bool = option(False, help="write the class archive again even when there is one for this JVM")
+    force: bool = option(False, help="resolve the jars and write the class archive again even when they are there")
 
 
 def _session(config: LoadConfig | SqlConfig) -> Any:
@@ -312,8 +312,9 @@ def prepare_main(argv: Sequence[str]) -> int:
     except Exception as e:
         return _failed("prepare", e)
     print("spark jars:", " ".join(done.packages))
+    print(f"jar list: {done.jars}" if done.jars else "jar list: none kept (WALBUS_SPARK_DRIVER_CACHE=off)")
     if done.archive is None:
-        print("class archive: off (WALBUS_SPARK_CLASS_ARCHIVE) or no java found")
+        print("class archive: none (WALBUS_SPARK_DRIVER_CACHE=off, or no java found)")
     else:
         print(f"class archive: {done.archive} ({'written' if done.written else 'already there'})")
     return 0

@@ -1,15 +1,18 @@
 """``walbus warehouse prepare``: what a host needs before its first load, done once.
 
-* Spark's Delta and Kafka connector jars resolved into Ivy's cache (the session's own
-  ``spark.jars.packages``), so a load does not fetch them;
-* the driver JVM's class-data archive (:mod:`warehouse.class_archive`), written by a JVM that
-  rehearses a load: a few thousand synthetic contract-v1 events of one table, decoded and
-  written by :func:`warehouse.job.write_slice` into a temporary warehouse twice (a first load,
-  then updates and deletes: CTAS, append, MERGE), once interpreted and once with generated
-  code, as loads of each size run. No Kafka broker is needed.
+What :mod:`warehouse.driver_cache` keeps, each made by a driver JVM of its own:
 
-The archive is written under a temporary name and renamed once the JVM has exited cleanly,
-so a JVM never maps a half-written archive, and two ``prepare`` runs at once each write
+1. the Delta and Kafka connector jars resolved by Ivy (the session's own
+   ``spark.jars.packages``, fetched into Ivy's cache), and their list;
+2. the driver JVM's class archive, written by a JVM started as later ones will be (the jars
+   on its class path, no Ivy) that rehearses a load: a few thousand synthetic contract-v1
+   events of one table, decoded and written by :func:`warehouse.job.write_slice` into a
+   temporary warehouse twice (a first load, then updates and deletes: CTAS, append, MERGE),
+   once interpreted and once with generated code, as loads of each size run. No Kafka
+   broker is needed.
+
+Each is written under a temporary name and renamed once whole (the archive once its JVM has
+exited cleanly), so a JVM never maps a half-written archive, and two runs at once each write
 their own.
 """
 
@@ -29,7 +32,7 @@ from typing import Any, Final
 
 from walbus.contract import encode_event, event_key
 from walbus.kafka import KafkaOptions
-from warehouse import class_archive
+from warehouse import driver_cache
 
 log = logging.getLogger("walbus.warehouse")
 
@@ -48,7 +51,8 @@ _JVM_EXIT_SECONDS: Final = 600.0  # writing the archive as the JVM exits takes ~
 @dataclass(frozen=True)
 class Prepared:
     packages: list[str]
-    archive: Path | None  # None: archives are off, or no java was found
+    jars: Path | None  # the resolved jars' list; None: the cache is off
+    archive: Path | None  # None: the cache is off, or no java was found
     written: bool  # False: an archive for this JVM and these jars was there already
     seconds: float
 
@@ -135,9 +139,21 @@ def _scratch() -> Iterator[str]:
         shutil.rmtree(root, ignore_errors=True)
 
 
+def _resolve_jars(master: str, conf: dict[str, str]) -> list[str]:
+    """Start a driver JVM that resolves the packages with Ivy; the jar files it got."""
+    from warehouse.spark import build_session
+
+    spark = build_session(master=master, app_name="walbus-prepare", conf=conf, use_driver_cache=False)
+    try:
+        return driver_cache.jar_files(spark.sparkContext.getConf().get("spark.jars", ""))
+    finally:
+        _stop_jvm(spark)
+
+
 def prepare(*, master: str = "local[2]", conf: dict[str, str] | None = None, force: bool = False) -> Prepared:
-    """Resolve the connector jars and write the driver's class-data archive (when archives
-    are on and none is there for this JVM and these jars, or ``force``)."""
+    """Resolve the connector jars and keep their list, and write the driver's class archive
+    (each when the cache is on and it is not there yet for this JVM and these jars, or
+    ``force``)."""
     from pyspark import SparkContext
 
     from warehouse.spark import base_conf, build_session, packages
@@ -146,27 +162,31 @@ def prepare(*, master: str = "local[2]", conf: dict[str, str] | None = None, for
         raise RuntimeError("walbus warehouse prepare needs a process without a running Spark driver")
     started = time.monotonic()
     conf = {"spark.ui.enabled": "false", "spark.driver.memory": "1g", **(conf or {})}
-    archive = class_archive.archive_path({**base_conf(), **conf})
+    settings = {**base_conf(), **conf}
+    where = driver_cache.cache_dir()
+    if where is not None and where.is_dir():
+        driver_cache.remove_leftovers(where)
+    if force or driver_cache.resolved_jars(settings) is None:
+        jars = _resolve_jars(master, conf)
+        if jars:
+            driver_cache.save_jars(settings, jars)
+    kept = driver_cache.jars_path(settings) if driver_cache.resolved_jars(settings) is not None else None
+    archive = driver_cache.archive_for(settings, master)
     write = archive is not None and (force or not archive.is_file())
-    temporary: Path | None = None
     if archive is not None and write:
-        class_archive.private_dir(archive.parent)
+        driver_cache.private_dir(archive.parent)
         temporary = archive.with_name(f"{archive.name}.{os.getpid()}.tmp")
         temporary.unlink(missing_ok=True)
-    spark = build_session(
-        master=master, app_name="walbus-prepare", conf=conf, shuffle_partitions=2,
-        archive_output=str(temporary) if temporary is not None else None,
-    )
-    try:
-        if temporary is not None:
+        spark = build_session(master=master, app_name="walbus-prepare", conf=conf, shuffle_partitions=2,
+                              archive_output=str(temporary))
+        try:
             with _scratch() as root:
                 _rehearse(spark, root)
-    finally:
-        status = _stop_jvm(spark)
-    if archive is not None and temporary is not None:
+        finally:
+            status = _stop_jvm(spark)
         if status != 0 or not temporary.is_file() or temporary.stat().st_size == 0:
             temporary.unlink(missing_ok=True)
             raise RuntimeError(f"the driver JVM exited with status {status} without writing {temporary}; see the Spark log")
         os.replace(temporary, archive)
         log.info("spark driver class archive written", extra={"archive": str(archive)})
-    return Prepared(packages(), archive, write, round(time.monotonic() - started, 1))
+    return Prepared(packages(), kept, archive, write, round(time.monotonic() - started, 1))

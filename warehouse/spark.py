@@ -8,6 +8,7 @@ resolved by the driver and shipped to the executors by Spark itself.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.metadata
 import logging
 import os
@@ -18,7 +19,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Final
 
-from warehouse import class_archive
+from warehouse import driver_cache
 
 log = logging.getLogger("walbus.warehouse")
 
@@ -133,17 +134,14 @@ def rotate_log(path: str, *, max_bytes: int = LOG_ROTATE_BYTES, keep: int = LOG_
     return True
 
 
-def _launch_jvm(settings: Mapping[str, str], log_path: str, archive_output: str | None = None) -> None:
+def _launch_jvm(launch: driver_cache.Launch, log_path: str) -> None:
     """Start the driver JVM with its stdout/stderr appended to ``log_path``.
 
     PySpark would start it with this process' terminal as its output, where Ivy prints some
     hundred lines on a first run and log4j its warnings; Spark's own launcher takes the
     same settings (``--conf``) either way. Nothing happens when a JVM is already there or
-    when spark-submit started this process (PYSPARK_GATEWAY_PORT).
-
-    The JVM maps walbus' class-data archive when there is one for it
-    (:mod:`warehouse.class_archive`); with ``archive_output`` it writes one there as it exits
-    instead (``walbus warehouse prepare``).
+    when spark-submit started this process (PYSPARK_GATEWAY_PORT). ``launch`` may append
+    jars to its class path and map or write a class archive (:mod:`warehouse.driver_cache`).
     """
     from pyspark import SparkConf, SparkContext
     from pyspark.java_gateway import launch_gateway
@@ -151,25 +149,25 @@ def _launch_jvm(settings: Mapping[str, str], log_path: str, archive_output: str 
     with SparkContext._lock:
         if SparkContext._gateway is not None or "PYSPARK_GATEWAY_PORT" in os.environ:
             return
-        settings = _with_class_archive(settings, archive_output)
-        conf = SparkConf(loadDefaults=False).setAll(list(settings.items()))
+        conf = SparkConf(loadDefaults=False).setAll(list(launch.settings.items()))
         os.makedirs(os.path.dirname(os.path.abspath(log_path)), exist_ok=True)
         rotate_log(log_path)
-        with open(log_path, "ab") as out:  # the child keeps its own copy of the descriptor
-            gateway = launch_gateway(conf, popen_kwargs={"stdout": out, "stderr": out})  # type: ignore[no-untyped-call]
+        log.debug("spark driver launch", extra={"archive": str(launch.archive) if launch.archive else None,
+                                                "ivy": not launch.classpath})
+        before = os.environ.get(driver_cache.DIST_CLASSPATH)
+        if launch.classpath:  # PySpark's launcher passes this process' environment on
+            os.environ[driver_cache.DIST_CLASSPATH] = f"{before}:{launch.classpath}" if before else launch.classpath
+        try:
+            with open(log_path, "ab") as out:  # the child keeps its own copy of the descriptor
+                gateway = launch_gateway(conf, popen_kwargs={"stdout": out, "stderr": out})  # type: ignore[no-untyped-call]
+        finally:
+            if launch.classpath:
+                if before is None:
+                    os.environ.pop(driver_cache.DIST_CLASSPATH, None)
+                else:
+                    os.environ[driver_cache.DIST_CLASSPATH] = before
         SparkContext._gateway = gateway
         SparkContext._jvm = gateway.jvm
-
-
-def _with_class_archive(settings: Mapping[str, str], archive_output: str | None) -> Mapping[str, str]:
-    if archive_output is not None:
-        return class_archive.with_java_option(settings, class_archive.write_option(Path(archive_output)))
-    archive = class_archive.archive_path(settings)
-    if archive is None or not archive.is_file():
-        log.debug("spark driver class archive: none", extra={"archive": str(archive) if archive else None})
-        return settings
-    log.debug("spark driver class archive", extra={"archive": str(archive)})
-    return class_archive.with_java_option(settings, class_archive.map_option(archive))
 
 
 def build_session(
@@ -180,13 +178,16 @@ def build_session(
     shuffle_partitions: int = 4,
     log_path: str | None = None,
     archive_output: str | None = None,
+    use_driver_cache: bool = True,
 ) -> Any:
     """Create (or return the running) SparkSession with walbus' settings.
 
     ``master`` None leaves it to spark-submit / SPARK_MASTER (cluster deployments). The
     JVM's own output goes to ``log_path`` (default: :func:`default_log_path`), not the terminal.
-    ``archive_output``: the driver JVM this starts writes its class-data archive there as it
-    exits (see :mod:`warehouse.prepare`).
+    A driver JVM this starts skips Ivy and maps a class archive when ``walbus warehouse
+    prepare`` kept them (:mod:`warehouse.driver_cache`); with ``archive_output`` it writes
+    its class archive there as it exits instead (see :mod:`warehouse.prepare`);
+    ``use_driver_cache`` False: neither (Ivy resolves the packages).
     """
     from pyspark.sql import SparkSession
 
@@ -205,10 +206,18 @@ def build_session(
         os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     settings.update(sql_warehouse_conf(master))
     settings.update(conf or {})
-    for key, value in settings.items():
+    launch = (
+        driver_cache.plan_launch(settings, master, archive_output=Path(archive_output) if archive_output else None)
+        if use_driver_cache
+        else driver_cache.Launch(settings)
+    )
+    for key, value in launch.settings.items():
         builder = builder.config(key, value)
-    _launch_jvm({**settings, "spark.app.name": app_name, **({"spark.master": master} if master else {})},
-                log_path or default_log_path(), archive_output)
+    _launch_jvm(
+        dataclasses.replace(launch, settings={**launch.settings, "spark.app.name": app_name,
+                                              **({"spark.master": master} if master else {})}),
+        log_path or default_log_path(),
+    )
     session = builder.getOrCreate()
     session.sparkContext.setLogLevel("ERROR")
     _import_hot_classes(session)

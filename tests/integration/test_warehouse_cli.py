@@ -115,7 +115,8 @@ def test_load_leaves_the_terminal_and_the_working_directory_clean_and_its_metric
     cwd, log, metrics = tmp_path / "cwd", tmp_path / "spark.log", tmp_path / "walbus.prom"
     cwd.mkdir()
     produce_events(kafka_bootstrap, unique_name, Txn(0x1000).insert(TABLES[0], ["id"], {"id": ("int4", 1)}).events)
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "WALBUS_SPARK_LOG": str(log)}
+    # without `walbus warehouse prepare`'s jar list, so that Ivy resolves the jars and prints
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "WALBUS_SPARK_LOG": str(log), "WALBUS_SPARK_DRIVER_CACHE": "off"}
     done = subprocess.run(
         _cli("load", "--kafka-bootstrap", kafka_bootstrap, "--topic", unique_name,
              "--warehouse", str(tmp_path / "wh"), "--master", "local[1]", "--spark-conf", "spark.ui.enabled=false",

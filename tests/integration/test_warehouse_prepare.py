@@ -1,5 +1,5 @@
-"""`walbus warehouse prepare`: the driver JVM's class archive, written once, mapped by every
-later driver JVM that walbus starts (warehouse.class_archive)."""
+"""`walbus warehouse prepare`: the connector jars' list and the driver JVM's class archive,
+kept once and used by every later driver JVM that walbus starts (warehouse.driver_cache)."""
 
 from __future__ import annotations
 
@@ -11,43 +11,72 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.spark]
+from tests.support.warehouse import Txn, produce_events
+
+pytestmark = [pytest.mark.spark, pytest.mark.integration]
 
 ROOT = Path(__file__).resolve().parents[2]
-_SESSION = """
-import sys
-from warehouse.spark import build_session
-spark = build_session(master="local[1]", conf={
-    "spark.ui.enabled": "false", "spark.driver.extraJavaOptions": "-Xlog:class+load=info:file=" + sys.argv[1]})
-print(spark.range(5).count())
-spark.stop()
-"""
+IVY = ":: resolving dependencies ::"
 
 
-def _classes_source(env: dict[str, str], log: Path, name: str) -> str:
-    """Where a new driver JVM took class ``name`` from (its class-load log)."""
-    done = subprocess.run([sys.executable, "-c", _SESSION, str(log)], env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0 and done.stdout.strip() == "5", done.stderr[-3000:]
-    (line,) = [line for line in log.read_text().splitlines() if f"] {name} source: " in line]
+def _cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "walbus.app.cli", "warehouse", *args]
+
+
+def _load(env: dict[str, str], bootstrap: str, topic: str, warehouse: Path, classes: Path) -> str:
+    """A load in a new driver JVM; where it took its classes from (its class-load log)."""
+    done = subprocess.run(
+        _cli("load", "--kafka-bootstrap", bootstrap, "--topic", topic, "--warehouse", str(warehouse),
+             "--master", "local[1]", "--spark-conf", "spark.ui.enabled=false",
+             "--spark-conf", f"spark.driver.extraJavaOptions=-Xlog:class+load=info:file={classes}"),
+        env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.startswith("shop.a: 2 events, history +2,"), done.stdout
+    return classes.read_text()
+
+
+def _source(classes: str, name: str) -> str:
+    (line,) = [line for line in classes.splitlines() if f"] {name} source: " in line]
     return line.split(" source: ", 1)[1]
 
 
-def test_prepare_writes_the_class_archive_once_and_later_driver_jvms_map_it(tmp_path: Path) -> None:
-    archives = tmp_path / "jvm"
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "WALBUS_SPARK_CLASS_ARCHIVE": str(archives),
-           "WALBUS_SPARK_LOG": str(tmp_path / "spark.log")}
-    cli = [sys.executable, "-m", "walbus.app.cli", "warehouse", "prepare"]
-    done = subprocess.run(cli, env=env, capture_output=True, text=True, timeout=900)
+def test_prepare_keeps_the_jars_and_the_class_archive_once_and_later_loads_use_them(
+    tmp_path: Path, kafka_bootstrap: str, unique_name: str
+) -> None:
+    cache, log = tmp_path / "jvm", tmp_path / "spark.log"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "WALBUS_SPARK_DRIVER_CACHE": str(cache), "WALBUS_SPARK_LOG": str(log)}
+    done = subprocess.run(_cli("prepare"), env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "io.delta:delta-spark" in done.stdout and "(written)" in done.stdout, done.stdout
-    (archive,) = archives.iterdir()  # the archive alone: no temporary file left beside it
-    assert archive.name.startswith("spark-driver-") and archive.suffix == ".jsa" and archive.stat().st_size > 1 << 20
-    assert stat.S_IMODE(archives.stat().st_mode) == 0o700
-    # a new driver JVM maps it, and the user's own Java options still apply (the log)
-    assert _classes_source(env, tmp_path / "mapped.txt", "org.apache.spark.sql.SparkSession").startswith("shared objects file")
-    # without it, the same class comes from pyspark's jar
-    off = {**env, "WALBUS_SPARK_CLASS_ARCHIVE": "off"}
-    assert _classes_source(off, tmp_path / "off.txt", "org.apache.spark.sql.SparkSession").endswith(".jar")
-    again = subprocess.run(cli, env=env, capture_output=True, text=True, timeout=900)
+    # the two alone: no temporary file left beside them
+    (jars,) = cache.glob("jars-*.txt")
+    (archive,) = cache.glob("spark-driver-*.jsa")
+    assert sorted(cache.iterdir()) == sorted([jars, archive])
+    assert stat.S_IMODE(cache.stat().st_mode) == 0o700 and archive.stat().st_size > 1 << 20
+    kept = jars.read_text().splitlines()
+    assert any("delta-spark" in j for j in kept) and any("spark-sql-kafka" in j for j in kept)
+    assert all(os.path.isfile(j) for j in kept)
+
+    produce_events(kafka_bootstrap, unique_name, Txn(0x1000).insert("shop.a", ["id"], {"id": ("int4", 1)})
+                   .insert("shop.a", ["id"], {"id": ("int4", 2)}).events)
+    # a load in a new JVM: no Ivy resolution; Spark's, Delta's and the Kafka source's classes
+    # mapped from the archive (it holds only classes of the class path: the kept jars were on
+    # it); the user's own Java options kept (the class-load log)
+    log.unlink()
+    classes = _load(env, kafka_bootstrap, unique_name, tmp_path / "wh1", tmp_path / "mapped.txt")
+    assert IVY not in log.read_text(errors="replace")
+    assert _source(classes, "org.apache.spark.sql.SparkSession").startswith("shared objects file")
+    assert _source(classes, "io.delta.sql.DeltaSparkSessionExtension").startswith("shared objects file")
+    assert _source(classes, "org.apache.spark.sql.kafka010.KafkaSourceProvider").startswith("shared objects file")
+    # with the cache off: Ivy resolves, and the same classes come from the jars
+    off = {**env, "WALBUS_SPARK_DRIVER_CACHE": "off"}
+    classes = _load(off, kafka_bootstrap, unique_name, tmp_path / "wh2", tmp_path / "off.txt")
+    assert IVY in log.read_text(errors="replace")
+    assert _source(classes, "org.apache.spark.sql.SparkSession").endswith(".jar")
+    assert _source(classes, "io.delta.sql.DeltaSparkSessionExtension").endswith(".jar")
+    assert "spark-sql-kafka" in _source(classes, "org.apache.spark.sql.kafka010.KafkaSourceProvider")
+    # once there, prepare starts no JVM and keeps them
+    again = subprocess.run(_cli("prepare"), env=env, capture_output=True, text=True, timeout=900)
     assert again.returncode == 0 and "(already there)" in again.stdout, again.stdout + again.stderr[-3000:]
-    assert list(archives.iterdir()) == [archive]
+    assert sorted(cache.iterdir()) == sorted([jars, archive])

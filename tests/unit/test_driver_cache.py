@@ -1,0 +1,135 @@
+"""What walbus keeps to start a driver JVM faster: where, under which names, and how a launch
+uses it (warehouse.driver_cache)."""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+import pytest
+
+from warehouse import driver_cache as dc
+
+PACKAGES = {dc.PACKAGES: "io.delta:delta-spark_4.2_2.13:4.4.0,org.apache.spark:spark-sql-kafka-0-10_2.13:4.2.0"}
+
+
+def _env(tmp_path: Path) -> dict[str, str]:
+    home = tmp_path / "jdk"
+    (home / "bin").mkdir(parents=True)
+    (home / "bin" / "java").write_text("#!/bin/sh\n")
+    return {"JAVA_HOME": str(home), "HOME": str(tmp_path / "home")}
+
+
+def _jars(tmp_path: Path, n: int = 2) -> list[str]:
+    out = []
+    for i in range(n):
+        jar = tmp_path / "ivy" / f"j{i}.jar"
+        jar.parent.mkdir(exist_ok=True)
+        jar.write_bytes(b"PK" + bytes([i]))
+        out.append(str(jar))
+    return out
+
+
+def test_the_cache_lives_in_walbus_cache_directory_unless_the_environment_says_otherwise(tmp_path: Path) -> None:
+    env = _env(tmp_path)
+    assert dc.cache_dir(env) == tmp_path / "home" / ".cache" / "walbus" / "jvm"
+    assert dc.cache_dir({**env, "XDG_CACHE_HOME": str(tmp_path / "xdg")}) == tmp_path / "xdg" / "walbus" / "jvm"
+    assert dc.cache_dir({**env, dc.CACHE_ENV: str(tmp_path / "mine")}) == tmp_path / "mine"
+    for off in ("off", "OFF", "none", "0"):
+        off_env = {**env, dc.CACHE_ENV: off}
+        assert dc.cache_dir(off_env) is None
+        assert dc.archive_path({}, "", off_env) is None and dc.jars_path(PACKAGES, off_env) is None
+        assert dc.plan_launch(PACKAGES, "local[2]", env=off_env) == dc.Launch(dict(PACKAGES))
+
+
+def test_without_a_java_there_is_no_archive(tmp_path: Path) -> None:
+    env = {"JAVA_HOME": str(tmp_path / "missing"), "HOME": str(tmp_path)}
+    assert dc.java_binary(env) is None
+    assert dc.archive_path({}, "", env) is None
+
+
+def test_an_archive_is_named_after_the_java_the_packages_and_the_class_path(tmp_path: Path) -> None:
+    pytest.importorskip("pyspark")
+    env = _env(tmp_path)
+    jars = _jars(tmp_path)
+    first = dc.archive_path(PACKAGES, "", env)
+    assert first is not None and first.parent == tmp_path / "home" / ".cache" / "walbus" / "jvm"
+    assert first.name.startswith("spark-driver-") and first.suffix == ".jsa"
+    assert dc.archive_path(PACKAGES, "", env) == first  # the same inputs: the same archive
+    # settings that do not change the JVM's classes do not change the name
+    assert dc.archive_path({**PACKAGES, "spark.driver.memory": "8g"}, "", env) == first
+    with_jars = dc.archive_path({}, ":".join(jars), env)
+    others = {
+        dc.archive_path({dc.PACKAGES: "io.delta:delta-spark_4.2_2.13:4.4.1"}, "", env),
+        dc.archive_path({**PACKAGES, "spark.driver.extraClassPath": "/opt/x.jar"}, "", env),
+        with_jars,
+    }
+    Path(jars[1]).write_bytes(b"PK another build")  # a jar of the class path replaced
+    others.add(dc.archive_path({}, ":".join(jars), env))
+    java = Path(env["JAVA_HOME"]) / "bin" / "java"
+    java.write_text("#!/bin/sh\n# another build\n")  # an upgraded JDK at the same path
+    others.add(dc.archive_path(PACKAGES, "", env))
+    assert first not in others and len(others) == 5
+
+
+def test_a_local_driver_skips_ivy_with_the_kept_jars_after_sparks_own(tmp_path: Path) -> None:
+    pytest.importorskip("pyspark")
+    env = _env(tmp_path)
+    settings = {**PACKAGES, "spark.driver.memory": "2g"}
+    assert dc.plan_launch(settings, "local[2]", env=env) == dc.Launch(settings)  # nothing kept yet
+    jars = _jars(tmp_path)
+    kept = dc.save_jars(settings, jars, env)
+    assert kept is not None and kept.read_text().splitlines() == jars
+    assert stat.S_IMODE(os.stat(kept.parent).st_mode) == 0o700
+    launch = dc.plan_launch(settings, "local[2]", env=env)
+    assert launch == dc.Launch({"spark.driver.memory": "2g"}, ":".join(jars))
+    for master in ("local", "local[*]", "local[2,3]"):
+        assert dc.plan_launch(settings, master, env=env).classpath == ":".join(jars)
+    # another master's executors need the packages; other repositories resolve other jars
+    for master in (None, "spark://127.0.0.1:7077", "yarn", "k8s://https://k:443"):
+        assert dc.plan_launch(settings, master, env=env) == dc.Launch(settings)
+    other = {**settings, "spark.jars.repositories": "https://repo.example/maven"}
+    assert dc.plan_launch(other, "local[2]", env=env) == dc.Launch(other)
+    # a kept jar gone from Ivy's cache: Ivy resolves again
+    os.unlink(jars[0])
+    assert dc.plan_launch(settings, "local[2]", env=env) == dc.Launch(settings)
+
+
+def test_a_launch_maps_the_archive_made_for_it_or_writes_one(tmp_path: Path) -> None:
+    pytest.importorskip("pyspark")
+    env = _env(tmp_path)
+    jars = _jars(tmp_path)
+    dc.save_jars(PACKAGES, jars, env)
+    archive = dc.archive_for(PACKAGES, "local[1]", env)
+    assert archive is not None and archive == dc.archive_path({}, ":".join(jars), env)
+    assert dc.plan_launch(PACKAGES, "local[1]", env=env).archive is None  # not written yet
+    archive.write_bytes(b"archive")
+    mine = {**PACKAGES, dc.JAVA_OPTIONS: "-XX:+UseG1GC -Dx=1"}
+    launch = dc.plan_launch(mine, "local[1]", env=env)
+    assert launch.archive == archive
+    # the archive's option after the user's own Java options
+    assert launch.settings == {dc.JAVA_OPTIONS: f"-XX:+UseG1GC -Dx=1 -XX:SharedArchiveFile={archive}"}
+    assert mine[dc.JAVA_OPTIONS] == "-XX:+UseG1GC -Dx=1"  # the caller's settings are left alone
+    out = tmp_path / "new.jsa"
+    writing = dc.plan_launch(PACKAGES, "local[1]", archive_output=out, env=env)
+    assert writing.settings == {dc.JAVA_OPTIONS: f"-XX:ArchiveClassesAtExit={out}"} and writing.archive == out
+
+
+def test_spark_jars_values_as_files() -> None:
+    assert dc.jar_files("file:///a/b.jar, file:/c/d.jar,/e/f.jar,,") == ["/a/b.jar", "/c/d.jar", "/e/f.jar"]
+    assert dc.jar_files("") == []
+
+
+def test_a_dead_writers_temporary_files_are_removed_and_a_live_ones_kept(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True)
+    dead = tmp_path / f"spark-driver-x.jsa.{done.stdout.strip()}.tmp"
+    live = tmp_path / f"spark-driver-x.jsa.{os.getpid()}.tmp"
+    other = tmp_path / "notes.tmp"
+    for path in (dead, live, other):
+        path.write_text("x")
+    assert dc.remove_leftovers(tmp_path) == [dead]
+    assert sorted(tmp_path.iterdir()) == sorted([live, other])
