@@ -30,6 +30,7 @@ driver that spark-submit started is left alone.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.metadata
 import os
@@ -40,6 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
+SUFFIX: Final = ".jsa"
 CACHE_ENV: Final = "WALBUS_SPARK_DRIVER_CACHE"  # the cache's directory, or "off"
 OFF: Final = frozenset({"off", "none", "false", "0"})
 JAVA_OPTIONS: Final = "spark.driver.extraJavaOptions"
@@ -166,9 +168,9 @@ def jar_files(spark_jars: str) -> list[str]:
 # --- the class archive ----------------------------------------------------------------------
 
 
-def archive_path(settings: Mapping[str, str], classpath: str = "", env: Mapping[str, str] | None = None) -> Path | None:
-    """The class archive of a driver JVM started with ``settings`` and ``classpath`` appended
-    (it may not exist yet); None when the cache is off or no java is found."""
+def archive_stem(settings: Mapping[str, str], classpath: str = "", env: Mapping[str, str] | None = None) -> Path | None:
+    """The class archive of a driver JVM started with ``settings`` and ``classpath`` appended,
+    without its size (:func:`archive_file`); None when the cache is off or no java is found."""
     import pyspark
 
     where = cache_dir(env)
@@ -185,7 +187,26 @@ def archive_path(settings: Mapping[str, str], classpath: str = "", env: Mapping[
         *(_stat_line(e) if os.path.isfile(e) else e for e in entries),
         *(_stat_line(str(j)) for j in jars),
     ]
-    return where / f"spark-driver-{_digest(parts)}.jsa"
+    return where / f"spark-driver-{_digest(parts)}"
+
+
+def archive_file(stem: Path, size: int) -> Path:
+    """An archive's file: its stem and its size in bytes. A JVM that maps an archive shorter
+    than its header says dies of SIGBUS (HotSpot 17 reads past the end), so only a file
+    whose size is the one it was written with is ever mapped."""
+    return stem.with_name(f"{stem.name}-{size}{SUFFIX}")
+
+
+def find_archive(stem: Path | None) -> Path | None:
+    """The archive written for ``stem`` whose size is still the one it was written with."""
+    if stem is None or not stem.parent.is_dir():
+        return None
+    for path in stem.parent.glob(f"{stem.name}-*{SUFFIX}"):
+        size = path.name[len(stem.name) + 1:-len(SUFFIX)]
+        with contextlib.suppress(OSError):
+            if size.isdigit() and path.is_file() and path.stat().st_size == int(size):
+                return path
+    return None
 
 
 def with_java_option(settings: Mapping[str, str], option: str) -> dict[str, str]:
@@ -207,6 +228,10 @@ class Launch:
     classpath: str = ""
     archive: Path | None = None
 
+    @property
+    def cached(self) -> bool:
+        return bool(self.classpath) or self.archive is not None
+
 
 def _without_ivy(settings: Mapping[str, str], master: str | None, env: Mapping[str, str] | None) -> Launch:
     jars = resolved_jars(settings, env) if is_local(master) else None
@@ -216,9 +241,10 @@ def _without_ivy(settings: Mapping[str, str], master: str | None, env: Mapping[s
 
 
 def archive_for(settings: Mapping[str, str], master: str | None, env: Mapping[str, str] | None = None) -> Path | None:
-    """The class archive a driver JVM started with ``settings`` and ``master`` would map."""
+    """The stem of the class archive a driver JVM started with ``settings`` and ``master``
+    would map (:func:`find_archive` finds it)."""
     launch = _without_ivy(settings, master, env)
-    return archive_path(launch.settings, launch.classpath, env)
+    return archive_stem(launch.settings, launch.classpath, env)
 
 
 def plan_launch(
@@ -227,12 +253,14 @@ def plan_launch(
 ) -> Launch:
     """The launch of a driver JVM with ``settings``: Ivy skipped where the jars are known, the
     class archive mapped when there is one (or, with ``archive_output``, written there as the
-    JVM exits)."""
+    JVM exits). A mapped archive's checksums are verified (``-XX:+VerifySharedSpaces``: a
+    damaged one is not used, ~0.1 s)."""
     launch = _without_ivy(settings, master, env)
     if archive_output is not None:
         return Launch(with_java_option(launch.settings, f"-XX:ArchiveClassesAtExit={archive_output}"),
                       launch.classpath, archive_output)
-    archive = archive_path(launch.settings, launch.classpath, env)
-    if archive is None or not archive.is_file():
+    archive = find_archive(archive_stem(launch.settings, launch.classpath, env))
+    if archive is None:
         return launch
-    return Launch(with_java_option(launch.settings, f"-XX:SharedArchiveFile={archive}"), launch.classpath, archive)
+    option = f"-XX:+VerifySharedSpaces -XX:SharedArchiveFile={archive}"
+    return Launch(with_java_option(launch.settings, option), launch.classpath, archive)

@@ -171,11 +171,12 @@ def prepare(*, master: str = "local[2]", conf: dict[str, str] | None = None, for
         if jars:
             driver_cache.save_jars(settings, jars)
     kept = driver_cache.jars_path(settings) if driver_cache.resolved_jars(settings) is not None else None
-    archive = driver_cache.archive_for(settings, master)
-    write = archive is not None and (force or not archive.is_file())
-    if archive is not None and write:
-        driver_cache.private_dir(archive.parent)
-        temporary = archive.with_name(f"{archive.name}.{os.getpid()}.tmp")
+    stem = driver_cache.archive_for(settings, master)
+    archive = driver_cache.find_archive(stem)
+    write = stem is not None and (force or archive is None)
+    if stem is not None and write:
+        driver_cache.private_dir(stem.parent)
+        temporary = stem.with_name(f"{stem.name}.{os.getpid()}.tmp")
         temporary.unlink(missing_ok=True)
         spark = build_session(master=master, app_name="walbus-prepare", conf=conf, shuffle_partitions=2,
                               archive_output=str(temporary))
@@ -187,6 +188,10 @@ def prepare(*, master: str = "local[2]", conf: dict[str, str] | None = None, for
         if status != 0 or not temporary.is_file() or temporary.stat().st_size == 0:
             temporary.unlink(missing_ok=True)
             raise RuntimeError(f"the driver JVM exited with status {status} without writing {temporary}; see the Spark log")
+        archive = driver_cache.archive_file(stem, temporary.stat().st_size)
         os.replace(temporary, archive)
+        for older in stem.parent.glob(f"{stem.name}-*{driver_cache.SUFFIX}"):
+            if older != archive:  # this JVM's earlier archive (--force)
+                older.unlink(missing_ok=True)
         log.info("spark driver class archive written", extra={"archive": str(archive)})
     return Prepared(packages(), kept, archive, write, round(time.monotonic() - started, 1))

@@ -134,17 +134,34 @@ def rotate_log(path: str, *, max_bytes: int = LOG_ROTATE_BYTES, keep: int = LOG_
     return True
 
 
-def _launch_jvm(launch: driver_cache.Launch, log_path: str) -> None:
+def _start_gateway(conf: Any, classpath: str, log_path: str) -> Any:
+    from pyspark.java_gateway import launch_gateway
+
+    before = os.environ.get(driver_cache.DIST_CLASSPATH)
+    if classpath:  # PySpark's launcher passes this process' environment on
+        os.environ[driver_cache.DIST_CLASSPATH] = f"{before}:{classpath}" if before else classpath
+    try:
+        with open(log_path, "ab") as out:  # the child keeps its own copy of the descriptor
+            return launch_gateway(conf, popen_kwargs={"stdout": out, "stderr": out})  # type: ignore[no-untyped-call]
+    finally:
+        if classpath:
+            if before is None:
+                os.environ.pop(driver_cache.DIST_CLASSPATH, None)
+            else:
+                os.environ[driver_cache.DIST_CLASSPATH] = before
+
+
+def _launch_jvm(launch: driver_cache.Launch, log_path: str, plain: Mapping[str, str] | None = None) -> None:
     """Start the driver JVM with its stdout/stderr appended to ``log_path``.
 
     PySpark would start it with this process' terminal as its output, where Ivy prints some
     hundred lines on a first run and log4j its warnings; Spark's own launcher takes the
     same settings (``--conf``) either way. Nothing happens when a JVM is already there or
     when spark-submit started this process (PYSPARK_GATEWAY_PORT). ``launch`` may append
-    jars to its class path and map or write a class archive (:mod:`warehouse.driver_cache`).
+    jars to its class path and map or write a class archive (:mod:`warehouse.driver_cache`);
+    a JVM that does not start that way is started again with ``plain`` settings, without them.
     """
     from pyspark import SparkConf, SparkContext
-    from pyspark.java_gateway import launch_gateway
 
     with SparkContext._lock:
         if SparkContext._gateway is not None or "PYSPARK_GATEWAY_PORT" in os.environ:
@@ -154,18 +171,15 @@ def _launch_jvm(launch: driver_cache.Launch, log_path: str) -> None:
         rotate_log(log_path)
         log.debug("spark driver launch", extra={"archive": str(launch.archive) if launch.archive else None,
                                                 "ivy": not launch.classpath})
-        before = os.environ.get(driver_cache.DIST_CLASSPATH)
-        if launch.classpath:  # PySpark's launcher passes this process' environment on
-            os.environ[driver_cache.DIST_CLASSPATH] = f"{before}:{launch.classpath}" if before else launch.classpath
         try:
-            with open(log_path, "ab") as out:  # the child keeps its own copy of the descriptor
-                gateway = launch_gateway(conf, popen_kwargs={"stdout": out, "stderr": out})  # type: ignore[no-untyped-call]
-        finally:
-            if launch.classpath:
-                if before is None:
-                    os.environ.pop(driver_cache.DIST_CLASSPATH, None)
-                else:
-                    os.environ[driver_cache.DIST_CLASSPATH] = before
+            gateway = _start_gateway(conf, launch.classpath, log_path)
+        except Exception:
+            if not launch.cached or plain is None:
+                raise
+            # never a driver that cannot start because of walbus' cache: without it, as before
+            log.warning("the driver JVM did not start with walbus' driver cache (see the Spark log); "
+                        "starting it without", extra={"archive": str(launch.archive) if launch.archive else None})
+            gateway = _start_gateway(SparkConf(loadDefaults=False).setAll(list(plain.items())), "", log_path)
         SparkContext._gateway = gateway
         SparkContext._jvm = gateway.jvm
 
@@ -206,6 +220,11 @@ def build_session(
         os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     settings.update(sql_warehouse_conf(master))
     settings.update(conf or {})
+    log_path = log_path or default_log_path()
+    if "-XX:ErrorFile=" not in settings.get(driver_cache.JAVA_OPTIONS, ""):
+        # a JVM that dies writes its crash report beside the log, not in the working directory
+        crash = os.path.join(os.path.dirname(os.path.abspath(log_path)), f"walbus-spark-crash-{os.getuid()}-%p.log")
+        settings = driver_cache.with_java_option(settings, f"-XX:ErrorFile={crash}")
     launch = (
         driver_cache.plan_launch(settings, master, archive_output=Path(archive_output) if archive_output else None)
         if use_driver_cache
@@ -213,10 +232,11 @@ def build_session(
     )
     for key, value in launch.settings.items():
         builder = builder.config(key, value)
+    named = {"spark.app.name": app_name, **({"spark.master": master} if master else {})}
     _launch_jvm(
-        dataclasses.replace(launch, settings={**launch.settings, "spark.app.name": app_name,
-                                              **({"spark.master": master} if master else {})}),
-        log_path or default_log_path(),
+        dataclasses.replace(launch, settings={**launch.settings, **named}),
+        log_path,
+        {**settings, **named} if archive_output is None else None,
     )
     session = builder.getOrCreate()
     session.sparkContext.setLogLevel("ERROR")
