@@ -138,7 +138,8 @@ def resolved_jars(settings: Mapping[str, str], env: Mapping[str, str] | None = N
     if path is None or not path.is_file():
         return None
     jars = [line for line in path.read_text().splitlines() if line]
-    return jars if jars and all(os.path.isfile(j) for j in jars) else None
+    # a path with the class path's separator in it cannot be on a class path: Ivy, as before
+    return jars if jars and all(os.path.isfile(j) and os.pathsep not in j for j in jars) else None
 
 
 def save_jars(settings: Mapping[str, str], jars: Sequence[str], env: Mapping[str, str] | None = None) -> Path | None:
@@ -209,10 +210,21 @@ def find_archive(stem: Path | None) -> Path | None:
     return None
 
 
+def java_option_word(option: str) -> str:
+    """``option`` as one word of Spark's Java options string: quoted when it holds blanks,
+    quotes or backslashes (a cache or log path under a home directory with a space), as
+    Spark's launcher splits that string."""
+    if not re.search(r"[\s'\"\\]", option):
+        return option
+    return '"' + option.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
 def with_java_option(settings: Mapping[str, str], option: str) -> dict[str, str]:
-    """``settings`` with ``option`` after the driver's own Java options (the user's kept)."""
+    """``settings`` with ``option`` (one JVM option, quoted as needed) after the driver's own
+    Java options (the user's kept)."""
     out = dict(settings)
-    out[JAVA_OPTIONS] = f"{out[JAVA_OPTIONS]} {option}".strip() if out.get(JAVA_OPTIONS) else option
+    word = java_option_word(option)
+    out[JAVA_OPTIONS] = f"{out[JAVA_OPTIONS]} {word}".strip() if out.get(JAVA_OPTIONS) else word
     return out
 
 
@@ -262,5 +274,5 @@ def plan_launch(
     archive = find_archive(archive_stem(launch.settings, launch.classpath, env))
     if archive is None:
         return launch
-    option = f"-XX:+VerifySharedSpaces -XX:SharedArchiveFile={archive}"
-    return Launch(with_java_option(launch.settings, option), launch.classpath, archive)
+    mapped = with_java_option(with_java_option(launch.settings, "-XX:+VerifySharedSpaces"), f"-XX:SharedArchiveFile={archive}")
+    return Launch(mapped, launch.classpath, archive)

@@ -48,7 +48,8 @@ def _source(classes: str, name: str) -> str:
 def test_prepare_keeps_the_jars_and_the_class_archive_once_and_later_loads_use_them(
     tmp_path: Path, kafka_bootstrap: str, unique_name: str
 ) -> None:
-    cache, log = tmp_path / "jvm", tmp_path / "spark.log"
+    # paths with a blank and quotes, as a home directory may have (each option is quoted)
+    cache, log = tmp_path / "driver cache 'q\"", tmp_path / "spark log" / "spark.log"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "WALBUS_SPARK_DRIVER_CACHE": str(cache), "WALBUS_SPARK_LOG": str(log)}
     done = subprocess.run(_cli("prepare"), env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -95,7 +96,7 @@ def test_prepare_keeps_the_jars_and_the_class_archive_once_and_later_loads_use_t
                             tmp_path / "wh3", tmp_path / "damaged.txt", cwd)
     assert "did not start with walbus' driver cache" in stderr, stderr
     # the dead JVM's crash report went beside the Spark log, not into the working directory
-    assert os.listdir(cwd) == [] and list(tmp_path.glob("walbus-spark-crash-*.log"))
+    assert os.listdir(cwd) == [] and list(log.parent.glob("walbus-spark-crash-*.log"))
     assert _source(classes, "io.delta.sql.DeltaSparkSessionExtension").endswith(".jar")
     # once there, prepare starts no JVM and keeps them
     again = subprocess.run(_cli("prepare"), env=env, capture_output=True, text=True, timeout=900)

@@ -155,3 +155,22 @@ def test_a_dead_writers_temporary_files_are_removed_and_a_live_ones_kept(tmp_pat
         path.write_text("x")
     assert dc.remove_leftovers(tmp_path) == [dead]
     assert sorted(tmp_path.iterdir()) == sorted([live, other])
+
+
+def test_a_java_option_with_blanks_quotes_or_backslashes_is_one_quoted_word() -> None:
+    assert dc.java_option_word("-XX:SharedArchiveFile=/c/a.jsa") == "-XX:SharedArchiveFile=/c/a.jsa"
+    assert dc.java_option_word("-XX:ErrorFile=/my home/x") == '"-XX:ErrorFile=/my home/x"'
+    assert dc.java_option_word("-Da=it's") == '"-Da=it\'s"'
+    assert dc.java_option_word('-Da="b"\\c') == '"-Da=\\"b\\"\\\\c"'
+    out = dc.with_java_option({dc.JAVA_OPTIONS: "-Dx=1"}, "-XX:SharedArchiveFile=/a b/c.jsa")
+    assert out[dc.JAVA_OPTIONS] == '-Dx=1 "-XX:SharedArchiveFile=/a b/c.jsa"'
+
+
+def test_jars_with_the_class_path_separator_in_their_path_bring_ivy_back(tmp_path: Path) -> None:
+    env = _env(tmp_path)
+    odd = tmp_path / "a:b"
+    odd.mkdir()
+    (odd / "x.jar").write_bytes(b"PK")
+    dc.save_jars(PACKAGES, [str(odd / "x.jar")], env)
+    assert dc.resolved_jars(PACKAGES, env) is None
+    assert dc.plan_launch(PACKAGES, "local[2]", env=env) == dc.Launch(dict(PACKAGES))
