@@ -26,8 +26,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import random
 import shutil
+import subprocess
+import sys
 import tempfile
 import time
 import uuid
@@ -172,6 +175,40 @@ def compare(
     return out
 
 
+def cold_compare(
+    bootstrap: str, topic: str, table: str, events: int, root: str, rounds: int, args: argparse.Namespace
+) -> dict[str, Any]:
+    """Each job as a nightly job of its own, ``rounds`` times in mirrored order: ``walbus
+    warehouse load`` (its driver cache as ``walbus warehouse prepare`` left it) and the naive
+    job (``python -m bench.warehouse_baseline``: Ivy, no cache), each a new process and JVM into
+    a new warehouse; seconds from process start to exit, and their ratio (``speedup``)."""
+    spark_args = ["--master", args.master, "--driver-memory", args.driver_memory,
+                  "--shuffle-partitions", str(args.shuffle_partitions)]
+    order = [job for i in range(rounds) for job in (("walbus", "naive") if i % 2 == 0 else ("naive", "walbus"))]
+    seconds: dict[str, list[float]] = {"walbus": [], "naive": []}
+    for i, job in enumerate(order):
+        where = f"{root}/cold-{topic}-{i}"
+        if job == "walbus":
+            command = [sys.executable, "-m", "walbus.app.cli", "warehouse", "load", "--kafka-bootstrap", bootstrap,
+                       "--topic", topic, "--warehouse", where, "--spark-conf", "spark.ui.enabled=false", *spark_args]
+        else:
+            command = [sys.executable, "-m", "bench.warehouse_baseline", "--kafka-bootstrap", bootstrap,
+                       "--topic", topic, "--table", table, "--warehouse", where, *spark_args]
+        started = time.monotonic()
+        done = subprocess.run(command, capture_output=True, text=True, timeout=3600)
+        took = time.monotonic() - started
+        if done.returncode != 0:
+            raise RuntimeError(f"{job} job failed: {done.stderr[-2000:]}")
+        loaded = (int(done.stdout.split(" events, ", 1)[0].rsplit(" ", 1)[-1]) if job == "walbus"
+                  else int(json.loads(done.stdout.splitlines()[-1])["events"]))
+        if loaded != events:
+            raise RuntimeError(f"{job} job loaded {loaded} events, not {events}: {done.stdout[-2000:]}")
+        seconds[job].append(round(took, 2))
+    mean = {job: sum(v) / len(v) for job, v in seconds.items()}
+    return {"order": order, "walbus_s": seconds["walbus"], "naive_s": seconds["naive"], "events": events,
+            "speedup": round(mean["naive"] / mean["walbus"], 2)}
+
+
 # the many-tables loads, in order: a first one, a second (updates and deletes among inserts),
 # a third of inserts only
 LOADS = ("first", "second", "inserts")
@@ -256,6 +293,9 @@ def main() -> None:
     ap.add_argument("--skip-incremental", action="store_true")
     ap.add_argument("--tables", default="1,16", help="table counts of the many-tables load (comma-separated; empty: skip)")
     ap.add_argument("--tables-events", type=int, default=2_000, help="events of each many-tables load")
+    ap.add_argument("--cold", type=int, default=0, metavar="ROUNDS",
+                    help="also run each one-table job as a nightly job of its own (a new process and JVM each) "
+                    "ROUNDS times, walbus' CLI against the naive job (see cold_compare)")
     ap.add_argument("--conf", action="append", default=[], metavar="KEY=VALUE",
                     help="a Spark setting for both jobs' session (repeatable)")
     args = ap.parse_args()
@@ -286,11 +326,15 @@ def main() -> None:
             fill(bootstrap, topic, recs)
             emit(workload="transactions",
                  **compare(spark, bootstrap, topic, root, list(zip(TX_COLS, TX_TYPES, strict=True)), args.rounds))
+            one_table = [("transactions", topic)]
             if not args.skip_wide:
                 topic = f"bench-wh-wide-{run}"
                 recs, _, _ = events(args.events, "public.wide", [c for c, _ in WIDE], [t for _, t in WIDE], wide_values)
                 fill(bootstrap, topic, recs)
                 emit(workload="wide", columns=len(WIDE), **compare(spark, bootstrap, topic, root, WIDE, args.rounds))
+                one_table.append(("wide", topic))
+            for table, topic in one_table if args.cold else []:
+                emit(workload=f"cold-{table}", **cold_compare(bootstrap, topic, table, args.events, root, args.cold, args))
             if args.tables:
                 tables_sweep(spark, bootstrap, root, run, [int(t) for t in args.tables.split(",")], args.tables_events)
             if not args.skip_incremental:

@@ -14,7 +14,13 @@ Spark cannot hold exactly, and commit each load exactly once.
 
 from __future__ import annotations
 
+import argparse
 import concurrent.futures
+import json
+import os
+import sys
+import tempfile
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -129,3 +135,36 @@ def run_tables(
             return sum(pool.map(one, enumerate(tables)))
     finally:
         events.unpersist()
+
+
+def main() -> None:
+    """``python -m bench.warehouse_baseline --kafka-bootstrap B --topic T --table transactions|wide``:
+    the naive job as a nightly job of its own (a new process and JVM, Ivy resolving the
+    connector jars, no walbus driver cache: what a data engineer's own job pays); prints its
+    events and seconds from process start as JSON (``bench.warehouse --cold``)."""
+    started = time.monotonic()
+    ap = argparse.ArgumentParser(description=main.__doc__)
+    ap.add_argument("--kafka-bootstrap", required=True)
+    ap.add_argument("--topic", required=True)
+    ap.add_argument("--table", choices=["transactions", "wide"], required=True)
+    ap.add_argument("--warehouse", help="root of its tables (default: a temporary directory)")
+    ap.add_argument("--master", default="local[2]")
+    ap.add_argument("--driver-memory", default="3g")
+    ap.add_argument("--shuffle-partitions", type=int, default=4)
+    args = ap.parse_args()
+    os.environ["WALBUS_SPARK_DRIVER_CACHE"] = "off"
+    from bench.warehouse import TX_COLS, TX_TYPES, WIDE
+    from warehouse.spark import build_session
+
+    columns = list(zip(TX_COLS, TX_TYPES, strict=True)) if args.table == "transactions" else WIDE
+    spark = build_session(master=args.master, shuffle_partitions=args.shuffle_partitions,
+                          conf={"spark.driver.memory": args.driver_memory, "spark.ui.enabled": "false"})
+    root = args.warehouse or tempfile.mkdtemp(prefix="walbus-bench-naive-")
+    events = run(spark, args.kafka_bootstrap, args.topic, root, columns)
+    spark.stop()
+    print(json.dumps({"events": events, "seconds": round(time.monotonic() - started, 2)}))
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()

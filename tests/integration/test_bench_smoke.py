@@ -94,11 +94,16 @@ def test_snapshot_benchmark(services: Services) -> None:
 def test_warehouse_benchmark(services: Services) -> None:
     out = run_bench(
         services, "warehouse", "--events", "2000", "--incremental", "200", "--skip-wide", "--tables", "1,2",
-        "--tables-events", "40", "--rounds", "3",
+        "--tables-events", "40", "--rounds", "3", "--cold", "1",
     )
     lines = [line for line in out if "workload" in line]
     assert [line["workload"] for line in lines] == [
-        "warmup", "transactions", *["tables"] * 7, "incremental", "incremental"]
+        "warmup", "transactions", "cold-transactions", *["tables"] * 7, "incremental", "incremental"]
+    # each job as a nightly job of its own: a new process and JVM, the whole topic loaded
+    cold = lines.pop(2)
+    assert cold["order"] == ["walbus", "naive"] and cold["events"] == 2000
+    assert len(cold["walbus_s"]) == len(cold["naive_s"]) == 1
+    assert cold["speedup"] == round(cold["naive_s"][0] / cold["walbus_s"][0], 2)
     assert lines[0]["walbus"]["history_rows_added"] == lines[0]["baseline"]["events"] > 0
     loads = lines[1:]
     assert loads[0]["walbus"]["history_rows_added"] == 2000
