@@ -166,11 +166,10 @@ def prepare(*, master: str = "local[2]", conf: dict[str, str] | None = None, for
     where = driver_cache.cache_dir()
     if where is not None and where.is_dir():
         driver_cache.remove_leftovers(where)
-    if force or driver_cache.resolved_jars(settings) is None:
-        jars = _resolve_jars(master, conf)
-        if jars:
-            driver_cache.save_jars(settings, jars)
     kept = driver_cache.jars_path(settings) if driver_cache.resolved_jars(settings) is not None else None
+    if force or kept is None:
+        jars = _resolve_jars(master, conf)
+        kept = driver_cache.save_jars(settings, jars) if jars else None
     stem = driver_cache.archive_for(settings, master)
     archive = driver_cache.find_archive(stem)
     write = stem is not None and (force or archive is None)
