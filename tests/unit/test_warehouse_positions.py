@@ -1,6 +1,6 @@
 """warehouse.decode.positions_unique: when a load's slice may skip its history's
-de-duplication (no services: the decoder's ORDERED flags and edges are made here as a task
-makes them)."""
+de-duplication (no services: whether each task rises, and its edges, are made here as the
+decoders' tallies make them)."""
 
 from __future__ import annotations
 
