@@ -210,9 +210,11 @@ class SliceTally:
             if acc is None:
                 acc = _accumulators[sc] = sc.accumulator({}, _TalliesParam())
             # a finished load's tasks that ran again after its summary (a cache block computed
-            # again) left tallies behind: drop them
-            for token in [t for t in acc.value if t not in _active]:
-                acc.value.pop(token, None)
+            # again) left tallies behind: drop them. (list() takes the keys in one step: the
+            # accumulator's update thread may add one meanwhile.)
+            for token in list(acc.value):
+                if token not in _active:
+                    acc.value.pop(token, None)
             _active.add(self.token)
         self.accumulator = acc
 
@@ -221,29 +223,34 @@ class SliceTally:
         with _lock:
             tasks = self.accumulator.value.pop(self.token, {})
             _active.discard(self.token)
-        tables: dict[str, TableTally] = {}
-        invalid = 0
-        first_invalid: tuple[int, int, str] | None = None
-        ordered = True
-        edges: list[Edge] = []
-        for task in tasks.values():
-            for name, tally in task.tables.items():
-                if name in tables:
-                    tables[name].merge(tally)
-                else:
-                    tables[name] = tally
-            invalid += task.invalid
-            if task.first_invalid is not None and (first_invalid is None or task.first_invalid < first_invalid):
-                first_invalid = task.first_invalid
-            ordered = ordered and task.ordered
-            edges += task.edges
-        return SliceSummary(tables, invalid, first_invalid, ordered and positions_unique(edges))
+        return merge_tallies(tasks.values())
 
     def close(self) -> None:
         """Drop the tallies (a load that fails before :meth:`summary`)."""
         with _lock:
             self.accumulator.value.pop(self.token, None)
             _active.discard(self.token)
+
+
+def merge_tallies(tasks: Iterable[TaskTally]) -> SliceSummary:
+    """The summary of a slice from its tasks' tallies (in any order)."""
+    tables: dict[str, TableTally] = {}
+    invalid = 0
+    first_invalid: tuple[int, int, str] | None = None
+    ordered = True
+    edges: list[Edge] = []
+    for task in tasks:
+        for name, tally in task.tables.items():
+            if name in tables:
+                tables[name].merge(tally)
+            else:
+                tables[name] = tally
+        invalid += task.invalid
+        if task.first_invalid is not None and (first_invalid is None or task.first_invalid < first_invalid):
+            first_invalid = task.first_invalid
+        ordered = ordered and task.ordered
+        edges += task.edges
+    return SliceSummary(tables, invalid, first_invalid, ordered and positions_unique(edges))
 
 
 def _decode_batches(
