@@ -253,7 +253,11 @@ def write_slice(spark: SparkSession, spec: LoadSpec, raw: DataFrame, txn: Txn, r
     """One slice of the topic (Kafka rows) into every table, each write tagged with ``txn``:
     the whole of a batch load, and the body of each micro-batch of ``walbus warehouse stream``."""
     tally = SliceTally(spark.sparkContext)
-    records = decoded_records(raw, tally).persist(StorageLevel.MEMORY_AND_DISK)
+    try:
+        records = decoded_records(raw, tally).persist(StorageLevel.MEMORY_AND_DISK)
+    except BaseException:
+        tally.close()
+        raise
     started = time.monotonic()
     try:
         # One job over every partition at once: reads the slice and decodes it into the
