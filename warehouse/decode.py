@@ -297,10 +297,12 @@ def _decode_batch(
         try:
             event = decode_keyed_event_as(key, value, ChangeEvent)
         except ContractError as e:
-            if task.first_invalid is None:  # a task reads its offsets in order
-                task.first_invalid = (batch.column("partition")[i].as_py(), batch.column("offset")[i].as_py(), str(e))
+            reason = str(e)
+            found = (batch.column("partition")[i].as_py(), batch.column("offset")[i].as_py(), reason)
+            if task.first_invalid is None or found < task.first_invalid:
+                task.first_invalid = found
             task.invalid += 1
-            append((str(e), *_NO_FIELDS, key, value))
+            append((reason, *_NO_FIELDS, key, value))
             continue
         commit_lsn = event.commit_lsn
         position = (commit_lsn, event.seq)

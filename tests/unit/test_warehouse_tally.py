@@ -96,3 +96,16 @@ def _copy(task: TaskTally) -> TaskTally:
 
     copied: TaskTally = pickle.loads(pickle.dumps(task))
     return copied
+
+
+def test_the_first_invalid_record_is_the_lowest_offset_whatever_the_rows_order() -> None:
+    """Spark's Kafka source hands a task its offsets in order; a frame shuffled before the
+    decoder (a test's, a caller's) does not, and the first invalid record stays the same."""
+    batch = pa.RecordBatch.from_arrays(
+        [pa.array([b"k", b"k"], pa.binary()), pa.array([b"not json", b"[]"], pa.binary()),
+         pa.array([0, 0], pa.int32()), pa.array([5, 3], pa.int64())],
+        names=["key", "value", "partition", "offset"],
+    )
+    task = TaskTally()
+    _decode_batch(batch, None, task)
+    assert task.invalid == 2 and task.first_invalid is not None and task.first_invalid[:2] == (0, 3)
