@@ -92,6 +92,13 @@ class LoadConfig(CatalogOptions, SparkOptions, KafkaOptions):
     parallel_tables: int = option(
         8, help="tables written at once (driver threads): their fixed Spark/Delta costs overlap"
     )
+    slice_reader: str = option(
+        "auto",
+        help="how load reads its slice of the topic: workers (the decoding Python workers fetch it; they need "
+        "walbus' Kafka settings and TLS files on their host), spark (Spark's Kafka source); auto: workers when "
+        "every executor runs on this host (local[…], a loopback cluster), else spark. stream: always spark",
+        choices=["auto", "workers", "spark"],
+    )
     metrics_file: str | None = option(
         None,
         help="write Prometheus metrics to this file after each load and at exit (node_exporter's textfile "
@@ -124,6 +131,8 @@ class StreamConfig(LoadConfig):
         super().__post_init__()
         if self.metrics_port is not None and not 0 < self.metrics_port <= 65535:
             raise ValueError(f"--metrics-port: {self.metrics_port} is not a TCP port")
+        if self.slice_reader == "workers":
+            raise ValueError("--slice-reader workers: stream reads with Spark's Kafka source (its checkpoint holds the offsets)")
         if self.trigger != "available-now" and not re.fullmatch(r"[0-9]+ *(milliseconds?|seconds?|minutes?|hours?)", self.trigger):
             raise ValueError(f"--trigger: {self.trigger!r} is neither available-now nor an interval like '30 seconds'")
 
@@ -168,7 +177,7 @@ def _spec(config: LoadConfig) -> Any:
     return LoadSpec(
         kafka, config.topic, config.warehouse, tuple(config.tables), config.numeric_scale,
         skip_invalid=config.skip_invalid, parallel_tables=config.parallel_tables,
-        catalog_database=config.catalog_database,
+        catalog_database=config.catalog_database, slice_reader=config.slice_reader,
     )
 
 

@@ -218,6 +218,11 @@ class SliceTally:
             _active.add(self.token)
         self.accumulator = acc
 
+    @property
+    def handle(self) -> tuple[Accumulator[Tallies], str]:
+        """What a decoding task needs to hand its tally back (see :func:`decode_batches`)."""
+        return self.accumulator, self.token
+
     def summary(self) -> SliceSummary:
         """The slice's summary; the tallies are dropped (call once, after the pass)."""
         with _lock:
@@ -253,7 +258,7 @@ def merge_tallies(tasks: Iterable[TaskTally]) -> SliceSummary:
     return SliceSummary(tables, invalid, first_invalid, ordered and positions_unique(edges))
 
 
-def _decode_batches(
+def decode_batches(
     arrow_schema: Any, tally: tuple[Accumulator[Tallies], str] | None, batches: Iterator[Any]
 ) -> Iterator[Any]:
     """mapInArrow's function: one task's Kafka rows (key, value, partition, offset), in offset
@@ -380,15 +385,20 @@ def decoded_records(raw: DataFrame, tally: SliceTally | None = None) -> DataFram
     :data:`INVALID` (the contract's reason, or null), the event's fields (null where invalid)
     and, where invalid, the record's key and value. With ``tally``, each task tallies what it
     decodes (:meth:`SliceTally.summary`)."""
+    schema, arrow_schema = event_schemas()
+    decode = functools.partial(decode_batches, arrow_schema, None if tally is None else tally.handle)
+    return raw.select("key", "value", "partition", "offset").mapInArrow(decode, schema)
+
+
+def event_schemas() -> tuple[Any, Any]:
+    """:data:`EVENT_SCHEMA` as Spark's ``StructType`` and as the Arrow schema of the decoders'
+    batches."""
     from pyspark.sql.pandas.types import to_arrow_schema
     from pyspark.sql.types import StructType
 
     schema = StructType.fromDDL(EVENT_SCHEMA)
     assert isinstance(schema, StructType)
-    decode = functools.partial(
-        _decode_batches, to_arrow_schema(schema), None if tally is None else (tally.accumulator, tally.token)
-    )
-    return raw.select("key", "value", "partition", "offset").mapInArrow(decode, schema)
+    return schema, to_arrow_schema(schema)
 
 
 def positions_unique(edges: Iterable[tuple[int, int, tuple[int, int]]]) -> bool:

@@ -33,6 +33,7 @@ from warehouse.decode import (
     invalid_events,
     valid_events,
 )
+from warehouse.fetch import Split, fetched_records, slice_splits
 from warehouse.frame import (
     DELETED,
     META_FIELDS,
@@ -53,6 +54,7 @@ from warehouse.schema import (
     plan,
     table_properties,
 )
+from warehouse.spark import on_this_host
 from warehouse.toast import resolve_unchanged
 from warehouse.txn import INTERPRETED_SETTINGS, Txn, is_delta_table
 
@@ -79,6 +81,9 @@ class LoadError(Exception):
     the next run replays the same load."""
 
 
+SLICE_READERS: Final = ("auto", "workers", "spark")
+
+
 @dataclass(frozen=True)
 class LoadSpec:
     kafka: KafkaOptions
@@ -89,6 +94,13 @@ class LoadSpec:
     skip_invalid: bool = False  # quarantine records that are not contract-v1 events
     parallel_tables: int = 8  # tables written at once (driver threads; their jobs share one FIFO scheduler)
     catalog_database: str | None = None  # register the tables in this catalog database
+    # how a load reads its slice: "workers" (the decoding workers fetch it: warehouse.fetch),
+    # "spark" (Spark's Kafka source), "auto" (workers when every executor is on this host)
+    slice_reader: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.slice_reader not in SLICE_READERS:
+            raise ValueError(f"slice reader {self.slice_reader!r}: not one of {', '.join(SLICE_READERS)}")
 
 
 @dataclass
@@ -217,7 +229,11 @@ def _run_batch(
     if not replay:
         loads.record(spark, log_path, load)
     log.info("load", extra={"batch": load.batch_id, "start": load.start, "end": load.end, "replay": replay})
-    raw = read_slice(spark, spec.kafka, spec.topic, load.start, load.end)
+    raw: DataFrame | list[Split]
+    if _workers_read(spark, spec):
+        raw = slice_splits(load.start, load.end, spark.sparkContext.defaultParallelism)
+    else:
+        raw = read_slice(spark, spec.kafka, spec.topic, load.start, load.end)
     records = sum(max(load.end[p] - load.start.get(p, 0), 0) for p in load.end)
     with interpreted_if_small(spark, records):
         write_slice(spark, spec, raw, Txn(f"walbus:{spec.topic}", load.batch_id, replay), result)
@@ -227,6 +243,13 @@ def _run_batch(
         loads.Load(load.batch_id, "committed", load.start, load.end),
         {t: s.as_dict() for t, s in result.tables.items()},
     )
+
+
+def _workers_read(spark: SparkSession, spec: LoadSpec) -> bool:
+    """Whether the decoding workers fetch the slice themselves (warehouse.fetch)."""
+    if spec.slice_reader == "auto":
+        return on_this_host(spark.sparkContext.master or "")
+    return spec.slice_reader == "workers"
 
 
 @contextlib.contextmanager
@@ -249,13 +272,21 @@ def interpreted_if_small(spark: SparkSession, records: int) -> Iterator[None]:
                 spark.conf.set(key, old)
 
 
-def write_slice(spark: SparkSession, spec: LoadSpec, raw: DataFrame, txn: Txn, result: LoadResult) -> None:
-    """One slice of the topic (Kafka rows) into every table, each write tagged with ``txn``:
-    the whole of a batch load, and the body of each micro-batch of ``walbus warehouse stream``."""
+def write_slice(
+    spark: SparkSession, spec: LoadSpec, raw: DataFrame | Sequence[Split], txn: Txn, result: LoadResult
+) -> None:
+    """One slice of the topic into every table, each write tagged with ``txn``: the whole of a
+    batch load, and the body of each micro-batch of ``walbus warehouse stream``. ``raw``: the
+    slice's Kafka rows (Spark's Kafka source), or its splits, which the decoding workers fetch
+    themselves (:mod:`warehouse.fetch`)."""
     tally = SliceTally(spark.sparkContext)
     records: DataFrame | None = None
     try:
-        records = decoded_records(raw, tally).persist(StorageLevel.MEMORY_AND_DISK)
+        if isinstance(raw, DataFrame):
+            decoded = decoded_records(raw, tally)
+        else:
+            decoded = fetched_records(spark, spec.kafka, spec.topic, raw, tally)
+        records = decoded.persist(StorageLevel.MEMORY_AND_DISK)
         started = time.monotonic()
         # One job over every partition at once: reads the slice and decodes it into the
         # cache, its decoders tallying each table and the invalid records as they go. (An

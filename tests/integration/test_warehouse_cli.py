@@ -158,7 +158,14 @@ def test_cli_reports_failures_clearly(tmp_path: Path, kafka_bootstrap: str, uniq
     usage = subprocess.run(_cli("load"), capture_output=True, timeout=60)
     assert usage.returncode == 2 and b"--topic" in usage.stderr
     helped = subprocess.run(_cli("load", "--help"), capture_output=True, timeout=60)
-    assert helped.returncode == 0 and b"--skip-invalid" in helped.stdout
+    assert helped.returncode == 0 and b"--skip-invalid" in helped.stdout and b"--slice-reader" in helped.stdout
+    # stream's offsets are Spark's checkpoint: its slices come from Spark's Kafka source only
+    workers = subprocess.run(
+        _cli("stream", "--kafka-bootstrap", kafka_bootstrap, "--topic", unique_name, "--warehouse", str(tmp_path),
+             "--slice-reader", "workers"),
+        capture_output=True, timeout=60,
+    )
+    assert workers.returncode == 2 and b"--slice-reader workers: stream reads with Spark's Kafka source" in workers.stderr
 
 
 def test_stream_command_serves_health_and_writes_its_metrics(

@@ -26,7 +26,7 @@ def _new(cols: list[str], types: list[str], values: list[Any]) -> dict[str, list
 
 
 def _task(partition: int, first_offset: int, batches: list[list[tuple[bytes, bytes]]]) -> TaskTally:
-    """One task's tally of its batches, as _decode_batches keeps it."""
+    """One task's tally of its batches, as decode_batches keeps it."""
     task = TaskTally()
     previous = None
     offset = first_offset
