@@ -21,6 +21,7 @@ from walbus.logs import setup_logging
 from walbus.metrics import DEFAULT_METRICS_ADDR
 from warehouse import NUMERIC_SCALE
 from warehouse.extra import spark_missing
+from warehouse.layout import absolute_root
 
 if TYPE_CHECKING:
     from warehouse.metrics import WarehouseMetrics
@@ -108,6 +109,7 @@ class LoadConfig(CatalogOptions, SparkOptions, KafkaOptions):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        self.warehouse = absolute_root(self.warehouse)
         if self.parallel_tables < 1:
             raise ValueError(f"--parallel-tables: {self.parallel_tables} is not a positive number")
         if self.metrics_file is not None and not os.path.isdir(os.path.dirname(os.path.abspath(self.metrics_file))):
@@ -150,6 +152,7 @@ class SqlConfig(CatalogOptions, SparkOptions):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        self.warehouse = absolute_root(self.warehouse)
         if self.as_of_lsn is not None:
             Lsn.parse(self.as_of_lsn)  # ValueError: a configuration error
 

@@ -99,6 +99,7 @@ class LoadSpec:
     slice_reader: str = "auto"
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "warehouse", layout.absolute_root(self.warehouse))
         if self.slice_reader not in SLICE_READERS:
             raise ValueError(f"slice reader {self.slice_reader!r}: not one of {', '.join(SLICE_READERS)}")
 

@@ -25,6 +25,7 @@ view name.
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 from typing import Final
@@ -56,6 +57,14 @@ def unescape_segment(segment: str) -> str:
             data.extend(segment[i].encode())
             i += 1
     return data.decode()
+
+
+def absolute_root(warehouse: str) -> str:
+    """A local warehouse path made absolute (a Hadoop URI, ``scheme:…``, as it is): Delta reads
+    a relative path in ``delta.`…``` as a table of a schema named ``delta``."""
+    if re.match(r"[A-Za-z][A-Za-z0-9+.-]*:", warehouse):
+        return warehouse
+    return os.path.abspath(warehouse)
 
 
 def join(base: str, *parts: str) -> str:

@@ -856,3 +856,15 @@ def test_building_a_loads_dataframes_sends_no_call_site_notes(spark: Any, monkey
     assert not is_debugging_enabled()
     assert len(sent) > 100  # the DataFrames were built through py4j, and watched
     assert not [c for c in sent if "PySparkCurrentOrigin" in c or "stackTracesInDataFrameContext" in c]
+
+
+def test_a_relative_warehouse_path_is_the_working_directorys(
+    spark: Any, kafka_bootstrap: str, unique_name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Delta reads a relative path in ``delta.`…``` as a table of a schema named ``delta``: a
+    load into ``--warehouse wh/x`` failed with SCHEMA_NOT_FOUND."""
+    produce_events(kafka_bootstrap, unique_name, Txn(0x1000).insert(TX, TX_PK, tx_row(1, 2, 3)).events)
+    monkeypatch.chdir(tmp_path)
+    result = run_load(spark, LoadSpec(kafka_options(kafka_bootstrap), unique_name, "wh/x"))
+    assert result.events == 1
+    assert [r["amount"] for r in current(spark, tmp_path / "wh" / "x", unique_name)] == [3]
