@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import re
+import time
 from dataclasses import dataclass
 from typing import Final, Protocol
 
@@ -38,6 +39,19 @@ _PLAIN_TYPES: Final = frozenset({"bit", "varbit", "time", "timetz", "timestamp",
 _MODIFIED_TYPES: Final = _LENGTH_TYPES | _PLAIN_TYPES | {"numeric", "interval"}
 _INTERVAL_FULL_PRECISION: Final = 0xFFFF
 _MODIFIER_TEXT = re.compile(r"\((-?\d+)(?:,(-?\d+))?\)")
+
+
+# Each type oid with the name walbus gives it: its own, or for a domain (over domains too) its
+# base type's. pgoutput's Relation message names a domain column by its base type
+# (getBaseType); snapshot rows and wal2json's changes, which name the domain, say the same, so
+# a column has one type and one JSON value whatever wrote the event (an int domain's values
+# are JSON integers, its key the same in a compacted topic).
+TYPE_NAMES_CTE: Final = (
+    "type_names(oid, base) AS (SELECT oid, oid FROM pg_type UNION ALL "
+    "SELECT n.oid, t.typbasetype FROM type_names n JOIN pg_type t ON t.oid = n.base AND t.typtype = 'd')"
+)
+# joins type_names n: the row of pg_type t that names n.oid
+TYPE_NAME_JOIN: Final = "JOIN pg_type t ON t.oid = n.base AND t.typtype <> 'd'"
 
 
 def _base(typname: str) -> str:
@@ -80,13 +94,27 @@ class CatalogLookup(Protocol):
 
     def typname(self, oid: int) -> str: ...
 
-    def table(self, schema: str, name: str) -> TableInfo: ...
+    def table(self, schema: str, name: str, relid: int | None = None) -> TableInfo:
+        """The table as the catalog has it now: by ``relid`` (its oid: it survives a rename)
+        when given, else by name. :class:`TableGone` when it is not there."""
+        ...
 
     def remember_type(self, oid: int, name: str) -> None: ...
 
 
 class UnknownTypeError(LookupError):
     pass
+
+
+class TableGone(LookupError):
+    """A table a change names is not in the catalog (any more): renamed or dropped since the
+    change was written, while the producer lagged behind. The decoders then describe it from
+    the change itself (see each decoder), never stop on it."""
+
+
+# A miss is asked again after these pauses: the walsender may decode a commit a moment before
+# the transaction is visible to other sessions (a table created in it is not there yet).
+TABLE_RETRY_S: Final = (0.01, 0.05, 0.2)
 
 
 class Catalog:
@@ -108,7 +136,9 @@ class Catalog:
             self._conn.close()
 
     def load_types(self) -> None:
-        rows = self._connection().execute("SELECT oid::int8, typname FROM pg_type").fetchall()
+        rows = self._connection().execute(
+            f"WITH RECURSIVE {TYPE_NAMES_CTE} SELECT n.oid::int8, t.typname FROM type_names n {TYPE_NAME_JOIN}"
+        ).fetchall()
         self._types = {int(str(oid)): str(name) for oid, name in rows}
 
     def typname(self, oid: int) -> str:
@@ -126,23 +156,37 @@ class Catalog:
     def invalidate(self, schema: str, name: str) -> None:
         self._tables.pop((schema, name), None)
 
-    def table(self, schema: str, name: str) -> TableInfo:
+    def table(self, schema: str, name: str, relid: int | None = None) -> TableInfo:
         info = self._tables.get((schema, name))
         if info is None:
-            info = self._query_table(schema, name)
+            for pause in (*TABLE_RETRY_S, None):
+                row = self._find_table(schema, name, relid)
+                if row is not None or pause is None:
+                    break
+                time.sleep(pause)
+            if row is None:
+                raise TableGone(f"table {schema}.{name} is not in the catalog (renamed or dropped since)")
+            info = self._query_table(schema, name, *row)
             self._tables[(schema, name)] = info
         return info
 
-    def _query_table(self, schema: str, name: str) -> TableInfo:
+    def _find_table(self, schema: str, name: str, relid: int | None) -> tuple[int, str] | None:
+        """(oid, relreplident) of the table, by oid when given, else by name."""
         conn = self._connection()
-        row = conn.execute(
-            "SELECT c.oid::int8, c.relreplident::text FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
-            "WHERE n.nspname = %s AND c.relname = %s",
-            (schema, name),
-        ).fetchone()
-        if row is None:
-            raise LookupError(f"table {schema}.{name} not found in the catalog")
-        relid, replident = int(str(row[0])), str(row[1])
+        if relid is not None:
+            found = conn.execute(
+                "SELECT oid::int8, relreplident::text FROM pg_class WHERE oid = %s::int8::oid", (relid,)
+            ).fetchone()
+        else:
+            found = conn.execute(
+                "SELECT c.oid::int8, c.relreplident::text FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
+                "WHERE n.nspname = %s AND c.relname = %s",
+                (schema, name),
+            ).fetchone()
+        return None if found is None else (int(str(found[0])), str(found[1]))
+
+    def _query_table(self, schema: str, name: str, relid: int, replident: str) -> TableInfo:
+        conn = self._connection()
         cols = conn.execute(
             "SELECT attname, atttypid::int8, atttypmod, attnotnull FROM pg_attribute WHERE attrelid = %s AND attnum > 0 "
             "AND NOT attisdropped ORDER BY attnum",

@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator
 from functools import partial
 from typing import Any
 
-from producer.catalog import CatalogLookup, type_modifiers
+from producer.catalog import CatalogLookup, TableGone, type_modifiers
 from producer.codec import (
     PG_EPOCH,
     CaptureFilter,
@@ -214,11 +214,23 @@ class PgoutputDecoder:
         invalidate = getattr(self.catalog, "invalidate", None)
         if invalidate is not None:
             invalidate(schema, name)  # a Relation message means its schema may have changed
-        # The message has no nullability: the catalog's, read once per relation version (here).
-        info = self.catalog.table(schema, name)
-        not_null = set(info.not_null)
+        # The message has no nullability or primary key: the catalog's, read once per relation
+        # version (here), by the table's oid (a table renamed since is still found).
+        try:
+            info = self.catalog.table(schema, name, relid)
+            pk, not_null = list(info.pk), set(info.not_null)
+        except TableGone:
+            # Dropped since the change was written (the producer lagged behind): what the
+            # message itself says. Its identity flags are the primary key's columns under
+            # REPLICA IDENTITY DEFAULT; under FULL or USING INDEX the key is not known.
+            pk = [c for c, flagged in zip(columns, identity, strict=True) if flagged] if replident == "d" else []
+            not_null = set(pk)
+            log.warning(
+                "table not in the catalog: its primary key from the relation message, nullability unknown",
+                extra={"table": f"{schema}.{name}", "relid": relid, "pk": pk},
+            )
         rel = Relation(
-            relid, schema, name, columns, types, identity, list(info.pk), replident,
+            relid, schema, name, columns, types, identity, pk, replident,
             not_null=[c in not_null for c in columns], modifiers=modifiers,
         ).prepare(self.capture)
         old = self.relations.get(relid)

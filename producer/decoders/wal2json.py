@@ -14,16 +14,22 @@ import logging
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
 from functools import partial
-from typing import Any
+from typing import Any, Final
 
 import orjson
 
-from producer.catalog import CatalogLookup, TableInfo, modifiers_from_text, type_modifiers
+from producer.catalog import (
+    CatalogLookup,
+    TableGone,
+    TableInfo,
+    modifiers_from_text,
+    type_modifiers,
+)
 from producer.codec import CaptureFilter, EventEncoder, Relation, iso_from_pg_text
 from producer.decoders import Item, LogicalMessage, TxnBegin, TxnEnd, WalMessages
 from producer.decoders.pgoutput import DecodeError
 from producer.native import EncodeWal2jsonChanges, LoadsExact, encode_wal2json_changes, loads_exact
-from walbus.contract import BOOL_TYPES, FLOAT_TYPES, INT_TYPES, qualify_table
+from walbus.contract import BOOL_TYPES, FLOAT_SPECIALS, FLOAT_TYPES, INT_TYPES, qualify_table
 
 log = logging.getLogger("walbus.producer.wal2json")
 
@@ -65,17 +71,23 @@ def _loads(buf: bytes, native_exact: LoadsExact | None) -> Any:
     return orjson.loads(buf)
 
 
+_BOOL_TEXT: Final = {"t": True, "f": False}
+
+
 def _value_converter(typname: str) -> Callable[[Any], Any]:
     if typname in INT_TYPES:
         return lambda v: v if v is None or isinstance(v, int) else int(v)
     if typname in FLOAT_TYPES:
-        return lambda v: v if v is None or isinstance(v, float) else float(v)
+        # (a float domain's value is quoted text: its NaN and ±Infinity are kept as pgoutput's)
+        return lambda v: v if v is None or isinstance(v, float) or v in FLOAT_SPECIALS else float(v)
     if typname == "numeric":
         return lambda v: v if v is None or isinstance(v, str) else str(v)
     if typname == "bytea":
         return lambda v: v if v is None else "\\x" + v
     if typname in BOOL_TYPES:
-        return lambda v: v
+        # a bool domain's value is quoted output text ("t"): wal2json prints true/false for
+        # the bool oid only (see producer.catalog.TYPE_NAMES_CTE)
+        return lambda v: _BOOL_TEXT[v] if type(v) is str else v
     return lambda v: v if v is None or isinstance(v, str) else str(v)
 
 
@@ -151,7 +163,16 @@ class Wal2jsonDecoder:
         invalidate = getattr(self.catalog, "invalidate", None)
         if invalidate is not None:
             invalidate(schema, table)
-        info = self.catalog.table(schema, table)
+        try:
+            info = self.catalog.table(schema, table)
+        except TableGone:
+            # Renamed or dropped since the change was written (the producer lagged behind):
+            # the relation is the change's own columns; wal2json names no key or identity.
+            info = TableInfo(schema, table, (), (), (), "d", ())
+            log.warning(
+                "table not in the catalog: described by the change's own columns, without a primary key",
+                extra={"table": f"{schema}.{table}"},
+            )
         entry = self._from_catalog(schema, table, info)
         if not self._matches(entry, cols, whole, None):
             entry = self._from_change(schema, table, cols, info)

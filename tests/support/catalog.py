@@ -22,7 +22,7 @@ class StaticCatalog:
     def typname(self, oid: int) -> str:
         return self.types[oid]
 
-    def table(self, schema: str, name: str) -> TableInfo:
+    def table(self, schema: str, name: str, relid: int | None = None) -> TableInfo:
         return self.tables(schema, name)
 
     def remember_type(self, oid: int, name: str) -> None:

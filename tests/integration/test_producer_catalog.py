@@ -1,0 +1,69 @@
+"""Changes of a table renamed or dropped before the producer decodes them.
+
+The decoders ask the catalog for what a change does not carry (pgoutput: the primary key and
+nullability; wal2json: the table's columns, key and identity). A producer that lags behind
+(stopped, or slow) can decode a change of a table renamed or dropped since: the name lookup
+failed and the producer stopped with ``LookupError`` on every restart, publishing nothing while
+the slot held WAL. Now pgoutput finds the table by its oid (a rename keeps it) and, for a
+dropped table, takes the key from the relation message's identity flags; wal2json describes
+the table by the change's own columns (no key: it names none), with a warning.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import psycopg
+import pytest
+
+from tests.support.pipeline import running_producer
+from walbus.client import Feed
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.mark.parametrize("plugin", ["pgoutput", "wal2json"])
+async def test_changes_of_tables_renamed_or_dropped_since_are_published(
+    pg_dsn: str, kafka_bootstrap: str, unique_name: str, plugin: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    topic, slot = f"walbus.{unique_name}", f"{unique_name}_slot"
+    async with running_producer(pg_dsn, kafka_bootstrap, topic=topic, plugin=plugin, slot=slot, snapshot_mode="never"):
+        pass  # the slot exists from here on
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute("CREATE TABLE renamed (id int PRIMARY KEY, v text NOT NULL)")
+        conn.execute("CREATE TABLE dropped (a int, b int, v text, PRIMARY KEY (b, a))")
+        conn.execute("INSERT INTO renamed VALUES (1, 'x')")
+        conn.execute("INSERT INTO dropped VALUES (1, 2, 'y')")
+        conn.execute("UPDATE dropped SET v = 'z'")
+        conn.execute("ALTER TABLE renamed RENAME TO later")
+        conn.execute("DROP TABLE dropped")
+        with conn.transaction():  # created, filled and renamed in one transaction
+            conn.execute("CREATE TABLE young (k text PRIMARY KEY)")
+            conn.execute("INSERT INTO young VALUES ('k1')")
+            conn.execute("ALTER TABLE young RENAME TO grown")
+    producing = running_producer(pg_dsn, kafka_bootstrap, topic=topic, plugin=plugin, slot=slot, snapshot_mode="never")
+    feed = Feed(topic, bootstrap_servers=kafka_bootstrap, start="earliest")
+    events = []
+    async with producing, asyncio.timeout(60), feed:
+        async for event in feed:
+            events.append(event)
+            if len(events) == 4:
+                break
+    # the names they had when the changes were written
+    got = [(e.table, e.operation, e.row()) for e in events]
+    assert got == [
+        ("public.renamed", "insert", {"id": 1, "v": "x"}),
+        ("public.dropped", "insert", {"a": 1, "b": 2, "v": "y"}),
+        ("public.dropped", "update", {"a": 1, "b": 2, "v": "z"}),
+        ("public.young", "insert", {"k": "k1"}),
+    ]
+    renamed, inserted, updated, young = events
+    if plugin == "pgoutput":
+        assert renamed.pk == ("id",) and renamed.not_null == ("id", "v")  # found by its oid
+        assert young.pk == ("k",)
+        assert inserted.pk == updated.pk == ("a", "b")  # the identity flags, in column order
+        assert inserted.not_null == ("a", "b")
+    else:
+        # wal2json names no key, and the table is not under the change's name any more
+        assert renamed.pk == inserted.pk == young.pk == ()
+    assert "table not in the catalog" in caplog.text
