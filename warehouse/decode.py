@@ -21,6 +21,7 @@ that fills the load's cache is its summary too, with no aggregate over the cache
 from __future__ import annotations
 
 import functools
+import gc
 import itertools
 import threading
 import uuid
@@ -269,14 +270,24 @@ def decode_batches(
     task = TaskTally()
     key: TaskKey | None = None
     previous: Position | None = None  # the task's last valid position so far
-    for batch in batches:
-        if key is None and batch.num_rows:
-            key = (batch.column("partition")[0].as_py(), batch.column("offset")[0].as_py())
-        columns, previous = _decode_batch(batch, previous, task)
-        yield pa.RecordBatch.from_arrays(
-            [c if isinstance(c, pa.Array) else pa.array(c, type=f.type) for c, f in zip(columns.values(), arrow_schema, strict=True)],
-            schema=arrow_schema,
-        )
+    # No cyclic garbage collection while the task decodes. What it makes (each record's tuple,
+    # its lists and strings) holds no cycle and reference counting frees it; the collector only
+    # walked a batch's thousands of live containers again and again: 55-60% of the decoding's
+    # CPU (100,000 events of a 3-int-column table in one process: 1.1 s with it, 0.43 s without).
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        for batch in batches:
+            if key is None and batch.num_rows:
+                key = (batch.column("partition")[0].as_py(), batch.column("offset")[0].as_py())
+            columns, previous = _decode_batch(batch, previous, task)
+            yield pa.RecordBatch.from_arrays(
+                [c if isinstance(c, pa.Array) else pa.array(c, type=f.type) for c, f in zip(columns.values(), arrow_schema, strict=True)],
+                schema=arrow_schema,
+            )
+    finally:
+        if collecting:
+            gc.enable()
     if tally is not None and key is not None:
         accumulator, token = tally
         accumulator.add({token: {key: task}})
