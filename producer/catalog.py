@@ -46,10 +46,15 @@ _MODIFIER_TEXT = re.compile(r"\((-?\d+)(?:,(-?\d+))?\)")
 # (getBaseType); snapshot rows and wal2json's changes, which name the domain, say the same, so
 # a column has one type and one JSON value whatever wrote the event (an int domain's values
 # are JSON integers, its key the same in a compacted topic).
-TYPE_NAMES_CTE: Final = (
-    "type_names(oid, base) AS (SELECT oid, oid FROM pg_type UNION ALL "
-    "SELECT n.oid, t.typbasetype FROM type_names n JOIN pg_type t ON t.oid = n.base AND t.typtype = 'd')"
-)
+def type_names_cte(seed: str) -> str:
+    """``type_names(oid, base)``, for a RECURSIVE WITH, of the type oids ``seed`` selects:
+    join it with :data:`TYPE_NAME_JOIN` for the name of each."""
+    return (
+        f"type_names(oid, base) AS (SELECT s.oid, s.oid FROM ({seed}) s(oid) UNION ALL "
+        "SELECT n.oid, t.typbasetype FROM type_names n JOIN pg_type t ON t.oid = n.base AND t.typtype = 'd')"
+    )
+
+
 # joins type_names n: the row of pg_type t that names n.oid
 TYPE_NAME_JOIN: Final = "JOIN pg_type t ON t.oid = n.base AND t.typtype <> 'd'"
 
@@ -137,7 +142,8 @@ class Catalog:
 
     def load_types(self) -> None:
         rows = self._connection().execute(
-            f"WITH RECURSIVE {TYPE_NAMES_CTE} SELECT n.oid::int8, t.typname FROM type_names n {TYPE_NAME_JOIN}"
+            f"WITH RECURSIVE {type_names_cte('SELECT oid FROM pg_type')} "
+            f"SELECT n.oid::int8, t.typname FROM type_names n {TYPE_NAME_JOIN}"
         ).fetchall()
         self._types = {int(str(oid)): str(name) for oid, name in rows}
 

@@ -24,7 +24,7 @@ from typing import Any, NoReturn
 import psycopg
 from psycopg import pq, sql
 
-from producer.catalog import TYPE_NAME_JOIN, TYPE_NAMES_CTE, type_modifiers
+from producer.catalog import TYPE_NAME_JOIN, type_modifiers, type_names_cte
 from producer.codec import CaptureFilter, Relation
 from walbus.contract import FLOAT_SPECIALS, FLOAT_TYPES, INT_TYPES
 
@@ -93,10 +93,11 @@ def describe_table(conn: Conn, schema: str, name: str, capture: CaptureFilter, r
         return None
     oid, kind, replident, estimate, pages = int(str(row[0])), str(row[1]), str(row[2]), int(str(row[3])), int(str(row[4]))
     cols = conn.execute(
-        f"WITH RECURSIVE {TYPE_NAMES_CTE} SELECT a.attname, t.typname, a.atttypid::regtype::text, a.atttypmod, "
-        f"a.attnotnull FROM pg_attribute a JOIN type_names n ON n.oid = a.atttypid {TYPE_NAME_JOIN} "
+        f"WITH RECURSIVE {type_names_cte('SELECT DISTINCT atttypid FROM pg_attribute WHERE attrelid = %s')} "
+        "SELECT a.attname, t.typname, a.atttypid::regtype::text, a.atttypmod, a.attnotnull "
+        f"FROM pg_attribute a JOIN type_names n ON n.oid = a.atttypid {TYPE_NAME_JOIN} "
         "WHERE a.attrelid = %s AND a.attnum > 0 AND NOT a.attisdropped AND a.attgenerated = '' ORDER BY a.attnum",
-        (oid,),
+        (oid, oid),
     ).fetchall()
     pk = [
         str(r[0])

@@ -86,7 +86,7 @@ def _value_converter(typname: str) -> Callable[[Any], Any]:
         return lambda v: v if v is None else "\\x" + v
     if typname in BOOL_TYPES:
         # a bool domain's value is quoted output text ("t"): wal2json prints true/false for
-        # the bool oid only (see producer.catalog.TYPE_NAMES_CTE)
+        # the bool oid only (see producer.catalog.type_names_cte)
         return lambda v: _BOOL_TEXT[v] if type(v) is str else v
     return lambda v: v if v is None or isinstance(v, str) else str(v)
 
