@@ -129,6 +129,7 @@ class Catalog:
         self._dsn = dsn
         self._conn: psycopg.Connection[tuple[object, ...]] | None = None
         self._types: dict[int, str] = {}
+        self._fixed: frozenset[str] | None = None
         self._tables: dict[tuple[str, str], TableInfo] = {}
 
     def _connection(self) -> psycopg.Connection[tuple[object, ...]]:
@@ -146,6 +147,20 @@ class Catalog:
             f"SELECT n.oid::int8, t.typname FROM type_names n {TYPE_NAME_JOIN}"
         ).fetchall()
         self._types = {int(str(oid)): str(name) for oid, name in rows}
+        # (a name is fixed only when every type of that name is: one schema's may be varlena)
+        fixed = self._connection().execute(
+            "SELECT typname FROM pg_type WHERE typtype <> 'd' GROUP BY typname "
+            "HAVING bool_and(typlen > 0 OR typstorage = 'p')"
+        ).fetchall()
+        self._fixed = frozenset(str(r[0]) for r in fixed)
+
+    def fixed_length_types(self) -> frozenset[str]:
+        """The type names whose values PostgreSQL never TOASTs (fixed length, or plain
+        storage): a column of one is never left out of an update as an unchanged TOAST value."""
+        if self._fixed is None:
+            self.load_types()
+        assert self._fixed is not None
+        return self._fixed
 
     def typname(self, oid: int) -> str:
         name = self._types.get(oid)

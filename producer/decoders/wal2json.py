@@ -141,9 +141,15 @@ class Wal2jsonDecoder:
             "include-transaction": "1",
         }
 
-    def _relation(self, schema: str, table: str, cols: list[dict[str, Any]], *, whole: bool = False) -> Entry:
+    def _relation(
+        self, schema: str, table: str, cols: list[dict[str, Any]], *, whole: bool = False,
+        new_row: list[dict[str, Any]] | None = None,
+    ) -> Entry:
         """The relation a change was written with. ``whole``: ``cols`` is the whole row (an
-        insert), so its column list is the table's as of that change and must match exactly.
+        insert, or an old row under REPLICA IDENTITY FULL), so its column list is the table's as
+        of that change and must match exactly. ``new_row``: an update's new row, which leaves out
+        only unchanged TOAST values: a relation column it lacks whose type is never TOASTed
+        means the relation is not the change's (a column dropped before it, or added after).
 
         The catalog says how a table is now, which may be a later version than the change's
         (a column added, dropped, renamed or retyped later in its transaction or since): when
@@ -156,7 +162,7 @@ class Wal2jsonDecoder:
                 signature = _signatures(cols)
                 if signature == self._whole.get(key):
                     return cached
-            if self._matches(cached, cols, whole, self._known[key]):
+            if self._matches(cached, cols, whole, self._known[key]) and self._lacks_only_toast(cached[0], new_row):
                 if whole:
                     self._whole[key] = signature
                 return cached
@@ -176,12 +182,42 @@ class Wal2jsonDecoder:
         entry = self._from_catalog(schema, table, info)
         if not self._matches(entry, cols, whole, None):
             entry = self._from_change(schema, table, cols, info)
+        elif not self._lacks_only_toast(entry[0], new_row):
+            # the change's own columns, and the catalog's columns it may have left out as
+            # unchanged TOAST values (in the catalog's order)
+            entry = self._from_change(schema, table, self._with_toastable(cols, info), info)
             log.debug("relation from the change's own columns", extra={"table": entry[0].qualified, "columns": entry[0].columns})
         self._relations[key] = entry
         self._hot = None  # its relation may be this table's old one
         self._known[key] = set()
         self._whole.pop(key, None)
         return entry
+
+    def _lacks_only_toast(self, rel: Relation, new_row: list[dict[str, Any]] | None) -> bool:
+        """Whether every column of ``rel`` that an update's ``new_row`` lacks may be an
+        unchanged TOAST value (a type PostgreSQL TOASTs)."""
+        if new_row is None or len(new_row) == len(rel.columns):
+            return True
+        fixed_types = getattr(self.catalog, "fixed_length_types", None)
+        if fixed_types is None:
+            return True
+        fixed = fixed_types()
+        names = {c["name"] for c in new_row}
+        return all(c in names or t not in fixed for c, t in zip(rel.columns, rel.types, strict=True))
+
+    def _with_toastable(self, cols: list[dict[str, Any]], info: TableInfo) -> list[dict[str, Any]]:
+        """``cols`` and, in the catalog's order, the catalog's columns they lack whose type is
+        TOASTed (they may be unchanged TOAST values of the change)."""
+        fixed_types = getattr(self.catalog, "fixed_length_types", None)
+        fixed = fixed_types() if fixed_types is not None else frozenset()
+        named = {c["name"]: c for c in cols}
+        merged = []
+        for name, oid in zip(info.columns, info.type_oids, strict=True):
+            if name in named:
+                merged.append(named.pop(name))
+            elif self.catalog.typname(oid) not in fixed:
+                merged.append({"name": name, "typeoid": oid})
+        return merged + [c for c in cols if c["name"] in named]
 
     def _matches(self, entry: Entry, cols: list[dict[str, Any]], whole: bool, known: set[Signature] | None) -> bool:
         """Whether the change's columns are the relation's (``known``: signatures already checked)."""
@@ -304,7 +340,16 @@ class Wal2jsonDecoder:
                 lsn = _lsn(msg["lsn"])
                 cols = msg.get("columns") or []
                 ident_cols = msg.get("identity")
-                rel, index, convs = self._relation(schema, table, cols + (ident_cols or []) if action != "I" else cols, whole=action == "I")
+                if action == "I":
+                    rel, index, convs = self._relation(schema, table, cols, whole=True)
+                else:
+                    rel, index, convs = self._relation(
+                        schema, table, cols + (ident_cols or []), new_row=cols if action == "U" else None
+                    )
+                    if rel.replident == "f" and ident_cols and [c["name"] for c in ident_cols] != rel.columns:
+                        # Under REPLICA IDENTITY FULL the identity is the whole old row: its
+                        # columns are the relation the change was written with.
+                        rel, index, convs = self._relation(schema, table, ident_cols, whole=True)
                 if not rel.captured:
                     continue
                 n = len(rel.columns)

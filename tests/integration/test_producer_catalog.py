@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 
+import orjson
 import psycopg
 import pytest
 
@@ -67,3 +68,55 @@ async def test_changes_of_tables_renamed_or_dropped_since_are_published(
         # wal2json names no key, and the table is not under the change's name any more
         assert renamed.pk == inserted.pk == young.pk == ()
     assert "table not in the catalog" in caplog.text
+
+
+DROPPED_DDL = (
+    "CREATE TABLE t (id int PRIMARY KEY, a text, b int)",
+    "CREATE TABLE f (id int PRIMARY KEY, a text, b int)",
+    "ALTER TABLE f REPLICA IDENTITY FULL",
+    "CREATE TABLE g (id int PRIMARY KEY, a text, big text, b int8)",
+)
+DROPPED_DML = (
+    "INSERT INTO t VALUES (1, 'x', 2)",
+    "ALTER TABLE t DROP COLUMN b",
+    "UPDATE t SET a = 'y' WHERE id = 1",
+    "INSERT INTO f VALUES (1, 'x', 2)",
+    "ALTER TABLE f DROP COLUMN b",
+    "UPDATE f SET a = 'y' WHERE id = 1",
+    # a TOASTed value the update leaves unchanged, beside a dropped fixed-length column
+    "INSERT INTO g SELECT 1, 'x', string_agg(md5(i::text), '') , 3 FROM generate_series(1, 400) i",
+    "ALTER TABLE g DROP COLUMN b",
+    "UPDATE g SET a = 'y' WHERE id = 1",
+    "ALTER TABLE g ADD COLUMN c int DEFAULT 5",
+    "UPDATE g SET a = 'z' WHERE id = 1",
+)
+
+
+async def test_wal2json_updates_after_a_column_is_dropped_are_pgoutputs(
+    pg_dsn: str, kafka_bootstrap: str, unique_name: str
+) -> None:
+    """wal2json's update names the columns it has: a column of the table's last insert that it
+    lacks was taken for an unchanged TOAST value (``"unchanged":["b"]`` for a dropped ``int``
+    column, which a consumer then kept from the old row), and under REPLICA IDENTITY FULL sent
+    as null in both rows. A column whose type is never TOASTed, or a full old row, now tells."""
+    from tests.support.kafka import read_topic
+
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        for statement in DROPPED_DDL:
+            conn.execute(statement)
+    t_pg, t_wj = f"{unique_name}_pg", f"{unique_name}_wj"
+    async with (
+        running_producer(pg_dsn, kafka_bootstrap, topic=t_pg, plugin="pgoutput", slot=f"{unique_name}_pg", snapshot_mode="never"),
+        running_producer(pg_dsn, kafka_bootstrap, topic=t_wj, plugin="wal2json", slot=f"{unique_name}_wj", snapshot_mode="never"),
+    ):
+        with psycopg.connect(pg_dsn, autocommit=True) as conn:
+            for statement in DROPPED_DML:
+                conn.execute(statement)
+        ours = await read_topic(kafka_bootstrap, t_pg, min_count=7)
+        theirs = await read_topic(kafka_bootstrap, t_wj, min_count=7)
+    assert len(ours) == len(theirs) == 7
+    for (key, a), (_, b) in zip(ours, theirs, strict=True):
+        assert a == b, f"{key!r}:\n pgoutput {a!r}\n wal2json {b!r}"
+    g_updates = [orjson.loads(v) for _, v in ours if b'"table":"public.g"' in v and b'"update"' in v]
+    assert [u.get("unchanged") for u in g_updates] == [["big"], ["big"]]
+    assert [u["columns"] for u in g_updates] == [["id", "a"], ["id", "a", "c"]]
