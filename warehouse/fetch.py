@@ -38,6 +38,7 @@ CHUNK_RECORDS: Final = 10_000
 STALL_S: Final = 120.0
 # what one partition's fetch may bring at once (Kafka returns at least one batch, however large)
 FETCH_PARTITION_BYTES: Final = 16 << 20
+_SPLIT_SCHEMA: Final = "partition int, start bigint, end bigint"
 
 
 class FetchError(RuntimeError):
@@ -81,8 +82,6 @@ def fetched_records(
     fetch = functools.partial(_fetch_and_decode, arrow_schema, options, topic, None if tally is None else tally.handle)
     return frame.mapInArrow(fetch, schema)
 
-
-_SPLIT_SCHEMA: Final = "partition int, start bigint, end bigint"
 
 
 def _fetch_and_decode(arrow_schema: Any, options: KafkaOptions, topic: str, tally: Any, batches: Iterator[Any]) -> Iterator[Any]:
