@@ -119,10 +119,14 @@ def latest_actions(
     if one_task:
         actions = actions.coalesce(1)  # after the union: its two inputs would be two partitions
     others = [c for c in actions.columns if c not in pk]
+    # (a name no source column has: a key column named "a" made the reference ambiguous)
     latest = actions.groupBy(*[qcol(k) for k in pk]).agg(
-        F.max_by(F.struct(*[qcol(c) for c in others]), F.struct(*[F.col(c) for c in POSITION])).alias("a")
+        F.max_by(F.struct(*[qcol(c) for c in others]), F.struct(*[F.col(c) for c in POSITION])).alias(_LATEST)
     )
-    return latest.select(*[qcol(k) for k in pk], *[F.col("a")[c].alias(c) for c in others])
+    return latest.select(*[qcol(k) for k in pk], *[F.col(_LATEST)[c].alias(c) for c in others])
+
+
+_LATEST: Final = "_walbus_latest"
 
 
 def _observed_stats(source: DataFrame, first_key: str) -> tuple[DataFrame, Observation]:

@@ -37,19 +37,22 @@ def as_of(spark: SparkSession, paths: layout.TablePaths, lsn: int) -> tuple[Data
     """(history up to commit LSN ``lsn``, the table's rows then with tombstones, or None
     when the table has no primary key)."""
     history_path = paths.history
-    history = spark.read.format("delta").load(history_path).where(F.col("pg_commit_lsn") <= F.lit(lsn))
+    # int(): an Lsn (an int whose text is X/Y) would reach Spark's lit() as that text
+    history = spark.read.format("delta").load(history_path).where(F.col("pg_commit_lsn") <= F.lit(int(lsn)))
     keyed = is_delta_table(spark, paths.current)
     pk = [k for k in table_properties(spark, paths.current).get(PRIMARY_KEY_PROPERTY, "").split(",") if k] if keyed else []
     if not pk:
         return history, None
     meta = {*META_NAMES, *(prev_name(k) for k in pk)}
     columns = existing_columns(history.schema.fields, table_properties(spark, history_path), meta)
+    # (a name no source column has: a column named "t" made the reference ambiguous)
+    last = "_walbus_last_truncate"
     truncated = history.where(F.col("pg_operation") == "truncate").agg(
-        F.max(F.struct(F.col("pg_commit_lsn").alias("l"), F.col("pg_seq").alias("s"))).alias("t")
+        F.max(F.struct(F.col("pg_commit_lsn").alias("l"), F.col("pg_seq").alias("s"))).alias(last)
     )
     after = history.crossJoin(truncated).where(
-        F.col("t").isNull() | (F.struct(F.col("pg_commit_lsn").alias("l"), F.col("pg_seq").alias("s")) > F.col("t"))
-    ).drop("t")
+        F.col(last).isNull() | (F.struct(F.col("pg_commit_lsn").alias("l"), F.col("pg_seq").alias("s")) > F.col(last))
+    ).drop(last)
     return history, latest_actions(after, pk, columns)
 
 

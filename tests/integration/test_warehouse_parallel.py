@@ -102,3 +102,36 @@ def test_stream_available_now_loads_like_the_batch_load_and_resumes_from_its_che
         expected = {(k, v) for n in range(run + 1) for k, v in ((1 + n * 10, 1), (3 + n * 10, 30 + n * 100))}
         assert {(r["id"], r["amount"]) for r in live} == expected
         assert applied_load(spark, paths.history, stream_app_id(unique_name)) == run
+
+
+def test_columns_named_like_the_loads_own_names_and_an_lsn_as_the_cli_parses_it(
+    spark: Any, kafka_bootstrap: str, unique_name: str, tmp_path: Path
+) -> None:
+    """A key column named ``a`` failed every load (AMBIGUOUS_REFERENCE: the latest action per
+    key was a struct named ``a``), a column named ``t`` every point-in-time query (the last
+    TRUNCATE was ``t``), and ``--as-of-lsn`` from the command line always failed: its Lsn
+    reached Spark's lit() as the text X/Y."""
+    from walbus.contract import Lsn
+
+    table = "public.odd"
+    pk = ["a"]
+
+    def odd(a: int, t: str) -> dict[str, tuple[str, Any]]:
+        return {"a": ("int4", a), "t": ("text", t), "s": ("text", t)}
+
+    events = (
+        Txn(0x1000).insert(table, pk, odd(1, "x")).insert(table, pk, odd(2, "y")).events
+        + Txn(0x2000).update(table, pk, odd(1, "z")).events
+        + Txn(0x3000).truncate(table, pk).events
+        + Txn(0x4000).insert(table, pk, odd(3, "w")).events
+    )
+    produce_events(kafka_bootstrap, unique_name, events)
+    assert run_load(spark, LoadSpec(kafka_options(kafka_bootstrap), unique_name, str(tmp_path))).events == 5
+
+    def state(lsn: int | None) -> set[tuple[int, str]]:
+        _, rows = run_sql(spark, str(tmp_path), unique_name, "SELECT a, t FROM public_odd", 100, lsn)
+        return {(r["a"], r["t"]) for r in rows}
+
+    assert state(None) == {(3, "w")}
+    assert state(Lsn.parse("0/2000")) == {(1, "z"), (2, "y")}
+    assert state(Lsn.parse("0/3000")) == set()
