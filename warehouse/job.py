@@ -144,11 +144,17 @@ class LoadResult:
     seconds: float = 0.0
     phases: dict[str, float] = field(default_factory=dict)  # read+parse+meta of each load
     quarantined: int = 0  # invalid records written to the quarantine table (--skip-invalid)
+    left_out: dict[str, int] = field(default_factory=dict)  # events of tables --tables left out
 
     def lines(self) -> list[str]:
         if not self.batches:
             return ["no new events"]
         lines = [self.tables[t].line() for t in sorted(self.tables)]
+        if self.left_out:
+            lines.append(
+                f"left out by --tables, and not loaded by a later load either: {sum(self.left_out.values())} events of "
+                + ", ".join(f"{t} ({n})" for t, n in sorted(self.left_out.items()))
+            )
         if self.quarantined:
             lines.append(f"{self.quarantined} invalid records quarantined in {layout.QUARANTINE_DIR}")
         return lines
@@ -310,7 +316,15 @@ def write_slice(
         metas.sort(key=lambda r: r["table"])
         result.phases["read"] = round(result.phases.get("read", 0.0) + time.monotonic() - started, 3)
         selected = NameMatcher(spec.tables)
-        metas = [m for m in metas if not selected or selected.matches_table(m["table"])]
+        if selected:
+            # The load's offsets cover every table: what it leaves out is not loaded later.
+            for m in metas:
+                if not selected.matches_table(m["table"]):
+                    result.left_out[m["table"]] = result.left_out.get(m["table"], 0) + int(m["events"])
+            if result.left_out:
+                log.warning("tables left out by --tables: their events of this load are skipped for good",
+                            extra={"left_out": result.left_out})
+            metas = [m for m in metas if selected.matches_table(m["table"])]
         for meta in metas:
             result.tables.setdefault(meta["table"], TableSummary(meta["table"]))
         failures = _load_tables(spark, spec, valid, metas, txn, result.tables)

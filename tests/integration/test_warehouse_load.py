@@ -868,3 +868,20 @@ def test_a_relative_warehouse_path_is_the_working_directorys(
     result = run_load(spark, LoadSpec(kafka_options(kafka_bootstrap), unique_name, "wh/x"))
     assert result.events == 1
     assert [r["amount"] for r in current(spark, tmp_path / "wh" / "x", unique_name)] == [3]
+
+
+def test_a_load_with_tables_says_what_it_left_out_for_good(
+    spark: Any, kafka_bootstrap: str, unique_name: str, tmp_path: Path
+) -> None:
+    """A load's offsets cover the whole topic: the events of a table --tables leaves out are
+    not loaded by a later load either. That was silent; the load's summary now says it."""
+    other = "public.other"
+    events = (
+        Txn(0x1000).insert(TX, TX_PK, tx_row(1, 2, 3)).insert(other, ["id"], {"id": ("int4", 1)}).events
+        + Txn(0x2000).insert(other, ["id"], {"id": ("int4", 2)}).events
+    )
+    produce_events(kafka_bootstrap, unique_name, events)
+    result = load(spark, kafka_bootstrap, unique_name, tmp_path, tables=("public.transactions",))
+    assert result.events == 1 and result.left_out == {other: 2}
+    assert "left out by --tables, and not loaded by a later load either: 2 events of public.other (2)" in result.lines()
+    assert load(spark, kafka_bootstrap, unique_name, tmp_path).lines() == ["no new events"]
