@@ -198,18 +198,19 @@ class Wal2jsonDecoder:
         unchanged TOAST value (a type PostgreSQL TOASTs)."""
         if new_row is None or len(new_row) == len(rel.columns):
             return True
-        fixed_types = getattr(self.catalog, "fixed_length_types", None)
-        if fixed_types is None:
-            return True
-        fixed = fixed_types()
+        fixed = self._fixed_length_types()
         names = {c["name"] for c in new_row}
         return all(c in names or t not in fixed for c, t in zip(rel.columns, rel.types, strict=True))
+
+    def _fixed_length_types(self) -> frozenset[str]:
+        """The catalog's never-TOASTed type names (none from a catalog that does not say)."""
+        fixed_types = getattr(self.catalog, "fixed_length_types", None)
+        return fixed_types() if fixed_types is not None else frozenset()
 
     def _with_toastable(self, cols: list[dict[str, Any]], info: TableInfo) -> list[dict[str, Any]]:
         """``cols`` and, in the catalog's order, the catalog's columns they lack whose type is
         TOASTed (they may be unchanged TOAST values of the change)."""
-        fixed_types = getattr(self.catalog, "fixed_length_types", None)
-        fixed = fixed_types() if fixed_types is not None else frozenset()
+        fixed = self._fixed_length_types()
         named = {c["name"]: c for c in cols}
         merged = []
         for name, oid in zip(info.columns, info.type_oids, strict=True):
