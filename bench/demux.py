@@ -39,7 +39,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import delete_topics_matching, fill_topic, rss_mb, settle
 from demux.config import DemuxConfig
-from demux.service import Demux, tune_gc
+from demux.service import Demux
+from walbus.allocator import tune_collector
 from walbus.contract import encode_event, event_key
 from walbus.metrics import new_registry
 
@@ -493,7 +494,7 @@ def main() -> None:
     p.add_argument("--default-gc", action="store_true", help="keep Python's default GC thresholds")
     args = p.parse_args()
     if not args.default_gc:
-        tune_gc()  # as `walbus demux` does
+        tune_collector()  # as `walbus demux` does
     asyncio.run(main_async(args))
 
 

@@ -6,7 +6,6 @@ The exactly-once design (one transactional producer per source partition): docs/
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 import signal
 import time
@@ -28,7 +27,7 @@ from demux.rekey import Rekeyer
 from demux.topics import TopicManager
 from demux.worker import PartitionWorker
 from walbus.aiokafka_shortcuts import SHORTCUTS, flatten, read_in_runs
-from walbus.allocator import tune_for_large_buffers
+from walbus.allocator import tune_collector, tune_for_large_buffers
 from walbus.config import describe
 from walbus.kafka import KafkaAdmin, wait_for_broker
 from walbus.logs import setup_logging
@@ -303,16 +302,6 @@ async def run_demux(config: DemuxConfig, *, registry: CollectorRegistry | None =
             loop.remove_signal_handler(sig)
 
 
-def tune_gc() -> None:
-    """Fewer cyclic-GC passes: the hot path allocates many short-lived dicts while
-    aiokafka holds thousands of fetched records alive, so the default thresholds
-    (700) run a young collection every few records and promote the fetched
-    records into older generations that are then traversed again and again."""
-    gc.collect()
-    gc.freeze()
-    gc.set_threshold(100_000, 50, 50)
-
-
 def _exit_now(signum: int, frame: object) -> None:
     raise SystemExit(0)
 
@@ -323,7 +312,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     config = parse_config(argv)  # ConfigError -> `walbus` prints it and exits 2
     setup_logging(config.log_level)
     tune_for_large_buffers()  # aiokafka's batch copies: see walbus.allocator
-    tune_gc()
+    tune_collector()  # see walbus.allocator
     registry = new_registry()
     config.kafka_client_kwargs()  # raises ConfigError on incomplete security options, before any I/O
     # Ready while it owns source partitions to consume.

@@ -37,7 +37,7 @@ from producer.replication import ReplicationError, ReplicationStream
 from producer.signal_topic import KafkaSignalChannel
 from producer.sink import KafkaSink, SinkError
 from producer.snapshot import InitialSnapshot, SnapshotAborted
-from walbus.allocator import tune_for_large_buffers
+from walbus.allocator import tune_collector, tune_for_large_buffers
 from walbus.config import ConfigError, describe
 from walbus.contract import Lsn, heartbeat_topic, side_topic, split_table
 from walbus.kafka import (
@@ -384,6 +384,7 @@ def main(argv: Sequence[str]) -> int:
     cfg = load(argv)
     setup_logging(cfg.log_level)
     tune_for_large_buffers()  # aiokafka's batch copies: see walbus.allocator
+    tune_collector()  # the same records, kept out of the cyclic collector's young passes
     producer = Producer(cfg)
     # Ready while streaming from the slot (the gauge the stream loop keeps).
     server = serve_metrics(

@@ -49,3 +49,28 @@ def test_tuned_large_buffers_stop_page_faulting() -> None:
 def test_the_operators_own_malloc_settings_win() -> None:
     applied, _ = _child(MALLOC_MMAP_THRESHOLD_="131072")
     assert not applied
+
+
+COLLECTOR_CHILD = """
+import gc
+from walbus.allocator import COLLECTOR_THRESHOLDS, tune_collector
+garbage = [[i] for i in range(1000)]  # start-up state: frozen, never traversed again
+tune_collector()
+print(gc.get_threshold() == COLLECTOR_THRESHOLDS, gc.get_freeze_count() >= 1000, gc.isenabled())
+"""
+
+
+def test_tune_collector_freezes_start_up_state_and_raises_the_young_threshold() -> None:
+    out = subprocess.run([sys.executable, "-c", COLLECTOR_CHILD], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["True", "True", "True"]  # still collecting cycles, just less often
+
+
+@pytest.mark.parametrize("service", ["producer.service", "demux.service"])
+def test_both_services_tune_the_collector_at_start(service: str) -> None:
+    # Each service's main() calls the shared tuning (a service left on CPython's defaults
+    # spends a few % of its CPU in young collections of records aiokafka holds).
+    import importlib
+    import inspect
+
+    source = inspect.getsource(importlib.import_module(service).main)
+    assert "tune_collector()" in source
