@@ -292,9 +292,10 @@ class Feed:
         self._admin: AIOKafkaAdminClient | None = None
         self._parts: dict[TopicPartition, _PartitionState] = {}
         self._epochs: dict[TopicPartition, int] = {}
-        # Highest position handed to the caller per partition in this run: survives a
-        # revoke/re-assign of the same partition, so a run never delivers a position twice.
+        # Highest position per partition this run finished with: survives a revoke/re-assign
+        # of the same partition, so a run does not deliver a finished event twice (_run_mark).
         self._delivered: dict[TopicPartition, Position] = {}
+        self._left: dict[TopicPartition, _PartitionState] = {}  # revoked, not yet assigned again
         self._loop: asyncio.AbstractEventLoop | None = None  # start()'s
         self._current: _Marks | None = None  # what the caller is handling now
         self._lookahead: _Record | None = None  # transactions(): first record of the next one
@@ -958,7 +959,7 @@ class Feed:
                 continue
             replay = self._is_replay(tp)
             floor = self._floor if tp in self._fresh and not replay else None
-            seen = None if replay else newest(stored.get(tp), resumed.get(tp), self._delivered.get(tp), floor)
+            seen = None if replay else newest(stored.get(tp), resumed.get(tp), self._run_mark(tp), floor)
             self._parts[tp] = _PartitionState(self, tp, epochs[tp], seen=seen, end_offset=ends.get(tp), replay=replay)
             log.debug("partition assigned", extra={"topic": tp.topic, "partition": tp.partition, "resume_after": seen})
 
@@ -1012,14 +1013,36 @@ class Feed:
         self.stats.delivered += len(records)
 
     def _forget(self, tp: TopicPartition) -> None:
-        """Drop a partition's state, keeping the highest position this run delivered from it."""
+        """Drop a partition's state; it is kept aside (``_left``) until the partition comes
+        back, when :meth:`_run_mark` reads what this run finished of it."""
         state = self._parts.pop(tp, None)
         if state is not None:
             state.revoked = True
-        if state is not None and state.delivered is not None:
-            known = self._delivered.get(tp)
-            if known is None or state.delivered > known:
-                self._delivered[tp] = state.delivered
+            self._left[tp] = state
+
+    def _run_mark(self, tp: TopicPartition) -> Position | None:
+        """The highest position of ``tp`` this run may skip when the partition comes back to it.
+
+        That is the highest one it delivered, unless an event it delivered is not finished:
+        run() passed it over after the revoke, it waits for a retry (dropped with the revoke),
+        or its handler still runs. Then it is the last position before the first such event,
+        so that one and those after it come again (a handler still running may so see its
+        event twice: at-least-once). Marking every delivered position lost such events for
+        good when the partition came back to the same member (a fuzz found it)."""
+        left = self._left.pop(tp, None)
+        if left is not None:
+            mark = left.delivered
+            before = left.done_position  # the acked prefix, popped from inflight
+            for rec in left.inflight:
+                if rec.outcome == "pending" or rec.outcome == "retry":
+                    mark = before
+                    break
+                before = rec.position
+            if mark is not None:
+                known = self._delivered.get(tp)
+                if known is None or mark > known:
+                    self._delivered[tp] = mark
+        return self._delivered.get(tp)
 
     def _valid(self, rec: _Record) -> bool:
         """Whether ``rec``'s partition is still assigned as it was when it was read."""
