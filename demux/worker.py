@@ -293,11 +293,9 @@ class PartitionWorker:
         """Write one event's output; (error, reason) when it cannot be written (then nothing is)."""
         store = self.store
         assert store is not None
-        if out.records:
-            info = await self._topic_of(out)
-            if info.unusable is not None:
-                self._unwritten(out, info.unusable, "topic")
-                return info.unusable, "topic"
+        checked = bool(out.records)
+        if checked and (unusable := await self._unusable_topic(out)) is not None:
+            return unusable, "topic"
         try:
             if out.needs_state and out.table not in store.tracked:
                 out = await self._rekey_with_state(event, out)
@@ -308,6 +306,10 @@ class PartitionWorker:
         except Exception as e:
             log.exception("re-keying failed", extra={"partition": self.tp.partition, "offset": offset})
             return f"internal error: {type(e).__name__}: {e}", "internal"
+        # Records only the table's state could make (a truncate's tombstones for keys read
+        # from the topic): their topic may be new to this process (a restart).
+        if out.records and not checked and (unusable := await self._unusable_topic(out)) is not None:
+            return unusable, "topic"
         table, records = out.table, out.records
         counts = self.counts
         if out.no_pk:
@@ -330,6 +332,13 @@ class PartitionWorker:
             counts.other[("unfilled", table)] += len(out.unfilled)
             self._warn_once("unfilled", table, offset, out.unfilled)
         return None
+
+    async def _unusable_topic(self, out: Rekeyed) -> str | None:
+        """Why the event's records cannot go to their topic (then said so: :meth:`_unwritten`)."""
+        info = await self._topic_of(out)
+        if info.unusable is not None:
+            self._unwritten(out, info.unusable, "topic")
+        return info.unusable
 
     async def _topic_of(self, out: Rekeyed) -> TopicInfo:
         """The topic of the event's records (all its table's); a colliding name is traded for the hashed one."""

@@ -228,3 +228,35 @@ async def test_producer_replays_are_skipped(kafka_bootstrap: str, unique_name: s
     recs = await read_records(kafka_bootstrap, f"{source}.public.nums")
     assert [r.key for r in recs] == [b'{"id":%d}' % i for i in range(4)]
     assert metrics["walbus_demux_replayed_skipped_total"] == 1
+
+
+async def test_a_truncate_first_after_a_restart(kafka_bootstrap: str, unique_name: str, tmp_path: Path) -> None:
+    # A table of fixed-width columns has no store: a truncate reads its keys from its topic.
+    # When that truncate was the first event a restarted demux saw for the table, its topic
+    # was not yet known to the process, and the partition worker failed on it forever (an
+    # assertion, the worker reopened and failed again: a crash loop). Found by a fuzz.
+    source = f"walbus.{unique_name}"
+    await create_topic(kafka_bootstrap, source)
+    first = [ev(0x500, i, "insert", "public.nums", ["id"], new={"id": i, "n": i}, types=INTS) for i in range(3)]
+    await produce(kafka_bootstrap, source, first, partition=0)
+    args = demux_args(kafka_bootstrap, source, tmp_path / "state")
+    group = f"walbus-demux.{source}"
+    proc = DemuxProc(args, tmp_path / "demux.log").start()
+    try:
+        await wait_caught_up(kafka_bootstrap, group, source, procs=[proc])
+    finally:
+        assert proc.stop() == 0, proc.log_tail()
+    after = [ev(0x600, 0, "truncate", "public.nums", ["id"]),
+             ev(0x700, 0, "insert", "public.nums", ["id"], new={"id": 9, "n": 9}, types=INTS)]
+    await produce(kafka_bootstrap, source, after, partition=0)
+    proc = DemuxProc(args, tmp_path / "demux-2.log").start()
+    try:
+        await wait_caught_up(kafka_bootstrap, group, source, procs=[proc])
+    finally:
+        assert proc.stop() == 0, proc.log_tail()
+    assert not [line for line in proc.log_lines() if "failed" in str(line.get("msg"))], proc.log_tail()
+    nums = await read_records(kafka_bootstrap, f"{source}.public.nums")
+    assert [(r.key, r.value is None) for r in nums[3:]] == [
+        (b'{"id":0}', True), (b'{"id":1}', True), (b'{"id":2}', True), (b'{"id":9}', False)]
+    table = await read_ktable(client_kwargs=_kw(kafka_bootstrap), topic=f"{source}.public.nums")
+    assert list(table) == [b'{"id":9}'] and table[b'{"id":9}']["n"] == 9
