@@ -54,7 +54,7 @@ class ScanTable:
 
     relation: Relation
     kind: str  # pg_class.relkind
-    sql_types: list[str]  # atttypid::regtype, for key literals in chunk queries
+    sql_types: list[str]  # format_type(): with its modifier (a bare "character" is char(1)), for key literals
     estimated_rows: int = 0
     pages: int = 0  # heap pages when described
 
@@ -94,7 +94,7 @@ def describe_table(conn: Conn, schema: str, name: str, capture: CaptureFilter, r
     oid, kind, replident, estimate, pages = int(str(row[0])), str(row[1]), str(row[2]), int(str(row[3])), int(str(row[4]))
     cols = conn.execute(
         f"WITH RECURSIVE {type_names_cte('SELECT DISTINCT atttypid FROM pg_attribute WHERE attrelid = %s')} "
-        "SELECT a.attname, t.typname, a.atttypid::regtype::text, a.atttypmod, a.attnotnull "
+        "SELECT a.attname, t.typname, format_type(a.atttypid, a.atttypmod), a.atttypmod, a.attnotnull "
         f"FROM pg_attribute a JOIN type_names n ON n.oid = a.atttypid {TYPE_NAME_JOIN} "
         "WHERE a.attrelid = %s AND a.attnum > 0 AND NOT a.attisdropped AND a.attgenerated = '' ORDER BY a.attnum",
         (oid, oid),
