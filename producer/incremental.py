@@ -281,7 +281,7 @@ class IncrementalSnapshot:
         if table == self.capture.signal_table:
             row = ev.row()
             if ev.operation == "insert" and row is not None:
-                self._signal_row(row)
+                self._signal_row(row, ev.key)
         recent = self._recent
         if recent is None or table != recent.table:
             return
@@ -447,9 +447,12 @@ class IncrementalSnapshot:
             # the next confirmed commit — records that took no effect may be read again).
             self._mark(eager=False)
 
-    def _signal_row(self, row: dict[str, Any]) -> None:
-        """A row inserted into the signal table (``data``: JSON text)."""
-        sig_id, data = str(row.get("id")), row.get("data")
+    def _signal_row(self, row: dict[str, Any], position: bytes) -> None:
+        """A row inserted into the signal table (``data``: JSON text) at ``position`` (its
+        event's key). The signal is ``<id>@<position>``: a replay of the same insert after a
+        restart is recognised as done, and a new row that reuses a deleted row's id is a new
+        signal (it was ignored as done before)."""
+        sig_id, data = f"{row.get('id')}@{position.decode()}", row.get("data")
         try:
             payload = orjson.loads(data) if isinstance(data, str) and data else {}
         except orjson.JSONDecodeError:

@@ -294,3 +294,30 @@ async def test_keys_whose_type_has_a_modifier(pg_dsn: str, kafka_bootstrap: str,
     events = [orjson.loads(v) for _, v in await read_topic(kafka_bootstrap, unique_name) if v]
     reads = [e for e in events if e["operation"] == "read"]
     assert sorted((e["values"][0], e["values"][1]) for e in reads) == want  # each row once
+
+
+async def test_a_signal_id_used_again_is_a_new_signal(pg_dsn: str, kafka_bootstrap: str, unique_name: str) -> None:
+    # Signals were recognised as done by their id alone, so a row inserted with the id of a
+    # deleted one (a runbook's fixed id, "backfill") was ignored without a word. Now a signal
+    # is its id and its row's position: only a replay of the same insert is done already.
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute("CREATE TABLE walbus_signal (id varchar(64) PRIMARY KEY, type varchar(32) NOT NULL, data text)")
+        conn.execute("CREATE TABLE small (id int PRIMARY KEY)")
+        conn.execute("INSERT INTO small SELECT generate_series(1, 5)")
+
+    async def reads() -> int:
+        return sum(1 for _, v in await read_topic(kafka_bootstrap, unique_name) if v and orjson.loads(v)["operation"] == "read")
+
+    async with running_producer(
+        pg_dsn, kafka_bootstrap, topic=unique_name, slot=unique_name, snapshot_mode="never",
+        signal_table=SIGNAL, incremental_chunk_size=2, heartbeat_interval=0.5,
+    ):
+        for want in (5, 10):
+            with psycopg.connect(pg_dsn, autocommit=True) as conn:
+                conn.execute("DELETE FROM walbus_signal")
+            signal(pg_dsn, "backfill", "execute-snapshot", ["public.small"])
+            deadline = time.monotonic() + 60
+            while (got := await reads()) < want:
+                assert time.monotonic() < deadline, f"{got} reads, not {want}"
+                await asyncio.sleep(0.3)
+            assert got == want
