@@ -127,7 +127,7 @@ def identity_columns(conn: psycopg.Connection[tuple[object, ...]], table: TableN
     row = conn.execute(
         "SELECT c.relreplident::text, ARRAY(SELECT a.attname::text FROM pg_index i JOIN pg_attribute a "
         "ON a.attrelid = i.indrelid AND a.attnum = ANY(i.indkey) WHERE i.indrelid = c.oid AND "
-        "CASE c.relreplident WHEN 'd' THEN i.indisprimary WHEN 'i' THEN i.indisreplident ELSE false END) "
+        "CASE c.relreplident WHEN 'd' THEN i.indisprimary AND i.indimmediate WHEN 'i' THEN i.indisreplident ELSE false END) "
         "FROM pg_class c WHERE c.oid = %s::regclass",
         (sql_table(table),),
     ).fetchone()
@@ -168,13 +168,13 @@ def check_key_columns(conn: psycopg.Connection[tuple[object, ...]], capture: Cap
 
 def tables_without_identity(conn: psycopg.Connection[tuple[object, ...]], tables: list[TableName]) -> list[TableName]:
     """Tables whose updates and deletes carry no old row: REPLICA IDENTITY NOTHING, or DEFAULT
-    without a primary key."""
+    without a primary key PostgreSQL uses as the identity (a DEFERRABLE one it never uses)."""
     if not tables:
         return []
     rows = conn.execute(
         "SELECT n.nspname, c.relname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
         "WHERE c.oid = ANY(%s::regclass[]) AND (c.relreplident = 'n' OR (c.relreplident = 'd' AND NOT EXISTS "
-        "(SELECT 1 FROM pg_index i WHERE i.indrelid = c.oid AND i.indisprimary))) ORDER BY 1, 2",
+        "(SELECT 1 FROM pg_index i WHERE i.indrelid = c.oid AND i.indisprimary AND i.indimmediate))) ORDER BY 1, 2",
         ([sql_table(t) for t in tables],),
     ).fetchall()
     return [(str(r[0]), str(r[1])) for r in rows]

@@ -120,3 +120,18 @@ async def test_wal2json_updates_after_a_column_is_dropped_are_pgoutputs(
     g_updates = [orjson.loads(v) for _, v in ours if b'"table":"public.g"' in v and b'"update"' in v]
     assert [u.get("unchanged") for u in g_updates] == [["big"], ["big"]]
     assert [u["columns"] for u in g_updates] == [["id", "a"], ["id", "a", "c"]]
+
+
+def test_a_deferrable_primary_key_is_no_replica_identity(pg_dsn: str) -> None:
+    # PostgreSQL never uses a DEFERRABLE primary key as the replica identity: wal2json then
+    # decodes no update or delete of the table (a WARNING in the server's log only). The
+    # producer's warning at start counted the key as an identity and said nothing.
+    from producer import setup
+
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute("CREATE TABLE deferred_pk (id int PRIMARY KEY DEFERRABLE INITIALLY DEFERRED, n int)")
+        conn.execute("CREATE TABLE immediate_pk (id int PRIMARY KEY, n int)")
+        tables = [("public", "deferred_pk"), ("public", "immediate_pk")]
+        assert setup.tables_without_identity(conn, tables) == [("public", "deferred_pk")]
+        assert setup.identity_columns(conn, ("public", "deferred_pk")) == []
+        assert setup.identity_columns(conn, ("public", "immediate_pk")) == ["id"]
