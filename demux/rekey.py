@@ -24,6 +24,7 @@ from walbus.contract import (
     RowImage,
     check_key,
     decode_event,
+    merged_key_values,
     set_table_meta,
     split_table,
     table_topic,
@@ -169,6 +170,13 @@ def encode_key(values: dict[str, Any]) -> bytes:
 def _key_of(image: RowImage | None, pk: tuple[str, ...], skip: tuple[str, ...] = ()) -> bytes | None:
     """Key bytes from one image, or None when a key column is missing from it."""
     values = image.key_values(pk, skip) if image is not None else None
+    return None if values is None else encode_key(values)
+
+
+def _merged_key(new: RowImage, identity: RowImage | None, pk: tuple[str, ...], unchanged: tuple[str, ...]) -> bytes | None:
+    """Key bytes column by column from the new row, else the identity (a key column's
+    unchanged TOAST value is only in the identity)."""
+    values = merged_key_values(new, identity, pk, unchanged)
     return None if values is None else encode_key(values)
 
 
@@ -374,7 +382,7 @@ class Rekeyer:
             out.records.append(OutRecord(topic, None, orjson.dumps(row), event.table, compact=False))
             return out
         out.needs_state = bool(unchanged) or not FIXED_WIDTH_TYPES.issuperset(new.types)
-        new_key = _key_of(new, event.pk, unchanged) or _key_of(event.identity, event.pk)
+        new_key = _key_of(new, event.pk, unchanged) or _merged_key(new, event.identity, event.pk, unchanged)
         if new_key is None:
             raise RekeyError(f"primary-key column(s) {list(event.pk)} missing from the row of {event.table}")
         old_key = _key_of(event.identity, event.pk)

@@ -149,6 +149,32 @@ class RowImage:
         return {"columns": list(self.columns), "types": list(self.types), "values": list(self.values)}
 
 
+def merged_key_values(
+    new: RowImage | None, identity: RowImage | None, pk: tuple[str, ...], unchanged: tuple[str, ...] = ()
+) -> dict[str, Any] | None:
+    """An event's primary-key values in key order, column by column from the new row, else
+    from the identity; None when a column is in neither.
+
+    Column by column: an update can leave a key column's TOASTed value out of the new row
+    (unchanged) while it changes another key column, so neither image alone holds the key
+    (taking the identity's whole key re-keyed such a row under its old key)."""
+    if new is not None:
+        values = new.key_values(pk, unchanged)
+        if values is not None:
+            return values  # the usual event: the new row holds its key
+    new_row = new.as_dict() if new is not None else {}
+    old_row = identity.as_dict() if identity is not None else {}
+    merged: dict[str, Any] = {}
+    for col in pk:
+        if col in new_row and col not in unchanged:
+            merged[col] = new_row[col]
+        elif col in old_row:
+            merged[col] = old_row[col]
+        else:
+            return None
+    return merged
+
+
 @dataclass(frozen=True, slots=True)
 class ColumnType:
     """What an event says about one column's type (:meth:`ChangeEvent.column_types`).
@@ -232,14 +258,11 @@ class ChangeEvent:
         return self.new.as_dict() if self.new is not None else None
 
     def key_values(self) -> dict[str, Any] | None:
-        """Primary-key values in key order, from the new row or else the identity."""
+        """Primary-key values in key order: each from the new row, else from the identity (a
+        key column whose TOASTed value an update left unchanged is not in the new row)."""
         if not self.pk:
             return None
-        for image in (self.new, self.identity):
-            values = image.key_values(self.pk) if image is not None else None
-            if values is not None:
-                return values
-        return None
+        return merged_key_values(self.new, self.identity, self.pk, self.unchanged)
 
     def column_types(self) -> dict[str, ColumnType]:
         """Each column of the new row (else of the identity) with its type, modifier,

@@ -102,6 +102,9 @@ impl OrderLanes {
                 }
                 return Ok(Some(key));
             }
+            if same(&operation, self.rekey.bind(py))? {
+                return Ok(None); // a key column's unchanged TOAST value is not in the row
+            }
         }
         if !identity.is_none() {
             if let Some(key) = self.key_in(&identity, &pk, &table)? {

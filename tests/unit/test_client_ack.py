@@ -73,6 +73,8 @@ def _reference_order_key(event: ChangeEvent) -> object:
         return tuple(row[c] for c in event.pk) if all(c in row for c in event.pk) else None
 
     key = key_in(event.new)
+    if key is None and event.pk and event.new is not None and event.operation == "update":
+        return None  # its new row lacks a key column (an unchanged TOAST value): a barrier
     if key is None:
         key = key_in(event.identity)
         return (event.table,) if key is None else (event.table, *key)

@@ -137,6 +137,22 @@ def test_unchanged_toast_with_key_change_uses_the_old_key_row(rk: Rekeyer) -> No
     assert val(recs[1])["doc"] == "long" and recs[1].key == b'{"transaction_id":7}'
 
 
+def test_a_key_column_left_unchanged_as_toast_while_another_changes(rk: Rekeyer) -> None:
+    # Key (a, k), k a TOASTed text: UPDATE SET a = 10 leaves k out of the new row (unchanged)
+    # and sends the old key as the identity. The new key was the identity's whole key, so the
+    # row said a=10 under the key a=1, and a=10 never appeared (found by a key fuzz).
+    state = DictState()
+    big = "k" * 3000
+    run(rk, state, event("insert", pk=["a", "k"], new=image(a=1, k=big, v=1)))
+    ev = event("update", seq=1, pk=["a", "k"], new=image(a=10, v=1), identity=image(a=1, k=big), unchanged=["k"])
+    recs = run(rk, state, ev)
+    old, new = orjson.dumps({"a": 1, "k": big}), orjson.dumps({"a": 10, "k": big})
+    assert [(r.key, r.value is None) for r in recs] == [(old, True), (new, False)]
+    assert val(recs[1])["a"] == 10 and val(recs[1])["k"] == big
+    assert ev.key_values() == {"a": 10, "k": big}  # the client's key: the same rule
+    assert list(state.keys("public.transactions")) == [new]
+
+
 def test_unchanged_toast_prefers_the_identity(rk: Rekeyer) -> None:
     state = DictState()
     run(rk, state, event("insert", new=image(transaction_id=1, doc="stale")))

@@ -93,6 +93,9 @@ def _reference_order_key(event: ChangeEvent) -> Hashable | None:
     """The order key as docs/client.md states it, from ChangeEvent.key_values()."""
     if event.operation == "truncate":
         return None
+    new = event.new
+    if event.operation == "update" and event.pk and new is not None and not set(event.pk) <= set(new.columns):
+        return None  # its new row lacks a key column
     key = event.key_values()
     if key is None:
         return (event.table,)

@@ -93,6 +93,8 @@ def order_key(event: FeedEvent) -> Hashable | None:
                 if old is not None and old != key:
                     return None
             return key
+        if operation == "update":
+            return None  # a key column's unchanged TOAST value is not in the row: key unknown here
     if ident is not None:
         key = _key_in(ident, pk, table)
         if key is not None:
