@@ -343,18 +343,25 @@ class PartitionWorker:
     async def _topic_of(self, out: Rekeyed) -> TopicInfo:
         """The topic of the event's records (all its table's); a colliding name is traded for the hashed one."""
         first = out.records[0]
-        info = await self.topics.ensure(first.topic, compact=first.compact)
-        if info.collides:
-            topic = self.rekeyer.use_hashed_topic(out.table)
+        topic, info = await self._table_topic(out.table, first.topic, compact=first.compact)
+        if topic != first.topic:
             for rec in out.records:
                 rec.topic = topic
-            if ("hashed", out.table) not in _WARNED:
-                _WARNED.add(("hashed", out.table))
-                log.info("table's topic name collides with an existing topic's (Kafka: '.' = '_'); "
-                         "it uses its hash-suffixed name",
-                         extra={"table": out.table, "topic": topic, "colliding_topic": first.topic})
-            info = await self.topics.ensure(topic, compact=first.compact)
         return info
+
+    async def _table_topic(self, table: str, topic: str, *, compact: bool) -> tuple[str, TopicInfo]:
+        """The table's topic, ensured: ``topic``, or its hashed name when ``topic`` collides
+        with an existing topic's (the rekeyer then names the hashed one for good)."""
+        info = await self.topics.ensure(topic, compact=compact)
+        if not info.collides:
+            return topic, info
+        hashed = self.rekeyer.use_hashed_topic(table)
+        if ("hashed", table) not in _WARNED:
+            _WARNED.add(("hashed", table))
+            log.info("table's topic name collides with an existing topic's (Kafka: '.' = '_'); "
+                     "it uses its hash-suffixed name",
+                     extra={"table": table, "topic": hashed, "colliding_topic": topic})
+        return hashed, await self.topics.ensure(hashed, compact=compact)
 
     def _too_large(self, records: list[OutRecord]) -> str | None:
         """Why one of the records exceeds its topic's max.message.bytes (None: all fit)."""
@@ -392,8 +399,11 @@ class PartitionWorker:
         assert self.store is not None
         if out.truncate:
             assert event is not None  # truncates never take the fast path
-            # Keys of a table we do not keep: read them from its topic, once.
+            # Keys of a table we do not keep: read them from its topic, once. Which topic is
+            # that: after a restart its hashed name is not known until asked (a truncate first
+            # read the plain name's nothing and tombstoned no row).
             await self._commit_boundary()
+            await self._table_topic(out.table, self.rekeyer.topic_for(out.table), compact=True)
             keys = await self._read_table(out.table)
             out = self.rekeyer.rekey(event, _KeysView(self.store, out.table, set(keys)))
         else:
