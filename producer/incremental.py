@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Sequence, Set
@@ -360,7 +361,11 @@ class IncrementalSnapshot:
             self._recent.prune()
         # self._eager: a signal of the transaction still being decoded changed the position;
         # its later signals (a pause, a stop) apply before a chunk starts, not after one did.
-        if pos is not None and not pos.paused and self._chunk is None and not self._eager and time.monotonic() >= self._retry_at:
+        # A chunk abandoned by stop-snapshot may still be reading, on the one connection the
+        # next chunk would use ("another command is already in progress"): let it end first.
+        reading = self._task is not None and not self._task.done()
+        if pos is not None and not pos.paused and self._chunk is None and not reading and not self._eager \
+                and time.monotonic() >= self._retry_at:
             self._start_chunk()
 
     async def save_confirmed(self, confirmed_lsn: int) -> None:
@@ -520,6 +525,7 @@ class IncrementalSnapshot:
                 self._chunk = None  # abandon the chunk in flight; its watermarks are ignored
                 self._recent = None
                 pos.last_key = pos.max_key = None
+                self._cancel_reading()
             pos.tables = [t for t in pos.tables if t not in tables]
             pos.filters = {t: f for t, f in pos.filters.items() if t in pos.tables}
         else:
@@ -529,6 +535,22 @@ class IncrementalSnapshot:
         if not pos.tables:
             self._finish(aborted=True)
         self._mark(eager=True)
+
+    def _cancel_reading(self) -> None:
+        """Cancel the query of an abandoned chunk still reading (a slow filter could hold the
+        next table back until its timeout), from a thread: a cancel request is a connection
+        of its own. Its task then ends with the error, and the next chunk starts."""
+        conn, task = self._conn, self._task
+        if conn is None or task is None or task.done():
+            return
+
+        def cancel() -> None:
+            try:
+                conn.cancel()
+            except psycopg.Error as e:
+                log.warning("could not cancel an abandoned chunk's query", extra={"error": str(e)})
+
+        threading.Thread(target=cancel, name="walbus-chunk-cancel", daemon=True).start()
 
     def _pause(self, sig_id: str, *, paused: bool) -> None:
         """pause-snapshot / resume-snapshot: a chunk in flight completes, no next one starts

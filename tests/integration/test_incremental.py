@@ -321,3 +321,39 @@ async def test_a_signal_id_used_again_is_a_new_signal(pg_dsn: str, kafka_bootstr
                 assert time.monotonic() < deadline, f"{got} reads, not {want}"
                 await asyncio.sleep(0.3)
             assert got == want
+
+
+async def test_stopping_the_table_being_read(
+    pg_dsn: str, kafka_bootstrap: str, unique_name: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # stop-snapshot of the table whose chunk is being read: the next table's chunk started at
+    # once on the same connection while the abandoned one's thread still used it ("another
+    # command is already in progress", a failed chunk and a retry). Now the abandoned query is
+    # cancelled and the next chunk waits for it to end. Found by an incremental-snapshot fuzz.
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute("CREATE TABLE walbus_signal (id varchar(64) PRIMARY KEY, type varchar(32) NOT NULL, data text)")
+        conn.execute("CREATE TABLE slow (id int PRIMARY KEY)")
+        conn.execute("INSERT INTO slow SELECT generate_series(1, 40)")
+        conn.execute("CREATE TABLE next_one (id int PRIMARY KEY)")
+        conn.execute("INSERT INTO next_one SELECT generate_series(1, 50)")
+    slow_filter = [{"data-collection": "public.slow", "filter": "pg_sleep(0.25) IS NOT NULL"}]  # ~1 s a chunk
+    async with running_producer(
+        pg_dsn, kafka_bootstrap, topic=unique_name, slot=unique_name, snapshot_mode="never",
+        signal_table=SIGNAL, incremental_chunk_size=4, heartbeat_interval=0.5,
+    ) as producer:
+        reg = producer.registry
+        with psycopg.connect(pg_dsn, autocommit=True) as conn:
+            conn.execute("INSERT INTO walbus_signal VALUES ('s1', 'execute-snapshot', %s)", (orjson.dumps(
+                {"data-collections": ["public.slow", "public.next_one"], "additional-conditions": slow_filter}).decode(),))
+        deadline = time.monotonic() + 60
+        while (reg.get_sample_value("walbus_snapshot_chunks_total", {"table": "public.slow"}) or 0) < 1:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.3)  # into the next chunk's query
+        signal(pg_dsn, "s2", "stop-snapshot", ["public.slow"])
+        while reg.get_sample_value("walbus_snapshot_completed", {"kind": "incremental"}) != 1:
+            assert time.monotonic() < deadline, "incremental snapshot did not complete"
+            await asyncio.sleep(0.2)
+    events = [orjson.loads(v) for _, v in await read_topic(kafka_bootstrap, unique_name) if v]
+    assert sorted(e["values"][0] for e in events if e["operation"] == "read" and e["table"] == "public.next_one") == list(range(1, 51))
+    assert not [r for r in caplog.records if "chunk failed" in r.getMessage()]
