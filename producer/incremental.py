@@ -202,6 +202,7 @@ class Chunk:
     where: str | None = None  # the table's additional-conditions filter
     exhausted: bool = False
     skip_reason: str | None = None
+    partitions: list[str] | None = None  # a partitioned table's leaf partitions: read instead of it
     failure: str | None = None  # the table's query failed (not the connection): given up, not retried
     invisible: frozenset[int] = frozenset()  # xids the chunk's snapshot saw in progress (32-bit)
     low_mark: int = 0  # RecentChanges.mark when the low watermark came
@@ -589,7 +590,9 @@ class IncrementalSnapshot:
             self._backoff.reset()
             if self._chunk is not chunk:
                 return
-            if chunk.skip_reason is not None:
+            if chunk.partitions is not None:
+                self._read_partitions(chunk, chunk.partitions)
+            elif chunk.skip_reason is not None:
                 log.warning("table left out of the incremental snapshot", extra={"table": chunk.table, "reason": chunk.skip_reason})
                 self._give_up_table(chunk)
             elif chunk.failure is not None:
@@ -629,12 +632,46 @@ class IncrementalSnapshot:
         self._next_table()
         self._mark(eager=False)  # saved with the next confirmed transaction: not tried again after a restart
 
+    def _read_partitions(self, chunk: Chunk, leaves: list[str]) -> None:
+        """A partitioned table is read as its leaf partitions, each under its own name, as
+        the stream names its changes (both plugins) and the initial snapshot reads it. Read
+        under its own name, its rows went to a table no change ever reaches (wal2json), or it
+        was left out (pgoutput: not in the publication)."""
+        pos = self.position
+        if pos is None or not pos.tables or pos.tables[0] != chunk.table:
+            self._chunk = None
+            return  # stopped meanwhile
+        if not leaves:
+            log.warning("table left out of the incremental snapshot", extra={"table": chunk.table, "reason": "a partitioned table without partitions"})
+            self._give_up_table(chunk)
+            return
+        self._chunk = None
+        where = pos.filters.pop(chunk.table, None)
+        added = [t for t in leaves if t not in pos.tables]
+        pos.tables = [*added, *pos.tables[1:]]
+        if where is not None:
+            pos.filters.update({t: where for t in added})
+        self._recent = None
+        pos.last_key = pos.max_key = None
+        self.metrics.tables_remaining.labels(KIND).set(len(pos.tables))
+        log.info("partitioned table: its partitions are read instead", extra={"table": chunk.table, "partitions": added})
+        self._mark(eager=False)
+
     def _read_chunk(self, chunk: Chunk) -> None:
         """In a thread: low watermark, the chunk's rows, high watermark."""
         conn = self._connection()
         schema, name = split_table(chunk.table)
         self._relids += 1
         scan = describe_table(conn, schema, name, self.capture, self._relids)
+        if scan is not None and scan.kind == "p":
+            leaves = conn.execute(
+                "SELECT n.nspname, c.relname FROM pg_partition_tree(format('%%I.%%I', %s::text, %s::text)::regclass) t "
+                "JOIN pg_class c ON c.oid = t.relid JOIN pg_namespace n ON n.oid = c.relnamespace "
+                "WHERE t.isleaf AND c.relkind = 'r' ORDER BY 1, 2",
+                (schema, name),
+            ).fetchall()
+            chunk.partitions = [qualify_table(str(r[0]), str(r[1])) for r in leaves]
+            return
         chunk.skip_reason = self._unusable(conn, chunk.table, scan)
         if chunk.skip_reason is not None:
             return
