@@ -21,7 +21,7 @@ from typing import Any
 import orjson
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
-from walbus.contract import side_topic
+from walbus.contract import ContractError, parse_event_key, side_topic
 from walbus.kafka import KafkaAdmin, TopicSpec
 
 log = logging.getLogger("walbus.producer.offsets")
@@ -81,6 +81,33 @@ class OffsetStore:
         self.doc["v"] = 1
         self.doc["slot"] = self.slot
         await self._producer.send_and_wait(self.topic, key=self.slot.encode(), value=orjson.dumps(self.doc))
+
+    async def topic_last_commit_lsn(self, topic: str, partitions: int, *, tail: int = 100) -> int | None:
+        """The highest commit LSN among the last ``tail`` records of each of ``topic``'s
+        partitions (records whose key is no event position are passed over); None when
+        there is none."""
+        consumer = AIOKafkaConsumer(**self._kwargs, enable_auto_commit=False)
+        await consumer.start()
+        highest: int | None = None
+        try:
+            tps = [TopicPartition(topic, p) for p in range(partitions)]
+            consumer.assign(tps)
+            starts, ends = await consumer.beginning_offsets(tps), await consumer.end_offsets(tps)
+            for tp in tps:
+                if ends[tp] <= starts[tp]:
+                    continue
+                consumer.seek(tp, max(starts[tp], ends[tp] - tail))
+                while await consumer.position(tp) < ends[tp]:
+                    for m in (await consumer.getmany(tp, timeout_ms=1000)).get(tp, []):
+                        try:
+                            commit_lsn, _ = parse_event_key(m.key or b"")
+                        except ContractError:
+                            continue
+                        if highest is None or commit_lsn > highest:
+                            highest = commit_lsn
+            return highest
+        finally:
+            await consumer.stop()
 
     async def topic_end_offsets(self, topic: str, partitions: int) -> list[int]:
         """Where ``topic``'s partitions end now (a snapshot attempt's first record comes after)."""

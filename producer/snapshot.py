@@ -91,7 +91,8 @@ def plan_parts(tables: list[ScanTable], workers: int) -> list[Part]:
 
 @dataclass
 class SnapshotResult:
-    consistent_point: int
+    consistent_point: int  # where the snapshot was taken
+    reads_at: int  # the commit LSN of its events (see Snapshot._reads_before_the_replay)
     rows: int = 0
     deletes: int = 0
     seconds: float = 0.0
@@ -226,7 +227,10 @@ class InitialSnapshot:
 
         export = await asyncio.to_thread(_Export.open, cfg, existing_slot)
         try:
-            result = await self._read(export, earlier)
+            reads_at = export.consistent_point
+            if export.replay_from is not None:
+                reads_at = await self._reads_before_the_replay(export.replay_from)
+            result = await self._read(export, earlier, reads_at)
         finally:
             await asyncio.to_thread(export.close)
         result.seconds = time.monotonic() - started
@@ -246,13 +250,30 @@ class InitialSnapshot:
         )
         return result
 
-    async def _read(self, export: _Export, earlier: dict[str, set[bytes]]) -> SnapshotResult:
+    async def _reads_before_the_replay(self, replay_from: int) -> int:
+        """The commit LSN of the reads of a snapshot from an existing slot: after every event
+        already in the topic, before every one the slot is about to send again that is not.
+
+        The snapshot is taken now, but streaming then starts at the slot's confirmed position,
+        before it: changes committed in between come again. Placed at the snapshot's own
+        position, the reads came before those changes in the topic but after them in position
+        order, so every consumer that skips re-sent positions (the demux, Feed, Table) skipped
+        them: a row deleted in between stayed live for good (found by a fuzz, --snapshot-mode
+        always). Placed here, the changes apply after the reads, and the latest of each row
+        wins, as after any re-send. A commit LSN is a commit record's own position: the one
+        after the topic's last is at least a record further on, so ``last + 1`` is free."""
+        last = await self.offsets.topic_last_commit_lsn(self.config.topic_name, self.partitions)
+        # The slot sends again what commits from its confirmed position on: each commit
+        # record starts there or later.
+        return max(replay_from - 1, 0 if last is None else last + 1)
+
+    async def _read(self, export: _Export, earlier: dict[str, set[bytes]], reads_at: int) -> SnapshotResult:
         cfg = self.config
         loop = asyncio.get_running_loop()
         workers = max(1, cfg.snapshot_workers)
         conns = await asyncio.to_thread(export.import_into, workers)
         tables = await asyncio.to_thread(self._tables, conns[0])
-        result = SnapshotResult(export.consistent_point)
+        result = SnapshotResult(export.consistent_point, reads_at=reads_at)
         self.metrics.begin(KIND, len(tables))
         log.info(
             "initial snapshot started",
@@ -313,7 +334,7 @@ class InitialSnapshot:
         self, sink: KafkaSink, batches: asyncio.Queue[Batch | None], workers: int, result: SnapshotResult,
         earlier: dict[str, set[bytes]], parts_left: dict[str, int], copy_rows: EncodeCopyRows | None,
     ) -> None:
-        cp = result.consistent_point
+        cp = result.reads_at
         encoder = EventEncoder(partitioned=self.partitions > 1)
         encoder.begin(cp, 0, datetime.now(UTC).isoformat(timespec="microseconds"))
         scanned = self.metrics.rows_scanned
@@ -507,10 +528,11 @@ class _Export:
     exported from a normal connection. Held open until the reading connections imported it
     and finished."""
 
-    def __init__(self, dsn: str, name: str, consistent_point: int, holder: Any) -> None:
+    def __init__(self, dsn: str, name: str, consistent_point: int, holder: Any, replay_from: int | None = None) -> None:
         self.dsn = dsn
         self.name = name
         self.consistent_point = consistent_point
+        self.replay_from = replay_from  # an existing slot's confirmed position: streaming starts there
         self._holder = holder  # the connection whose next command would end the export
 
     @classmethod
@@ -518,9 +540,14 @@ class _Export:
         if existing_slot:
             conn = psycopg.connect(cfg.pg_dsn, autocommit=True, application_name="walbus-snapshot-export")
             conn.execute("BEGIN ISOLATION LEVEL REPEATABLE READ, READ ONLY")
-            row = conn.execute("SELECT pg_export_snapshot(), (pg_current_wal_insert_lsn() - '0/0')::int8").fetchone()
+            row = conn.execute(
+                "SELECT pg_export_snapshot(), (pg_current_wal_insert_lsn() - '0/0')::int8, "
+                "(SELECT (confirmed_flush_lsn - '0/0')::int8 FROM pg_replication_slots WHERE slot_name = %s)",
+                (cfg.slot_name,),
+            ).fetchone()
             assert row is not None
-            return cls(cfg.pg_dsn, str(row[0]), int(str(row[1])), conn)
+            confirmed = int(str(row[2])) if row[2] is not None else int(str(row[1]))
+            return cls(cfg.pg_dsn, str(row[0]), int(str(row[1])), conn, replay_from=confirmed)
         stream = ReplicationStream.connect(cfg.pg_dsn, application_name="walbus-snapshot")
         try:
             rows = stream.execute(f'CREATE_REPLICATION_SLOT "{cfg.slot_name}" LOGICAL {cfg.plugin} EXPORT_SNAPSHOT')
