@@ -43,6 +43,7 @@ class OffsetStore:
         self._rf = replication_factor
         self._producer: AIOKafkaProducer | None = None
         self.doc: dict[str, Any] = {}
+        self.others: dict[str, dict[str, Any]] = {}  # the other slots' documents: other producers of the topic
 
     async def start(self) -> None:
         async with KafkaAdmin(client_kwargs=self._kwargs) as admin:
@@ -66,11 +67,20 @@ class OffsetStore:
             end = (await consumer.end_offsets([tp]))[tp]
             key = self.slot.encode()
             doc: dict[str, Any] = {}
+            others: dict[str, dict[str, Any]] = {}
             while await consumer.position(tp) < end:
                 batch = await consumer.getmany(tp, timeout_ms=1000)
                 for m in batch.get(tp, []):
                     if m.key == key:
                         doc = orjson.loads(m.value) if m.value else {}
+                    elif m.key is not None:
+                        other = orjson.loads(m.value) if m.value else None
+                        name = m.key.decode(errors="replace")
+                        if isinstance(other, dict):
+                            others[name] = other
+                        else:
+                            others.pop(name, None)  # a tombstone: that slot's record was removed
+            self.others = others
             return doc
         finally:
             await consumer.stop()

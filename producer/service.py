@@ -77,6 +77,7 @@ class Producer:
         )
         self._stopping = asyncio.Event()
         self._partitions = 1
+        self._source: dict[str, Any] = {}  # which database this is (setup.source_identity)
         self._max_message_bytes = DEFAULT_MAX_MESSAGE_BYTES
         self._client_kwargs: dict[str, Any] = {}  # built once per run (an SSL context is costly)
         self.progress: Progress | None = None
@@ -99,6 +100,7 @@ class Producer:
         cfg = self.config
         with setup.connect(cfg.pg_dsn) as conn:
             setup.check_server(conn)
+            self._source = setup.source_identity(conn)
             tables = setup.resolve_tables(conn, self.capture)
             setup.check_key_columns(conn, self.capture, tables)
             setup.warn_lost_changes(conn, cfg.plugin, tables)
@@ -125,6 +127,28 @@ class Producer:
             # An existing topic keeps its own limit: records are checked against what it takes.
             self._max_message_bytes = await admin.max_message_bytes(cfg.topic_name, wait=METADATA_WAIT_S)
 
+    async def _claim_topic(self, offsets: OffsetStore) -> None:
+        """One topic per database: refuse a topic another database's producer writes.
+
+        Positions are one database's commit LSNs, which only rise within its own stream; events
+        of two databases interleave in no order, and every consumer that skips re-sent
+        positions (the demux, Feed, Table) dropped whichever came late (a fuzz found it). Other
+        producers of the same database (another slot) only repeat its events, which consumers
+        drop by position. The source is recorded in this slot's progress document."""
+        cfg = self.config
+        for slot, doc in sorted(offsets.others.items()):
+            source = doc.get("source")
+            if isinstance(source, dict) and not setup.same_source(source, self._source):
+                raise ConfigError(
+                    f"topic {cfg.topic_name} is written by the producer of another database ({source.get('database')!r}, "
+                    f"system {source.get('system')}, slot {slot!r}, recorded in {offsets.topic}): its positions and this "
+                    f"database's would interleave and consumers would drop events. Give this database a topic of its own "
+                    f"(--topic), or, if that producer is gone for good, delete its record (key {slot!r}) from {offsets.topic}"
+                )
+        if offsets.doc.get("source") != self._source:
+            offsets.doc["source"] = self._source
+            await offsets.save()
+
     # -- running ------------------------------------------------------------------------------
 
     async def run(self) -> None:
@@ -143,6 +167,7 @@ class Producer:
         await offsets.start()
         backoff = Backoff(maximum=cfg.retry_max_delay, attempts=cfg.retry_attempts)
         try:
+            await self._claim_topic(offsets)
             # Snapshot hook: creates the slot (with an exported snapshot when one is due) and reads it.
             initial = InitialSnapshot(
                 cfg, self.capture, offsets=offsets, metrics=self.snapshot_metrics, client_kwargs=client_kwargs,

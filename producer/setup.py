@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import psycopg
 from psycopg import sql
@@ -275,6 +276,21 @@ def slot_state(conn: psycopg.Connection[tuple[object, ...]], slot: str) -> SlotS
         return SlotState(False)
     pid = int(str(row[2])) if row[2] is not None else None
     return SlotState(True, str(row[0]), int(str(row[1] or 0)), pid, lost=row[3] == "lost")
+
+
+def source_identity(conn: psycopg.Connection[tuple[object, ...]]) -> dict[str, Any]:
+    """Which database this is, for the topic's progress records: the cluster's system
+    identifier and the database's oid (a rename keeps it), with its name for messages."""
+    row = conn.execute(
+        "SELECT s.system_identifier::text, d.oid::int8, d.datname::text FROM pg_control_system() s, pg_database d "
+        "WHERE d.datname = current_database()"
+    ).fetchone()
+    assert row is not None
+    return {"system": str(row[0]), "database_oid": int(str(row[1])), "database": str(row[2])}
+
+
+def same_source(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    return (a.get("system"), a.get("database_oid")) == (b.get("system"), b.get("database_oid"))
 
 
 def check_slot(conn: psycopg.Connection[tuple[object, ...]], slot: str, plugin: str, database: str) -> SlotState:

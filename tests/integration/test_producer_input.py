@@ -96,6 +96,31 @@ async def test_database_with_unusual_name_gets_a_valid_slot(pg_dsn: str, kafka_b
     assert [e["values"] for e in events(records)] == [[1]]
 
 
+async def test_a_topic_written_by_another_databases_producer_is_refused(pg_dsn: str, kafka_bootstrap: str, unique_name: str) -> None:
+    # One topic per database: positions are one database's commit LSNs. Two databases into one
+    # topic (--topic) ran silently, and the demux, Feed and Table dropped whichever database's
+    # events came late as re-sends (thousands in a fuzz with restarts). Now the second
+    # database's producer stops with a configuration error; another slot of the same database
+    # (which only repeats its events) is still welcome.
+    sql(pg_dsn, "CREATE TABLE t (id int PRIMARY KEY)")
+    async with running_producer(pg_dsn, kafka_bootstrap, topic=unique_name, slot=f"{unique_name}_a"):
+        sql(pg_dsn, "INSERT INTO t VALUES (1)")
+        await read_topic(kafka_bootstrap, unique_name, min_count=1, timeout=30)
+    with database(pg_dsn, f"{unique_name}_other") as other:
+        sql(other, "CREATE TABLE t (id int PRIMARY KEY)")
+        with pytest.raises(ConfigError) as err:
+            async with running_producer(other, kafka_bootstrap, topic=unique_name, slot=f"{unique_name}_b"):
+                pass
+    message = str(err.value)
+    assert f"topic {unique_name} is written by the producer of another database ({unique_name!r}" in message
+    assert f"slot '{unique_name}_a'" in message and "--topic" in message
+    # The same database under another slot is the same source.
+    async with running_producer(pg_dsn, kafka_bootstrap, topic=unique_name, slot=f"{unique_name}_c"):
+        sql(pg_dsn, "INSERT INTO t VALUES (2)")
+        records = await read_topic(kafka_bootstrap, unique_name, min_count=2, timeout=30)
+    assert [e["values"] for e in events(records)][-1] == [2]
+
+
 # -- schema changes inside one transaction -------------------------------------------------
 
 
