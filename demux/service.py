@@ -6,6 +6,7 @@ The exactly-once design (one transactional producer per source partition): docs/
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
 import time
@@ -37,6 +38,7 @@ from walbus.retry import Backoff
 log = logging.getLogger("walbus.demux")
 
 POLL_MAX_MS = 200
+SOURCE_TOPIC_POLL_S = 2.0  # how often a demux started before its source topic asks for it
 # Per partition and fetch. aiokafka fetches a partition again only once its buffer is
 # drained, so each getmany takes all that is buffered, and the worker turns the event
 # loop as it goes (demux.worker.YIELD_EVERY): the next fetch is then served while this
@@ -156,6 +158,14 @@ class Demux:
             self.metrics.aiokafka_shortcuts.labels("runs").set(read_in_runs(consumer))
             if cfg.source_topic not in await consumer.topics():
                 log.warning("source topic does not exist yet; waiting for it", extra={"topic": cfg.source_topic})
+                # Asked again every few seconds: subscribed to a missing topic, the consumer
+                # noticed it only at its next metadata refresh, up to 5 minutes later.
+                while cfg.source_topic not in await consumer.topics():
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._stop.wait(), SOURCE_TOPIC_POLL_S)
+                    if self._stop.is_set():
+                        return
+                log.info("source topic exists", extra={"topic": cfg.source_topic})
             consumer.subscribe([cfg.source_topic], listener=_Listener(self))
             await self._loop(consumer)
         finally:

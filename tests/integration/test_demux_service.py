@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import subprocess
@@ -270,3 +271,18 @@ async def test_a_truncate_first_after_a_restart(kafka_bootstrap: str, unique_nam
         (b'{"id":0}', True), (b'{"id":1}', True), (b'{"id":2}', True), (b'{"id":9}', False)]
     rows = await read_ktable(client_kwargs=_kw(kafka_bootstrap), topic=topic)
     assert list(rows) == [b'{"id":9}'] and rows[b'{"id":9}']["n"] == 9
+
+
+async def test_a_demux_started_before_its_source_topic(kafka_bootstrap: str, unique_name: str, tmp_path: Path) -> None:
+    # Subscribed to a missing topic, the consumer noticed it only at its next metadata
+    # refresh (aiokafka: 5 minutes); now the demux asks for the topic every few seconds.
+    source = f"walbus.{unique_name}"
+    proc = DemuxProc(demux_args(kafka_bootstrap, source, tmp_path / "state"), tmp_path / "demux.log").start()
+    try:
+        await asyncio.sleep(4)  # it starts, finds no topic and waits
+        await create_topic(kafka_bootstrap, source)
+        await produce(kafka_bootstrap, source, [ev(0x100, 0, "insert", TX, ["id"], new={"id": 1, "n": 1}, types=INTS)], partition=0)
+        await wait_caught_up(kafka_bootstrap, f"walbus-demux.{source}", source, within=60, procs=[proc])
+    finally:
+        assert proc.stop() == 0, proc.log_tail()
+    assert [r.key for r in await read_records(kafka_bootstrap, f"{source}.{TX}")] == [b'{"id":1}']
