@@ -18,7 +18,7 @@ from typing import Any
 
 import orjson
 import psycopg
-from aiokafka.errors import KafkaError
+from aiokafka.errors import InvalidTopicError, KafkaError
 from prometheus_client import CollectorRegistry
 
 from producer import setup
@@ -115,6 +115,15 @@ class Producer:
             await wait_for_broker(client_kwargs, attempts=3, max_delay=4)
         except KafkaError as e:
             raise ConfigError(f"cannot reach Kafka at {cfg.kafka_bootstrap}: {e}") from None
+        try:
+            await self._ensure_topics(client_kwargs)
+        except InvalidTopicError as e:
+            # e.g. a name Kafka finds colliding with an existing topic's ('.' and '_' alike:
+            # the topic of database "x_public_t" and database x's table topic of public.t)
+            raise ConfigError(f"Kafka refuses the topic: {e}. Choose another --topic") from None
+
+    async def _ensure_topics(self, client_kwargs: dict[str, Any]) -> None:
+        cfg = self.config
         limit = (("max.message.bytes", str(DEFAULT_MAX_MESSAGE_BYTES)),)
         async with KafkaAdmin(client_kwargs=client_kwargs) as admin:
             await admin.ensure_topic(TopicSpec(cfg.topic_name, cfg.partitions, cfg.replication_factor, limit))

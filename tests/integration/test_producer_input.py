@@ -17,7 +17,7 @@ from psycopg.conninfo import make_conninfo
 from tests.support.kafka import read_topic
 from tests.support.pipeline import running_producer
 from walbus.config import ConfigError
-from walbus.kafka import KafkaAdmin
+from walbus.kafka import KafkaAdmin, TopicSpec
 
 pytestmark = pytest.mark.integration
 
@@ -119,6 +119,17 @@ async def test_a_topic_written_by_another_databases_producer_is_refused(pg_dsn: 
         sql(pg_dsn, "INSERT INTO t VALUES (2)")
         records = await read_topic(kafka_bootstrap, unique_name, min_count=2, timeout=30)
     assert [e["values"] for e in events(records)][-1] == [2]
+
+
+async def test_a_topic_name_kafka_refuses_is_a_configuration_error(pg_dsn: str, kafka_bootstrap: str, unique_name: str) -> None:
+    # The database topic "walbus.x_public_t" collides, for Kafka, with database x's table
+    # topic "walbus.x.public.t": the producer died with a traceback (exit 1), not exit 2.
+    async with KafkaAdmin(client_kwargs={"bootstrap_servers": kafka_bootstrap}) as admin:
+        await admin.ensure_topic(TopicSpec(f"walbus.{unique_name}.public.t", 1))
+    with pytest.raises(ConfigError) as err:
+        async with running_producer(pg_dsn, kafka_bootstrap, topic=f"walbus.{unique_name}_public_t"):
+            pass
+    assert "Kafka refuses the topic" in str(err.value) and "--topic" in str(err.value)
 
 
 # -- schema changes inside one transaction -------------------------------------------------
