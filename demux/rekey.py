@@ -180,6 +180,56 @@ def _merged_key(new: RowImage, identity: RowImage | None, pk: tuple[str, ...], u
     return None if values is None else encode_key(values)
 
 
+MOVES_TRACKED: Final = 100_000  # key changes of one transaction remembered (a bound on memory)
+MOVE_LEDGERS: Final = 64  # transactions' ledgers kept at once (one per table being re-keyed)
+
+
+def _same_row(identity: dict[str, Any], row: dict[str, Any]) -> bool:
+    """Whether ``row`` has every value of the identity (the old row, or its key columns)."""
+    return all(c in row and row[c] == v for c, v in identity.items())
+
+
+class _TxnMoves:
+    """The key changes of one table's transaction being re-keyed: which rows moved into which
+    keys, and which left them, by the event's seq.
+
+    Under a DEFERRABLE primary key a transaction may move a row onto a key another row still
+    holds (UPDATE … SET pos = pos + 1; a swap): the key is unique again only at commit. So a
+    row leaving a key must not tombstone it when a row that moved in earlier in the
+    transaction is still there (it lost every row but the last of such a shift, found by a
+    fuzz). Which row leaves is told by the event's identity (the whole old row under REPLICA
+    IDENTITY FULL, which PostgreSQL needs to publish such a table's updates). Recorded once
+    per seq: an event re-keyed twice (once more with the store) records nothing new."""
+
+    __slots__ = ("commit_lsn", "into", "last_seq", "out", "size")
+
+    def __init__(self, commit_lsn: int) -> None:
+        self.commit_lsn = commit_lsn
+        self.into: dict[bytes, list[tuple[int, dict[str, Any], bytes]]] = {}
+        self.out: dict[bytes, list[tuple[int, dict[str, Any]]]] = {}
+        self.last_seq = -1
+        self.size = 0
+
+    def occupants(self, key: bytes, before: int) -> list[tuple[dict[str, Any], bytes]]:
+        """The rows moved into ``key`` by events before seq ``before`` and still there."""
+        rows = [(row, value) for seq, row, value in self.into.get(key, ()) if seq < before]
+        for seq, identity in self.out.get(key, ()):
+            if seq < before:
+                for i, (row, _) in enumerate(rows):
+                    if _same_row(identity, row):
+                        del rows[i]
+                        break
+        return rows
+
+    def record(self, seq: int, old_key: bytes, identity: dict[str, Any], new_key: bytes, row: dict[str, Any], value: bytes) -> None:
+        if seq <= self.last_seq or self.size >= MOVES_TRACKED:
+            return
+        self.last_seq = seq
+        self.size += 1
+        self.out.setdefault(old_key, []).append((seq, identity))
+        self.into.setdefault(new_key, []).append((seq, row, value))
+
+
 class Rekeyer:
     """Turns events into per-table records for one source database."""
 
@@ -189,6 +239,16 @@ class Rekeyer:
         self.emit_delete_records = emit_delete_records
         self._topics: dict[str, str] = {}
         self._shapes: dict[str, _TableShape] = {}
+        self._moves: dict[str, _TxnMoves] = {}  # per table: its current transaction's key changes
+
+    def _moves_of(self, event: ChangeEvent) -> _TxnMoves:
+        moves = self._moves.get(event.table)
+        if moves is None or moves.commit_lsn != event.commit_lsn:
+            self._moves.pop(event.table, None)
+            if len(self._moves) >= MOVE_LEDGERS:
+                del self._moves[next(iter(self._moves))]  # the oldest: its transaction is long done
+            moves = self._moves[event.table] = _TxnMoves(event.commit_lsn)
+        return moves
 
     def topic_for(self, table: str) -> str:
         """The table's topic; ContractError for a malformed name, RekeyError when none can be made."""
@@ -390,14 +450,26 @@ class Rekeyer:
         if unchanged:
             prior = state.get(event.table, old_key if key_changed and old_key is not None else new_key)
             self._fill(row, unchanged, event.identity, prior, out)
+        moves: _TxnMoves | None = None
         if key_changed:
-            assert old_key is not None
-            out.records.append(OutRecord(topic, old_key, None, event.table))
-            out.changes.append((event.table, old_key, None))
+            assert old_key is not None and event.identity is not None
+            moves = self._moves_of(event)
+            leaving = event.identity.as_dict()
+            there = moves.occupants(old_key, event.seq)
+            # What the key holds once this row left: nothing (a tombstone), or the row written
+            # there last that is still there. A row that moved in earlier in this transaction
+            # and is still there keeps the key (and the topic's value, when it was written last).
+            if not there or _same_row(leaving, there[-1][0]):
+                stays = there[-2][1] if len(there) > 1 else None
+                out.records.append(OutRecord(topic, old_key, stays, event.table))
+                out.changes.append((event.table, old_key, stays))
         self.with_meta(row, event, OP_CODES[event.operation])
         value = orjson.dumps(row)
         out.records.append(OutRecord(topic, new_key, value, event.table))
         out.changes.append((event.table, new_key, value))
+        if moves is not None:
+            assert old_key is not None and event.identity is not None
+            moves.record(event.seq, old_key, event.identity.as_dict(), new_key, row, value)
         return out
 
     @staticmethod
