@@ -107,23 +107,61 @@ def latest_actions(
     """
     meta = [f.name for f in META_FIELDS]
     source = [c.name for c in columns]
+    # A key value the column's type cannot hold is null there and its text is in pg_raw_values
+    # (the old key's under its _walbus_prev_ name): such keys are told apart by that text too.
+    # Before, every action of such a key was dropped (rows missing from the current table).
+    raw_keys = raw_key_columns(rows, pk)
+    raw_of = {k: f"_walbus_raw_key_{i}" for i, k in enumerate(raw_keys)}
     changes = rows.where(F.col("pg_operation") != "truncate")
-    upserts = changes.select(*meta, *[qcol(c) for c in source], (F.col("pg_operation") == "delete").alias(DELETED))
-    same_key = F.expr(" AND ".join(f"({quote(k)} <=> {quote(prev_name(k))})" for k in pk))
+    upserts = changes.select(
+        *meta, *[qcol(c) for c in source], (F.col("pg_operation") == "delete").alias(DELETED),
+        *[F.col("pg_raw_values")[k].alias(raw_of[k]) for k in raw_keys],
+    )
+    same_key = F.expr(" AND ".join(
+        [f"({quote(k)} <=> {quote(prev_name(k))})" for k in pk]
+        + [f"(pg_raw_values[{sql_string(k)}] <=> pg_raw_values[{sql_string(prev_name(k))}])" for k in raw_keys]
+    ))
+    old_raws = [(k, F.col("pg_raw_values")[prev_name(k)]) for k in raw_keys]
+    old_raw_map = (
+        F.map_from_entries(F.array_compact(F.array(*[F.when(v.isNotNull(), F.struct(F.lit(k).alias("k"), v.alias("v"))) for k, v in old_raws])))
+        if old_raws else F.col("pg_raw_values")
+    )
     moved = changes.where((F.col("pg_operation") == "update") & ~same_key).select(
-        *meta,
+        *[old_raw_map.alias(c) if c == "pg_raw_values" else F.col(c) for c in meta],
         *[qcol(prev_name(c)).alias(c) if c in pk else F.lit(None).cast(rows.schema[c].dataType).alias(c) for c in source],
         F.lit(True).alias(DELETED),
+        *[v.alias(raw_of[k]) for k, v in old_raws],
     )
-    actions = upserts.unionByName(moved).where(" AND ".join(f"{quote(k)} IS NOT NULL" for k in pk))
+    known = " AND ".join(
+        f"({quote(k)} IS NOT NULL OR {quote(raw_of[k])} IS NOT NULL)" if k in raw_of else f"{quote(k)} IS NOT NULL" for k in pk
+    )
+    actions = upserts.unionByName(moved).where(known)
     if one_task:
         actions = actions.coalesce(1)  # after the union: its two inputs would be two partitions
-    others = [c for c in actions.columns if c not in pk]
+    group = [*pk, *raw_of.values()]
+    others = [c for c in actions.columns if c not in group]
     # (a name no source column has: a key column named "a" made the reference ambiguous)
-    latest = actions.groupBy(*[qcol(k) for k in pk]).agg(
+    latest = actions.groupBy(*[qcol(k) for k in group]).agg(
         F.max_by(F.struct(*[qcol(c) for c in others]), F.struct(*[F.col(c) for c in POSITION])).alias(_LATEST)
     )
     return latest.select(*[qcol(k) for k in pk], *[F.col(_LATEST)[c].alias(c) for c in others])
+
+
+def raw_key_columns(rows: DataFrame, pk: Sequence[str]) -> list[str]:
+    """The key columns whose type may not hold every value (decimal, date, timestamp, array)."""
+    return [k for k in pk if not frame.always_exact(rows.schema[k].dataType)]
+
+
+def _same_key(pk: Sequence[str], raw_keys: Sequence[str]) -> Column:
+    """The MERGE's key match: null-safe, and by the text of values the type cannot hold."""
+    cond: Column = F.lit(True)
+    for k in pk:
+        if k in raw_keys:
+            cond = cond & F.col(f"t.{quote(k)}").eqNullSafe(F.col(f"s.{quote(k)}")) & F.col("t.pg_raw_values")[k].eqNullSafe(
+                F.col("s.pg_raw_values")[k])
+        else:
+            cond = cond & (F.col(f"t.{quote(k)}") == F.col(f"s.{quote(k)}"))
+    return cond
 
 
 _LATEST: Final = "_walbus_latest"
@@ -137,6 +175,7 @@ def _observed_stats(source: DataFrame, first_key: str) -> tuple[DataFrame, Obser
     return source.observe(
         stats,
         F.min(qcol(first_key)).alias("lo"), F.max(qcol(first_key)).alias("hi"), F.count_if(F.col(DELETED)).alias("d"),
+        F.count_if(qcol(first_key).isNull()).alias("n"),
     ), stats
 
 
@@ -145,7 +184,8 @@ def _source_stats(source: DataFrame, stats: Observation, first_key: str) -> tupl
     row = stats.get
     key_type = source.schema[first_key].dataType.simpleString()
     orderable = key_type in _ORDERABLE_KEY_TYPES or key_type.startswith("decimal")
-    bounds = (row["lo"], row["hi"]) if orderable and row["lo"] is not None else None
+    # a key only pg_raw_values holds (null in the column) lies in no range: no pruning then
+    bounds = (row["lo"], row["hi"]) if orderable and row["lo"] is not None and not row["n"] else None
     return bounds, int(row["d"] or 0)
 
 
@@ -178,9 +218,7 @@ def merge_current(
         latest = latest_actions(rows.where(_after(floor)), pk, columns, one_task=one_task)
         observed, stats = _observed_stats(latest, pk[0])
         source = observed.localCheckpoint()
-        cond: Column = F.lit(True)
-        for k in pk:
-            cond = cond & (F.col(f"t.{quote(k)}") == F.col(f"s.{quote(k)}"))
+        cond = _same_key(pk, raw_key_columns(source, pk))
         bounds, deleted = _source_stats(source, stats, pk[0])
         if bounds is not None:
             # a target-only predicate: Delta prunes the files outside the load's key range

@@ -28,10 +28,17 @@ from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
 from pyspark.sql.types import (
     ArrayType,
+    BinaryType,
+    BooleanType,
+    ByteType,
+    DataType,
     DecimalType,
+    DoubleType,
+    FloatType,
     IntegerType,
     LongType,
     MapType,
+    ShortType,
     StringType,
     StructField,
     TimestampType,
@@ -146,10 +153,14 @@ def typed_rows(events: DataFrame, columns: Sequence[SourceColumn], pk: Sequence[
         exacts.append(exact)
         if col.name in pk:
             old_raw = F.col(_old_raw(i))
-            old_value, _ = convert(old_raw, col.pg_type, col.spark)
+            old_value, old_exact = convert(old_raw, col.pg_type, col.spark)
             # an identity without this key column (REPLICA IDENTITY USING INDEX/NOTHING):
             # the key is taken as unchanged
             prev.append(F.when(old_raw.isNotNull(), old_value.cast(col.spark)).otherwise(value.cast(col.spark)).alias(prev_name(col.name)))
+            if not always_exact(col.spark):
+                # an old key value the type cannot hold: its text, under the old key's column
+                raw_entries.append(F.when(~old_exact, F.struct(F.lit(prev_name(col.name)).alias("k"), old_raw.alias("v"))))
+                exacts.append(old_exact)
     no_raw = F.create_map().cast(MapType(StringType(), StringType()))
     raw_map = (
         F.when(_all_of(exacts), no_raw).otherwise(F.map_from_entries(F.array_compact(F.array(*raw_entries))))
@@ -168,6 +179,15 @@ def typed_rows(events: DataFrame, columns: Sequence[SourceColumn], pk: Sequence[
         *typed,
         *prev,
     )
+
+
+# Spark types that hold every value of the PostgreSQL types mapped to them: a key column of
+# another type (decimal, date, timestamp, array) may hold a value only pg_raw_values has.
+_ALWAYS_EXACT: Final = (ByteType, ShortType, IntegerType, LongType, StringType, BooleanType, BinaryType, DoubleType, FloatType)
+
+
+def always_exact(spark_type: DataType) -> bool:
+    return isinstance(spark_type, _ALWAYS_EXACT)
 
 
 def _all_of(conditions: Sequence[Column]) -> Column:
