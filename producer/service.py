@@ -136,6 +136,16 @@ class Producer:
             # An existing topic keeps its own limit: records are checked against what it takes.
             self._max_message_bytes = await admin.max_message_bytes(cfg.topic_name, wait=METADATA_WAIT_S)
 
+    def _unpublished_signal(self, ev: EncodedEvent, sink: KafkaSink) -> None:
+        """A signal row too large for the topic: applied, not published. Any row above the
+        limit stops the producer (a configuration fault); a signal row must not (anyone who
+        may insert signals could stop the stream, on every restart)."""
+        self.snapshot_metrics.ignored.labels("signal-unpublished").inc()
+        log.error(
+            "a signal table row is above the topic's size limit: applied, not published",
+            extra={"table": ev.table, "event": ev.key.decode(), "bytes": len(ev.key) + len(ev.value), "limit": sink.max_message_bytes},
+        )
+
     async def _claim_topic(self, offsets: OffsetStore) -> None:
         """One topic per database: refuse a topic another database's producer writes.
 
@@ -300,6 +310,7 @@ class Producer:
         xid = 0  # of the transaction being decoded
         txn_topic = side_topic(cfg.topic_name, "transaction") if cfg.transaction_metadata else None
         inc = self.incremental  # incremental snapshot hooks: signals, watermarks, positions
+        signal_table = self.capture.signal_table
         heartbeats = self.heartbeats
         confirm_every = confirm_interval(cfg.heartbeat_interval)
         while not self._stopping.is_set():
@@ -312,10 +323,21 @@ class Producer:
                         case EncodedEvent():
                             if inc is not None:
                                 inc.observe(it, xid)
+                                if it.relation.qualified == signal_table and not sink.fits(it):
+                                    self._unpublished_signal(it, sink)
+                                    continue
                             if not sink.append(it):  # no coroutine per event: put() only for a full batch
                                 await sink.put(it)
                         case ChangeRun():
                             stream.pull()  # the walsender goes on while this run is sent
+                            if inc is not None and it.relation.qualified == signal_table:
+                                for ev in it.events():  # rare, small: one at a time
+                                    inc.observe(ev, xid)
+                                    if sink.fits(ev):
+                                        await sink.put(ev)
+                                    else:
+                                        self._unpublished_signal(ev, sink)
+                                continue
                             if inc is not None and inc.watches(it.relation):
                                 for ev in it.events():  # its keys; the records go as a run
                                     inc.observe(ev, xid)

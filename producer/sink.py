@@ -103,6 +103,10 @@ class KafkaSink:
     async def stop(self) -> None:
         await self._producer.stop()
 
+    def fits(self, ev: EncodedEvent) -> bool:
+        """Whether the topic takes ``ev``'s record."""
+        return len(ev.value) <= self._values_surely_fit or record_fits(self.max_message_bytes, ev.key, ev.value)
+
     def append(self, ev: EncodedEvent) -> bool:
         """Append an event to its partition's open batch without waiting: False (nothing
         appended) when that batch is full and must be sent first, which :meth:`put` does.

@@ -294,6 +294,30 @@ async def test_row_above_the_topic_limit_fails_fast_with_a_clear_error(pg_dsn: s
     assert producer.metrics.reconnects._value.get() == 0
 
 
+@pytest.mark.parametrize("plugin", ["pgoutput", "wal2json"])
+async def test_a_signal_row_above_the_topic_limit_does_not_stop_the_producer(
+    pg_dsn: str, kafka_bootstrap: str, unique_name: str, plugin: str
+) -> None:
+    # Any row above the topic's limit stops the producer (above); a signal row did too, on
+    # every restart, so anyone who may insert signals could stop the stream (found by a fuzz).
+    # Now such a signal row is applied, logged and counted, not published.
+    async with KafkaAdmin(client_kwargs={"bootstrap_servers": kafka_bootstrap}) as admin:
+        await admin.ensure_topic(TopicSpec(unique_name, 1, 1, (("max.message.bytes", "200000"),)))
+    sql(pg_dsn, "CREATE TABLE sig (id text PRIMARY KEY, type text, data text)", "CREATE TABLE t (id int PRIMARY KEY)",
+        "INSERT INTO t VALUES (1), (2)")
+    data = orjson.dumps({"data-collections": ["public.t"], "pad": "x" * 300_000}).decode()
+    async with running_producer(pg_dsn, kafka_bootstrap, topic=unique_name, plugin=plugin, snapshot_mode="never",
+                                signal_table="public.sig", incremental_chunk_size=10) as producer:
+        sql(pg_dsn, f"INSERT INTO sig VALUES ('big', 'execute-snapshot', '{data}')")
+        records = await read_topic(kafka_bootstrap, unique_name, min_count=2, timeout=60)
+        sql(pg_dsn, "INSERT INTO t VALUES (3)")  # and the stream goes on
+        records = await read_topic(kafka_bootstrap, unique_name, min_count=3, timeout=60)
+        ignored = producer.snapshot_metrics.ignored.labels("signal-unpublished")._value.get()
+    got = [(e["table"], e["operation"], e["values"][0]) for e in events(records)]
+    assert got == [("public.t", "read", 1), ("public.t", "read", 2), ("public.t", "insert", 3)]
+    assert ignored == 1
+
+
 async def lower_topic_limit(kafka_bootstrap: str, topic: str, limit: int) -> None:
     """Set ``max.message.bytes`` behind a running producer's back (it keeps the limit it read)."""
     async with KafkaAdmin(client_kwargs={"bootstrap_servers": kafka_bootstrap}) as admin:
