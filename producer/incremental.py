@@ -21,6 +21,7 @@ import orjson
 import psycopg
 from psycopg import sql
 
+from producer import setup
 from producer.codec import CaptureFilter, EncodedEvent, EventEncoder, Key, Relation
 from producer.config import ProducerConfig
 from producer.decoders import LogicalMessage
@@ -663,7 +664,7 @@ class IncrementalSnapshot:
         schema, name = split_table(chunk.table)
         self._relids += 1
         scan = describe_table(conn, schema, name, self.capture, self._relids)
-        if scan is not None and scan.kind == "p":
+        if scan is not None and scan.kind == "p" and not self._published_as_itself(conn, schema, name):
             leaves = conn.execute(
                 "SELECT n.nspname, c.relname FROM pg_partition_tree(format('%%I.%%I', %s::text, %s::text)::regclass) t "
                 "JOIN pg_class c ON c.oid = t.relid JOIN pg_namespace n ON n.oid = c.relnamespace "
@@ -800,6 +801,13 @@ class IncrementalSnapshot:
                     "the producer with a role that has REPLICATION and SELECT on the captured tables only",
                 )
         return self._filter_role
+
+    def _published_as_itself(self, conn: psycopg.Connection[tuple[object, ...]], schema: str, name: str) -> bool:
+        """Whether pgoutput names a partitioned table's changes by the table itself (its
+        publication has publish_via_partition_root): then it is read as one table."""
+        if self.config.plugin != "pgoutput":
+            return False
+        return (schema, name) in setup.published_tables(conn, self.config.publication_name)
 
     def _unusable(self, conn: psycopg.Connection[tuple[object, ...]], table: str, scan: ScanTable | None) -> str | None:
         if scan is None:

@@ -213,6 +213,13 @@ def resolve_tables(conn: psycopg.Connection[tuple[object, ...]], capture: Captur
     return [t for t in existing if capture.captures(qualify_table(*t))]
 
 
+def published_tables(conn: psycopg.Connection[tuple[object, ...]], publication: str) -> set[TableName]:
+    """The tables pgoutput names the changes of: a partitioned table's leaves, or the table
+    itself when the publication has publish_via_partition_root."""
+    rows = conn.execute("SELECT schemaname, tablename FROM pg_publication_tables WHERE pubname = %s", (publication,)).fetchall()
+    return {(str(r[0]), str(r[1])) for r in rows}
+
+
 def sql_table(table: TableName) -> str:
     return f"{quote_ident(table[0])}.{quote_ident(table[1])}"
 

@@ -386,13 +386,18 @@ class InitialSnapshot:
         """The captured tables as the snapshot sees them (listed inside the snapshot, so a table
         created after the consistent point is left to the stream)."""
         out: list[ScanTable] = []
+        # Read under the names the stream gives the changes: pgoutput's publication lists them
+        # (a partitioned table's leaves, or the table itself under publish_via_partition_root);
+        # wal2json names the leaves.
+        published = setup.published_tables(conn, self.config.publication_name) if self.config.plugin == "pgoutput" else None
         for relid, (schema, table) in enumerate(setup.list_tables(conn), start=1):
             name = qualify_table(schema, table)
             if not self.capture.captures(name) or name == self.capture.signal_table:
                 continue
+            if published is not None and (schema, table) not in published:
+                continue
             scan = describe_table(conn, schema, table, self.capture, relid)
-            # pgoutput publishes a partitioned table's changes under its leaf partitions.
-            if scan is not None and scan.kind == "r":
+            if scan is not None and (scan.kind == "r" or published is not None):
                 out.append(scan)
         return out
 
