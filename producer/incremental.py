@@ -486,10 +486,17 @@ class IncrementalSnapshot:
             if sig_id in self._done_signals or (self.position is not None and self.position.handled(sig_id)):
                 return  # replayed after a restart: already done, or being resumed
             self._execute(sig_id, tables, filters)
-        elif sig_type == "stop-snapshot":
-            self._stop(sig_id, tables)
-        elif sig_type in ("pause-snapshot", "resume-snapshot"):
-            self._pause(sig_id, paused=sig_type == "pause-snapshot")
+        elif sig_type in ("stop-snapshot", "pause-snapshot", "resume-snapshot"):
+            # Replayed after a restart (the stream starts again before its transaction, while
+            # the saved position already holds its effect and maybe a later execute's): applied
+            # already. Recorded before it applies, so the save it makes holds it.
+            if sig_id in self._done_signals:
+                return
+            self._done_signals = [*self._done_signals, sig_id][-100:]
+            if sig_type == "stop-snapshot":
+                self._stop(sig_id, tables)
+            else:
+                self._pause(sig_id, paused=sig_type == "pause-snapshot")
         else:
             log.warning("unknown signal ignored", extra={"signal": sig_id, "type": sig_type})
 

@@ -205,3 +205,22 @@ def test_a_replayed_second_signal_does_not_queue_finished_tables_again() -> None
     for sig in ("s1", "s2"):
         resumed.signal(sig, "execute-snapshot", {"data-collections": ["public.items"]})
         assert resumed.position is None
+
+
+def test_a_replayed_stop_pause_or_resume_is_applied_once() -> None:
+    """A stop, then an execute, both saved before the stop's transaction is confirmed: after a
+    restart the stream replays the stop, which stopped the newer execute's tables (and the
+    execute, done already, was not applied again): the snapshot was lost. Likewise a replayed
+    pause paused a snapshot resumed since. (Found by reading the code, after a fuzz.)"""
+    inc, _ = _snapshot()
+    inc.signal("s1@A", "execute-snapshot", {"data-collections": ["public.orders"]})
+    inc.signal("stop@B", "stop-snapshot", {})
+    inc.signal("s2@C", "execute-snapshot", {"data-collections": ["public.items"]})
+    inc.signal("pause@D", "pause-snapshot", {})
+    inc.signal("resume@E", "resume-snapshot", {})
+    assert inc.take_eager()
+    saved = inc._pending[-1][1]
+    resumed, _ = _snapshot(saved)
+    for sig_id, kind in (("stop@B", "stop-snapshot"), ("s2@C", "execute-snapshot"), ("pause@D", "pause-snapshot")):
+        resumed.signal(sig_id, kind, {"data-collections": ["public.items"]})  # the replay
+    assert resumed.position is not None and resumed.position.tables == ["public.items"] and not resumed.position.paused
