@@ -12,6 +12,7 @@ import contextlib
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import orjson
 import psycopg
@@ -46,6 +47,14 @@ def signal(dsn: str, sig_id: str, kind: str, tables: list[str]) -> None:
         conn.execute(
             "INSERT INTO walbus_signal VALUES (%s, %s, %s)", (sig_id, kind, orjson.dumps({"data-collections": tables}).decode())
         )
+
+
+async def snapshot_completed(producer: Any, within: float = 60) -> None:
+    """Until the producer's incremental snapshot completed."""
+    deadline = time.monotonic() + within
+    while producer.registry.get_sample_value("walbus_snapshot_completed", {"kind": "incremental"}) != 1:
+        assert time.monotonic() < deadline, "incremental snapshot did not complete"
+        await asyncio.sleep(0.2)
 
 
 async def test_incremental_snapshot_with_writer(pg_dsn: str, kafka_bootstrap: str, unique_name: str) -> None:
@@ -287,10 +296,7 @@ async def test_keys_whose_type_has_a_modifier(pg_dsn: str, kafka_bootstrap: str,
         signal_table=SIGNAL, incremental_chunk_size=2, heartbeat_interval=0.5,
     ) as producer:
         signal(pg_dsn, "sig-1", "execute-snapshot", ["public.codes"])
-        deadline = time.monotonic() + 60
-        while producer.registry.get_sample_value("walbus_snapshot_completed", {"kind": "incremental"}) != 1:
-            assert time.monotonic() < deadline, "incremental snapshot did not complete"
-            await asyncio.sleep(0.2)
+        await snapshot_completed(producer)
     events = [orjson.loads(v) for _, v in await read_topic(kafka_bootstrap, unique_name) if v]
     reads = [e for e in events if e["operation"] == "read"]
     assert sorted((e["values"][0], e["values"][1]) for e in reads) == want  # each row once
@@ -377,10 +383,7 @@ async def test_a_partitioned_table_is_read_as_its_partitions(pg_dsn: str, kafka_
         signal_table=SIGNAL, incremental_chunk_size=3, heartbeat_interval=0.5,
     ) as producer:
         signal(pg_dsn, "sig-1", "execute-snapshot", ["public.pt"])
-        deadline = time.monotonic() + 60
-        while producer.registry.get_sample_value("walbus_snapshot_completed", {"kind": "incremental"}) != 1:
-            assert time.monotonic() < deadline, "incremental snapshot did not complete"
-            await asyncio.sleep(0.2)
+        await snapshot_completed(producer)
         with psycopg.connect(pg_dsn, autocommit=True) as conn:
             conn.execute("DELETE FROM pt WHERE id IN (3, 12)")
         await wait_slot_caught_up(pg_dsn, unique_name)
@@ -409,10 +412,7 @@ async def test_a_partitioned_table_published_via_its_root(pg_dsn: str, kafka_boo
         with psycopg.connect(pg_dsn, autocommit=True) as conn:
             conn.execute("DELETE FROM pt WHERE id = 2")
         signal(pg_dsn, "sig-1", "execute-snapshot", ["public.pt"])
-        deadline = time.monotonic() + 60
-        while producer.registry.get_sample_value("walbus_snapshot_completed", {"kind": "incremental"}) != 1:
-            assert time.monotonic() < deadline, "incremental snapshot did not complete"
-            await asyncio.sleep(0.2)
+        await snapshot_completed(producer)
     events = [orjson.loads(v) for _, v in await read_topic(kafka_bootstrap, unique_name) if v]
     got = [(e["table"], e["operation"], (e.get("values") or e["identity"]["values"])[0]) for e in events if e["table"] != SIGNAL]
     assert got == [("public.pt", "read", 1), ("public.pt", "read", 2), ("public.pt", "read", 3), ("public.pt", "delete", 2),
