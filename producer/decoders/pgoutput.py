@@ -219,6 +219,17 @@ class PgoutputDecoder:
         try:
             info = self.catalog.table(schema, name, relid)
             pk, not_null = list(info.pk), set(info.not_null)
+            flagged = [c for c, f in zip(columns, identity, strict=True) if f]
+            if replident == "d" and flagged and set(flagged) != set(pk):
+                # The primary key changed since the change was written (the producer lagged
+                # behind an ALTER TABLE): the message's identity flags are the key it was
+                # written under (a delete named the old key, and went to the demux's DLQ as
+                # lacking the new one). Their order is the columns'.
+                log.warning(
+                    "primary key changed since the change was written: the key it was written under is used",
+                    extra={"table": f"{schema}.{name}", "pk_then": flagged, "pk_now": pk},
+                )
+                pk = flagged
         except TableGone:
             # Dropped since the change was written (the producer lagged behind): what the
             # message itself says. Its identity flags are the primary key's columns under
