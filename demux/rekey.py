@@ -173,6 +173,18 @@ def _key_of(image: RowImage | None, pk: tuple[str, ...], skip: tuple[str, ...] =
     return None if values is None else encode_key(values)
 
 
+def _refuse_lost_key_values(event: ChangeEvent, image: dict[str, Any]) -> None:
+    """A key column declared NOT NULL (``not_null``) but null in the event: a value the source
+    plugin could not write (wal2json writes float and numeric NaN/±Infinity as null). Keyed
+    so, distinct rows would become one key: the event goes to the dead-letter topic."""
+    lost = [c for c in event.pk if c in image and image[c] is None and c in event.not_null]
+    if lost:
+        raise RekeyError(
+            f"primary-key column(s) {lost} of {event.table} are NOT NULL but null in the event: a value the source "
+            "plugin could not write (wal2json writes NaN and ±Infinity as null); use pgoutput for such keys"
+        )
+
+
 def _merged_key(new: RowImage, identity: RowImage | None, pk: tuple[str, ...], unchanged: tuple[str, ...]) -> bytes | None:
     """Key bytes column by column from the new row, else the identity (a key column's
     unchanged TOAST value is only in the identity)."""
@@ -352,8 +364,13 @@ class Rekeyer:
         try:
             if len(key_at) == 1:
                 col, at = key_at[0]
-                key = _dumps({col: values[at]})
+                value = values[at]
+                if value is None:
+                    return None  # a null key value: the full path decides
+                key = _dumps({col: value})
             else:
+                if any(values[at] is None for _, at in key_at):
+                    return None
                 key = _dumps({col: values[at] for col, at in key_at})
             if identity is not None:
                 # Updates carry the old key (or the old row): same key or the full path.
@@ -421,8 +438,14 @@ class Rekeyer:
             return None
         old = dict(zip(image.columns, image.values))  # noqa: B905 -- lengths checked above
         try:
-            key = _dumps({col: old[col] for col in pk})
-        except (KeyError, TypeError):
+            values = {col: old[col] for col in pk}
+        except KeyError:
+            return None
+        if None in values.values():
+            return None  # a null key value: the full path decides
+        try:
+            key = _dumps(values)
+        except TypeError:
             return None
         return ev.table, topic, key, None, False
 
@@ -445,6 +468,7 @@ class Rekeyer:
         new_key = _key_of(new, event.pk, unchanged) or _merged_key(new, event.identity, event.pk, unchanged)
         if new_key is None:
             raise RekeyError(f"primary-key column(s) {list(event.pk)} missing from the row of {event.table}")
+        _refuse_lost_key_values(event, new.as_dict())
         old_key = _key_of(event.identity, event.pk)
         key_changed = old_key is not None and old_key != new_key
         if unchanged:
@@ -512,6 +536,8 @@ class Rekeyer:
         key = _key_of(old, event.pk)
         if key is None:
             raise RekeyError(f"delete on {event.table} without the primary-key column(s) {list(event.pk)}")
+        if old is not None:
+            _refuse_lost_key_values(event, old.as_dict())
         if self.emit_delete_records:
             last = state.get(event.table, key)
             row = dict(last) if last is not None and UNKNOWN_ROW not in last else {}
