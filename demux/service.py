@@ -33,6 +33,7 @@ from walbus.config import describe
 from walbus.kafka import KafkaAdmin, wait_for_broker
 from walbus.logs import setup_logging
 from walbus.metrics import new_registry, sample, serve_metrics
+from walbus.process import exit_on_sigterm
 from walbus.retry import Backoff
 
 log = logging.getLogger("walbus.demux")
@@ -312,13 +313,8 @@ async def run_demux(config: DemuxConfig, *, registry: CollectorRegistry | None =
             loop.remove_signal_handler(sig)
 
 
-def _exit_now(signum: int, frame: object) -> None:
-    raise SystemExit(0)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    # Until the event loop takes over SIGTERM, nothing is open: stopping is exiting.
-    signal.signal(signal.SIGTERM, _exit_now)
+    exit_on_sigterm()  # until the event loop takes it over
     config = parse_config(argv)  # ConfigError -> `walbus` prints it and exits 2
     setup_logging(config.log_level)
     tune_for_large_buffers()  # aiokafka's batch copies: see walbus.allocator

@@ -49,6 +49,7 @@ from walbus.kafka import (
 )
 from walbus.logs import setup_logging
 from walbus.metrics import new_registry, sample, serve_metrics
+from walbus.process import exit_on_sigterm
 from walbus.retry import Backoff
 
 log = logging.getLogger("walbus.producer")
@@ -437,6 +438,7 @@ def describe_error(e: BaseException) -> str:
 
 
 def main(argv: Sequence[str]) -> int:
+    exit_on_sigterm()  # until the event loop takes it over
     cfg = load(argv)
     setup_logging(cfg.log_level)
     tune_for_large_buffers()  # aiokafka's batch copies: see walbus.allocator

@@ -1,0 +1,30 @@
+"""walbus.process: a service stopped before its event loop runs exits cleanly."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import subprocess
+import sys
+
+import pytest
+
+CHILD = """
+import os, signal
+from walbus.process import exit_on_sigterm
+exit_on_sigterm()
+os.kill(os.getpid(), signal.SIGTERM)
+import time; time.sleep(5)
+raise SystemExit(3)
+"""
+
+
+def test_sigterm_before_the_event_loop_exits_0() -> None:
+    # A SIGTERM in a service's first moments killed it (-15; an orchestrator sees a crash).
+    assert subprocess.run([sys.executable, "-c", CHILD], timeout=30).returncode == 0
+
+
+@pytest.mark.parametrize("service", ["producer.service", "demux.service"])
+def test_both_services_exit_cleanly_until_their_loop_runs(service: str) -> None:
+    main = inspect.getsource(importlib.import_module(service).main)
+    assert main.index("exit_on_sigterm()") < main.index("asyncio.run(")
