@@ -513,6 +513,13 @@ class IncrementalSnapshot:
             pos.merged_signals = [*pos.merged_signals[-99:], sig_id]
         # A table already queued keeps the filter it was queued with.
         added = [t for t in dict.fromkeys(tables) if t not in pos.tables]
+        queued = [t for t in dict.fromkeys(tables) if t not in added]
+        if queued:
+            changed = [t for t in queued if filters.get(t) != pos.filters.get(t)]
+            log.warning(
+                "tables already queued keep their place, progress and filter" if changed else "tables already queued",
+                extra={"signal": sig_id, "tables": queued, "filter_not_taken": changed or None},
+            )
         pos.tables += added
         pos.filters.update({t: f for t, f in filters.items() if t in added})
         pos.total_tables += len(added)

@@ -224,3 +224,17 @@ def test_a_replayed_stop_pause_or_resume_is_applied_once() -> None:
     for sig_id, kind in (("stop@B", "stop-snapshot"), ("s2@C", "execute-snapshot"), ("pause@D", "pause-snapshot")):
         resumed.signal(sig_id, kind, {"data-collections": ["public.items"]})  # the replay
     assert resumed.position is not None and resumed.position.tables == ["public.items"] and not resumed.position.paused
+
+
+def test_a_table_asked_for_again_says_it_keeps_its_filter(caplog: pytest.LogCaptureFixture) -> None:
+    """An execute-snapshot of a queued table joins the running one: the table keeps its place
+    and its first filter. That was silent, so an unfiltered request after a filtered one got
+    the filtered snapshot without a word (noted by a fuzz)."""
+    inc, _ = _snapshot()
+    inc.signal("s1", "execute-snapshot", {"data-collections": ["public.orders"],
+                                          "additional-conditions": [{"data-collection": "public.orders", "filter": "id > 5"}]})
+    with caplog.at_level("WARNING", logger="walbus.producer.incremental"):
+        inc.signal("s2", "execute-snapshot", {"data-collections": ["public.orders"]})
+    assert inc.position is not None and inc.position.filters == {"public.orders": "id > 5"}
+    (record,) = [r for r in caplog.records if "already queued" in r.getMessage()]
+    assert record.filter_not_taken == ["public.orders"]  # type: ignore[attr-defined]
