@@ -5,6 +5,7 @@ partition is revoked and assigned back. Whatever this member had not finished wh
 partition (events run() had taken but not started, an event waiting for its retry) must come
 again: it was not committed, and nobody else handled it. Both cases were lost for good before
 (a randomized Feed test found them): the run's duplicate mark covered every event delivered.
+And run() started events queued in a lane after their partition was revoked (a second fuzz).
 """
 
 from __future__ import annotations
@@ -64,8 +65,12 @@ async def test_what_was_not_finished_comes_again_when_the_partition_comes_back(
     started, left = asyncio.Event(), asyncio.Event()
     handled: list[int] = []
 
+    started_after_revoke: list[int] = []
+
     async def handler(event: FeedEvent) -> None:
         n = event.new.as_dict()["n"]  # type: ignore[union-attr]
+        if event._settler.state.revoked:  # type: ignore[union-attr]
+            started_after_revoke.append(n)  # a lane started it after its partition was taken away
         if n == SLOW and not started.is_set():
             started.set()
             async with asyncio.timeout(60):
@@ -100,6 +105,9 @@ async def test_what_was_not_finished_comes_again_when_the_partition_comes_back(
             reading.cancel()
             await asyncio.gather(reading, return_exceptions=True)
     assert await other == 2  # the other member was really in the group: two rebalances
+    # run(): events queued in a lane when their partition was revoked are not started (their
+    # new owner has them): they were, side by side with the new owner's handlers.
+    assert started_after_revoke == []
 
     # Each key's events in order, a re-delivery only repeating a stretch already seen.
     first_seen = list(dict.fromkeys(handled))

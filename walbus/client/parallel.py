@@ -315,6 +315,10 @@ class Dispatcher:
                         await _Resume(item.coro, item.step)
                     else:
                         event = item
+                        if event._settler.state.revoked:  # type: ignore[union-attr]
+                            # Its partition was taken away while it waited in the lane: not
+                            # started, so its new owner (or this member, given it back) has it.
+                            continue
                         await handler(event)
                 except Exception as e:
                     await feed._handle_failed(event, handler, e)
