@@ -109,9 +109,10 @@ class SnapshotPlan:
     record_no_data: bool = False  # write initial.status = completed without reading (no_data)
 
 
-def plan_snapshot(mode: str, slot: setup.SlotState, status: str | None) -> SnapshotPlan:
+def plan_snapshot(mode: str, slot: setup.SlotState, status: str | None, *, over_existing_slot: bool = False) -> SnapshotPlan:
     """Debezium's snapshot modes over walbus's facts: whether the slot exists or was lost, and
-    the last snapshot's status in the progress store (``running``: interrupted)."""
+    the last snapshot's status in the progress store (``running``: interrupted;
+    ``over_existing_slot``: that attempt read over a slot that had streamed before)."""
     if slot.lost:
         if mode in ("when_needed", "always"):
             return SnapshotPlan(snapshot=True, drop_slot=True)
@@ -121,8 +122,12 @@ def plan_snapshot(mode: str, slot: setup.SlotState, status: str | None) -> Snaps
         )
     if mode in ("never", "no_data"):
         return SnapshotPlan(create_slot=not slot.exists, record_no_data=mode == "no_data" and status != "completed")
-    if status == "running":  # interrupted: nothing was streamed from the slot yet
-        return SnapshotPlan(snapshot=True, drop_slot=slot.exists)
+    if status == "running":
+        # Interrupted. Over the slot it created itself, nothing was streamed from it yet: a new
+        # slot and snapshot lose nothing. Over a slot that had streamed (always, when_needed),
+        # the slot holds what changed since: dropping it lost those changes (a row deleted
+        # while the producer was down stayed live; found by a fuzz). Redo it over the slot.
+        return SnapshotPlan(snapshot=True, drop_slot=slot.exists and not over_existing_slot)
     if not slot.exists or mode == "always":
         return SnapshotPlan(snapshot=True)
     if mode == "when_needed" and status != "completed":
@@ -164,7 +169,7 @@ class InitialSnapshot:
         mode = cfg.snapshot_mode
         state: dict[str, Any] = self.offsets.doc.get("initial") or {}
         status = state.get("status")
-        plan = plan_snapshot(mode, slot, status)
+        plan = plan_snapshot(mode, slot, status, over_existing_slot=bool(state.get("over_existing_slot")))
         interrupted = plan.snapshot and status == "running"
         if interrupted:
             log.warning(
@@ -222,7 +227,9 @@ class InitialSnapshot:
         attempt = int(previous.get("attempt", 1)) + 1 if previous is not None else 1
         # Keys the interrupted attempts emitted, to delete those the new snapshot no longer has.
         earlier = await self._emitted_keys(from_offsets) if previous is not None else {}
-        self.offsets.doc["initial"] = {"status": "running", "attempt": attempt, "from_offsets": from_offsets}
+        self.offsets.doc["initial"] = {
+            "status": "running", "attempt": attempt, "from_offsets": from_offsets, "over_existing_slot": existing_slot,
+        }
         await self.offsets.save()  # before the slot exists: a crash from here on is seen as "interrupted"
 
         export = await asyncio.to_thread(_Export.open, cfg, existing_slot)

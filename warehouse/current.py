@@ -172,11 +172,32 @@ def _observed_stats(source: DataFrame, first_key: str) -> tuple[DataFrame, Obser
     computed (:func:`_source_stats` reads them after its first action): no job of their own,
     where an aggregate over the checkpointed source was one or two a table on every load."""
     stats = Observation()
+    key = _as_number(qcol(first_key), source.schema[first_key].dataType.simpleString())
     return source.observe(
         stats,
-        F.min(qcol(first_key)).alias("lo"), F.max(qcol(first_key)).alias("hi"), F.count_if(F.col(DELETED)).alias("d"),
+        F.min(key).alias("lo"), F.max(key).alias("hi"), F.count_if(F.col(DELETED)).alias("d"),
         F.count_if(qcol(first_key).isNull()).alias("n"),
     ), stats
+
+
+def _as_number(column: Column, key_type: str) -> Column:
+    """A date or timestamp key as the number Spark keeps (days, microseconds since 1970), so
+    its range reaches the driver and comes back without Python's datetime: a timestamp key in
+    year 1 failed every load ("year 0 is out of range", converted to the driver's zone), and a
+    local zone's repeated DST hour could shift a bound by an hour."""
+    if key_type == "timestamp":
+        return F.unix_micros(column)
+    if key_type == "date":
+        return F.unix_date(column)
+    return column
+
+
+def _from_number(value: Any, key_type: str) -> Column:
+    if key_type == "timestamp":
+        return F.timestamp_micros(F.lit(value))
+    if key_type == "date":
+        return F.date_from_unix_date(F.lit(value))
+    return F.lit(value)
 
 
 def _source_stats(source: DataFrame, stats: Observation, first_key: str) -> tuple[tuple[Any, Any] | None, int]:
@@ -222,7 +243,8 @@ def merge_current(
         bounds, deleted = _source_stats(source, stats, pk[0])
         if bounds is not None:
             # a target-only predicate: Delta prunes the files outside the load's key range
-            cond = cond & F.col(f"t.{quote(pk[0])}").between(F.lit(bounds[0]), F.lit(bounds[1]))
+            key_type = source.schema[pk[0]].dataType.simpleString()
+            cond = cond & F.col(f"t.{quote(pk[0])}").between(_from_number(bounds[0], key_type), _from_number(bounds[1], key_type))
         meta_names = [f.name for f in META_FIELDS]
         all_cols = [*meta_names, *[c.name for c in columns], DELETED]
         tombstone_set: dict[str, str | Column] = {quote(c): f"s.{quote(c)}" for c in [*meta_names, DELETED]}

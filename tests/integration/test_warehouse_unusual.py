@@ -234,3 +234,33 @@ def test_keys_whose_type_cannot_hold_them(spark: Any, kafka_bootstrap: str, uniq
     assert then is not None
     assert sorted((r["pg_raw_values"].get("id") or str(r["id"]), r["v"]) for r in then.collect()) == [
         ("0.12345678901", "a"), ("0.12345678902", "b"), ("1.0000000000", "c")]
+
+
+def test_date_and_timestamp_keys_at_the_edges_of_the_calendar(
+    spark: Any, kafka_bootstrap: str, unique_name: str, tmp_path: Path
+) -> None:
+    # A second load's MERGE prunes the current table to the load's key range. That range came
+    # to the driver as Python datetimes in the session's zone: a timestamp key in year 1 failed
+    # every load ("year 0 is out of range"; found by a warehouse fuzz). Now it travels as
+    # microseconds (days for a date).
+    ts, d = "public.ts", "public.d"
+
+    def at(key: str, v: str) -> dict[str, tuple[str, Any]]:
+        return {"at": ("timestamptz", key), "v": ("text", v)}
+
+    def day(key: str, v: str) -> dict[str, tuple[str, Any]]:
+        return {"day": ("date", key), "v": ("text", v)}
+
+    first = (Txn(0x1000).insert(ts, ["at"], at("2024-01-01 00:00:00+00", "a")).insert(ts, ["at"], at("2024-11-03 06:30:00+00", "b"))
+             .insert(d, ["day"], day("2024-01-01", "x")))
+    produce_events(kafka_bootstrap, unique_name, first.events)
+    load(spark, kafka_bootstrap, unique_name, tmp_path)
+    later = (Txn(0x2000).insert(ts, ["at"], at("0001-01-01 00:00:00+00", "year one")).update(ts, ["at"], at("2024-11-03 06:30:00+00", "b2"))
+             .insert(d, ["day"], day("0001-01-01", "day one")).update(d, ["day"], day("2024-01-01", "x2")))
+    produce_events(kafka_bootstrap, unique_name, later.events)
+    load(spark, kafka_bootstrap, unique_name, tmp_path)
+    live = spark.read.format("delta").load(table_paths(tmp_path, unique_name, ts).current).where("NOT _walbus_deleted")
+    assert sorted((r["us"], r["v"]) for r in live.selectExpr("unix_micros(at) AS us", "v").collect()) == [
+        (-62135596800000000, "year one"), (1704067200000000, "a"), (1730615400000000, "b2")]
+    days = spark.read.format("delta").load(table_paths(tmp_path, unique_name, d).current).where("NOT _walbus_deleted")
+    assert sorted((r["n"], r["v"]) for r in days.selectExpr("unix_date(day) AS n", "v").collect()) == [(-719162, "day one"), (19723, "x2")]

@@ -39,6 +39,15 @@ def test_plan(mode: str, slot: SlotState, status: str | None, plan: SnapshotPlan
     assert plan_snapshot(mode, slot, status) == plan
 
 
+@pytest.mark.parametrize("mode", ["always", "when_needed", "initial"])
+def test_an_attempt_interrupted_over_a_slot_that_had_streamed_keeps_the_slot(mode: str) -> None:
+    # Dropping the slot lost what it held since its last confirmed position: a row deleted
+    # while the producer was down stayed live (a fuzz found it, --snapshot-mode always).
+    assert plan_snapshot(mode, SLOT, "running", over_existing_slot=True) == SnapshotPlan(snapshot=True)
+    # The slot the interrupted attempt created itself streamed nothing: a new one loses nothing.
+    assert plan_snapshot(mode, SLOT, "running", over_existing_slot=False) == SnapshotPlan(snapshot=True, drop_slot=True)
+
+
 @pytest.mark.parametrize("mode", ["initial", "initial_only", "never", "no_data"])
 def test_a_lost_slot_is_a_configuration_error_that_names_the_way_out(mode: str) -> None:
     with pytest.raises(ConfigError, match="when_needed"):
