@@ -83,6 +83,7 @@ class Producer:
         self._client_kwargs: dict[str, Any] = {}  # built once per run (an SSL context is costly)
         self.progress: Progress | None = None
         self._failed_at = -1  # the confirmed position when the stream last failed
+        self._until: int | None = None  # stream only until this commit is confirmed (see run)
         self.ready = asyncio.Event()  # set once streaming started (tests, demo)
         action = (
             HeartbeatAction(config.pg_dsn, config.heartbeat_action_query, timeout_s=action_timeout(config.heartbeat_interval), metrics=self.metrics)
@@ -201,6 +202,20 @@ class Producer:
                     client_kwargs, cfg.signal_topic, own_key=cfg.topic_name, replication_factor=cfg.replication_factor,
                 )
                 await self.signal_channel.start(self.incremental.signal_offset)
+            target = await initial.open_transaction_position(slot)
+            if target is not None:
+                # The topic's last transaction may be only partly in it (stopped in the middle):
+                # the slot sends it again after the snapshot, with its own commit LSN, below the
+                # reads', and consumers skipped its missing events (a row deleted in it stayed
+                # live; found by a fuzz). Complete it first: stream up to its commit, then read.
+                log.info(
+                    "completing the topic's last transaction from the slot before the snapshot",
+                    extra={"slot": cfg.slot_name, "commit_lsn": str(Lsn(target)), "confirmed_lsn": str(Lsn(slot.confirmed_flush_lsn))},
+                )
+                await self._stream(backoff, until=target)
+                if self._stopping.is_set():
+                    return
+                slot = await asyncio.to_thread(self._slot_state)
             try:
                 if not await initial.prepare(slot):
                     log.info("initial snapshot done, exiting (--snapshot-mode initial_only)")
@@ -208,7 +223,24 @@ class Producer:
             except SnapshotAborted:
                 log.warning("stopped during the initial snapshot: the next start redoes it")
                 return
-            while not self._stopping.is_set():
+            await self._stream(backoff)
+        finally:
+            self.metrics.connected.set(0)
+            await self.heartbeats.close()
+            if self.signal_channel is not None:
+                await self.signal_channel.stop()
+            await offsets.stop()
+            if self.incremental is not None:
+                self.incremental.close()
+            if cfg.drop_slot_on_exit:
+                await asyncio.to_thread(setup.drop_slot, cfg.pg_dsn, cfg.slot_name)
+
+    async def _stream(self, backoff: Backoff, *, until: int | None = None) -> None:
+        """Stream until :meth:`stop`, retrying transient faults; with ``until``, only until the
+        transaction committed there (or a later one) is acknowledged and confirmed."""
+        self._until = until
+        try:
+            while not self._stopping.is_set() and not self._caught_up():
                 try:
                     await self._stream_session(backoff)
                 except TRANSIENT as e:
@@ -228,15 +260,14 @@ class Producer:
                         )
                         raise
         finally:
-            self.metrics.connected.set(0)
-            await self.heartbeats.close()
-            if self.signal_channel is not None:
-                await self.signal_channel.stop()
-            await offsets.stop()
-            if self.incremental is not None:
-                self.incremental.close()
-            if cfg.drop_slot_on_exit:
-                await asyncio.to_thread(setup.drop_slot, cfg.pg_dsn, cfg.slot_name)
+            self._until = None
+
+    def _caught_up(self) -> bool:
+        return self._until is not None and self.progress is not None and self.progress.confirmed_lsn > self._until
+
+    def _slot_state(self) -> setup.SlotState:
+        with setup.connect(self.config.pg_dsn) as conn:
+            return setup.slot_state(conn, self.config.slot_name)
 
     def _new_sink(self, progress: Progress, *, on_ack: Callable[[float, int], None] | None = None) -> KafkaSink:
         """The sink of the database topic, for the stream and the snapshot alike: both check
@@ -265,8 +296,7 @@ class Producer:
         sink: KafkaSink | None = None
         try:
             await asyncio.to_thread(catalog.load_types)
-            with setup.connect(cfg.pg_dsn) as conn:
-                state = setup.slot_state(conn, cfg.slot_name)
+            state = self._slot_state()
             if not state.exists:
                 raise ConfigError(f"replication slot {cfg.slot_name} disappeared (dropped by someone else?)")
             # One extra counter slot for side records (transaction metadata), see KafkaSink.
@@ -314,7 +344,9 @@ class Producer:
         signal_table = self.capture.signal_table
         heartbeats = self.heartbeats
         confirm_every = confirm_interval(cfg.heartbeat_interval)
-        while not self._stopping.is_set():
+        until = self._until
+        reached = False  # until's transaction is in (what was read after it is dropped: it comes again)
+        while not self._stopping.is_set() and not (until is not None and not in_txn and self._caught_up()):
             messages = await stream.read(timeout=0.002 if sink.has_open() else 1.0)
             if not messages:
                 await sink.flush()  # the stream is idle: nothing will fill the open batches soon
@@ -346,6 +378,13 @@ class Producer:
                         case TxnEnd():
                             in_txn = False
                             await self._commit(it, sink, progress, txn_topic)
+                            if until is not None and it.commit_lsn >= until:
+                                # Stop at this transaction's end: the rest of what was read
+                                # comes again from the slot (a stop inside the next one is
+                                # the very thing the catch-up is for).
+                                await sink.wait_acked(timeout=60)
+                                reached = True
+                                break
                         case TxnBegin():
                             in_txn = True
                             xid = it.xid
@@ -355,6 +394,8 @@ class Producer:
                             if inc is not None:
                                 for ev in inc.on_message(it, self._partitions > 1):
                                     await sink.put(ev)
+                if reached:
+                    break  # not past here: the server's position covers what was dropped
                 await sink.flush_idle()
                 if progress.confirmed_lsn > self._failed_at:
                     backoff.reset()
@@ -364,7 +405,7 @@ class Producer:
                     await self._topic_signals(self.signal_channel, inc, sink)
                 await inc.tick(progress.confirmed_lsn)
             now = time.monotonic()
-            if not in_txn and (stream.position.reply_requested or now - last_feedback >= confirm_every):
+            if not in_txn and (until is not None or stream.position.reply_requested or now - last_feedback >= confirm_every):
                 progress.advance_idle(stream.position.wal_end)
             if heartbeats.due(now):  # inside a long transaction too: the producer is alive
                 await heartbeats.beat(sink, progress, now)
@@ -382,7 +423,10 @@ class Producer:
         await stream.send_feedback(progress.confirmed_lsn)
         if inc is not None:
             await inc.save_confirmed(progress.confirmed_lsn)
-        log.info("producer stopped", extra={"confirmed_lsn": str(Lsn(progress.confirmed_lsn))})
+        if until is None:
+            log.info("producer stopped", extra={"confirmed_lsn": str(Lsn(progress.confirmed_lsn))})
+        else:
+            log.info("the topic's last transaction is complete", extra={"confirmed_lsn": str(Lsn(progress.confirmed_lsn))})
 
 
     async def _commit(self, end: TxnEnd, sink: KafkaSink, progress: Progress, txn_topic: str | None) -> None:

@@ -206,6 +206,20 @@ class InitialSnapshot:
             self.result = await self.run(existing_slot=slot.exists, previous=state if interrupted else None)
         return mode != "initial_only"
 
+    async def open_transaction_position(self, slot: setup.SlotState) -> int | None:
+        """The commit LSN the stream must first reach when a snapshot over this existing slot is
+        due and the topic's last transaction may be in it only in part; None otherwise.
+
+        The slot has not confirmed that transaction (it confirms a transaction's end once all
+        of it is acknowledged), so it sends it again in full; once complete in the topic, the
+        reads can go after it (:meth:`_reads_before_the_replay`)."""
+        state: dict[str, Any] = self.offsets.doc.get("initial") or {}
+        plan = plan_snapshot(self.config.snapshot_mode, slot, state.get("status"), over_existing_slot=bool(state.get("over_existing_slot")))
+        if not (plan.snapshot and slot.exists and not plan.drop_slot):
+            return None
+        last = await self.offsets.topic_last_commit_lsn(self.config.topic_name, self.partitions)
+        return last if last is not None and last >= slot.confirmed_flush_lsn else None
+
     def _create_slot_without_snapshot(self) -> None:
         cfg = self.config
         stream = ReplicationStream.connect(cfg.pg_dsn)
