@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
-from walbus.contract import ContractError, check_key, decode_event
+from walbus.aiokafka_shortcuts import SourceRecord
+from walbus.contract import ContractError, check_key, decode_event, parse_event_key
 
 # Source records read again before the committed offset on open, to learn the last position.
 LOOK_BACK = 1000
@@ -31,6 +32,8 @@ class Positions:
         # Below it: already processed (the look-back after a seek, or fetched before a seek).
         self.next_offset: int | None = None
         self.last_key: bytes | None = None
+        self.probing = False  # looking for the last record before the committed offset (resumed_in)
+        self._before: bytes | None = None
 
     async def start(self, consumer: AIOKafkaConsumer) -> int | None:
         """Read the group's committed offset and seek the consumer a little before it."""
@@ -41,7 +44,29 @@ class Positions:
             consumer.seek(self.tp, max(0, committed - LOOK_BACK))
         self.committed = self.next_offset = committed
         self.last_key = None
+        self.probing = bool(committed)
+        self._before = None
         return committed
+
+    def resumed_in(self, messages: list[SourceRecord]) -> int | None:
+        """While :attr:`probing`: the commit LSN of the last record before the committed offset,
+        once the first record at or after it comes (then probing ends); None until then, and
+        when that record is no event. The partition resumes inside that transaction when its
+        next event has the same commit LSN."""
+        committed = self.committed
+        assert committed is not None
+        for m in messages:
+            if m.offset < committed:
+                self._before = m.key
+                continue
+            self.probing = False
+            if self._before is None:
+                return None
+            try:
+                return parse_event_key(self._before)[0]
+            except ContractError:
+                return None
+        return None
 
     def checkpoint(self) -> str:
         """The store's checkpoint text once the offsets up to next_offset are committed."""

@@ -213,10 +213,13 @@ class _TxnMoves:
     IDENTITY FULL, which PostgreSQL needs to publish such a table's updates). Recorded once
     per seq: an event re-keyed twice (once more with the store) records nothing new."""
 
-    __slots__ = ("commit_lsn", "into", "last_seq", "out", "size")
+    __slots__ = ("commit_lsn", "into", "last_seq", "out", "partial", "size")
 
-    def __init__(self, commit_lsn: int) -> None:
+    def __init__(self, commit_lsn: int, *, partial: bool = False) -> None:
         self.commit_lsn = commit_lsn
+        # Begun inside the transaction (a partition reopened there): moves made before are
+        # not here, their output is in the table's topic (see Rekeyer.resumed_inside).
+        self.partial = partial
         self.into: dict[bytes, list[tuple[int, dict[str, Any], bytes]]] = {}
         self.out: dict[bytes, list[tuple[int, dict[str, Any]]]] = {}
         self.last_seq = -1
@@ -252,6 +255,19 @@ class Rekeyer:
         self._topics: dict[str, str] = {}
         self._shapes: dict[str, _TableShape] = {}
         self._moves: dict[str, _TxnMoves] = {}  # per table: its current transaction's key changes
+        self._resumed: list[int] = []  # commit LSNs a partition was reopened inside (the last few)
+
+    def resumed_inside(self, commit_lsn: int) -> None:
+        """A partition reopened after an event of the transaction committed at ``commit_lsn``:
+        its key moves before that are not in any ledger (a restart, a reopen after an aborted
+        Kafka transaction). A row leaving a key then asks the store whether a row that moved
+        in before is still there (without it, a restart inside a DEFERRABLE shift lost a key;
+        found by a fuzz)."""
+        if commit_lsn not in self._resumed:
+            self._resumed = [*self._resumed[-(MOVE_LEDGERS - 1):], commit_lsn]
+        for moves in self._moves.values():
+            if moves.commit_lsn == commit_lsn:
+                moves.partial = True
 
     def _moves_of(self, event: ChangeEvent) -> _TxnMoves:
         moves = self._moves.get(event.table)
@@ -259,7 +275,7 @@ class Rekeyer:
             self._moves.pop(event.table, None)
             if len(self._moves) >= MOVE_LEDGERS:
                 del self._moves[next(iter(self._moves))]  # the oldest: its transaction is long done
-            moves = self._moves[event.table] = _TxnMoves(event.commit_lsn)
+            moves = self._moves[event.table] = _TxnMoves(event.commit_lsn, partial=event.commit_lsn in self._resumed)
         return moves
 
     def topic_for(self, table: str) -> str:
@@ -480,10 +496,19 @@ class Rekeyer:
             moves = self._moves_of(event)
             leaving = event.identity.as_dict()
             there = moves.occupants(old_key, event.seq)
+            held = False
+            if not there and moves.partial:
+                # Moves before the reopen are not in the ledger: the store (what our output
+                # says the key holds now) tells whether another row moved in and is still there.
+                out.needs_state = True
+                now = state.get(event.table, old_key)
+                held = now is not None and UNKNOWN_ROW not in now and not _same_row(leaving, now)
             # What the key holds once this row left: nothing (a tombstone), or the row written
             # there last that is still there. A row that moved in earlier in this transaction
             # and is still there keeps the key (and the topic's value, when it was written last).
-            if not there or _same_row(leaving, there[-1][0]):
+            if held:
+                pass
+            elif not there or _same_row(leaving, there[-1][0]):
                 stays = there[-2][1] if len(there) > 1 else None
                 out.records.append(OutRecord(topic, old_key, stays, event.table))
                 out.changes.append((event.table, old_key, stays))

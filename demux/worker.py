@@ -145,6 +145,10 @@ class PartitionWorker:
     async def process(self, messages: list[SourceRecord]) -> None:
         """Re-key a run of source records into the open transaction."""
         assert self.store is not None and self.ready
+        if self.positions.probing:
+            resumed = self.positions.resumed_in(messages)
+            if resumed is not None:
+                self.rekeyer.resumed_inside(resumed)
         await self.txn.begin()
         i, end = 0, len(messages)
         while i < end:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+from dataclasses import dataclass
+
 from aiokafka import TopicPartition
 
 from demux.dead_letter import dead_letter_record
@@ -22,6 +25,30 @@ def test_positions_replay_and_checkpoint() -> None:
     assert not pos.is_replay(event_key(5, 2))
     pos.advance(41)
     assert pos.next_offset == 42 and pos.checkpoint() == "g|walbus.shop|2|42"
+
+
+def test_positions_tell_the_transaction_a_partition_resumes_in() -> None:
+    class Consumer:
+        async def committed(self, tp: TopicPartition) -> int:
+            return 10
+
+        def seek(self, tp: TopicPartition, offset: int) -> None:
+            pass
+
+    @dataclass
+    class Record:
+        offset: int
+        key: bytes | None
+        value: bytes | None = None
+
+    pos = Positions("g", TP)
+    asyncio.run(pos.start(Consumer()))
+    assert pos.probing
+    # The look-back comes in batches: the record before the committed offset decides.
+    assert pos.resumed_in([Record(8, event_key(0x100, 0)), Record(9, event_key(0x200, 4))]) is None and pos.probing
+    assert pos.resumed_in([Record(10, event_key(0x200, 5))]) == 0x200 and not pos.probing
+    asyncio.run(pos.start(Consumer()))
+    assert pos.resumed_in([Record(9, b"not a position"), Record(10, event_key(0x200, 5))]) is None and not pos.probing
 
 
 def test_at_position_needs_an_event_at_its_own_key() -> None:
