@@ -15,7 +15,7 @@ import uuid
 from collections.abc import Callable, Iterable, Iterator, Sequence, Set
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, Final
 
 import orjson
 import psycopg
@@ -47,6 +47,11 @@ MAX_SIGNAL_TABLES = 1000  # tables one execute-snapshot signal may list (docs/co
 MAX_FILTER_CHARS = 64 * 1024  # all additional-conditions filters of one signal: they are kept in the progress record
 KIND = "incremental"
 SYNC_REP_WAIT_S = 5.0  # a chunk waits this long for transactions awaiting synchronous replication, then is retried
+# A change whose key the stream does not carry (see ChunkWindow.observe_unknown) makes its
+# chunk be read again; this many times in a row, and the table is given up (said, counted).
+CHUNK_REREADS = 20
+# Stands for a key the stream did not carry, in ChunkWindow and RecentChanges.
+UNKNOWN_KEY: Final[Key] = (object(),)
 
 
 class ChunkDeferred(RuntimeError):
@@ -78,6 +83,19 @@ class ChunkWindow:
     def truncate(self) -> None:
         if self.is_open:
             self._truncated = True
+
+    def observe_unknown(self) -> None:
+        """A change of a row whose key the stream does not carry: an update under REPLICA
+        IDENTITY DEFAULT that left a TOASTed key column unchanged (sent as "unchanged", no old
+        key). Any row of the chunk may be that row, read before the change: see :attr:`blind`."""
+        if self.is_open:
+            self._seen.add(UNKNOWN_KEY)
+
+    @property
+    def blind(self) -> bool:
+        """Whether the window saw a change of an unknown row: the chunk must be read again
+        (a read of the row's older value would come after its change and undo it)."""
+        return UNKNOWN_KEY in self._seen
 
     def high(self, rows: Iterable[tuple[Key, Any]], unseen: Set[Key] = frozenset()) -> list[Any]:
         """``unseen``: keys changed by transactions the stream passed before the low watermark
@@ -227,6 +245,7 @@ class IncrementalSnapshot:
         self._recent: RecentChanges | None = None  # of the table being read, while it is
         self._task: asyncio.Task[None] | None = None
         self._retry_at = 0.0
+        self._rereads = 0  # the chunk read again in a row (see _read_again)
         self._backoff = Backoff(initial=2.0, maximum=60.0)  # a lost connection or a failover: retried forever
         self._pending: list[list[Any]] = []  # [end_lsn | None, position doc | None], in order
         self._eager = False  # a signal changed the position in the transaction being decoded
@@ -295,6 +314,8 @@ class IncrementalSnapshot:
                 window.truncate()
             return
         keys = ev.primary_keys()
+        if not keys and ev.relation.pk_index and ev.operation == "update":
+            keys = [UNKNOWN_KEY]  # its key column(s) unchanged and TOASTed: see ChunkWindow.observe_unknown
         recent.note(xid, keys)
         if window is not None:
             for key in keys:
@@ -857,6 +878,9 @@ class IncrementalSnapshot:
             return []  # stopped meanwhile
         recent = self._recent
         unseen = recent.keys_before(chunk.invisible, chunk.low_mark) if recent is not None else set()
+        if chunk.window.blind or UNKNOWN_KEY in unseen:
+            return self._read_again(chunk)
+        self._rereads = 0
         rows = chunk.window.high(chunk.rows, unseen)
         # The watermark's transaction holds nothing but the message (we wrote it), so these
         # keys follow its events (none) and precede everything committed after it.
@@ -885,6 +909,30 @@ class IncrementalSnapshot:
             self._finish(aborted=False)
             self._mark(eager=False)
         return out
+
+    def _read_again(self, chunk: Chunk) -> list[EncodedEvent]:
+        """A change of a row the stream names no key for came in the chunk's window (or
+        before it, unseen by its snapshot): which of its rows is stale is unknown, so none is
+        emitted and the same chunk is read again. Before, its rows went out, and a row read
+        before its change undid it (a stale value for good)."""
+        self._rereads += 1
+        if self._rereads > CHUNK_REREADS:
+            log.error(
+                "incremental snapshot of table given up: changes whose key the stream does not carry (an update that "
+                "left a TOASTed primary-key column unchanged, REPLICA IDENTITY DEFAULT) came in every one of its last "
+                "chunks' windows; REPLICA IDENTITY FULL carries the key, or retry when the table is quieter",
+                extra={"table": chunk.table, "after_key": chunk.after, "reads": self._rereads},
+            )
+            self._rereads = 0
+            self.metrics.tables_failed.labels(KIND, chunk.table).inc()
+            self._give_up_table(chunk)
+            return []
+        log.warning(
+            "incremental snapshot chunk read again: a change in its window names no key (an update that left a "
+            "TOASTed primary-key column unchanged)",
+            extra={"table": chunk.table, "after_key": chunk.after, "attempt": self._rereads},
+        )
+        return []
 
     def _next_table(self) -> None:
         pos = self.position

@@ -42,7 +42,7 @@ class SnapshotMetrics:
         self.duration = Gauge("walbus_snapshot_duration_seconds", "Duration of the running or last snapshot", ["kind"], registry=registry)
         self.chunks = Counter("walbus_snapshot_chunks", "Incremental snapshot chunks emitted", ["table"], registry=registry)
         self.tables_failed = Counter(
-            "walbus_snapshot_tables_failed", "Tables whose snapshot was given up: their additional-conditions filter failed",
+            "walbus_snapshot_tables_failed", "Tables whose snapshot was given up (a failing filter or query; keys the stream does not carry)",
             ["kind", "table"], registry=registry,
         )
         self.paused = Gauge("walbus_snapshot_paused", "1 while a snapshot is paused (pause-snapshot signal)", ["kind"], registry=registry)

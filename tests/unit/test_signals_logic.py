@@ -238,3 +238,43 @@ def test_a_table_asked_for_again_says_it_keeps_its_filter(caplog: pytest.LogCapt
     assert inc.position is not None and inc.position.filters == {"public.orders": "id > 5"}
     (record,) = [r for r in caplog.records if "already queued" in r.getMessage()]
     assert record.filter_not_taken == ["public.orders"]  # type: ignore[attr-defined]
+
+
+def test_a_change_without_its_key_in_the_window_reads_the_chunk_again(caplog: pytest.LogCaptureFixture) -> None:
+    # An update that leaves a TOASTed key column unchanged carries no key (REPLICA IDENTITY
+    # DEFAULT: "unchanged", no old key). The window could not drop that row from the chunk, so a
+    # read of its older value came after the update and undid it. Now no row of such a chunk is
+    # emitted and the chunk is read again; a table that never gets a clean window is given up.
+    from producer.codec import EventEncoder
+    from producer.decoders import LogicalMessage
+    from producer.incremental import CHUNK_REREADS, Chunk, RecentChanges
+
+    inc, registry = _snapshot()
+    inc.signal("s1", "execute-snapshot", {"data-collections": ["public.orders"]})
+    scan = _scan()
+    enc = EventEncoder()
+    enc.begin(0x500, 7, "2024-01-01T00:00:00.000000+00:00")
+
+    def chunk_with(change: str) -> list[object]:
+        chunk = Chunk("c1", "public.orders", None, scan=scan, rows=[((1,), [1, "old"]), ((2,), [2, "b"])], last_key=["2"])
+        inc._chunk = chunk
+        inc._recent = inc._recent or RecentChanges("public.orders")
+        inc.on_message(LogicalMessage(0x400, "walbus-watermark", b'{"id":"c1","kind":"low"}', True), False)
+        if change == "unknown key":
+            inc.observe(enc.encode(scan.relation, "update", 0x450, [None, "new"], unchanged=[0]), 7)
+        elif change == "known key":
+            inc.observe(enc.encode(scan.relation, "update", 0x450, [1, "new"]), 7)
+        high = LogicalMessage(0x600, "walbus-watermark", b'{"id":"c1","kind":"high"}', True, commit_lsn=0x600, xid=8)
+        return list(inc.on_message(high, False))
+
+    assert len(chunk_with("known key")) == 1  # row 1 dropped, row 2 read
+    pos = inc.position
+    assert pos is not None and pos.last_key == ["2"]
+    pos.last_key = None
+    assert chunk_with("unknown key") == []  # neither row: row 1 might be the one changed
+    assert pos.last_key is None and pos.tables == ["public.orders"]  # the same chunk comes again
+    assert "read again" in caplog.text
+    assert len(chunk_with("none")) == 2
+    for _ in range(CHUNK_REREADS + 1):
+        chunk_with("unknown key")
+    assert pos.tables == [] and registry.get_sample_value("walbus_snapshot_tables_failed_total", {"kind": "incremental", "table": "public.orders"}) == 1
