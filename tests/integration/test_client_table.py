@@ -203,3 +203,21 @@ async def test_reads_raise_once_the_reader_failed(kafka_bootstrap: str, unique_n
             list(table)
         with pytest.raises(TableError):
             await table.wait_until(changes[-1].commit_lsn)
+
+
+async def test_a_composite_key_in_dict_form_is_read_by_column_name(kafka_bootstrap: str, unique_name: str) -> None:
+    # get({"b": 2, "a": 1}) read the dict's values in its own order: (2, 1), another row's key
+    # (a client fuzz found it).
+    topic = f"walbus.{unique_name}.public.pairs"
+    await create_topic(kafka_bootstrap, topic, compact=True)
+    meta = {"__op": "c", "__lsn": 1, "__commit_lsn": 1, "__seq": 0, "__xid": 1, "__ts": "2026-01-01T00:00:00+00:00"}
+    await produce(kafka_bootstrap, topic, [
+        (orjson.dumps({"a": a, "b": b}), orjson.dumps({"a": a, "b": b, "v": f"{a}{b}", **meta})) for a, b in [(1, 2), (2, 1)]
+    ])
+    async with Table(topic, bootstrap_servers=kafka_bootstrap, follow_demux=False) as table:
+        assert table.get({"a": 1, "b": 2})["v"] == "12"  # type: ignore[index]
+        assert table.get({"b": 2, "a": 1})["v"] == "12"  # type: ignore[index]
+        assert table[orjson.dumps({"b": 1, "a": 2})]["v"] == "21"
+        assert table.get((1, 2))["v"] == "12"  # type: ignore[index]
+        assert table.get({"a": 1, "x": 2}) is None and {"a": 1, "x": 2} not in table and {"a": 1} not in table
+        assert {"b": 2, "a": 1} in table

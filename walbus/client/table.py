@@ -74,6 +74,11 @@ def decode_table_record(key: bytes, value: bytes | None) -> tuple[Any, Row | Non
     columns and the value is a tombstone or a row object with the demux's metadata whose
     key columns agree with the key (a row built from misaligned lists does not).
     """
+    return _decode_record(key, value)[1:]
+
+
+def _decode_record(key: bytes, value: bytes | None) -> tuple[tuple[str, ...], Any, Row | None, dict[str, Any]]:
+    """:func:`decode_table_record`, and the key's column names in key order first."""
     try:
         key_obj = orjson.loads(key)
         row = orjson.loads(value) if value is not None else None
@@ -86,8 +91,9 @@ def decode_table_record(key: bytes, value: bytes | None) -> tuple[Any, Row | Non
         hash(mapping_key)
     except TypeError:
         raise InvalidTableRecord(f"the key holds a JSON object: {key[:80]!r}") from None
+    columns = tuple(key_obj)
     if row is None:
-        return mapping_key, None, {}
+        return columns, mapping_key, None, {}
     if not isinstance(row, dict):
         raise InvalidTableRecord(f"the value is not a JSON object: {value[:80]!r}" if value else "empty value")
     try:
@@ -98,7 +104,7 @@ def decode_table_record(key: bytes, value: bytes | None) -> tuple[Any, Row | Non
     clash = [c for c, v in key_obj.items() if c in row and row[c] != v]
     if clash:
         raise InvalidTableRecord(f"the row's key column(s) {clash} differ from the record key")
-    return mapping_key, (None if op == "d" else row), meta
+    return columns, mapping_key, (None if op == "d" else row), meta
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,12 +186,26 @@ class Table(Mapping[Any, Row]):
         self._progress_lock = asyncio.Lock()
         self._failure: BaseException | None = None
         self._warned_null_key = False
+        self._key_columns: tuple[str, ...] = ()  # the primary key's columns, in key order (from the records)
 
     # -- mapping -----------------------------------------------------------------------------
 
+    def _lookup_key(self, key: Any) -> Any:
+        """The mapping key for ``key``: a dict form is read by column name, in the key's
+        column order as the topic's records give it (a dict in another order looked up
+        another row's key); KeyError for a dict of other columns."""
+        if isinstance(key, bytes | bytearray):
+            key = orjson.loads(key)
+        columns = self._key_columns
+        if isinstance(key, dict) and columns:
+            if len(key) != len(columns) or not all(c in key for c in columns):
+                raise KeyError(key)
+            key = {c: key[c] for c in columns}
+        return table_key(key)
+
     def __getitem__(self, key: Any) -> Row:
         self._check()
-        return self.rows[table_key(key)]
+        return self.rows[self._lookup_key(key)]
 
     def __iter__(self) -> Iterator[Any]:
         self._check()
@@ -198,8 +218,8 @@ class Table(Mapping[Any, Row]):
     def __contains__(self, key: object) -> bool:
         self._check()
         try:
-            return table_key(key) in self.rows
-        except (TypeError, orjson.JSONDecodeError):
+            return self._lookup_key(key) in self.rows
+        except (TypeError, KeyError, orjson.JSONDecodeError):
             return False
 
     def _check(self) -> None:
@@ -293,7 +313,8 @@ class Table(Mapping[Any, Row]):
                 log.warning("ignoring records without a key (table without a primary key?)", extra={"topic": self.topic})
                 self._warned_null_key = True
             return
-        key, new, meta = decode_table_record(m.key, m.value)
+        columns, key, new, meta = _decode_record(m.key, m.value)
+        self._key_columns = columns  # the latest: a changed primary key renames them
         op = meta.get("__op", "d")
         old = self.rows.get(key)
         if new is None:
