@@ -134,6 +134,64 @@ async def test_wait_until_waits_for_the_demux(kafka_bootstrap: str, unique_name:
         await demux.stop()
 
 
+async def test_wait_until_counts_a_commit_fetched_past_the_ends_it_looked_up(
+    kafka_bootstrap: str, unique_name: str, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The commit reached the database topic just after wait_until looked up its end offsets,
+    # and the fetch brought it anyway: the demux group's offset reaching those ends (the commit
+    # not consumed yet) let wait_until return with the commit nowhere in the table. A client
+    # fuzz met it about one wait in 20.
+    from tests.support.cdc_data import Change
+    from walbus.client import progress
+
+    source = f"walbus.{unique_name}"
+    topic = f"{source}.public.a"
+    await create_topic(kafka_bootstrap, source)
+    await create_topic(kafka_bootstrap, topic, compact=True)
+    first = Change(0x100, 0, 1, "public.a", "insert", {"id": 1, "v": 1})
+    await produce(kafka_bootstrap, source, [first.record()])
+    demux = ScriptedDemux(kafka_bootstrap, source, demux_group(source), transactional_id=f"{unique_name}-tx")
+    await demux.start()
+    armed = asyncio.Event()
+    original = progress.SourceProgress.start
+
+    async def start(self: progress.SourceProgress) -> None:
+        await original(self)
+        consumer = self._consumer
+        assert consumer is not None
+        look_up = consumer.end_offsets
+
+        async def end_offsets(tps: Any) -> Any:
+            ends = await look_up(tps)
+            if armed.is_set():  # the writer commits right after the look-up
+                armed.clear()
+                await produce(kafka_bootstrap, source, [Change(0x200, 0, 2, "public.a", "update", {"id": 1, "v": 2}).record()])
+            return ends
+
+        consumer.end_offsets = end_offsets
+
+    monkeypatch.setattr(progress.SourceProgress, "start", start)
+    try:
+        await demux.write([(topic, r) for r in table_records([first], "public.a")], source_offset=1)
+        async with Table(topic, bootstrap_servers=kafka_bootstrap) as table:
+            async with asyncio.timeout(10):
+                await table.wait_until(0x100)  # the database topic's cursor is at its end now
+            # Two commits of another table: the cursor's consumer fetches the first and keeps it
+            # (nobody drains it yet), the second stays unfetched; the demux consumes both.
+            await produce(kafka_bootstrap, source, [Change(0x150, 0, 3, "public.b", "insert", {"id": 1}).record()])
+            await asyncio.sleep(1)
+            await produce(kafka_bootstrap, source, [Change(0x160, 0, 4, "public.b", "insert", {"id": 2}).record()])
+            await demux.write([], source_offset=3)
+            armed.set()
+            waiter = asyncio.create_task(table.wait_until(0x200))
+            await asyncio.sleep(3)
+            assert not armed.is_set()
+            assert not waiter.done(), f"returned before the demux consumed commit 0x200: {table[1]}"
+            waiter.cancel()
+    finally:
+        await demux.stop()
+
+
 def _bad_records(rows: dict[int, dict[str, Any]]) -> list[tuple[bytes | None, bytes | None]]:
     """Records the demux never writes; the ids are of rows the table holds, so a wrong apply shows."""
     ids = list(rows)
