@@ -28,3 +28,26 @@ def test_sigterm_before_the_event_loop_exits_0() -> None:
 def test_both_services_exit_cleanly_until_their_loop_runs(service: str) -> None:
     main = inspect.getsource(importlib.import_module(service).main)
     assert main.index("exit_on_sigterm()") < main.index("asyncio.run(")
+
+
+@pytest.mark.parametrize("command", ["produce", "demux"])
+def test_the_cli_takes_sigterm_over_before_it_imports_a_service(command: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Importing a service takes ~0.2 s (longer on a loaded machine): a SIGTERM then still
+    # killed `walbus produce` (-15), though the service's main takes it over (a fuzz found it).
+    import signal
+
+    from walbus.app import cli
+
+    seen: list[object] = []
+
+    def load(name: str) -> object:
+        seen.append(signal.getsignal(signal.SIGTERM))
+        raise KeyboardInterrupt  # stop here: only the order matters
+
+    previous = signal.getsignal(signal.SIGTERM)
+    monkeypatch.setattr(cli.importlib, "import_module", load)
+    try:
+        assert cli.main([command]) == 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert seen and seen[0] not in (signal.SIG_DFL, previous)
