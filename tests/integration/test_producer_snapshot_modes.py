@@ -33,6 +33,26 @@ async def progress_doc(bootstrap: str, topic: str) -> dict[str, Any]:
     return docs[-1] if docs else {}
 
 
+async def feed_state(bootstrap: str, topic: str) -> tuple[dict[int, int], int]:
+    """public.t's rows ({id: v}) as a Feed consumer keeps them (it skips positions at or below
+    the highest it delivered), and how many events it skipped so."""
+    from walbus.client import Feed
+
+    state: dict[int, int] = {}
+    async with Feed(topic, start="earliest", until_end=True, bootstrap_servers=bootstrap) as feed:
+        async for event in feed:
+            if event.table != "public.t":
+                continue
+            if event.operation == "delete":
+                assert event.identity is not None
+                state.pop(event.identity.as_dict()["id"], None)
+            else:
+                row = event.row()
+                assert row is not None
+                state[row["id"]] = row["v"]
+    return state, feed.stats.duplicates_skipped
+
+
 async def test_when_needed_snapshots_a_slot_without_a_recorded_snapshot_once(pg_dsn: str, kafka_bootstrap: str, unique_name: str) -> None:
     sql(pg_dsn, "CREATE TABLE t (id int PRIMARY KEY)", "INSERT INTO t SELECT generate_series(1, 3)")
     opts: dict[str, Any] = {"topic": unique_name, "slot": unique_name}
@@ -84,8 +104,6 @@ async def test_always_after_changes_made_while_stopped(pg_dsn: str, kafka_bootst
     # The reads were placed at the snapshot's position, after those changes', so consumers
     # that skip re-sent positions (demux, Feed, Table) skipped the changes: a row deleted
     # while the producer was down stayed live for good. Found by a fuzz.
-    from walbus.client import Feed
-
     sql(pg_dsn, "CREATE TABLE t (id int PRIMARY KEY, v int)", "INSERT INTO t VALUES (1, 1), (2, 2), (3, 3)")
     opts: dict[str, Any] = {"topic": unique_name, "slot": unique_name, "snapshot_mode": "always", "plugin": plugin}
     async with running_producer(pg_dsn, kafka_bootstrap, **opts):
@@ -97,18 +115,9 @@ async def test_always_after_changes_made_while_stopped(pg_dsn: str, kafka_bootst
     # the stream first goes past it, with one or both changes, then the new reads: any order of
     # the second reads and the changes is right, as the state below shows.
     assert sorted(m["operation"] for m in evs) == ["delete"] + ["read"] * 5 + ["update"]
-    state: dict[int, int] = {}
-    async with Feed(unique_name, start="earliest", until_end=True, bootstrap_servers=kafka_bootstrap) as feed:
-        async for event in feed:  # skips positions at or below the highest it delivered
-            if event.operation == "delete":
-                assert event.identity is not None
-                state.pop(event.identity.as_dict()["id"], None)
-            else:
-                row = event.row()
-                assert row is not None
-                state[row["id"]] = row["v"]
+    state, duplicates = await feed_state(kafka_bootstrap, unique_name)
     assert state == {1: 1, 3: 33}
-    assert feed.stats.duplicates_skipped == 0
+    assert duplicates == 0
 
 
 def stop_inside_the_next_transaction(producer: Any) -> None:
@@ -150,7 +159,6 @@ async def test_always_after_a_stop_inside_a_transaction(pg_dsn: str, kafka_boots
 
     from producer.config import ProducerConfig
     from producer.service import Producer
-    from walbus.client import Feed
 
     sql(pg_dsn, "CREATE TABLE t (id int PRIMARY KEY, v int)", "CREATE TABLE u (id int PRIMARY KEY)", "INSERT INTO t VALUES (1, 1), (2, 2), (3, 3)")
     opts: dict[str, Any] = {"topic": unique_name, "slot": unique_name, "snapshot_mode": "always", "plugin": plugin}
@@ -168,15 +176,5 @@ async def test_always_after_a_stop_inside_a_transaction(pg_dsn: str, kafka_boots
         evs = await events(kafka_bootstrap, unique_name, 4 + 2 + 3)
     # The transaction completed from the slot, then the reads (after it in position order too).
     assert [(m["operation"], m["table"]) for m in evs[3:]] == [("insert", "public.u"), ("insert", "public.u"), ("delete", "public.t")] + [("read", "public.t")] * 2 + [("read", "public.u")]
-    state: dict[int, int] = {}
-    async with Feed(unique_name, start="earliest", until_end=True, bootstrap_servers=kafka_bootstrap) as feed:
-        async for event in feed:
-            if event.operation == "delete":
-                assert event.identity is not None
-                state.pop(event.identity.as_dict()["id"], None)
-            else:
-                row = event.row()
-                assert row is not None
-                if event.table == "public.t":
-                    state[row["id"]] = row["v"]
+    state, _ = await feed_state(kafka_bootstrap, unique_name)
     assert state == {1: 1, 3: 3}
