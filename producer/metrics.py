@@ -23,6 +23,11 @@ class ProducerMetrics:
             "walbus_producer_last_heartbeat_timestamp_seconds", "Unix time of the last heartbeat record sent (0: none yet)",
             registry=registry,
         )
+        self.unpublished_tables = Gauge(
+            "walbus_producer_unpublished_tables",
+            "Tables the capture filter takes that the publication (a table list) does not publish: their changes are not streamed",
+            registry=registry,
+        )
         self.heartbeat_actions = Counter("walbus_producer_heartbeat_actions", "Heartbeat action queries that succeeded", registry=registry)
         self.heartbeat_action_failures = Counter(
             "walbus_producer_heartbeat_action_failures", "Heartbeat action queries that failed or were skipped", registry=registry,

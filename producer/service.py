@@ -33,13 +33,13 @@ from producer.incremental import IncrementalSnapshot
 from producer.metrics import ProducerMetrics, SnapshotMetrics
 from producer.offsets import COMPACTED, OffsetStore
 from producer.progress import Progress
-from producer.replication import ReplicationError, ReplicationStream
+from producer.replication import ReplicationError, ReplicationStream, quote_ident
 from producer.signal_topic import KafkaSignalChannel
 from producer.sink import KafkaSink, SinkError
 from producer.snapshot import InitialSnapshot, SnapshotAborted
 from walbus.allocator import tune_collector, tune_for_large_buffers
 from walbus.config import ConfigError, describe
-from walbus.contract import Lsn, heartbeat_topic, side_topic, split_table
+from walbus.contract import Lsn, heartbeat_topic, qualify_table, side_topic, split_table
 from walbus.kafka import (
     DEFAULT_MAX_MESSAGE_BYTES,
     METADATA_WAIT_S,
@@ -53,6 +53,8 @@ from walbus.process import exit_on_sigterm
 from walbus.retry import Backoff
 
 log = logging.getLogger("walbus.producer")
+
+PUBLICATION_CHECK_S = 10.0  # how often a table-list publication is checked for new captured tables
 
 TRANSIENT = (ReplicationError, SinkError, KafkaError, psycopg.OperationalError, OSError, TimeoutError)
 
@@ -70,7 +72,7 @@ class Producer:
         self.signal_channel: KafkaSignalChannel | None = None
         self.capture = CaptureFilter(
             tables=setup.table_patterns(config.tables, "--tables"),
-            exclude_tables=setup.table_patterns(config.exclude_tables, "--exclude-tables"),
+            exclude_tables=setup.table_patterns(config.exclude_tables, "--exclude-tables", exact=False),
             exclude_columns=setup.column_patterns(config.exclude_columns, "--exclude-columns"),
             mask_columns=setup.column_patterns(config.mask_columns, "--mask-columns"),
             signal_table=setup.table_pattern(config.signal_table, "--signal-table") if config.signal_table else None,
@@ -187,6 +189,7 @@ class Producer:
         offsets = self.offsets = OffsetStore(client_kwargs, cfg.topic_name, cfg.slot_name, replication_factor=cfg.replication_factor)
         await offsets.start()
         backoff = Backoff(maximum=cfg.retry_max_delay, attempts=cfg.retry_attempts)
+        watch: asyncio.Task[None] | None = None
         try:
             await self._claim_topic(offsets)
             # Snapshot hook: creates the slot (with an exported snapshot when one is due) and reads it.
@@ -202,6 +205,8 @@ class Producer:
                     client_kwargs, cfg.signal_topic, own_key=cfg.topic_name, replication_factor=cfg.replication_factor,
                 )
                 await self.signal_channel.start(self.incremental.signal_offset)
+            if cfg.plugin == "pgoutput":
+                watch = asyncio.create_task(self._watch_publication(), name="walbus-publication-watch")
             target = await initial.open_transaction_position(slot)
             if target is not None:
                 # The topic's last transaction may be only partly in it (stopped in the middle):
@@ -225,6 +230,8 @@ class Producer:
                 return
             await self._stream(backoff)
         finally:
+            if watch is not None:
+                watch.cancel()
             self.metrics.connected.set(0)
             await self.heartbeats.close()
             if self.signal_channel is not None:
@@ -234,6 +241,40 @@ class Producer:
                 self.incremental.close()
             if cfg.drop_slot_on_exit:
                 await asyncio.to_thread(setup.drop_slot, cfg.pg_dsn, cfg.slot_name)
+
+    async def _watch_publication(self) -> None:
+        """A table-list publication does not publish a table created later that the capture
+        filter takes: its changes were lost without a word (a fuzz found it). Such a table is
+        added to the publication when the role may, else said loudly, and counted."""
+        cfg = self.config
+        told: set[setup.TableName] = set()
+        while True:
+            await asyncio.sleep(PUBLICATION_CHECK_S)
+            try:
+                added, left = await asyncio.to_thread(self._publish_new_tables)
+            except (psycopg.Error, OSError) as e:
+                log.warning("checking the publication for new tables failed", extra={"error": describe_error(e)})
+                continue
+            self.metrics.unpublished_tables.set(len(left))
+            for table in added:
+                log.warning(
+                    "a table created since the start is captured: added to the publication. Its changes before now were "
+                    "not streamed: read it with an incremental snapshot (execute-snapshot) if it had any",
+                    extra={"table": qualify_table(*table), "publication": cfg.publication_name},
+                )
+            for table in left:
+                if table not in told:
+                    told.add(table)
+                    log.error(
+                        "a table created since the start is captured but not published: its changes are not streamed. "
+                        f"Have its owner or a superuser run ALTER PUBLICATION {quote_ident(cfg.publication_name)} "
+                        f"ADD TABLE {setup.sql_table(table)}, then read it with an incremental snapshot (execute-snapshot)",
+                        extra={"table": qualify_table(*table), "publication": cfg.publication_name},
+                    )
+
+    def _publish_new_tables(self) -> tuple[list[setup.TableName], list[setup.TableName]]:
+        with setup.connect(self.config.pg_dsn) as conn:
+            return setup.publish_new_tables(conn, self.config.publication_name, self.capture)
 
     async def _stream(self, backoff: Backoff, *, until: int | None = None) -> None:
         """Stream until :meth:`stop`, retrying transient faults; with ``until``, only until the

@@ -15,7 +15,7 @@ from psycopg import sql
 
 from producer.codec import CaptureFilter
 from producer.replication import quote_ident
-from walbus.config import ConfigError
+from walbus.config import ConfigError, split_unquoted
 from walbus.contract import ContractError, qualify_table, split_pattern, split_table
 from walbus.logs import redact_dsn
 
@@ -54,11 +54,13 @@ def check_server(conn: psycopg.Connection[tuple[object, ...]]) -> None:
         raise ConfigError("the PostgreSQL user lacks the REPLICATION privilege: ALTER ROLE … WITH REPLICATION")
 
 
-def table_pattern(pattern: str, flag: str) -> str:
-    """A ``--tables``-style entry (walbus's table patterns, docs/contract.md); an exact name,
-    which must exist, is ``schema.table`` in the form events name tables (``public."a.b"``)."""
+def table_pattern(pattern: str, flag: str, *, exact: bool = True) -> str:
+    """A ``--tables``-style entry (walbus's table patterns, docs/contract.md). With ``exact``
+    (an include list, the signal table) an entry without wildcards names one existing table:
+    ``schema.table`` in the form events name tables (``public."a.b"``). Otherwise it may name
+    last parts too (``--exclude-tables orders``: the table in any schema), as the contract says."""
     try:
-        if any(ch in pattern for ch in WILDCARDS):
+        if not exact or any(ch in pattern for ch in WILDCARDS):
             split_pattern(pattern, 2)
             return pattern
         return qualify_table(*split_table(pattern))
@@ -66,8 +68,8 @@ def table_pattern(pattern: str, flag: str) -> str:
         raise ConfigError(f"{flag}: {e} (write schema.table; a name with a dot or quote in double quotes: public.\"a.b\")") from None
 
 
-def table_patterns(patterns: Sequence[str], flag: str) -> tuple[str, ...]:
-    return tuple(table_pattern(p, flag) for p in patterns)
+def table_patterns(patterns: Sequence[str], flag: str, *, exact: bool = True) -> tuple[str, ...]:
+    return tuple(table_pattern(p, flag, exact=exact) for p in patterns)
 
 
 def column_patterns(patterns: Sequence[str], flag: str) -> tuple[str, ...]:
@@ -78,19 +80,6 @@ def column_patterns(patterns: Sequence[str], flag: str) -> tuple[str, ...]:
         raise ConfigError(f"{flag}: {e}") from None
 
 
-def _split_unquoted(text: str, sep: str) -> list[str]:
-    """``text`` split at each ``sep`` outside double quotes."""
-    parts: list[str] = []
-    start = 0
-    quoted = False
-    for i, ch in enumerate(text):
-        if ch == '"':
-            quoted = not quoted  # a doubled quote toggles twice
-        elif ch == sep and not quoted:
-            parts.append(text[start:i])
-            start = i + 1
-    parts.append(text[start:])
-    return parts
 
 
 def key_column_rules(text: str | None, flag: str = "--key-columns") -> tuple[tuple[str, tuple[str, ...]], ...]:
@@ -98,15 +87,15 @@ def key_column_rules(text: str | None, flag: str = "--key-columns") -> tuple[tup
     (docs/contract.md), columns exact names; a name holding ``.``, ``"``, ``,``, ``:`` or ``;`` is
     written in double quotes."""
     rules: list[tuple[str, tuple[str, ...]]] = []
-    for entry in _split_unquoted(text or "", ";"):
+    for entry in split_unquoted(text or "", ";"):
         if not entry.strip():
             continue
-        table_cols = _split_unquoted(entry, ":")
+        table_cols = split_unquoted(entry, ":")
         if len(table_cols) != 2:
             raise ConfigError(f"{flag}: {entry.strip()!r} is not schema.table:column,column")
         table = table_pattern(table_cols[0].strip(), flag)
         try:
-            cols = tuple(split_pattern(c.strip(), 1)[0] for c in _split_unquoted(table_cols[1], ","))
+            cols = tuple(split_pattern(c.strip(), 1)[0] for c in split_unquoted(table_cols[1], ","))
         except ContractError as e:
             raise ConfigError(f"{flag}: {entry.strip()!r}: {e}") from None
         if len(set(cols)) != len(cols):
@@ -224,11 +213,8 @@ def sql_table(table: TableName) -> str:
     return f"{quote_ident(table[0])}.{quote_ident(table[1])}"
 
 
-def check_publication(conn: psycopg.Connection[tuple[object, ...]], name: str, tables: list[TableName]) -> None:
-    """An existing publication must publish every captured table: a table missing from it
-    would be snapshotted and then get no changes. A partitioned table counts as published
-    when it, a partition of it or a table it is a partition of is (as publish_via_partition_root
-    decides, pgoutput streams one or the other)."""
+def unpublished(conn: psycopg.Connection[tuple[object, ...]], name: str, tables: list[TableName]) -> list[TableName]:
+    """Those of ``tables`` the publication streams no change of (see :func:`check_publication`)."""
     rows = conn.execute(
         "WITH pub AS (SELECT format('%%I.%%I', schemaname, tablename)::regclass AS rel "
         "FROM pg_publication_tables WHERE pubname = %s) "
@@ -238,11 +224,77 @@ def check_publication(conn: psycopg.Connection[tuple[object, ...]], name: str, t
         (name,),
     ).fetchall()
     published = {(str(r[0]), str(r[1])) for r in rows}
-    missing = [t for t in tables if t not in published]
+    return [t for t in tables if t not in published]
+
+
+def publish_new_tables(conn: psycopg.Connection[tuple[object, ...]], name: str, capture: CaptureFilter) -> tuple[list[TableName], list[TableName]]:
+    """Tables created since the start that the capture filter takes and the publication (a
+    table list) does not publish: their changes are not streamed. Each is added to it when the
+    role may (owner of the publication and the table). Returns (added, still unpublished)."""
+    row = conn.execute("SELECT puballtables FROM pg_publication WHERE pubname = %s", (name,)).fetchone()
+    if row is None or row[0]:
+        return [], []
+    missing = unpublished(conn, name, [t for t in list_tables(conn) if capture.captures(qualify_table(*t))])
+    added: list[TableName] = []
+    left: list[TableName] = []
+    for table in missing:
+        try:
+            conn.execute(sql.SQL("ALTER PUBLICATION {} ADD TABLE {}").format(sql.Identifier(name), sql.Identifier(*table)))
+            added.append(table)
+        except psycopg.Error:
+            left.append(table)
+    return added, left
+
+
+def check_publication(conn: psycopg.Connection[tuple[object, ...]], name: str, tables: list[TableName]) -> None:
+    """An existing publication must publish every captured table: a table missing from it
+    would be snapshotted and then get no changes. A partitioned table counts as published
+    when it, a partition of it or a table it is a partition of is (as publish_via_partition_root
+    decides, pgoutput streams one or the other)."""
+    missing = unpublished(conn, name, tables)
     if missing:
         raise ConfigError(
             f"publication {name} does not publish {', '.join(qualify_table(*t) for t in missing)}: their changes would "
             f"not be streamed. ALTER PUBLICATION {quote_ident(name)} ADD TABLE {', '.join(sql_table(t) for t in missing)}"
+        )
+
+
+def check_publication_options(conn: psycopg.Connection[tuple[object, ...]], name: str, tables: list[TableName]) -> None:
+    """An existing publication must publish every change of the captured tables, whole: one
+    that leaves out deletes or truncates, or a row filter or column list on a captured table,
+    streamed partial changes without a word (deleted rows stayed live downstream; rows outside
+    a filter were snapshotted and then never changed; a column outside a list was read by the
+    snapshot, then missing from changes; a fuzz found them)."""
+    row = conn.execute(
+        "SELECT pubinsert, pubupdate, pubdelete, pubtruncate FROM pg_publication WHERE pubname = %s", (name,)
+    ).fetchone()
+    assert row is not None
+    left_out = [action for action, on in zip(("insert", "update", "delete", "truncate"), row, strict=True) if not on]
+    if left_out:
+        raise ConfigError(
+            f"publication {name} does not publish {', '.join(left_out)}: those changes would never reach the topic (a deleted "
+            f"row would stay live downstream). ALTER PUBLICATION {quote_ident(name)} SET (publish = 'insert, update, delete, "
+            "truncate'), or give walbus a publication of its own (--publication)"
+        )
+    captured = [sql_table(t) for t in tables]
+    rows = conn.execute(
+        "SELECT n.nspname, c.relname, pr.prqual IS NOT NULL, pr.prattrs IS NOT NULL "
+        "FROM pg_publication_rel pr JOIN pg_publication p ON p.oid = pr.prpubid "
+        "JOIN pg_class c ON c.oid = pr.prrelid JOIN pg_namespace n ON n.oid = c.relnamespace "
+        "WHERE p.pubname = %s AND (pr.prqual IS NOT NULL OR pr.prattrs IS NOT NULL) AND EXISTS ("
+        "SELECT 1 FROM unnest(%s::text[]) t(name) WHERE pr.prrelid = t.name::regclass "
+        "OR pr.prrelid IN (SELECT relid FROM pg_partition_ancestors(t.name::regclass)))",
+        (name, captured),
+    ).fetchall()
+    if rows:
+        what = "; ".join(
+            f"{qualify_table(str(r[0]), str(r[1]))}: " + " and ".join(x for x, on in (("a row filter", r[2]), ("a column list", r[3])) if on)
+            for r in rows
+        )
+        raise ConfigError(
+            f"publication {name} publishes part of captured tables ({what}): the snapshot reads whole tables, the stream "
+            f"would carry only part of their changes. Publish them whole (ALTER PUBLICATION {quote_ident(name)} SET TABLE …), "
+            "use --exclude-columns / --tables to narrow what walbus captures, or give walbus a publication of its own (--publication)"
         )
 
 
@@ -251,11 +303,17 @@ def ensure_publication(
 ) -> None:
     if conn.execute("SELECT 1 FROM pg_publication WHERE pubname = %s", (name,)).fetchone():
         check_publication(conn, name, tables)
+        check_publication_options(conn, name, tables)
         log.info("using existing publication", extra={"publication": name})
         return
-    all_tables = not capture.tables and not capture.exclude_tables
-    if not all_tables and not tables:
+    filtered = bool(capture.tables or capture.exclude_tables)
+    if filtered and not tables:
         raise ConfigError("--tables/--exclude-tables leave no table to capture")
+    # FOR ALL TABLES when the role may (a superuser), filtered or not (Debezium's all_tables):
+    # a table created later that the filter takes is then streamed from its first change. A
+    # table list misses it until it is added (see publish_new_tables).
+    superuser = conn.execute("SELECT rolsuper FROM pg_roles WHERE rolname = current_user").fetchone()
+    all_tables = not filtered or bool(superuser and superuser[0])
     idents = [sql.Identifier(*t) for t in tables]
     statement = (
         sql.SQL("CREATE PUBLICATION {} FOR ALL TABLES").format(sql.Identifier(name)) if all_tables
@@ -270,7 +328,7 @@ def ensure_publication(
             f"cannot create publication {name}: {str(e).strip()}. Have {who} run "
             f"{statement.as_string(conn)}" + (", or capture a table list (--tables) whose owner creates it" if all_tables else "")
         ) from None
-    shown = "ALL" if not (capture.tables or capture.exclude_tables) else [qualify_table(*t) for t in tables]
+    shown = "ALL" if all_tables else [qualify_table(*t) for t in tables]
     log.info("created publication", extra={"publication": name, "tables": shown})
 
 

@@ -82,9 +82,25 @@ def env_name(field_name: str, command: str | None = None) -> str:
 
 
 def split_list(text: str, *, key_values: bool = False) -> list[str]:
-    """A flag's or env var's list: comma-separated, blanks dropped."""
-    pieces = _KV_SPLIT.split(text) if key_values else text.split(",")
+    """A flag's or env var's list: comma-separated, blanks dropped. A comma inside double
+    quotes is part of the entry (a table named ``"a,b"``: ``public."a,b"``)."""
+    pieces = _KV_SPLIT.split(text) if key_values else split_unquoted(text, ",")
     return [p.strip() for p in pieces if p.strip()]
+
+
+def split_unquoted(text: str, sep: str) -> list[str]:
+    """``text`` split at each ``sep`` outside double quotes."""
+    parts: list[str] = []
+    start = 0
+    quoted = False
+    for i, ch in enumerate(text):
+        if ch == '"':
+            quoted = not quoted  # a doubled quote toggles twice
+        elif ch == sep and not quoted:
+            parts.append(text[start:i])
+            start = i + 1
+    parts.append(text[start:])
+    return parts
 
 
 def _base_type(tp: Any) -> tuple[Any, bool]:

@@ -52,3 +52,19 @@ def test_column_patterns_have_at_most_three_parts() -> None:
     assert column_patterns(["*.password", "s.t.c"], "--mask-columns") == ("*.password", "s.t.c")
     with pytest.raises(ConfigError, match="--mask-columns"):
         column_patterns(["a.b.c.d"], "--mask-columns")
+
+
+def test_exclude_entries_may_name_last_parts_and_lists_keep_quoted_commas() -> None:
+    # The contract says `orders` is the table in any schema; --exclude-tables refused it
+    # ("not schema.table"), and a quoted name with a comma was cut at the comma (a fuzz).
+    from walbus.config import split_list
+
+    excluded = table_patterns(split_list("orders, audit.*"), "--exclude-tables", exact=False)
+    capture = CaptureFilter(exclude_tables=excluded)
+    assert not capture.captures("public.orders") and not capture.captures('"my.app".orders')
+    assert not capture.captures("audit.log") and capture.captures("public.orders_2024")
+    with pytest.raises(ConfigError):
+        table_patterns(["orders"], "--tables")  # an include entry without wildcards names one table
+    assert split_list('public."a,b", public.c ,, "x""y".z') == ['public."a,b"', "public.c", '"x""y".z']
+    (named,) = table_patterns(split_list('public."a,b"'), "--tables")
+    assert named == "public.a,b" and CaptureFilter(tables=(named,)).captures(qualify_table("public", "a,b"))
