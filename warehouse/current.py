@@ -32,7 +32,7 @@ from pyspark.sql import functions as F
 from pyspark.sql.types import BooleanType, StructField
 
 from warehouse import frame
-from warehouse.frame import DELETED, META_FIELDS, POSITION, prev_name
+from warehouse.frame import DELETED, META_FIELDS, POSITION, prev_name, transient
 from warehouse.schema import (
     NewTable,
     SourceColumn,
@@ -111,7 +111,7 @@ def latest_actions(
     # (the old key's under its _walbus_prev_ name): such keys are told apart by that text too.
     # Before, every action of such a key was dropped (rows missing from the current table).
     raw_keys = raw_key_columns(rows, pk)
-    raw_of = {k: f"_walbus_raw_key_{i}" for i, k in enumerate(raw_keys)}
+    raw_of = {k: transient(f"raw_key_{i}") for i, k in enumerate(raw_keys)}
     changes = rows.where(F.col("pg_operation") != "truncate")
     upserts = changes.select(
         *meta, *[qcol(c) for c in source], (F.col("pg_operation") == "delete").alias(DELETED),
@@ -164,7 +164,7 @@ def _same_key(pk: Sequence[str], raw_keys: Sequence[str]) -> Column:
     return cond
 
 
-_LATEST: Final = "_walbus_latest"
+_LATEST: Final = transient("latest")
 
 
 def _observed_stats(source: DataFrame, first_key: str) -> tuple[DataFrame, Observation]:

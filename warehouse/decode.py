@@ -128,7 +128,11 @@ class TableTally:
     lsn_lo: int  # the lowest and highest commit LSN
     lsn_hi: int
     events: int = 0
-    latest: Position | None = None  # the latest event's position, and its primary key
+    latest: Position | None = None  # the latest event's position
+    # The latest event with a primary key, and that key: events without one (the key dropped
+    # for a while) do not make the load history-only (their table's current table missed the
+    # load's keyed changes; a fuzz found it).
+    keyed: Position | None = None
     pk: tuple[str, ...] = ()
     columns_at: Position | None = None  # the latest event with a row image, and its columns
     columns: tuple[str, ...] = ()
@@ -139,7 +143,9 @@ class TableTally:
     def merge(self, other: TableTally) -> None:
         self.events += other.events
         if other.latest is not None and (self.latest is None or other.latest > self.latest):
-            self.latest, self.pk = other.latest, other.pk
+            self.latest = other.latest
+        if other.keyed is not None and (self.keyed is None or other.keyed > self.keyed):
+            self.keyed, self.pk = other.keyed, other.pk
         if other.columns_at is not None and (self.columns_at is None or other.columns_at > self.columns_at):
             self.columns_at, self.columns = other.columns_at, other.columns
         if other.truncate is not None and (self.truncate is None or other.truncate > self.truncate):
@@ -348,7 +354,9 @@ def _decode_batch(
             t = tables[table] = TableTally(commit_lsn, commit_lsn)
         t.events += 1
         if t.latest is None or position > t.latest:
-            t.latest, t.pk = position, event.pk
+            t.latest = position
+        if event.pk and (t.keyed is None or position > t.keyed):
+            t.keyed, t.pk = position, event.pk
         if commit_lsn < t.lsn_lo:
             t.lsn_lo = commit_lsn
         elif commit_lsn > t.lsn_hi:

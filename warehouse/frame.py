@@ -83,17 +83,29 @@ def prev_fields(columns: Sequence[SourceColumn], pk: Sequence[str]) -> tuple[Str
     return tuple(StructField(prev_name(k), types[k], True) for k in pk if k in types)
 
 
-_NEW: Final = "_walbus_new"  # the event's row image as a map (column -> value text)
-_OLD: Final = "_walbus_old"  # its identity as a map
-_IN_ORDER: Final = "_walbus_in_order"  # the event's columns are the table's, in order
+# The start of the name of every column a load adds for a while and drops again: longer than
+# PostgreSQL's identifiers (63 bytes), so no source column has such a name. Before stop 49
+# they were short (_walbus_probe, _walbus_needs_table): a source column so named failed every
+# load or got a wrong value (a warehouse fuzz).
+TRANSIENT_PREFIX: Final = "__walbus_transient" + "_" * 46
+
+
+def transient(name: str) -> str:
+    """A working column's name (see TRANSIENT_PREFIX)."""
+    return TRANSIENT_PREFIX + name
+
+
+_NEW: Final = transient("new")  # the event's row image as a map (column -> value text)
+_OLD: Final = transient("old")  # its identity as a map
+_IN_ORDER: Final = transient("in_order")  # the event's columns are the table's, in order
 
 
 def _raw(i: int) -> str:
-    return f"_walbus_raw_{i}"
+    return transient(f"raw_{i}")
 
 
 def _old_raw(i: int) -> str:
-    return f"_walbus_old_raw_{i}"
+    return transient(f"old_raw_{i}")
 
 
 def typed_rows(events: DataFrame, columns: Sequence[SourceColumn], pk: Sequence[str]) -> DataFrame:

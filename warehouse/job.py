@@ -52,6 +52,8 @@ from warehouse.schema import (
     ensure_table,
     existing_columns,
     plan,
+    primary_key_of,
+    primary_key_property,
     table_properties,
 )
 from warehouse.spark import on_this_host
@@ -438,7 +440,12 @@ def _load_table(
     started = time.monotonic()
     table = meta["table"]
     paths = layout.table_paths(spec.warehouse, spec.topic, *split_table(table))
-    pk: list[str] = list(meta["pk"] or [])
+    pk: list[str] = list(meta["pk"] or [])  # the latest keyed event's (see TableTally.pk)
+    if not pk and is_delta_table(spark, paths.current):
+        # Only events without a key in this load (the primary key dropped for a while, only
+        # inserts then): the current table goes on under the key it has. Before, such a load
+        # was history only, and its rows never reached the current table (a fuzz).
+        pk = primary_key_of(table_properties(spark, paths.current))
     summary.events += int(meta["events"])
     summary.history_only = not pk
     existing = None
@@ -465,7 +472,7 @@ def _load_table(
             paths.current,
             [*META_FIELDS, *CURRENT_EXTRA_FIELDS],
             schema_plan,
-            {**HISTORY_PROPERTIES, **CURRENT_PROPERTIES, PRIMARY_KEY_PROPERTY: ",".join(pk)},
+            {**HISTORY_PROPERTIES, **CURRENT_PROPERTIES, PRIMARY_KEY_PROPERTY: primary_key_property(pk)},
         )
     summary.timed("schema", started)
     columns = list(schema_plan.columns)
@@ -505,10 +512,10 @@ def _load_table(
 def _check_primary_key(spark: SparkSession, table: str, path: str, pk: list[str]) -> None:
     if not is_delta_table(spark, path):
         return
-    stored = table_properties(spark, path).get(PRIMARY_KEY_PROPERTY, "")
-    if stored and stored != ",".join(pk):
+    stored = primary_key_of(table_properties(spark, path))
+    if stored and stored != pk:
         raise SchemaChangeError(
-            f"{table}: primary key changed from ({stored}) to ({','.join(pk)}); the current table "
+            f"{table}: primary key changed from {stored} to {pk}; the current table "
             "is keyed on the old one. Move its current/ directory away to rebuild it from now on."
         )
 

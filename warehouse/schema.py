@@ -109,6 +109,28 @@ PG_TYPES_PROPERTY = "walbus.pgTypes"
 PRIMARY_KEY_PROPERTY = "walbus.primaryKey"
 
 
+def primary_key_property(pk: Iterable[str]) -> str:
+    """The current table's primary key as its property: the names comma-separated, or, when a
+    name holds a comma or starts with ``[``, a JSON list (read by :func:`primary_key_of`)."""
+    names = list(pk)
+    if any("," in n or n.startswith("[") for n in names):
+        return orjson.dumps(names).decode()
+    return ",".join(names)
+
+
+def primary_key_of(properties: Mapping[str, str]) -> list[str]:
+    """The primary key a current table was written with (none: [])."""
+    text = properties.get(PRIMARY_KEY_PROPERTY, "")
+    if text.startswith("["):
+        try:
+            names = orjson.loads(text)
+        except orjson.JSONDecodeError:
+            names = None
+        if isinstance(names, list) and all(isinstance(n, str) for n in names):
+            return names
+    return [n for n in text.split(",") if n]
+
+
 def existing_columns(fields: Iterable[StructField], properties: Mapping[str, str], meta: set[str]) -> list[SourceColumn]:
     """The source columns of an existing table (its schema minus the metadata columns)."""
     pg_types: dict[str, str] = orjson.loads(properties.get(PG_TYPES_PROPERTY, "{}"))

@@ -29,32 +29,33 @@ from collections.abc import Sequence
 from pyspark.sql import Column, DataFrame, SparkSession, Window
 from pyspark.sql import functions as F
 
-from warehouse.frame import POSITION, prev_name
+from warehouse.frame import POSITION, prev_name, transient
 from warehouse.schema import qcol, quote
 
-_PROBE = "_walbus_probe"
-_RENAME = "_walbus_rename"
-_SEG = "_walbus_segment"
-_SEG_RENAME = "_walbus_segment_rename"
-_NEEDS_TABLE = "_walbus_needs_table"
+_PROBE = transient("probe")
+_RENAME = transient("rename")
+_SEG = transient("segment")
+_SEG_RENAME = transient("segment_rename")
+_NEEDS_TABLE = transient("needs_table")
+_PROBE_POS = transient("probe_pos")
 
 # Per unchanged column (by its index: names may hold any character), struct<p: position, v>:
 # the last value sent in the segment, the current table's, the value at each row, and the
 # old key's just before a rename.
 def _last_col(i: int) -> str:
-    return f"_walbus_last_{i}"
+    return transient(f"last_{i}")
 
 
 def _table_col(i: int) -> str:
-    return f"_walbus_table_{i}"
+    return transient(f"table_{i}")
 
 
 def _val_col(i: int) -> str:
-    return f"_walbus_val_{i}"
+    return transient(f"val_{i}")
 
 
 def _probe_col(i: int) -> str:
-    return f"_walbus_probe_{i}"
+    return transient(f"probe_{i}")
 
 
 def _last(col: Column, window: object) -> Column:
@@ -110,18 +111,23 @@ def resolve_unchanged(
         Window.unboundedPreceding, Window.currentRow
     )
     not_sent = [F.coalesce(F.array_contains("pg_unchanged", c), F.lit(False)) for c in unchanged]
+    # r: the value's exact text when the column's type cannot hold it (pg_raw_values): carried
+    # with it, or a filled value the type cannot hold was lost (null, no text; a fuzz found it)
     for i, c in enumerate(unchanged):
-        sent_value = F.when(~F.col(_PROBE) & ~not_sent[i], F.struct(_pos().alias("p"), qcol(c).alias("v")))
+        sent_value = F.when(~F.col(_PROBE) & ~not_sent[i], F.struct(_pos().alias("p"), qcol(c).alias("v"), _raw_text(c)))
         both = both.withColumn(_last_col(i), _last(sent_value, by_segment))
     # the current table's values, for the rows that need a value and the probes
     needs_table = F.col(_PROBE)
     for flag in not_sent:
         needs_table = needs_table | flag
     flagged = both.withColumn(_NEEDS_TABLE, needs_table)
-    value_types = [f"struct<p: struct<pg_commit_lsn: decimal(20,0), pg_seq: int>, v: {rows.schema[c].dataType.simpleString()}>" for c in unchanged]
+    value_types = [
+        f"struct<p: struct<pg_commit_lsn: decimal(20,0), pg_seq: int>, v: {rows.schema[c].dataType.simpleString()}, r: string>"
+        for c in unchanged
+    ]
     if current_path is not None:
         table = spark.read.format("delta").load(current_path).select(
-            *keys, *[F.struct(_pos().alias("p"), qcol(c).alias("v")).alias(_table_col(i)) for i, c in enumerate(unchanged)]
+            *keys, *[F.struct(_pos().alias("p"), qcol(c).alias("v"), _raw_text(c)).alias(_table_col(i)) for i, c in enumerate(unchanged)]
         )
         looked_up = flagged.where(F.col(_NEEDS_TABLE)).join(table, list(pk), "left")
         rest = flagged.where(~F.col(_NEEDS_TABLE))
@@ -136,18 +142,31 @@ def resolve_unchanged(
     for i in range(len(unchanged)):
         local = local.withColumn(_val_col(i), _newest(i))
     probe_values = local.where(F.col(_PROBE)).select(
-        _pos().alias("_walbus_probe_pos"),
+        _pos().alias(_PROBE_POS),
         *[F.col(_val_col(i)).alias(_probe_col(i)) for i in range(len(unchanged))],
     )
     events_done = local.where(~F.col(_PROBE))
     joined = events_done.join(
         probe_values,
-        (F.col(_SEG_RENAME) == F.lit(True)) & (F.col(_SEG) == F.col("_walbus_probe_pos")),
+        (F.col(_SEG_RENAME) == F.lit(True)) & (F.col(_SEG) == F.col(_PROBE_POS)),
         "left",
     )
     out = joined
+    texts = []
     for i, c in enumerate(unchanged):
         from_rename = F.when(F.col(_SEG_RENAME) == F.lit(True), F.col(_probe_col(i)))
+        newest = _newest(i, from_rename)
         # columns sent by the event keep their own value (null included)
-        out = out.withColumn(c, F.when(~not_sent[i], qcol(c)).otherwise(_newest(i, from_rename)["v"]))
+        out = out.withColumn(c, F.when(~not_sent[i], qcol(c)).otherwise(newest["v"]))
+        texts.append(F.struct(F.lit(c).alias("key"), F.when(not_sent[i], newest["r"]).alias("value")))
+    filled = F.map_from_entries(F.filter(F.array(*texts), lambda e: e["value"].isNotNull()))
+    # (an event's own texts are of the values it sent: never of one it left unchanged)
+    raw = F.coalesce(F.col("pg_raw_values"), F.create_map().cast("map<string,string>"))
+    merged = F.map_concat(raw, filled)
+    # null, as before, when no value needs its text
+    out = out.withColumn("pg_raw_values", F.when(F.size(merged) > 0, merged).otherwise(F.col("pg_raw_values")))
     return out.select(*[qcol(c) for c in columns])
+
+
+def _raw_text(column: str) -> Column:
+    return F.col("pg_raw_values")[column].alias("r")

@@ -81,9 +81,22 @@ def spark_type(pg_type: str, *, numeric_scale: int = NUMERIC_SCALE) -> DataType:
     return _SCALARS.get(name, StringType())
 
 
+# Types whose values the next one holds too (int4 -> int8 within one load: a load holding
+# both failed, and so did its replay once the table was moved away, as the docs advise).
+_WIDENING: Final = ((IntegerType(), LongType()), (FloatType(), DoubleType()))
+
+
+def _wider(a: DataType, b: DataType) -> DataType | None:
+    for chain in _WIDENING:
+        if a in chain and b in chain:
+            return chain[max(chain.index(a), chain.index(b))]
+    return None
+
+
 def widest(a: DataType, b: DataType) -> DataType | None:
     """A type that holds the values of both (two decimals: the digits of each on either side of
-    the point, within 38), or None when there is none (another type: a schema change)."""
+    the point, within 38; int and bigint: bigint; real and double: double), or None when there
+    is none (another type: a schema change)."""
     if isinstance(a, DecimalType) and isinstance(b, DecimalType):
         scale = max(a.scale, b.scale)
         precision = max(a.precision - a.scale, b.precision - b.scale) + scale
@@ -93,7 +106,7 @@ def widest(a: DataType, b: DataType) -> DataType | None:
     if isinstance(a, ArrayType) and isinstance(b, ArrayType):
         element = widest(a.elementType, b.elementType)
         return None if element is None else ArrayType(element, containsNull=True)
-    return a if a == b else None
+    return a if a == b else _wider(a, b)
 
 
 def compatible(existing: DataType, incoming: DataType) -> bool:
@@ -106,7 +119,7 @@ def compatible(existing: DataType, incoming: DataType) -> bool:
         return True
     if isinstance(existing, ArrayType) and isinstance(incoming, ArrayType):
         return compatible(existing.elementType, incoming.elementType)
-    return bool(existing == incoming)
+    return bool(existing == incoming) or _wider(existing, incoming) == existing
 
 
 # PostgreSQL text forms that the Spark type holds exactly (ISO DateStyle, AD, years 1-9999).

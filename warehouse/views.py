@@ -9,13 +9,15 @@ key-changing update removes the old key, TRUNCATE empties), in one aggregation i
 
 from __future__ import annotations
 
+from typing import Final
+
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
 from warehouse import layout
 from warehouse.current import latest_actions
-from warehouse.frame import DELETED, META_NAMES, prev_name
-from warehouse.schema import PRIMARY_KEY_PROPERTY, existing_columns, quote, table_properties
+from warehouse.frame import DELETED, META_NAMES, prev_name, transient
+from warehouse.schema import existing_columns, primary_key_of, quote, table_properties
 from warehouse.txn import hadoop_path, is_delta_table
 
 
@@ -33,20 +35,26 @@ def topics(spark: SparkSession, warehouse: str) -> list[str]:
     return [layout.unescape_segment(d) for d in _list_dirs(spark, warehouse) if "." not in d]
 
 
+LONG_MAX: Final = (1 << 63) - 1
+
+
 def as_of(spark: SparkSession, paths: layout.TablePaths, lsn: int) -> tuple[DataFrame, DataFrame | None]:
     """(history up to commit LSN ``lsn``, the table's rows then with tombstones, or None
     when the table has no primary key)."""
     history_path = paths.history
-    # int(): an Lsn (an int whose text is X/Y) would reach Spark's lit() as that text
-    history = spark.read.format("delta").load(history_path).where(F.col("pg_commit_lsn") <= F.lit(int(lsn)))
+    # int(): an Lsn (an int whose text is X/Y) would reach Spark's lit() as that text. LSNs are
+    # stored as Spark longs: one from 8000000/0 on is past every stored one, and as a literal
+    # it failed the query (a bare Py4JError; a fuzz asked for FFFFFFFF/FFFFFFFF, "the latest").
+    bound = min(int(lsn), LONG_MAX)
+    history = spark.read.format("delta").load(history_path).where(F.col("pg_commit_lsn") <= F.lit(bound))
     keyed = is_delta_table(spark, paths.current)
-    pk = [k for k in table_properties(spark, paths.current).get(PRIMARY_KEY_PROPERTY, "").split(",") if k] if keyed else []
+    pk = primary_key_of(table_properties(spark, paths.current)) if keyed else []
     if not pk:
         return history, None
     meta = {*META_NAMES, *(prev_name(k) for k in pk)}
     columns = existing_columns(history.schema.fields, table_properties(spark, history_path), meta)
     # (a name no source column has: a column named "t" made the reference ambiguous)
-    last = "_walbus_last_truncate"
+    last = transient("last_truncate")
     truncated = history.where(F.col("pg_operation") == "truncate").agg(
         F.max(F.struct(F.col("pg_commit_lsn").alias("l"), F.col("pg_seq").alias("s"))).alias(last)
     )

@@ -80,6 +80,8 @@ def test_as_of_lsn_rebuilds_the_table_from_history(
     assert state(0x4000) == {(3, 20)}
     assert state(0x5000) == set()
     assert state(0x6000) == {(4, 40)} == state(None)
+    # Past a Spark long (FFFFFFFF/FFFFFFFF, "the latest"): a bare Py4JError before (a fuzz).
+    assert state(0x8000_0000_0000_0000) == state(0xFFFF_FFFF_FFFF_FFFF) == {(4, 40)}
     _, history = run_sql(spark, str(tmp_path), unique_name, "SELECT count(*) AS n FROM public_accounts_history", 1, 0x3000)
     assert history[0]["n"] == 4
     _, tombstones = run_sql(spark, str(tmp_path), unique_name,

@@ -36,6 +36,20 @@ def test_numeric_with_its_modifier_is_a_decimal_of_that_precision_and_scale(decl
     assert spark_type(declared, numeric_scale=10) == want
 
 
+def test_widest_integer_and_float_hold_both_and_narrower_values_fit() -> None:
+    # int4 and int8 in one load (ALTER COLUMN … TYPE bigint between them) failed the load, and
+    # its replay once the table was moved away as the docs advise (a fuzz).
+    from pyspark.sql.types import DoubleType, FloatType, IntegerType, LongType, StringType
+
+    from warehouse.types import compatible
+
+    assert widest(IntegerType(), LongType()) == widest(LongType(), IntegerType()) == LongType()
+    assert widest(FloatType(), DoubleType()) == DoubleType()
+    assert widest(IntegerType(), DoubleType()) is None and widest(LongType(), StringType()) is None
+    assert compatible(LongType(), IntegerType()) and compatible(DoubleType(), FloatType())
+    assert not compatible(IntegerType(), LongType()) and not compatible(FloatType(), DoubleType())
+
+
 def test_widest_decimal_holds_both() -> None:
     assert widest(DecimalType(12, 2), DecimalType(14, 4)) == DecimalType(14, 4)
     assert widest(DecimalType(12, 2), DecimalType(6, 5)) == DecimalType(15, 5)
