@@ -92,13 +92,13 @@ class OffsetStore:
         self.doc["slot"] = self.slot
         await self._producer.send_and_wait(self.topic, key=self.slot.encode(), value=orjson.dumps(self.doc))
 
-    async def topic_last_commit_lsn(self, topic: str, partitions: int, *, tail: int = 100) -> int | None:
-        """The highest commit LSN among the last ``tail`` records of each of ``topic``'s
-        partitions (records whose key is no event position are passed over); None when
-        there is none."""
+    async def topic_last_position(self, topic: str, partitions: int, *, tail: int = 100) -> tuple[int, int] | None:
+        """The highest event position (commit LSN, seq) among the last ``tail`` records of each
+        of ``topic``'s partitions (records whose key is no event position are passed over);
+        None when there is none."""
         consumer = AIOKafkaConsumer(**self._kwargs, enable_auto_commit=False)
         await consumer.start()
-        highest: int | None = None
+        highest: tuple[int, int] | None = None
         try:
             tps = [TopicPartition(topic, p) for p in range(partitions)]
             consumer.assign(tps)
@@ -110,11 +110,11 @@ class OffsetStore:
                 while await consumer.position(tp) < ends[tp]:
                     for m in (await consumer.getmany(tp, timeout_ms=1000)).get(tp, []):
                         try:
-                            commit_lsn, _ = parse_event_key(m.key or b"")
+                            position = parse_event_key(m.key or b"")
                         except ContractError:
                             continue
-                        if highest is None or commit_lsn > highest:
-                            highest = commit_lsn
+                        if highest is None or position > highest:
+                            highest = position
             return highest
         finally:
             await consumer.stop()

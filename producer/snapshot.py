@@ -93,6 +93,7 @@ def plan_parts(tables: list[ScanTable], workers: int) -> list[Part]:
 class SnapshotResult:
     consistent_point: int  # where the snapshot was taken
     reads_at: int  # the commit LSN of its events (see Snapshot._reads_before_the_replay)
+    first_seq: int = 0  # and the seq of the first (see reads_position)
     rows: int = 0
     deletes: int = 0
     seconds: float = 0.0
@@ -133,6 +134,26 @@ def plan_snapshot(mode: str, slot: setup.SlotState, status: str | None, *, over_
     if mode == "when_needed" and status != "completed":
         return SnapshotPlan(snapshot=True)  # no offsets: what the slot holds may not be everything
     return SnapshotPlan()
+
+
+def reads_position(replay_from: int, last: tuple[int, int] | None) -> tuple[int, int]:
+    """The (commit LSN, first seq) of the reads of a snapshot over an existing slot that will
+    send again what commits from ``replay_from`` on, when the topic's highest position is
+    ``last``: above every position in the topic, below every one the slot sends that is not.
+
+    Commit records the slot sends start at ``replay_from`` or later, so ``replay_from - 1`` is
+    below them all; reads of an earlier snapshot may already sit there (an interrupted one
+    redone, ``always`` twice before the slot moved): then after their seqs. Before, these
+    reads went to ``replay_from`` itself, the commit LSN of a transaction whose commit record
+    starts exactly there, and its events, sent after, were skipped as re-sends (a fuzz). When
+    the topic holds a commit at or after ``replay_from`` (completed first: see
+    InitialSnapshot.open_transaction_position), just after it."""
+    below = replay_from - 1
+    if last is None or last[0] < below:
+        return (max(below, 0), 0)
+    if last[0] == below:
+        return (below, last[1] + 1)
+    return (last[0] + 1, 0)
 
 
 class InitialSnapshot:
@@ -217,8 +238,8 @@ class InitialSnapshot:
         plan = plan_snapshot(self.config.snapshot_mode, slot, state.get("status"), over_existing_slot=bool(state.get("over_existing_slot")))
         if not (plan.snapshot and slot.exists and not plan.drop_slot):
             return None
-        last = await self.offsets.topic_last_commit_lsn(self.config.topic_name, self.partitions)
-        return last if last is not None and last >= slot.confirmed_flush_lsn else None
+        last = await self.offsets.topic_last_position(self.config.topic_name, self.partitions)
+        return last[0] if last is not None and last[0] >= slot.confirmed_flush_lsn else None
 
     def _create_slot_without_snapshot(self) -> None:
         cfg = self.config
@@ -248,7 +269,7 @@ class InitialSnapshot:
 
         export = await asyncio.to_thread(_Export.open, cfg, existing_slot)
         try:
-            reads_at = export.consistent_point
+            reads_at = (export.consistent_point, 0)
             if export.replay_from is not None:
                 reads_at = await self._reads_before_the_replay(export.replay_from)
             result = await self._read(export, earlier, reads_at)
@@ -271,7 +292,7 @@ class InitialSnapshot:
         )
         return result
 
-    async def _reads_before_the_replay(self, replay_from: int) -> int:
+    async def _reads_before_the_replay(self, replay_from: int) -> tuple[int, int]:
         """The commit LSN of the reads of a snapshot from an existing slot: after every event
         already in the topic, before every one the slot is about to send again that is not.
 
@@ -283,18 +304,16 @@ class InitialSnapshot:
         always). Placed here, the changes apply after the reads, and the latest of each row
         wins, as after any re-send. A commit LSN is a commit record's own position: the one
         after the topic's last is at least a record further on, so ``last + 1`` is free."""
-        last = await self.offsets.topic_last_commit_lsn(self.config.topic_name, self.partitions)
-        # The slot sends again what commits from its confirmed position on: each commit
-        # record starts there or later.
-        return max(replay_from - 1, 0 if last is None else last + 1)
+        last = await self.offsets.topic_last_position(self.config.topic_name, self.partitions)
+        return reads_position(replay_from, last)
 
-    async def _read(self, export: _Export, earlier: dict[str, set[bytes]], reads_at: int) -> SnapshotResult:
+    async def _read(self, export: _Export, earlier: dict[str, set[bytes]], reads_at: tuple[int, int]) -> SnapshotResult:
         cfg = self.config
         loop = asyncio.get_running_loop()
         workers = max(1, cfg.snapshot_workers)
         conns = await asyncio.to_thread(export.import_into, workers)
         tables = await asyncio.to_thread(self._tables, conns[0])
-        result = SnapshotResult(export.consistent_point, reads_at=reads_at)
+        result = SnapshotResult(export.consistent_point, reads_at=reads_at[0], first_seq=reads_at[1])
         self.metrics.begin(KIND, len(tables))
         log.info(
             "initial snapshot started",
@@ -358,6 +377,7 @@ class InitialSnapshot:
         cp = result.reads_at
         encoder = EventEncoder(partitioned=self.partitions > 1)
         encoder.begin(cp, 0, datetime.now(UTC).isoformat(timespec="microseconds"))
+        encoder.seq = result.first_seq
         scanned = self.metrics.rows_scanned
         remaining = len(parts_left)
         seen_tables: dict[str, ScanTable] = {}

@@ -58,3 +58,18 @@ def test_the_new_modes_are_accepted() -> None:
     base = ["--pg-dsn", "dbname=x", "--kafka-bootstrap", "k:1", "--snapshot-mode"]
     assert load([*base, "when_needed"]).snapshot_mode == "when_needed"
     assert load([*base, "no_data"]).snapshot_mode == "no_data"
+
+
+def test_reads_of_a_snapshot_over_an_existing_slot_sit_between_the_topic_and_the_replay() -> None:
+    from producer.snapshot import reads_position
+
+    replay_from = 0x5000  # the slot sends again what commits from here on
+    assert reads_position(replay_from, None) == (0x4FFF, 0)
+    assert reads_position(replay_from, (0x4000, 7)) == (0x4FFF, 0)
+    # Reads of an earlier snapshot at 0x4FFF (redone, or always twice before the slot moved):
+    # after them, still below 0x5000, where a transaction's commit record may start. They went
+    # to 0x5000 itself, and that transaction's events, sent after them, were skipped (a fuzz).
+    assert reads_position(replay_from, (0x4FFF, 2)) == (0x4FFF, 3)
+    # A commit at or after the replay's start is complete in the topic (streamed first): after it.
+    assert reads_position(replay_from, (0x5000, 9)) == (0x5001, 0)
+    assert reads_position(1, None) == (0, 0)
