@@ -27,10 +27,11 @@ on the hot path, and loading a table is a plain copy of its topic.
 
 from __future__ import annotations
 
+import hashlib
 import sqlite3
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 import orjson
 
@@ -41,6 +42,23 @@ CREATE TABLE IF NOT EXISTS rows (tbl TEXT NOT NULL, k BLOB NOT NULL, v BLOB NOT 
 CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS tracked (tbl TEXT PRIMARY KEY);
 """
+
+
+STORE_NAME_BYTES: Final = 200  # of a store's file name (a file system's limit is 255 bytes)
+
+
+def store_file_name(group: str, topic: str, partition: int) -> str:
+    """The last-row store's file name for a group's source partition. A long one (a topic of a
+    database named in non-ASCII, 3 bytes a character, twice in it with the default group) is
+    cut and given a hash of the exact names: past 255 bytes the store could not be opened, and
+    the partition worker failed and retried forever (a fuzz)."""
+    safe = "".join(c if c.isalnum() or c in "._-" else "_" for c in f"{group}__{topic}")
+    name = f"{safe}-{partition}.sqlite"
+    if len(name.encode()) <= STORE_NAME_BYTES:
+        return name
+    digest = hashlib.sha256(f"{group}\x00{topic}".encode("utf-8", "surrogatepass")).hexdigest()[:16]
+    head = safe.encode()[:120].decode(errors="ignore")
+    return f"{head}--{digest}-{partition}.sqlite"
 
 
 class StateStore:

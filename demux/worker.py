@@ -26,7 +26,7 @@ from demux.ktable import read_ktable_raw
 from demux.metrics import DemuxMetrics, TransactionCounts
 from demux.positions import Positions, at_position, checkpoint_text
 from demux.rekey import FastRecord, OutRecord, Rekeyed, Rekeyer, RekeyError, single, unknown_row
-from demux.state import StateStore
+from demux.state import StateStore, store_file_name
 from demux.topics import TopicInfo, TopicManager
 from demux.transaction import PartitionTransaction
 from walbus.aiokafka_shortcuts import NO_HEADERS, SHORTCUTS, SourceRecord
@@ -84,8 +84,7 @@ class PartitionWorker:
 
     @property
     def store_path(self) -> Path:
-        safe = "".join(c if c.isalnum() or c in "._-" else "_" for c in f"{self.config.group}__{self.tp.topic}")
-        return Path(self.config.state_dir) / f"{safe}-{self.tp.partition}.sqlite"
+        return Path(self.config.state_dir) / store_file_name(self.config.group, self.tp.topic, self.tp.partition)
 
     # -- opening ---------------------------------------------------------------
 

@@ -121,3 +121,17 @@ def test_topic_errors_are_sorted_into_transient_permanent_and_colliding() -> Non
     clash = _unusable("w.d.public.c_d", InvalidTopicError(
         "creating topic w.d.public.c_d: Topic 'w.d.public.c_d' collides with existing topics: w.d.public_c.d"))
     assert clash.collides and clash.unusable is not None
+
+
+def test_store_file_names_stay_within_a_file_systems_limit(tmp_path: Path) -> None:
+    # The default group names the topic too: a database named in non-ASCII (3 bytes a
+    # character) made the name pass 255 bytes, and the worker could not open its store,
+    # failing and retrying forever (a fuzz).
+    from demux.state import store_file_name
+
+    assert store_file_name("walbus-demux.walbus.shop", "walbus.shop", 0) == "walbus-demux.walbus.shop__walbus.shop-0.sqlite"
+    topic = database_topic("walbus", "hj_" + "日" * 13 + "_12345")  # each 日 is -E6-97-A5 in it
+    names = {store_file_name(f"walbus-demux.{t}", t, p) for t in (topic, topic + "x") for p in (0, 1)}
+    assert len(names) == 4 and all(len(n.encode()) <= 255 for n in names)
+    for name in names:
+        StateStore(tmp_path / name).close()  # opens
