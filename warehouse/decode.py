@@ -136,6 +136,8 @@ class TableTally:
     pk: tuple[str, ...] = ()
     columns_at: Position | None = None  # the latest event with a row image, and its columns
     columns: tuple[str, ...] = ()
+    types: tuple[str, ...] = ()  # and their types and typmods (Schema's third part)
+    typmods: tuple[tuple[str, tuple[int, ...]], ...] = ()
     truncate: Position | None = None  # the latest TRUNCATE
     schemas: set[Schema] = field(default_factory=set)  # one per table schema the events carry
     unchanged: set[str] = field(default_factory=set)  # columns some update left unchanged (TOAST)
@@ -147,7 +149,7 @@ class TableTally:
         if other.keyed is not None and (self.keyed is None or other.keyed > self.keyed):
             self.keyed, self.pk = other.keyed, other.pk
         if other.columns_at is not None and (self.columns_at is None or other.columns_at > self.columns_at):
-            self.columns_at, self.columns = other.columns_at, other.columns
+            self.columns_at, self.columns, self.types, self.typmods = other.columns_at, other.columns, other.types, other.typmods
         if other.truncate is not None and (self.truncate is None or other.truncate > self.truncate):
             self.truncate = other.truncate
         self.lsn_lo = min(self.lsn_lo, other.lsn_lo)
@@ -365,7 +367,8 @@ def _decode_batch(
         if image is not None:
             columns_, types_ = image.columns, image.types
             if t.columns_at is None or position > t.columns_at:
-                t.columns_at, t.columns = position, columns_
+                t.columns_at, t.columns, t.types = position, columns_, types_
+                t.typmods = tuple((c, tuple(m)) for c, m in typmods.items()) if typmods else ()
             # the compiled decoder hands out one tuple per distinct name list: the same objects
             # as the event before are the same schema, already tallied
             if not (t is last_t and columns_ is last_columns and types_ is last_types and typmods is last_typmods):

@@ -213,6 +213,7 @@ def _table_meta(summary: SliceSummary) -> list[dict[str, Any]]:
             "lsn_lo": decimal.Decimal(tally.lsn_lo),
             "lsn_hi": decimal.Decimal(tally.lsn_hi),
             "pairs": list(dict.fromkeys(pair for s in sorted(tally.schemas) for pair in _declared_pairs(s))),
+            "latest_pairs": _declared_pairs((tally.columns, tally.types, tally.typmods)) if tally.columns_at is not None else [],
             "unchanged": sorted(tally.unchanged),
             "unique_positions": summary.unique_positions,
         })
@@ -455,7 +456,8 @@ def _load_table(
         existing = existing_columns(fields, table_properties(spark, paths.history), meta_names)
     reserved = {*META_NAMES, DELETED, *(prev_name(k) for k in pk)}
     schema_plan: SchemaPlan = plan(
-        table, existing, _incoming_pairs(meta), reserved=reserved, numeric_scale=spec.numeric_scale
+        table, existing, _incoming_pairs(meta), reserved=reserved, numeric_scale=spec.numeric_scale,
+        latest=dict(meta["latest_pairs"] or []),
     )
     if pk:
         _check_primary_key(spark, table, paths.current, pk)

@@ -52,20 +52,33 @@ def plan(
     *,
     reserved: Iterable[str] = (),
     numeric_scale: int,
+    latest: Mapping[str, str] | None = None,
 ) -> SchemaPlan:
     """Merge the tables' current source columns with the (column, pg type) pairs of a load.
 
-    ``incoming`` in the order of the latest event's columns, then any others.
+    ``incoming`` in the order of the latest event's columns, then any others. ``latest``: the
+    latest event's (column, pg type): a column new to the tables whose types within the load
+    do not widen takes its latest type (values of the other that it cannot hold are null with
+    their text in pg_raw_values). Before, such a load failed for good: a table dropped and
+    created again with other types, replayed after its directory was moved away as advised.
     """
     existing_cols = {c.name: c for c in existing or ()}
     reserved_names = set(reserved)
     seen: dict[str, str] = {}
     seen_types: dict[str, DataType] = {}
+    settled: set[str] = set()  # took the latest type
     order: list[str] = []
     for name, pg_type in incoming:
         spark = spark_type(pg_type, numeric_scale=numeric_scale)
         if name in seen:
+            if name in settled:
+                continue
             merged = widest(seen_types[name], spark)
+            if merged is None and latest and name in latest and name not in existing_cols:
+                seen[name] = latest[name]
+                seen_types[name] = spark_type(latest[name], numeric_scale=numeric_scale)
+                settled.add(name)
+                continue
             if merged is None:
                 raise SchemaChangeError(
                     f"{table}: column {name!r} changed type within this load, "

@@ -117,6 +117,16 @@ def test_plan_incompatible_type_change_says_what_changed() -> None:
 def test_plan_two_types_in_one_load() -> None:
     with pytest.raises(SchemaChangeError, match="within this load"):
         plan("s.t", None, [("a", "int4"), ("a", "text")], numeric_scale=10)
+    # int and bigint widen (a fuzz: that load failed, and its replay after moving the table away)
+    assert plan("s.t", None, [("a", "int4"), ("a", "int8")], numeric_scale=10).columns[0].spark == spark_type("int8")
+    # a column new to the tables takes the latest event's type (a table dropped and created
+    # again with other types: its load failed for good, the documented recovery too)
+    for order in ([("a", "int4"), ("a", "text")], [("a", "text"), ("a", "int4")]):
+        (col,) = plan("s.t", None, order, numeric_scale=10, latest={"a": "text"}).columns
+        assert (col.pg_type, col.spark) == ("text", spark_type("text"))
+    existing = _cols(("a", "int4"))
+    with pytest.raises(SchemaChangeError):  # an existing column: its table keeps failing (documented)
+        plan("s.t", existing, [("a", "int4"), ("a", "text")], numeric_scale=10, latest={"a": "text"})
 
 
 def test_plan_refuses_metadata_name_clash() -> None:
