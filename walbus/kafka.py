@@ -54,6 +54,26 @@ def record_fits(limit: int, key: bytes | None, value: bytes | None, headers_byte
     return len(key or b"") + len(value or b"") + headers_bytes + RECORD_OVERHEAD_BYTES <= limit
 
 
+def cut_to_fit(
+    max_bytes: int, key: bytes | None, value: bytes | None, headers: list[tuple[str, bytes]],
+) -> tuple[bytes | None, bytes | None, list[tuple[str, bytes]]]:
+    """A dead letter as the topic can take it: whole when it fits, else its key cut to 1,000
+    bytes and its value to what is left, with headers saying so (``walbus.value.truncated``:
+    the value's size; ``walbus.value.cut``: why). One definition for the demux and the client."""
+    header_bytes = sum(len(k) + len(v) for k, v in headers) + 200  # + the cut headers below
+    if not record_fits(max_bytes, key, value, header_bytes):
+        size = len(key or b"") + len(value or b"")
+        headers = [*headers, ("walbus.value.truncated", str(len(value or b"")).encode()),
+                   ("walbus.value.cut", f"source record of {size} bytes is over the dead-letter "
+                    f"topic's max.message.bytes={max_bytes}".encode())]
+        key = key[:1000] if key is not None else None
+        room = max_bytes - RECORD_OVERHEAD_BYTES - header_bytes - len(key or b"")
+        value = (value or b"")[:max(0, room)]
+    if key is None and value is None:
+        value = b""  # a record needs a key or a value: an empty value stands for neither
+    return key, value, headers
+
+
 async def topic_partitions(
     client_kwargs: Mapping[str, Any], topic: str, *, wait: bool = True, poll_interval: float = 1.0
 ) -> list[TopicPartition]:

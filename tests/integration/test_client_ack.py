@@ -136,3 +136,31 @@ async def _walbus(*args: str, env: dict[str, str]) -> str:
     out, err = await asyncio.wait_for(proc.communicate(), 60)
     assert proc.returncode == 0, err.decode()[-2000:]
     return out.decode()
+
+
+async def test_a_large_event_is_dead_lettered_whole_and_a_long_group_is_refused(kafka_bootstrap: str, unique_name: str) -> None:
+    # The group's dead letters went through aiokafka's 1 MB request limit: a larger event (the
+    # database topic takes 16 MiB) was refused, retried forever, and the feed never got past it.
+    # A dead-letter topic name Kafka refuses was retried forever as well (an operations fuzz).
+    from walbus.kafka import DEFAULT_MAX_MESSAGE_BYTES
+
+    await create_topic(kafka_bootstrap, unique_name, configs={"max.message.bytes": str(DEFAULT_MAX_MESSAGE_BYTES)})
+    big = Change(0x100, 0, 1, "public.transactions", "insert", {"id": 1, "v": 7})
+    key, value = big.record()
+    assert value is not None
+    value = value.replace(b'"values":[1,7]', b'"values":[1,7]' + b" " * 3_000_000)  # 3 MB of JSON whitespace
+    await produce(kafka_bootstrap, unique_name, [(key, value), Change(0x200, 0, 2, "public.transactions", "insert", {"id": 2, "v": 8}).record()])
+    group = unique_name + "-g"
+    seen: list[tuple[int, int]] = []
+    async with Feed(unique_name, group_id=group, start="earliest", retry=FAST, bootstrap_servers=kafka_bootstrap, until_end=True) as feed:
+        async with asyncio.timeout(60):
+            async for event in feed:
+                seen.append(event.position)
+                if event.position == (0x100, 0):
+                    event.nack(error=ValueError("too big to handle"))
+    assert seen.count((0x100, 0)) == FAST.attempts and (0x200, 0) in seen and feed.stats.dead_letters == 1
+    (letter,) = await list_dead_letters({"bootstrap_servers": kafka_bootstrap}, unique_name, group)
+    assert letter.value == value
+    assert [d.value for d in await replay_dead_letters({"bootstrap_servers": kafka_bootstrap}, unique_name, group)] == [value]
+    with pytest.raises(ValueError, match="shorter group_id"):
+        Feed(unique_name, group_id="g" * 250, bootstrap_servers=kafka_bootstrap)

@@ -30,6 +30,7 @@
 
 from walbus.client.deadletters import (
     DeadLetter,
+    DeadLetterError,
     dead_letter_topic,
     list_dead_letters,
     replay_dead_letters,
@@ -48,6 +49,7 @@ __all__ = [
     "AlreadyApplied",
     "ChangeEvent",
     "DeadLetter",
+    "DeadLetterError",
     "EventFilter",
     "Feed",
     "FeedEvent",

@@ -21,13 +21,19 @@ import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, Final
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
-from aiokafka.errors import KafkaError
+from aiokafka.errors import KafkaConnectionError, KafkaError, KafkaTimeoutError
 
-from walbus.contract import escape_topic_part
-from walbus.kafka import KafkaAdmin, TopicSpec
+from walbus.contract import escape_topic_part, topic_name_error
+from walbus.kafka import (
+    DEFAULT_MAX_MESSAGE_BYTES,
+    METADATA_WAIT_S,
+    KafkaAdmin,
+    TopicSpec,
+    cut_to_fit,
+)
 from walbus.retry import Backoff
 
 log = logging.getLogger("walbus.client.deadletters")
@@ -130,33 +136,62 @@ def _decode(msg: Any) -> DeadLetter:
     )
 
 
+class DeadLetterError(RuntimeError):
+    """A dead letter that can never be written (the broker refuses it for good)."""
+
+
+# The group topics take records as large as the database topic's (a dead letter is an event
+# with headers): with aiokafka's 1 MB default a larger event's dead letter was refused, and
+# retried forever, and the feed never got past it (a fuzz).
+LARGE_TOPIC: Final = (("max.message.bytes", str(DEFAULT_MAX_MESSAGE_BYTES)),)
+
+
+def group_topics(topic: str, group: str) -> tuple[str, str]:
+    """The group's dead-letter and replay topics; ValueError when Kafka could not have them (a
+    long topic and group id: the dead letter would have been retried forever)."""
+    names = (dead_letter_topic(topic, group), replay_topic(topic, group))
+    for name in names:
+        error = topic_name_error(name)
+        if error is not None:
+            raise ValueError(f"the dead-letter topics of group {group!r} on {topic}: {error}; use a shorter group_id, or dead_letters=False")
+    return names
+
+
 class DeadLetterWriter:
     """Writes a group's dead letters; creates the topics on first use, retries until written."""
 
     def __init__(self, client_kwargs: Mapping[str, Any], topic: str, group: str) -> None:
         self._kwargs = dict(client_kwargs)
-        self.topic = dead_letter_topic(topic, group)
+        self.topic = group_topics(topic, group)[0]
         self.group = group
         self._producer: AIOKafkaProducer | None = None
+        self._limit = DEFAULT_MAX_MESSAGE_BYTES
 
     async def write(self, key: bytes | None, value: bytes | None, headers: list[tuple[str, bytes]]) -> None:
-        """Send one dead letter; transient faults are retried with backoff (never dropped)."""
+        """Send one dead letter; transient faults are retried with backoff (never dropped).
+        One the topic cannot take whole is cut to fit, and says so in its headers; a fault that
+        retrying cannot mend raises :class:`DeadLetterError`."""
         backoff = Backoff(initial=0.5, maximum=30.0)
         while True:
             try:
                 if self._producer is None:
                     async with KafkaAdmin(client_kwargs=self._kwargs) as admin:
-                        await admin.ensure_topic(TopicSpec(self.topic))
-                    producer = AIOKafkaProducer(**self._kwargs, acks="all", enable_idempotence=True)
+                        await admin.ensure_topic(TopicSpec(self.topic, configs=LARGE_TOPIC))
+                        self._limit = await admin.max_message_bytes(self.topic, wait=METADATA_WAIT_S)
+                    producer = AIOKafkaProducer(**self._kwargs, acks="all", enable_idempotence=True,
+                                                max_request_size=DEFAULT_MAX_MESSAGE_BYTES)
                     try:
                         await producer.start()
                     except BaseException:
                         await producer.stop()
                         raise
                     self._producer = producer
-                await self._producer.send_and_wait(self.topic, key=key, value=value, headers=headers)
+                fitted = cut_to_fit(self._limit, key, value, headers)
+                await self._producer.send_and_wait(self.topic, key=fitted[0], value=fitted[1], headers=fitted[2])
                 return
             except KafkaError as e:
+                if not e.retriable and not isinstance(e, KafkaConnectionError | KafkaTimeoutError):
+                    raise DeadLetterError(f"cannot write a dead letter to {self.topic}: {type(e).__name__}: {e}") from e
                 await backoff.wait(log, f"writing a dead letter to {self.topic}", e)
 
     async def close(self) -> None:
@@ -206,8 +241,8 @@ async def replay_dead_letters(client_kwargs: Mapping[str, Any], topic: str, grou
         if not msgs:
             return []
         async with KafkaAdmin(client_kwargs=dict(client_kwargs)) as admin:
-            await admin.ensure_topic(TopicSpec(replay_topic(topic, group)))
-        producer = AIOKafkaProducer(**client_kwargs, acks="all", enable_idempotence=True)
+            await admin.ensure_topic(TopicSpec(replay_topic(topic, group), configs=LARGE_TOPIC))
+        producer = AIOKafkaProducer(**client_kwargs, acks="all", enable_idempotence=True, max_request_size=DEFAULT_MAX_MESSAGE_BYTES)
         await producer.start()
         try:
             for m in msgs:
