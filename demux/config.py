@@ -103,9 +103,13 @@ class DemuxConfig(KafkaOptions):
         if self.database:
             return self.database
         head = self.topic_prefix + "."
-        if self.source_topic.startswith(head) and len(self.source_topic) > len(head):
-            return unescape_topic_part(self.source_topic[len(head):])
-        return unescape_topic_part(self.source_topic)
+        part = self.source_topic[len(head):] if self.source_topic.startswith(head) and len(self.source_topic) > len(head) else self.source_topic
+        try:
+            return unescape_topic_part(part)
+        except UnicodeDecodeError:
+            # Not walbus's escaping (a --topic of the user's choice, "walbus.shop-DE"): the
+            # name as it is. Before, the demux stopped with a bare UnicodeDecodeError (a fuzz).
+            return part
 
     def topic_configs(self, *, compact: bool) -> tuple[tuple[str, str], ...]:
         """Configs of a topic created by the demux (per-table topics and the DLQ).

@@ -79,6 +79,10 @@ def test_config_defaults_and_errors() -> None:
         derived = parse_config(["--kafka-bootstrap", "k", "--source-topic", source]).database_name
         assert derived == database
         assert table_topic("walbus", derived, "public", "t").startswith(source + ".")
+    # A name not of that escaping ("-DE" is no UTF-8): as it is; a bare UnicodeDecodeError stopped
+    # the demux before (an operations fuzz).
+    derived = parse_config(["--kafka-bootstrap", "k", "--source-topic", "walbus.shop-DE"]).database_name
+    assert derived == "shop-DE" and table_topic("walbus", derived, "public", "t") == "walbus.shop-2DDE.public.t"
     assert dict(cfg.topic_configs(compact=True)) == {
         "cleanup.policy": "compact", "segment.ms": "1000", "delete.retention.ms": "5", "min.compaction.lag.ms": "0",
         "max.message.bytes": limit}
