@@ -45,7 +45,7 @@ from walbus.kafka import (
     METADATA_WAIT_S,
     KafkaAdmin,
     TopicSpec,
-    wait_for_broker,
+    require_broker,
 )
 from walbus.logs import setup_logging
 from walbus.metrics import new_registry, sample, serve_metrics
@@ -114,11 +114,7 @@ class Producer:
         return tables, state
 
     async def _prepare_kafka(self, client_kwargs: dict[str, Any]) -> None:
-        cfg = self.config
-        try:
-            await wait_for_broker(client_kwargs, attempts=3, max_delay=4)
-        except KafkaError as e:
-            raise ConfigError(f"cannot reach Kafka at {cfg.kafka_bootstrap}: {e}") from None
+        await require_broker(client_kwargs)
         try:
             await self._ensure_topics(client_kwargs)
         except InvalidTopicError as e:

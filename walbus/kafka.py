@@ -325,6 +325,15 @@ async def wait_for_broker(
     return False
 
 
+async def require_broker(client_kwargs: dict[str, Any]) -> None:
+    """For commands that start by asking Kafka: brokers that do not answer after a few tries
+    are a configuration error (exit 2, one line), not a traceback."""
+    try:
+        await wait_for_broker(client_kwargs, attempts=3, max_delay=4)
+    except KafkaError as e:
+        raise ConfigError(f"cannot reach Kafka at {client_kwargs.get('bootstrap_servers')}: {e}") from None
+
+
 Offsets = dict[int, int]  # partition -> offset
 
 

@@ -165,6 +165,18 @@ async def test_dead_letters_and_store_rebuild(kafka_bootstrap: str, unique_name:
     assert b"version" in dict(dlq[2].headers)["walbus.error"]
     assert metrics["walbus_demux_dead_letters_total{reason=contract}"] == 3
     assert metrics["walbus_demux_records_consumed_total{partition=0}"] == 5
+    # `walbus dead-letters list --demux` shows them with their reasons (before, only a group's
+    # could be listed; the demux's printed "0 dead letter(s)", and tail showed no reason).
+    from walbus.client.deadletters import list_demux_dead_letters
+
+    listed = await list_demux_dead_letters(_kw(kafka_bootstrap), f"{source}.dlq")
+    assert [(d.key, d.value, d.origin.offset if d.origin else None) for d in listed] == [(k, v, o) for (k, v), o in zip(bad, (1, 2, 3), strict=True)]
+    assert "not JSON" in listed[0].error and "version" in listed[2].error
+    done = await asyncio.to_thread(
+        subprocess.run, [sys.executable, "-m", "walbus.app.cli", "dead-letters", "list", "--topic", source, "--demux",
+                         "--kafka-bootstrap", kafka_bootstrap], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == 0 and "3 dead letter(s) listed" in done.stderr, done.stderr
+    assert [orjson.loads(line)["origin"]["offset"] for line in done.stdout.splitlines()] == [1, 2, 3]
     topic = f"{source}.public.docs"
     table = await read_ktable(client_kwargs=_kw(kafka_bootstrap), topic=topic)
     assert table[b'{"id":1}']["body"] == "long" and table[b'{"id":1}']["n"] == 1  # went on after the bad ones

@@ -12,20 +12,29 @@ from dataclasses import dataclass
 
 import orjson
 
-from walbus.client.groups import group_lags
+from walbus.client.groups import GroupLag, group_lags
 from walbus.config import load_config, option
-from walbus.kafka import KafkaOptions
+from walbus.kafka import KafkaOptions, require_broker
+from walbus.logs import setup_logging
 
 
 @dataclass(kw_only=True)
 class GroupsConfig(KafkaOptions):
     topic: list[str] = option([], help="only these topics, comma-separated (default: every topic named <topic-prefix>.…)")
     topic_prefix: str = option("walbus", help="prefix of the walbus topics")
+    log_level: str = option("warning", help="log level", choices=["debug", "info", "warning", "error"])
+
+
+async def _lags(config: GroupsConfig) -> list[GroupLag]:
+    kwargs = config.kafka_client_kwargs()
+    await require_broker(kwargs)
+    return await group_lags(kwargs, topics=config.topic, prefix=config.topic_prefix + ".")
 
 
 def main(argv: Sequence[str]) -> int:
     config = load_config(GroupsConfig, list(argv), prog="walbus groups", description=__doc__, section="groups")
-    lags = asyncio.run(group_lags(config.kafka_client_kwargs(), topics=config.topic, prefix=config.topic_prefix + "."))
+    setup_logging(config.log_level)
+    lags = asyncio.run(_lags(config))
     for lag in lags:
         sys.stdout.write(orjson.dumps(lag.to_json_obj()).decode() + "\n")
     print(f"{'group':<40} {'topic':<40} {'lag records':>12} {'lag seconds':>12}", file=sys.stderr)

@@ -17,7 +17,8 @@ from typing import TextIO
 from walbus.client import Feed
 from walbus.client.filters import EventFilter
 from walbus.config import ConfigError, load_config, option
-from walbus.kafka import KafkaOptions
+from walbus.kafka import KafkaAdmin, KafkaOptions, require_broker
+from walbus.logs import setup_logging
 
 
 @dataclass(kw_only=True)
@@ -30,6 +31,8 @@ class TailConfig(KafkaOptions):
     until_end: bool = option(False, help="exit once the events present at start are printed")
     # Per command only: a shared WALBUS_GROUP_ID would make tail commit another service's offsets.
     group_id: str | None = option(None, help="read as this consumer group and commit offsets", env="command")
+    log_level: str = option("warning", help="log level (skipped records are errors, with their offset)",
+                            choices=["debug", "info", "warning", "error"])
 
 
 async def tail(config: TailConfig, out: TextIO) -> int:
@@ -54,7 +57,20 @@ async def tail(config: TailConfig, out: TextIO) -> int:
     return printed
 
 
+async def _check(config: TailConfig) -> None:
+    """Brokers that do not answer, or (--until-end) a topic that does not exist, end tail with
+    a configuration error: it waited for them without a word (an operations fuzz)."""
+    kwargs = config.kafka_client_kwargs()
+    await require_broker(kwargs)
+    async with KafkaAdmin(client_kwargs=kwargs) as admin:
+        if config.topic not in await admin.list_topics():
+            if config.until_end:
+                raise ConfigError(f"topic {config.topic} does not exist")
+            print(f"waiting for topic {config.topic} to exist", file=sys.stderr)
+
+
 async def _run(config: TailConfig) -> None:
+    await _check(config)
     task = asyncio.current_task()
     loop = asyncio.get_running_loop()
     if task is not None:
@@ -66,6 +82,9 @@ async def _run(config: TailConfig) -> None:
 
 def main(argv: Sequence[str]) -> int:
     config = load_config(TailConfig, argv, prog="walbus tail", description=__doc__, section="tail")
+    setup_logging(config.log_level)
+    if config.max_events < 0:
+        raise ConfigError("--max-events: 0 (no limit) or more")
     try:
         EventFilter(config.table, config.operation)
     except ValueError as e:

@@ -85,7 +85,8 @@ class DeadLetter:
     def to_json_obj(self) -> dict[str, Any]:
         return {
             "offset": self.offset,
-            "key": self.key.decode("ascii", "replace") if self.key is not None else None,
+            "key": self.key.decode("utf-8", "replace") if self.key is not None else None,
+            "value": self.value.decode("utf-8", "replace") if self.value is not None else None,
             "error": self.error,
             "attempts": self.attempts,
             "origin": None if self.origin is None else {"topic": self.origin.topic, "partition": self.origin.partition, "offset": self.origin.offset},
@@ -225,6 +226,28 @@ async def list_dead_letters(client_kwargs: Mapping[str, Any], topic: str, group:
     msgs, consumer = await _read_all(client_kwargs, dead_letter_topic(topic, group))
     await consumer.stop()
     return [_decode(m) for m in msgs]
+
+
+async def list_demux_dead_letters(client_kwargs: Mapping[str, Any], dlq_topic: str) -> list[DeadLetter]:
+    """Every record of a demux's dead-letter topic (``<database topic>.dlq``): its reason
+    (``walbus.error``) and the source record it stands for (``walbus.source.*``)."""
+    async with KafkaAdmin(client_kwargs=dict(client_kwargs)) as admin:
+        if dlq_topic not in await admin.list_topics():
+            return []
+    msgs, consumer = await _read_all(client_kwargs, dlq_topic)
+    await consumer.stop()
+    out = []
+    for m in msgs:
+        h = {k: v for k, v in (m.headers or ())}
+        try:
+            origin: Origin | None = Origin(h["walbus.source.topic"].decode(), int(h["walbus.source.partition"]), int(h["walbus.source.offset"]))
+        except (KeyError, ValueError, UnicodeDecodeError):
+            origin = None
+        error = h.get("walbus.error", b"").decode("utf-8", "replace")
+        if "walbus.value.cut" in h:
+            error += f" ({h['walbus.value.cut'].decode('utf-8', 'replace')}: value cut)"
+        out.append(DeadLetter(offset=m.offset, key=m.key, value=m.value, error=error, attempts=0, origin=origin, failed_at=""))
+    return out
 
 
 async def replay_dead_letters(client_kwargs: Mapping[str, Any], topic: str, group: str) -> list[DeadLetter]:

@@ -81,7 +81,10 @@ async def group_lags(client_kwargs: Mapping[str, Any], *, topics: Sequence[str] 
         await admin.close()
     if not committed:
         return []
-    consumer = AIOKafkaConsumer(**kwargs, enable_auto_commit=False, isolation_level="read_committed")
+    # earliest: a committed offset below the log start (records deleted before the group read
+    # them) reads from the oldest record left, so its age shows; "latest" read nothing there
+    # and showed that worst case as 0 s behind (an operations fuzz).
+    consumer = AIOKafkaConsumer(**kwargs, enable_auto_commit=False, isolation_level="read_committed", auto_offset_reset="earliest")
     try:
         await consumer.start()
         all_tps = sorted({tp for offsets in committed.values() for tp in offsets})
