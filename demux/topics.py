@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass
+from typing import Final
 
 from aiokafka.errors import BrokerResponseError, InvalidTopicError, KafkaError
 
@@ -35,16 +37,35 @@ class TopicInfo:
     collides: bool = False
 
 
+REFRESH_S: Final = 5.0  # a topic's settings are read again at most this often (see TopicManager.refresh)
+
+
 class TopicManager:
     def __init__(self, admin: KafkaAdmin, config: DemuxConfig, *, stop: asyncio.Event | None = None) -> None:
         self._admin = admin
         self._config = config
         self._stop = stop  # set on SIGTERM: retries end
         self._known: dict[str, TopicInfo] = {}
+        self._refreshed: dict[str, float] = {}  # when each topic's settings were last read again (refresh)
+        self._compact: dict[str, bool] = {}
         self._lock = asyncio.Lock()
 
     def cached(self, topic: str) -> TopicInfo | None:
         return self._known.get(topic)
+
+    async def refresh(self, topics: set[str]) -> bool:
+        """Read the settings of ``topics`` again, each at most once a REFRESH_S (a record too
+        large for a topic's limit as read before: it may have been raised since, and without a
+        restart every such record went to the DLQ; a fuzz). True when any was read again."""
+        now = time.monotonic()
+        due = [t for t in topics if t in self._known and now - self._refreshed.get(t, 0.0) >= REFRESH_S]
+        for topic in due:
+            self._refreshed[topic] = now
+            compact = self._compact.get(topic, True)
+            async with self._lock:
+                self._known.pop(topic, None)
+            await self.ensure(topic, compact=compact)
+        return bool(due)
 
     def forget(self) -> None:
         """Drop what is cached: the next record of each topic reads its settings again
@@ -52,6 +73,7 @@ class TopicManager:
         self._known.clear()
 
     async def ensure(self, topic: str, *, compact: bool) -> TopicInfo:
+        self._compact[topic] = compact
         info = self._known.get(topic)
         if info is not None:
             return info

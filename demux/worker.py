@@ -319,6 +319,8 @@ class PartitionWorker:
             counts.other[("no_pk", table)] += 1
             self._warn_once("no_pk", table, offset)
         error = self._too_large(records)
+        if error is not None and await self.topics.refresh({rec.topic for rec in records}):
+            error = self._too_large(records)  # with the limits as they are now
         if error is not None:
             self._unwritten(out, error, "size")
             return error, "size"

@@ -3,6 +3,7 @@ are not the event's position, rows larger than Kafka's default limit. Real broke
 
 from __future__ import annotations
 
+import asyncio
 import random
 import string
 from pathlib import Path
@@ -249,3 +250,34 @@ async def test_a_limit_lowered_while_running_sends_what_no_longer_fits_to_the_dl
         assert proc.stop() == 0, proc.log_tail()
     assert [r.key for r in await read_records(kafka_bootstrap, f"{source}.public.nums")] == [b'{"id":1}', b'{"id":3}']
     assert [(r.key, r.value) for r in await read_records(kafka_bootstrap, f"{source}.dlq")] == [big]
+
+
+async def test_a_limit_raised_while_running_takes_the_row_that_did_not_fit(
+    kafka_bootstrap: str, unique_name: str, tmp_path: Path
+) -> None:
+    """The other way: an operator raises a table topic's limit after a row went to the DLQ for
+    it. The demux read the limit once, so until a restart every such row went to the DLQ (an
+    operations fuzz); now a row too large for the limit as read makes it read the limit again."""
+    from demux.topics import REFRESH_S
+
+    source = f"walbus.{unique_name}"
+    await create_topic(kafka_bootstrap, source, configs={"max.message.bytes": str(DEFAULT_MAX_MESSAGE_BYTES)})
+    table = f"{source}.public.nums"
+    await create_topic(kafka_bootstrap, table, configs={"cleanup.policy": "compact", "max.message.bytes": "50000"})
+    types = {**INTS, "body": "text"}
+    first = ev(0x100, 0, "insert", "public.nums", ["id"], new={"id": 1, "n": 1, "body": "x"}, types=types)
+    too_big = ev(0x200, 0, "insert", "public.nums", ["id"], new={"id": 2, "n": 2, "body": _text(100_000, 4)}, types=types)
+    await produce(kafka_bootstrap, source, [first, too_big], partition=0)
+    proc = DemuxProc(demux_args(kafka_bootstrap, source, tmp_path / "state"), tmp_path / "demux.log").start()
+    try:
+        await wait_caught_up(kafka_bootstrap, demux_group(source), source, procs=[proc])
+        async with KafkaAdmin(client_kwargs={"bootstrap_servers": kafka_bootstrap}) as admin:
+            await admin.alter_topic_config(table, {"max.message.bytes": str(DEFAULT_MAX_MESSAGE_BYTES)})
+        await asyncio.sleep(REFRESH_S)  # a limit is read again at most this often
+        fits_now = ev(0x300, 0, "insert", "public.nums", ["id"], new={"id": 3, "n": 3, "body": _text(100_000, 5)}, types=types)
+        await produce(kafka_bootstrap, source, [fits_now], partition=0)
+        await wait_caught_up(kafka_bootstrap, demux_group(source), source, procs=[proc])
+    finally:
+        assert proc.stop() == 0, proc.log_tail()
+    assert [r.key for r in await read_records(kafka_bootstrap, table)] == [b'{"id":1}', b'{"id":3}']
+    assert [(r.key, r.value) for r in await read_records(kafka_bootstrap, f"{source}.dlq")] == [too_big]
