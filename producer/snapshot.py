@@ -269,9 +269,11 @@ class InitialSnapshot:
 
         export = await asyncio.to_thread(_Export.open, cfg, existing_slot)
         try:
-            reads_at = (export.consistent_point, 0)
-            if export.replay_from is not None:
-                reads_at = await self._reads_before_the_replay(export.replay_from)
+            # A new slot sends the commits from its consistent point on (a transaction running
+            # when the slot became consistent may commit exactly there, outside the snapshot):
+            # its reads go below that point too, as an existing slot's below its position.
+            replay_from = export.replay_from if export.replay_from is not None else export.consistent_point
+            reads_at = await self._reads_before_the_replay(replay_from)
             result = await self._read(export, earlier, reads_at)
         finally:
             await asyncio.to_thread(export.close)
