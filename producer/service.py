@@ -284,6 +284,16 @@ class Producer:
                     self.metrics.connected.set(0)
                     if self._stopping.is_set():
                         break
+                    if self.config.plugin == "pgoutput" and _publication_gone(e):
+                        # pgoutput decodes each change with the catalog of its time: changes
+                        # written while the publication did not exist never decode, whatever is
+                        # done later. Retrying forever at warning level said nothing (a fuzz).
+                        slot = self.config.slot_name
+                        raise ConfigError(
+                            f"{describe_error(e)}: the slot cannot stream the changes written since it was dropped. "
+                            f"Create the publication again, drop the slot (SELECT pg_drop_replication_slot('{slot}')) "
+                            "and start again: the new slot's snapshot reads the tables"
+                        ) from None
                     self.metrics.reconnects.inc()
                     # Retries count per position: only a confirmed position past this one resets them.
                     self._failed_at = self.progress.confirmed_lsn if self.progress is not None else 0
@@ -510,6 +520,11 @@ class Producer:
             value["event_count"] = sum(per_table.values())
             value["data_collections"] = [{"data_collection": t, "event_count": n} for t, n in sorted(per_table.items())]
         await sink.send_side_record(topic, b"%016X" % commit_lsn, orjson.dumps(value))
+
+
+def _publication_gone(e: BaseException) -> bool:
+    text = str(e)
+    return 'publication "' in text and "does not exist" in text
 
 
 def describe_error(e: BaseException) -> str:

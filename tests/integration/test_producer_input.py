@@ -106,6 +106,39 @@ async def test_a_table_created_later_that_the_filter_takes_is_captured(pg_dsn: s
     assert [(e["table"], e["values"]) for e in events(records)] == [("public.a2", [1]), ("public.a1", [2])]
 
 
+async def test_a_pattern_taking_no_table_yet_waits_for_one(pg_dsn: str, kafka_bootstrap: str, unique_name: str) -> None:
+    # A superuser's publication is FOR ALL TABLES: --tables matching no table yet need not stop
+    # the producer (it did: exit 2), the table is captured from its first change (a fuzz).
+    sql(pg_dsn, "CREATE TABLE other (id int PRIMARY KEY)")
+    async with running_producer(pg_dsn, kafka_bootstrap, topic=unique_name, tables=["public.future_*"]):
+        sql(pg_dsn, "CREATE TABLE future_1 (id int PRIMARY KEY)", "INSERT INTO other VALUES (1)", "INSERT INTO future_1 VALUES (1)")
+        records = await read_topic(kafka_bootstrap, unique_name, min_count=1, timeout=30)
+    assert [(e["table"], e["values"]) for e in events(records)] == [("public.future_1", [1])]
+
+
+async def test_a_dropped_publication_stops_the_producer_saying_what_to_do(pg_dsn: str, kafka_bootstrap: str, unique_name: str) -> None:
+    # pgoutput decodes a change with the catalog of its time: after DROP PUBLICATION the slot
+    # never streams again. The producer retried forever at warning level (a fuzz).
+    import asyncio as aio
+
+    from producer.config import ProducerConfig
+    from producer.service import Producer
+
+    sql(pg_dsn, "CREATE TABLE t (id int PRIMARY KEY)")
+    producer = Producer(ProducerConfig(pg_dsn=pg_dsn, kafka_bootstrap=kafka_bootstrap, topic=unique_name, slot=unique_name,
+                                       heartbeat_interval=1.0, retry_max_delay=1.0))
+    task = aio.create_task(producer.run())
+    try:
+        await aio.wait_for(producer.ready.wait(), 60)
+        sql(pg_dsn, f"DROP PUBLICATION walbus_{unique_name}", "INSERT INTO t VALUES (1)")
+        with pytest.raises(ConfigError, match="drop the slot"):
+            await aio.wait_for(task, 60)
+    finally:
+        producer.stop()
+        if not task.done():
+            await aio.wait_for(task, 60)
+
+
 async def test_a_table_list_publication_gets_a_table_created_later(
     pg_dsn: str, kafka_bootstrap: str, unique_name: str, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -131,8 +164,14 @@ async def test_a_table_list_publication_gets_a_table_created_later(
             sql(pg_dsn, "INSERT INTO a2 VALUES (1)", "INSERT INTO a3 VALUES (1)", "INSERT INTO a1 VALUES (2)")
             records = await read_topic(kafka_bootstrap, unique_name, min_count=2, timeout=30)
         assert [(e["table"], e["values"]) for e in events(records)] == [("public.a2", [1]), ("public.a1", [2])]
+        # Created while the producer was down: added at the next start (it stopped with exit 2).
+        sql(dsn, "CREATE TABLE a4 (id int PRIMARY KEY)")
+        async with running_producer(dsn, kafka_bootstrap, topic=unique_name, tables=["public.a1", "public.a2", "public.a4"]):
+            sql(dsn, "INSERT INTO a4 VALUES (4)")
+            records = await read_topic(kafka_bootstrap, unique_name, min_count=3, timeout=30)
+        assert [(e["table"], e["values"]) for e in events(records)][-1] == ("public.a4", [4])
     finally:
-        sql(pg_dsn, f"DROP PUBLICATION IF EXISTS walbus_{unique_name}", "DROP TABLE IF EXISTS a1, a2", f'DROP OWNED BY "{name}"',
+        sql(pg_dsn, f"DROP PUBLICATION IF EXISTS walbus_{unique_name}", "DROP TABLE IF EXISTS a1, a2, a4", f'DROP OWNED BY "{name}"',
             f'DROP ROLE "{name}"')
 
 
