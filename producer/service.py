@@ -248,7 +248,7 @@ class Producer:
             await asyncio.sleep(PUBLICATION_CHECK_S)
             try:
                 added, left = await asyncio.to_thread(self._publish_new_tables)
-            except (psycopg.Error, OSError) as e:
+            except Exception as e:  # the database away (setup.connect's ConfigError too): tried again
                 log.warning("checking the publication for new tables failed", extra={"error": describe_error(e)})
                 continue
             self.metrics.unpublished_tables.set(len(left))
