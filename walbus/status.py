@@ -90,6 +90,9 @@ class Status:
     warehouse: WarehouseLoad | None = None
     warehouse_lag: int | None = None  # database topic records not yet loaded
     errors: dict[str, str] = field(default_factory=dict)  # part -> why it could not be read
+    # part -> what was asked for and is not there (a --slot of that name, the database topic):
+    # read fine, but a script asking "is it there?" must not get the answer of an empty success.
+    missing: dict[str, str] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -141,14 +144,14 @@ async def kafka_status(client_kwargs: dict[str, Any], database_topic: str) -> tu
     every consumer group that committed offsets on any of them."""
     admin = AIOKafkaAdminClient(**client_kwargs)
     consumer = AIOKafkaConsumer(**client_kwargs, enable_auto_commit=False)
-    await admin.start()
+    # Both closed even when a start failed (Kafka unreachable): a consumer made and never
+    # stopped warns "Unclosed AIOKafkaConsumer" at exit, a second message for the one cause.
     try:
+        await admin.start()
         await consumer.start()
-        try:
-            topics = await _end_offsets(admin, consumer, database_topic)
-        finally:
-            await consumer.stop()
+        topics = await _end_offsets(admin, consumer, database_topic)
     finally:
+        await consumer.stop()
         await admin.close()
     groups = await group_lags(client_kwargs, topics=[t.topic for t in topics]) if topics else []
     return topics, groups
@@ -203,6 +206,9 @@ async def gather(sources: StatusSources) -> Status:
             status.slots = await asyncio.to_thread(slot_status, sources.pg_dsn, sources.slot)
         except Exception as e:
             status.errors["postgres"] = _reason(e)
+        else:
+            if sources.slot is not None and not status.slots:
+                status.missing["slot"] = f"no logical replication slot named {sources.slot!r}"
     if sources.kafka_client_kwargs is not None and sources.topic:
         try:
             status.topics, status.groups = await asyncio.wait_for(
@@ -210,6 +216,9 @@ async def gather(sources: StatusSources) -> Status:
             )
         except Exception as e:
             status.errors["kafka"] = _reason(e)
+        else:
+            if not any(t.kind == "database" for t in status.topics):
+                status.missing["topic"] = f"no topic named {sources.topic!r}"
     if sources.warehouse_loads_dir is not None:
         try:
             status.warehouse = last_committed_load(sources.warehouse_loads_dir)

@@ -144,3 +144,28 @@ async def test_the_exporter_serves_the_status(pg_dsn: str, kafka_bootstrap: str,
     finally:
         proc.terminate()
         assert proc.wait(30) == 0
+
+
+def run_status(args: list[str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "walbus.app.cli", "status", *args],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+
+
+def test_a_slot_or_topic_that_is_not_there_is_said_with_exit_3(pg_dsn: str, kafka_bootstrap: str, scene: dict[str, str],
+                                                               unique_name: str) -> None:
+    # A typo in --slot or a producer that never ran printed "(none)" and exited 0.
+    done = run_status(["--pg-dsn", pg_dsn, "--slot", f"{unique_name}_nope", "--kafka-bootstrap", kafka_bootstrap,
+                       "--topic", f"{scene['topic']}_nope"])
+    assert done.returncode == 3, done.stdout + done.stderr
+    assert f"not found: no logical replication slot named '{unique_name}_nope'" in done.stdout
+    assert f"not found: no topic named '{scene['topic']}_nope'" in done.stdout
+    done = run_status(["--pg-dsn", pg_dsn, "--slot", scene["slot"], "--kafka-bootstrap", kafka_bootstrap, "--json"])
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert json.loads(done.stdout)["missing"] == {}
+
+
+def test_an_unreachable_kafka_is_one_message(scene: dict[str, str]) -> None:
+    done = run_status(["--kafka-bootstrap", f"127.0.0.1:{free_port()}", "--topic", scene["topic"]])
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "could not read kafka: KafkaConnectionError" in done.stdout
+    assert "Unclosed" not in done.stderr, done.stderr

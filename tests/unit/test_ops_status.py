@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from walbus.app.status import StatusConfig, render
+from walbus.app.status import StatusConfig, exit_code, render
 from walbus.config import ConfigError, load_config
 from walbus.status import Status, TopicStatus, last_committed_load, topic_kind
 from walbus.status import _warehouse_lag as warehouse_lag
@@ -85,3 +85,12 @@ def test_text_output_names_every_part() -> None:
     render(Status(topics=[TopicStatus("walbus.shop", "database", {0: 4})], errors={"postgres": "OperationalError: x"}), out)
     text = out.getvalue()
     assert "walbus.shop" in text and " 4\n" in text and "could not read postgres" in text
+
+
+def test_exit_code_says_unreadable_before_missing() -> None:
+    assert exit_code(Status()) == 0
+    assert exit_code(Status(missing={"slot": "no logical replication slot named 's'"})) == 3
+    assert exit_code(Status(errors={"kafka": "KafkaConnectionError"}, missing={"slot": "x"})) == 1
+    out = io.StringIO()
+    render(Status(missing={"topic": "no topic named 'walbus.x'"}), out)
+    assert out.getvalue().endswith("not found: no topic named 'walbus.x'\n")

@@ -81,6 +81,8 @@ def render(status: Status, out: TextIO) -> None:
         w(f"warehouse\n  load {wh.batch_id} committed at {wh.at}, {status.warehouse_lag} records of the database topic not loaded\n")
     for part, why in status.errors.items():
         w(f"could not read {part}: {why}\n")
+    for what in status.missing.values():
+        w(f"not found: {what}\n")
 
 
 def serve(config: StatusConfig, sources: StatusSources) -> int:
@@ -110,4 +112,12 @@ def main(argv: Sequence[str]) -> int:
         print(json.dumps(status.as_dict(), indent=2, default=str))
     else:
         render(status, sys.stdout)
-    return 1 if status.errors else 0
+    return exit_code(status)
+
+
+def exit_code(status: Status) -> int:
+    """1: a part could not be read; 3: read, but the named slot or the database topic is not
+    there (a producer that never ran, a typo); 0: all of it was read and is there."""
+    if status.errors:
+        return 1
+    return 3 if status.missing else 0
