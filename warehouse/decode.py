@@ -128,7 +128,6 @@ class TableTally:
     lsn_lo: int  # the lowest and highest commit LSN
     lsn_hi: int
     events: int = 0
-    latest: Position | None = None  # the latest event's position
     # The latest event with a primary key, and that key: events without one (the key dropped
     # for a while) do not make the load history-only (their table's current table missed the
     # load's keyed changes; a fuzz found it).
@@ -144,8 +143,6 @@ class TableTally:
 
     def merge(self, other: TableTally) -> None:
         self.events += other.events
-        if other.latest is not None and (self.latest is None or other.latest > self.latest):
-            self.latest = other.latest
         if other.keyed is not None and (self.keyed is None or other.keyed > self.keyed):
             self.keyed, self.pk = other.keyed, other.pk
         if other.columns_at is not None and (self.columns_at is None or other.columns_at > self.columns_at):
@@ -355,8 +352,6 @@ def _decode_batch(
         if t is None:
             t = tables[table] = TableTally(commit_lsn, commit_lsn)
         t.events += 1
-        if t.latest is None or position > t.latest:
-            t.latest = position
         if event.pk and (t.keyed is None or position > t.keyed):
             t.keyed, t.pk = position, event.pk
         if commit_lsn < t.lsn_lo:
