@@ -131,6 +131,8 @@ def topic_kind(database_topic: str, topic: str) -> str | None:
     if not topic.startswith(database_topic + "."):
         return None
     rest = topic[len(database_topic) + 1 :]
+    if rest.startswith("group--"):  # a consumer group's dead-letter or replay topic
+        return "side"
     # A table's topic adds its schema and its table (two parts, each escaped: no dot inside);
     # one part more is a side topic, walbus's own or a user's (a --signal-topic beside it).
     # The hashed form of a long table topic (ending "--<hash>") may have lost those dots.

@@ -103,7 +103,7 @@ async def test_a_poison_event_never_stops_run_and_replay_brings_it_back(kafka_bo
         await feed.run(handler)
     assert handled == [c.position for c in changes if c.position != poison]
     assert attempts == [1, 2, 3]
-    assert dead_letter_topic(unique_name, group) == f"{unique_name}.{group}.dlq"
+    assert dead_letter_topic(unique_name, group) == f"{unique_name}.group--{group}.dlq"
 
     # The CLI lists it, replays it once, and a second replay has nothing left.
     env = {"WALBUS_KAFKA_BOOTSTRAP": kafka_bootstrap}

@@ -24,6 +24,7 @@ def test_topic_kinds() -> None:
     # A user's topic beside it (a --signal-topic) is not a table; a client's DLQ neither.
     assert topic_kind("walbus.shop", "walbus.shop.signals") == "side"
     assert topic_kind("walbus.shop", "walbus.shop.billing.dlq") == "side"
+    assert topic_kind("walbus.shop", "walbus.shop.group--billing.replay") == "side"
     assert topic_kind("walbus.shop", "walbus.shop.public.Order-20Items") == "table"
     assert topic_kind("walbus.shop", "walbus.shop.sssssss--0a1b2c3d") == "table"  # hashed, cut inside the schema
 

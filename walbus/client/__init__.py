@@ -6,7 +6,7 @@
   after your handler returns. ``feed.transactions()`` yields whole transactions.
   A new group starts at ``start="latest"`` (or ``"earliest"``, a commit LSN, a time). Each
   event is a :class:`FeedEvent` with ``ack()``/``nack(retry_in=…)`` and ``typed_row()``; failed
-  events are retried (:class:`RetryPolicy`) and then sent to ``<topic>.<group>.dlq``;
+  events are retried (:class:`RetryPolicy`) and then sent to ``<topic>.group--<group>.dlq``;
   ``await feed.run(handler, concurrency=N)`` handles keys in parallel, each key in order.
 * :class:`Table` — a compacted per-table topic (``walbus.<database>.<schema>.<table>``) as a
   live read-only mapping from primary key to row, with a change callback and

@@ -1,18 +1,26 @@
 """A consumer group's dead letters: events its handler failed on after every retry.
 
-They go to ``<topic>.<group>.dlq`` (the group's name escaped as a topic-name part), as the
-original record (same key and value) with headers that say why and from where:
+They go to ``<topic>.group--<group>.dlq`` (the group's name escaped as a topic-name part), as
+the original record (same key and value) with headers that say why and from where:
 
 ``walbus-error`` (the exception, ``Type: message``), ``walbus-attempts``, ``walbus-group``,
 ``walbus-topic``, ``walbus-partition``, ``walbus-offset`` (the original record's position in
 the database topic) and ``walbus-failed-at`` (ISO 8601, UTC).
 
-``replay`` copies the dead letters not replayed yet to ``<topic>.<group>.replay``, which a
+``replay`` copies the dead letters not replayed yet to ``<topic>.group--<group>.replay``, which a
 ``Feed`` of that group reads besides the database topic (without its duplicate check: a
 replayed event is old on purpose). The topics are created on first use; a running member
 sees a new replay topic at its consumer's next metadata refresh (``metadata_max_age_ms``,
 5 minutes by default) or restart. How far a group's dead letters were replayed is the
 committed offset of the consumer group ``<group>.dlq-replay`` on the dead-letter topic.
+
+The "group--" part keeps them apart from the per-table topics: their earlier names,
+``<topic>.<group>.dlq`` and ``.replay``, were the table topics of a table ``dlq`` or ``replay``
+in a schema named as the group (an escaped name never holds "--", and a long table topic's
+hashed form has it only before its hash, at the end). Records this group left in those earlier
+topics (told by their ``walbus-group`` header, which no table row has) are listed, and
+``replay`` moves them to the new replay topic: its dead letters not replayed yet, and replayed
+events the group had not read yet.
 """
 
 from __future__ import annotations
@@ -49,12 +57,21 @@ H_FAILED_AT = "walbus-failed-at"
 _MAX_ERROR_CHARS = 2000
 
 
+GROUP_TOPIC_MARK: Final = "group--"
+
+
 def dead_letter_topic(topic: str, group: str) -> str:
-    return f"{topic}.{escape_topic_part(group)}.dlq"
+    return f"{topic}.{GROUP_TOPIC_MARK}{escape_topic_part(group)}.dlq"
 
 
 def replay_topic(topic: str, group: str) -> str:
-    return f"{topic}.{escape_topic_part(group)}.replay"
+    return f"{topic}.{GROUP_TOPIC_MARK}{escape_topic_part(group)}.replay"
+
+
+def earlier_group_topics(topic: str, group: str) -> tuple[str, str]:
+    """The dead-letter and replay topics' names before the "group--" part: maybe a table's."""
+    part = escape_topic_part(group)
+    return f"{topic}.{part}.dlq", f"{topic}.{part}.replay"
 
 
 def replay_group(group: str) -> str:
@@ -81,9 +98,11 @@ class DeadLetter:
     attempts: int
     origin: Origin | None
     failed_at: str
+    topic: str | None = None  # the dead-letter topic (the group's, or its earlier name)
 
     def to_json_obj(self) -> dict[str, Any]:
         return {
+            "topic": self.topic,
             "offset": self.offset,
             "key": self.key.decode("utf-8", "replace") if self.key is not None else None,
             "value": self.value.decode("utf-8", "replace") if self.value is not None else None,
@@ -120,6 +139,12 @@ def origin_of(headers: Sequence[tuple[str, bytes]]) -> Origin | None:
         return None
 
 
+def _is_groups(msg: Any, group: bytes) -> bool:
+    """A record of ``group``'s, in a topic with an earlier group topic's name (which may be a
+    table's topic: its rows carry no ``walbus-group`` header)."""
+    return any(k == H_GROUP and v == group for k, v in (msg.headers or ()))
+
+
 def _decode(msg: Any) -> DeadLetter:
     h = {k: v for k, v in (msg.headers or ())}
     try:
@@ -134,6 +159,7 @@ def _decode(msg: Any) -> DeadLetter:
         attempts=attempts,
         origin=origin_of(list(msg.headers or ())),
         failed_at=h.get(H_FAILED_AT, b"").decode("utf-8", "replace"),
+        topic=msg.topic,
     )
 
 
@@ -201,12 +227,19 @@ class DeadLetterWriter:
             await producer.stop()
 
 
-async def _read_all(kwargs: Mapping[str, Any], topic: str, *, group: str | None = None) -> tuple[list[Any], AIOKafkaConsumer]:
+async def _read_all(kwargs: Mapping[str, Any], topic: str, *, group: str | None = None,
+                    start_group: str | None = None) -> tuple[list[Any], AIOKafkaConsumer]:
+    """Partition 0 of ``topic`` from ``group``'s committed offset (else from ``start_group``'s,
+    else from the beginning) to its end, and the consumer (to commit; the caller stops it)."""
     consumer = AIOKafkaConsumer(**kwargs, group_id=group, enable_auto_commit=False, auto_offset_reset="earliest", isolation_level="read_committed")
     try:
         await consumer.start()
         tp = TopicPartition(topic, 0)
         consumer.assign([tp])
+        if start_group is not None and group is not None and await consumer.committed(tp) is None:
+            start = await committed_offset(kwargs, start_group, tp)
+            if start is not None:
+                consumer.seek(tp, start)
         end = (await consumer.end_offsets([tp]))[tp]
         out: list[Any] = []
         while await consumer.position(tp) < end:
@@ -218,14 +251,29 @@ async def _read_all(kwargs: Mapping[str, Any], topic: str, *, group: str | None 
         raise
 
 
+async def committed_offset(kwargs: Mapping[str, Any], group: str, tp: TopicPartition) -> int | None:
+    consumer = AIOKafkaConsumer(**kwargs, group_id=group, enable_auto_commit=False)
+    try:
+        await consumer.start()
+        committed: int | None = await consumer.committed(tp)
+        return committed
+    finally:
+        await consumer.stop()
+
+
 async def list_dead_letters(client_kwargs: Mapping[str, Any], topic: str, group: str) -> list[DeadLetter]:
-    """Every dead letter of ``group`` on ``topic`` (empty if it never had one)."""
+    """Every dead letter of ``group`` on ``topic`` (empty if it never had one): those left in
+    the earlier topic name first, then the dead-letter topic's."""
+    dlq, earlier = dead_letter_topic(topic, group), earlier_group_topics(topic, group)[0]
     async with KafkaAdmin(client_kwargs=dict(client_kwargs)) as admin:
-        if dead_letter_topic(topic, group) not in await admin.list_topics():
-            return []
-    msgs, consumer = await _read_all(client_kwargs, dead_letter_topic(topic, group))
-    await consumer.stop()
-    return [_decode(m) for m in msgs]
+        existing = set(await admin.list_topics())
+    out: list[DeadLetter] = []
+    for name in (earlier, dlq):
+        if name in existing:
+            msgs, consumer = await _read_all(client_kwargs, name)
+            await consumer.stop()
+            out += [_decode(m) for m in msgs if name == dlq or _is_groups(m, group.encode())]
+    return out
 
 
 async def list_demux_dead_letters(client_kwargs: Mapping[str, Any], dlq_topic: str) -> list[DeadLetter]:
@@ -254,26 +302,45 @@ async def replay_dead_letters(client_kwargs: Mapping[str, Any], topic: str, grou
     """Send the dead letters not replayed yet back to the group (its replay topic); returns them.
 
     The replay group's offset is committed after the copies are written: a replay that fails
-    half-way is done again, and the feed may see those events twice."""
-    dlq = dead_letter_topic(topic, group)
+    half-way is done again, and the feed may see those events twice. The group's records in the
+    earlier topic names are moved too (module doc): the dead letters, with the same progress
+    as before, and the replayed events past the group's committed offset there."""
+    dlq, replay = group_topics(topic, group)
+    earlier_dlq, earlier_replay = earlier_group_topics(topic, group)
     async with KafkaAdmin(client_kwargs=dict(client_kwargs)) as admin:
-        if dlq not in await admin.list_topics():
-            return []
-    msgs, consumer = await _read_all(client_kwargs, dlq, group=replay_group(group))
-    try:
-        if not msgs:
-            return []
-        async with KafkaAdmin(client_kwargs=dict(client_kwargs)) as admin:
-            await admin.ensure_topic(TopicSpec(replay_topic(topic, group), configs=LARGE_TOPIC))
-        producer = AIOKafkaProducer(**client_kwargs, acks="all", enable_idempotence=True, max_request_size=DEFAULT_MAX_MESSAGE_BYTES)
-        await producer.start()
+        existing = set(await admin.list_topics())
+    out: list[DeadLetter] = []
+    for name in (earlier_dlq, earlier_replay, dlq):
+        if name not in existing:
+            continue
+        # The earlier replay topic: from where the group had read it.
+        msgs, consumer = await _read_all(client_kwargs, name, group=replay_group(group),
+                                         start_group=group if name == earlier_replay else None)
         try:
-            for m in msgs:
-                await producer.send(replay_topic(topic, group), key=m.key, value=m.value, headers=list(m.headers or ()))
-            await producer.flush()
+            copies = msgs if name == dlq else [m for m in msgs if _is_groups(m, group.encode())]
+            if copies:
+                await _copy(client_kwargs, replay, copies)
+            if name == earlier_replay:
+                if copies:
+                    log.warning("replayed events moved from the group's earlier replay topic",
+                                extra={"from": name, "to": replay, "events": len(copies), "group": group})
+            else:
+                out += [_decode(m) for m in copies]
+            if msgs:
+                await consumer.commit({TopicPartition(name, 0): msgs[-1].offset + 1})
         finally:
-            await producer.stop()
-        await consumer.commit({TopicPartition(dlq, 0): msgs[-1].offset + 1})
-        return [_decode(m) for m in msgs]
+            await consumer.stop()
+    return out
+
+
+async def _copy(client_kwargs: Mapping[str, Any], replay: str, msgs: Sequence[Any]) -> None:
+    async with KafkaAdmin(client_kwargs=dict(client_kwargs)) as admin:
+        await admin.ensure_topic(TopicSpec(replay, configs=LARGE_TOPIC))
+    producer = AIOKafkaProducer(**client_kwargs, acks="all", enable_idempotence=True, max_request_size=DEFAULT_MAX_MESSAGE_BYTES)
+    await producer.start()
+    try:
+        for m in msgs:
+            await producer.send(replay, key=m.key, value=m.value, headers=list(m.headers or ()))
+        await producer.flush()
     finally:
-        await consumer.stop()
+        await producer.stop()

@@ -241,7 +241,7 @@ class Feed:
             leaves the loop with ``break``). With ``False`` every event needs ``event.ack()``
             or ``event.nack()``; offsets commit up to the highest contiguous acked position.
         retry: how often a nacked event (or one whose ``run`` handler raised) is retried, and
-            how long apart, before it goes to the dead-letter topic ``<topic>.<group>.dlq``.
+            how long apart, before it goes to the dead-letter topic ``<topic>.group--<group>.dlq``.
         dead_letters: create and use the group's dead-letter and replay topics (groups only).
         metrics_registry: where the client's Prometheus counters live (default: the global one).
     """
