@@ -73,15 +73,21 @@ class TopicManager:
         self._known.clear()
 
     async def ensure(self, topic: str, *, compact: bool) -> TopicInfo:
-        self._compact[topic] = compact
+        """The topic's settings, as checked for a keyed (``compact``) or a keyless table's rows.
+
+        A table dropped and created again with or without a primary key asks with the other
+        ``compact``: the check runs again (a keyless table's rows sent to the compacted topic
+        its keyed namesake had created were refused by the broker, and the worker reopened on
+        them forever, stalling its partition; a fuzz)."""
         info = self._known.get(topic)
-        if info is not None:
+        if info is not None and self._compact.get(topic) == compact:
             return info
         async with self._lock:  # several partition workers may meet a new table at once
             info = self._known.get(topic)
-            if info is None:
+            if info is None or self._compact.get(topic) != compact:
                 info = await self._ensure(topic, compact)
                 self._known[topic] = info
+                self._compact[topic] = compact
             return info
 
     async def _ensure(self, topic: str, compact: bool) -> TopicInfo:

@@ -121,6 +121,30 @@ async def test_a_record_with_a_high_key_moves_no_position(kafka_bootstrap: str, 
     assert keys == [b'{"id":%d}' % i for i in range(6)]
 
 
+async def test_a_table_created_again_without_key_sends_its_rows_to_the_dlq(kafka_bootstrap: str, unique_name: str,
+                                                                           tmp_path: Path) -> None:
+    """Its keyed namesake made the topic compacted. The running demux had cached that topic as
+    writable: the broker refused the keyless rows and the worker reopened on them forever, every
+    table of the partition stalled (a fuzz). Created again with a key, it is written again."""
+    source = f"walbus.{unique_name}"
+    await create_topic(kafka_bootstrap, source)
+    await produce(kafka_bootstrap, source, [ev(0x100, 0, "insert", "public.re", ["id"], new={"id": 1, "n": 1}, types=INTS)],
+                  partition=0)
+    proc = DemuxProc(demux_args(kafka_bootstrap, source, tmp_path / "state"), tmp_path / "demux.log").start()
+    try:
+        await wait_caught_up(kafka_bootstrap, demux_group(source), source, procs=[proc])
+        keyless = ev(0x200, 0, "insert", "public.re", [], new={"id": 2, "n": 2}, types=INTS)
+        later = [ev(0x200, 1, "insert", "public.other", ["id"], new={"id": 3, "n": 3}, types=INTS),
+                 ev(0x300, 0, "insert", "public.re", ["id"], new={"id": 4, "n": 4}, types=INTS)]
+        await produce(kafka_bootstrap, source, [keyless, *later], partition=0)
+        await wait_caught_up(kafka_bootstrap, demux_group(source), source, within=60, procs=[proc])
+    finally:
+        assert proc.stop() == 0, proc.log_tail()
+    assert [(r.key, r.value) for r in await read_records(kafka_bootstrap, f"{source}.dlq")] == [keyless]
+    assert [r.key for r in await read_records(kafka_bootstrap, f"{source}.public.re")] == [b'{"id":1}', b'{"id":4}']
+    assert [r.key for r in await read_records(kafka_bootstrap, f"{source}.public.other")] == [b'{"id":3}']
+
+
 def _text(size: int, seed: int) -> str:
     """Incompressible text of ``size`` characters."""
     rnd = random.Random(seed)
