@@ -39,6 +39,11 @@ class ProducerConfig(KafkaOptions):
     topic: str | None = option(None, help="database topic (default <topic-prefix>.<database>)")
     topic_prefix: str = option("walbus", help="prefix of the default topic name")
     partitions: int = option(1, help="partitions of the database topic when it is created (1: one total order)")
+    repartition: bool = option(
+        False, help="write over every partition the database topic has now, not the count recorded at its first start "
+        "(after partitions were added: stop the producer, let the demux and every Feed reach the topic's end, then start "
+        "it once with this flag)", env="command",
+    )
     replication_factor: int | None = option(
         None, help="replication factor of the topics when created (default: 3 with min.insync.replicas=2 on a cluster of 3+ brokers, else 1)"
     )

@@ -59,6 +59,23 @@ PUBLICATION_CHECK_S = 10.0  # how often a table-list publication is checked for 
 TRANSIENT = (ReplicationError, SinkError, KafkaError, psycopg.OperationalError, OSError, TimeoutError)
 
 
+
+def partitions_to_write(topic_partitions: int, doc: dict[str, Any], others: dict[str, dict[str, Any]], *,
+                        repartition: bool = False) -> int:
+    """How many of the database topic's partitions the producer writes over: the count its
+    progress records (this slot's, else another slot's of the topic), else the topic's.
+
+    A table's partition is murmur2(table) % count: with partitions added, most tables move,
+    and a consumer (the demux) reads their new events before their last old ones, in
+    another partition (a delete applied before an older insert brought the row back; a
+    fuzz). The count changes only when asked (``repartition``), or when the topic now has
+    fewer partitions than recorded (it was deleted and created again)."""
+    recorded = [d.get("partitions") for d in (doc, *others.values())]
+    known = next((n for n in recorded if isinstance(n, int) and n >= 1), None)
+    if known is None or repartition or topic_partitions < known:
+        return topic_partitions
+    return known
+
 class Producer:
     """Streams one database's slot into its Kafka topic until :meth:`stop`."""
 
@@ -164,8 +181,18 @@ class Producer:
                     f"database's would interleave and consumers would drop events. Give this database a topic of its own "
                     f"(--topic), or, if that producer is gone for good, delete its record (key {slot!r}) from {offsets.topic}"
                 )
-        if offsets.doc.get("source") != self._source:
+        partitions = partitions_to_write(self._partitions, offsets.doc, offsets.others, repartition=cfg.repartition)
+        if partitions != self._partitions:
+            log.warning(
+                "the database topic has more partitions than the producer writes over: partitions added later are left "
+                "unused (a table moved to another partition would have its changes read out of order). To use them, stop "
+                "the producer, let the demux and every Feed reach the topic's end, then start it once with --repartition",
+                extra={"topic": cfg.topic_name, "partitions": self._partitions, "written": partitions},
+            )
+            self._partitions = partitions
+        if offsets.doc.get("source") != self._source or offsets.doc.get("partitions") != partitions:
             offsets.doc["source"] = self._source
+            offsets.doc["partitions"] = partitions
             await offsets.save()
 
     # -- running ------------------------------------------------------------------------------

@@ -61,3 +61,14 @@ def test_a_name_ending_in_a_newline_is_escaped_and_no_topic_name_ends_in_one() -
 def test_a_slot_name_ending_in_a_newline_is_a_configuration_error() -> None:
     with pytest.raises(ConfigError, match="--slot"):
         load(["--pg-dsn", DSN, "--kafka-bootstrap", "k:9092", "--slot", "walbus_shop\n"])
+
+
+def test_the_partition_count_recorded_first_is_kept() -> None:
+    from producer.service import partitions_to_write
+
+    assert partitions_to_write(4, {}, {}) == 4  # nothing recorded: the topic's
+    assert partitions_to_write(4, {"partitions": 2}, {}) == 2  # partitions added: still 2
+    assert partitions_to_write(4, {}, {"other_slot": {"partitions": 2}}) == 2  # another producer's record
+    assert partitions_to_write(4, {"partitions": 2}, {}, repartition=True) == 4
+    assert partitions_to_write(1, {"partitions": 2}, {}) == 1  # the topic made again, smaller
+    assert partitions_to_write(3, {"partitions": "x"}, {"s": {}}) == 3
