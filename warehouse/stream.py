@@ -4,9 +4,11 @@ Spark's Kafka source reads the topic; Spark's checkpoint (``--checkpoint``, by d
 ``<warehouse>/<topic>/_walbus_stream``) is the offset store, in place of the load log of
 ``walbus warehouse load``. Each micro-batch runs the batch load's own per-slice logic
 (:func:`warehouse.job.write_slice`), every Delta commit tagged with the load marker
-``(walbus-stream:<topic>, micro-batch id)`` (:mod:`warehouse.txn`): Spark replays an unfinished
-micro-batch with the same id and offsets, the tables that had committed it skip it, and a
-write made twice changes nothing. So the job runs unchanged
+``(walbus-stream:<topic>:<query id>, micro-batch id)`` (:mod:`warehouse.txn`): Spark replays an
+unfinished micro-batch with the same id and offsets, the tables that had committed it skip it,
+and a write made twice changes nothing. The query id is the checkpoint's (it persists across
+restarts from it): a new checkpoint numbers its micro-batches from 0 again, and under the
+topic alone its first batches were taken for ones the tables had committed and skipped. So the job runs unchanged
 under spark-submit on any cluster (Databricks, EMR, YARN, Kubernetes).
 
 Triggers: ``available-now`` (the default: everything up to now, in batches, then exit; the
@@ -17,6 +19,7 @@ One writer per warehouse and topic: do not mix ``load`` and ``stream`` on one wa
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -34,8 +37,9 @@ log = logging.getLogger("walbus.warehouse")
 AVAILABLE_NOW = "available-now"
 
 
-def stream_app_id(topic: str) -> str:
-    return f"walbus-stream:{topic}"
+def stream_app_id(topic: str, query_id: str) -> str:
+    """The load marker's app id: the topic and the checkpoint's query id."""
+    return f"walbus-stream:{topic}:{query_id}"
 
 
 def start_stream(
@@ -56,12 +60,18 @@ def start_stream(
         .load()
     )
 
+    query_id: list[str] = []  # the started query's, before its first micro-batch runs
+    started_query = threading.Event()
+
     def micro_batch(frame: DataFrame, batch_id: int) -> None:
         result = LoadResult()
         started = time.monotonic()
         try:
+            if not started_query.wait(600):
+                raise RuntimeError("the streaming query did not say its id")
             # replay=True: any micro-batch may be one Spark re-runs after a failure
-            write_slice(frame.sparkSession, spec, frame, Txn(stream_app_id(spec.topic), batch_id, replay=True), result)
+            txn = Txn(stream_app_id(spec.topic, query_id[0]), batch_id, replay=True)
+            write_slice(frame.sparkSession, spec, frame, txn, result)
         except BaseException:
             if metrics is not None:
                 metrics.failed(result)
@@ -77,4 +87,7 @@ def start_stream(
         "checkpointLocation", checkpoint or layout.stream_checkpoint_path(spec.warehouse, spec.topic)
     )
     writer = writer.trigger(availableNow=True) if trigger == AVAILABLE_NOW else writer.trigger(processingTime=trigger)
-    return writer.start()
+    query = writer.start()
+    query_id.append(str(query.id))
+    started_query.set()
+    return query

@@ -8,7 +8,7 @@ after a crash (same N, same offsets, see :mod:`warehouse.loads`) therefore never
 which tables had committed it; it asks only to skip their work and to say so.
 
 That is what the load marker is for: each commit carries ``{"walbus.load": [<app id>, N]}`` in
-its ``userMetadata`` (``walbus:<topic>`` for ``load``, ``walbus-stream:<topic>`` for
+its ``userMetadata`` (``walbus:<topic>`` for ``load``, ``walbus-stream:<topic>:<query id>`` for
 ``stream``), read back from the table's latest commit files (:func:`applied_load`). Delta's own
 idempotent-transaction marker (``txnAppId``/``txnVersion``, which walbus wrote until stop 35
 and still writes on the quarantine table, whose appends nothing de-duplicates) is not used on
