@@ -60,6 +60,16 @@ TRANSIENT = (ReplicationError, SinkError, KafkaError, psycopg.OperationalError, 
 
 
 
+
+def capture_settings(cfg: ProducerConfig) -> dict[str, Any]:
+    """What decides which events a producer writes and how (the settings recorded in its
+    progress document, which another slot's producer on the same topic must share)."""
+    return {
+        "tables": sorted(cfg.tables), "exclude_tables": sorted(cfg.exclude_tables),
+        "exclude_columns": sorted(cfg.exclude_columns), "mask_columns": sorted(cfg.mask_columns),
+        "key_columns": cfg.key_columns,
+    }
+
 def partitions_to_write(topic_partitions: int, doc: dict[str, Any], others: dict[str, dict[str, Any]], *,
                         repartition: bool = False) -> int:
     """How many of the database topic's partitions the producer writes over: the count its
@@ -172,6 +182,7 @@ class Producer:
         producers of the same database (another slot) only repeat its events, which consumers
         drop by position. The source is recorded in this slot's progress document."""
         cfg = self.config
+        capture = capture_settings(cfg)
         for slot, doc in sorted(offsets.others.items()):
             source = doc.get("source")
             if isinstance(source, dict) and not setup.same_source(source, self._source):
@@ -180,6 +191,20 @@ class Producer:
                     f"system {source.get('system')}, slot {slot!r}, recorded in {offsets.topic}): its positions and this "
                     f"database's would interleave and consumers would drop events. Give this database a topic of its own "
                     f"(--topic), or, if that producer is gone for good, delete its record (key {slot!r}) from {offsets.topic}"
+                )
+            # Another slot of this database repeats its events only when it captures the same:
+            # seq numbers a transaction's captured changes, so under other filters one position
+            # names two different events, and consumers kept whichever came first (a fuzz).
+            theirs = doc.get("capture")
+            if isinstance(source, dict) and isinstance(theirs, dict) and theirs != capture:
+                differ = sorted(k for k in set(capture) | set(theirs) if capture.get(k) != theirs.get(k))
+                raise ConfigError(
+                    f"topic {cfg.topic_name} is written by another producer of this database (slot {slot!r}, recorded in "
+                    f"{offsets.topic}) that captures otherwise ({', '.join('--' + k.replace('_', '-') for k in differ)}: "
+                    f"theirs {[theirs.get(k) for k in differ]}, ours {[capture.get(k) for k in differ]}): one position would "
+                    f"name two different events and consumers would drop one. Capture the same, give this producer a topic "
+                    f"of its own (--topic), or, if that producer is gone for good, delete its record (key {slot!r}) from "
+                    f"{offsets.topic}"
                 )
         partitions = partitions_to_write(self._partitions, offsets.doc, offsets.others, repartition=cfg.repartition)
         if partitions != self._partitions:
@@ -190,9 +215,9 @@ class Producer:
                 extra={"topic": cfg.topic_name, "partitions": self._partitions, "written": partitions},
             )
             self._partitions = partitions
-        if offsets.doc.get("source") != self._source or offsets.doc.get("partitions") != partitions:
-            offsets.doc["source"] = self._source
-            offsets.doc["partitions"] = partitions
+        recorded = {"source": self._source, "partitions": partitions, "capture": capture}
+        if any(offsets.doc.get(k) != v for k, v in recorded.items()):
+            offsets.doc.update(recorded)
             await offsets.save()
 
     # -- running ------------------------------------------------------------------------------

@@ -241,6 +241,29 @@ async def test_a_topic_written_by_another_databases_producer_is_refused(pg_dsn: 
     assert [e["values"] for e in events(records)][-1] == [2]
 
 
+async def test_another_slot_capturing_otherwise_is_refused(pg_dsn: str, kafka_bootstrap: str, unique_name: str) -> None:
+    # Two slots of one database on one topic, one capturing a, the other b: seq numbers each
+    # producer's captured changes, so (commit_lsn, 0) named a's row in one and b's in the
+    # other, and the demux kept whichever came first (a fuzz).
+    sql(pg_dsn, "CREATE TABLE a (id int PRIMARY KEY)", "CREATE TABLE b (id int PRIMARY KEY)")
+    async with running_producer(pg_dsn, kafka_bootstrap, topic=unique_name, slot=f"{unique_name}_a", tables=["public.a"]):
+        sql(pg_dsn, "INSERT INTO a VALUES (1)")
+        await read_topic(kafka_bootstrap, unique_name, min_count=1, timeout=30)
+    with pytest.raises(ConfigError) as err:
+        async with running_producer(pg_dsn, kafka_bootstrap, topic=unique_name, slot=f"{unique_name}_b",
+                                    tables=["public.b"], publication=f"{unique_name}_b"):
+            pass
+    message = str(err.value)
+    assert f"another producer of this database (slot '{unique_name}_a'" in message
+    assert "(--tables: theirs [['public.a']], ours [['public.b']])" in message
+    # Capturing the same is welcome (it only repeats events).
+    async with running_producer(pg_dsn, kafka_bootstrap, topic=unique_name, slot=f"{unique_name}_c", tables=["public.a"],
+                                publication=f"{unique_name}_c"):
+        sql(pg_dsn, "INSERT INTO a VALUES (2)")
+        records = await read_topic(kafka_bootstrap, unique_name, min_count=2, timeout=30)
+    assert [e["values"] for e in events(records)][-1] == [2]
+
+
 async def test_a_topic_name_kafka_refuses_is_a_configuration_error(pg_dsn: str, kafka_bootstrap: str, unique_name: str) -> None:
     # The database topic "walbus.x_public_t" collides, for Kafka, with database x's table
     # topic "walbus.x.public.t": the producer died with a traceback (exit 1), not exit 2.
