@@ -119,6 +119,54 @@ async def test_handlers_that_return_at_once_and_that_await_mix_in_key_order(kafk
     assert feed.stats.dead_letters == 0
 
 
+async def test_a_handlers_timeout_and_task_group_are_its_own(kafka_bootstrap: str, unique_name: str) -> None:
+    """A handler the dispatcher starts on an idle lane runs its first step as the lane's task:
+    an ``asyncio.timeout`` (or a TaskGroup) taken there bound the dispatcher's task, and its
+    expiry cancelled run() itself (a client fuzz). Also a timeout that expires at once, before
+    the lane's task took the handler over, and a TaskGroup whose child fails."""
+    changes = workload(random.Random(9), 60, TABLES)
+    await create_topic(kafka_bootstrap, unique_name)
+    await produce(kafka_bootstrap, unique_name, [c.record() for c in changes])
+    handled: list[tuple[int, int]] = []
+    outcomes: dict[str, int] = defaultdict(int)
+
+    async def failing_child() -> None:
+        raise ValueError("child")
+
+    async def handler(event: FeedEvent) -> None:
+        first = asyncio.current_task()
+        kind = event.seq % 4
+        try:
+            if kind == 0:
+                async with asyncio.timeout(0.02):
+                    await asyncio.sleep(0.2)
+            elif kind == 1:
+                async with asyncio.timeout(0):
+                    await asyncio.sleep(0.2)
+            elif kind == 2:
+                async with asyncio.TaskGroup() as group:
+                    group.create_task(failing_child())
+                    await asyncio.sleep(0.2)
+            else:
+                await asyncio.sleep(0)
+                outcomes["plain"] += 1
+        except TimeoutError:
+            outcomes["timeout"] += 1
+        except ExceptionGroup:
+            outcomes["group"] += 1
+        assert asyncio.current_task() is first  # one task throughout
+        handled.append(event.position)
+
+    feed = Feed(unique_name, group_id=unique_name + "-g", start="earliest", bootstrap_servers=kafka_bootstrap,
+                until_end=True)
+    async with feed, asyncio.timeout(60):
+        await feed.run(handler, concurrency=8)
+    assert sorted(handled) == [c.position for c in changes]
+    kinds = [c.seq % 4 for c in changes]
+    assert outcomes == {"timeout": kinds.count(0) + kinds.count(1), "group": kinds.count(2), "plain": kinds.count(3)}
+    assert feed.stats.dead_letters == 0
+
+
 async def test_members_share_a_group_over_a_multi_partition_topic(kafka_bootstrap: str, unique_name: str) -> None:
     changes = workload(random.Random(32), 60, TABLES)
     await create_topic(kafka_bootstrap, unique_name, partitions=3)

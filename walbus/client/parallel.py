@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+from asyncio.tasks import _enter_task, _leave_task
 from collections import deque
 from collections.abc import Awaitable, Callable, Coroutine, Generator, Hashable
 from typing import TYPE_CHECKING, Any
@@ -50,13 +51,18 @@ class _Resume:
     fresh one (each value it yields goes up to the awaiting task, each value or exception the
     task sends or throws goes down to it), for one started by hand."""
 
-    __slots__ = ("coro", "step")
+    __slots__ = ("coro", "step", "throw")
 
-    def __init__(self, coro: Coroutine[Any, Any, Any], step: Any) -> None:
-        self.coro, self.step = coro, step
+    def __init__(self, coro: Coroutine[Any, Any, Any], step: Any, throw: BaseException | None = None) -> None:
+        self.coro, self.step, self.throw = coro, step, throw
 
     def __await__(self) -> Generator[Any, Any, Any]:
         coro, step = self.coro, self.step
+        if self.throw is not None:  # a cancellation that reached the task before it took the coroutine over
+            try:
+                step = coro.throw(self.throw)
+            except StopIteration as stop:
+                return stop.value
         while True:
             try:
                 sent = yield step
@@ -183,7 +189,7 @@ class _Lane:
     bookkeeping was a fifth of run(concurrency=N)'s time per event.
     """
 
-    __slots__ = ("_wake", "_watchers", "context", "events", "handling")
+    __slots__ = ("_wake", "_watchers", "context", "events", "handling", "task")
 
     def __init__(self) -> None:
         self.events: deque[FeedEvent | _Started] = deque()
@@ -192,6 +198,7 @@ class _Lane:
         # when every handler ran in the lane's task.
         self.context = contextvars.copy_context()
         self._wake: asyncio.Future[None] | None = None  # its task waits for events
+        self.task: asyncio.Task[None] | None = None  # the lane's task
         self._watchers: list[asyncio.Future[None]] = []  # the dispatcher waits for room or a drain
 
     @property
@@ -236,6 +243,7 @@ class Dispatcher:
         self._handler = handler
         self._lanes = [_Lane() for _ in range(concurrency)]
         self._workers: list[asyncio.Task[None]] = []
+        self._closing = False
 
     async def run(self) -> None:
         feed = self._feed
@@ -247,6 +255,11 @@ class Dispatcher:
                     return
                 await feed.handle(event, self._handler)
         self._workers = [asyncio.create_task(self._work(lane), context=lane.context) for lane in self._lanes]
+        for lane, task in zip(self._lanes, self._workers, strict=True):
+            lane.task = task
+        loop = asyncio.get_running_loop()
+        me = asyncio.current_task()
+        assert me is not None
         lanes = self._lanes
         n = len(lanes)
         native_lane = _native_lane
@@ -273,21 +286,35 @@ class Dispatcher:
                         continue
                     lane = lanes[at]
                     if not lane.events and not lane.handling:
-                        # An idle lane: start the handler here, in the lane's context, as an eager
-                        # task would. One that returns without awaiting is done (and acked) with
-                        # no hand-over; else the lane's task goes on with it.
+                        # An idle lane: start the handler here, in the lane's context and as the
+                        # lane's task, as an eager task would. One that returns without awaiting
+                        # is done (and acked) with no hand-over; else the lane's task goes on with
+                        # it. As the lane's task: what the handler's first step binds to the
+                        # current task (asyncio.timeout, a TaskGroup) is then the task that runs
+                        # the rest of it (bound to this one, a handler's timeout cancelled run()).
                         coro: Any = handler(event)
+                        worker: Any = lane.task
+                        _leave_task(loop, me)
+                        _enter_task(loop, worker)
                         try:
                             step = lane.context.run(coro.send, None)
                         except StopIteration:
+                            _leave_task(loop, worker)
+                            _enter_task(loop, me)
                             # feed._handled(event), inline: once per event.
                             delivery: Any = event._settler
                             if delivery.outcome == "pending":
                                 acked(delivery)
                             continue
-                        except Exception as e:
+                        except BaseException as e:
+                            _leave_task(loop, worker)
+                            _enter_task(loop, me)
+                            if not isinstance(e, Exception):
+                                raise
                             lane.push(_Started(event, None, None, e))  # retried (or dead-lettered) by the lane
                             continue
+                        _leave_task(loop, worker)
+                        _enter_task(loop, me)
                         lane.push(_Started(event, coro, step, None))
                         continue
                     while len(lane.events) >= LANE_DEPTH:
@@ -295,6 +322,7 @@ class Dispatcher:
                     lane.push(event)
             await self._drain()
         finally:
+            self._closing = True
             for w in self._workers:
                 w.cancel()
             await asyncio.gather(*self._workers, return_exceptions=True)
@@ -302,7 +330,19 @@ class Dispatcher:
     async def _work(self, lane: _Lane) -> None:
         feed, handler = self._feed, self._handler
         while True:
-            item = lane.events.popleft() if lane.events else await lane.next_event()
+            cancel: BaseException | None = None
+            if lane.events:
+                item = lane.events.popleft()
+            else:
+                try:
+                    item = await lane.next_event()
+                except asyncio.CancelledError as e:
+                    # A handler the dispatcher started as this task cancelled it (its timeout
+                    # expired at once, say) before this task took the handler over: the
+                    # cancellation is the handler's.
+                    if self._closing or not (lane.events and isinstance(lane.events[0], _Started)):
+                        raise
+                    item, cancel = lane.events.popleft(), e
             lane.handling = True
             try:
                 # feed.handle(event, handler), without its coroutine: once per event.
@@ -312,7 +352,7 @@ class Dispatcher:
                         if item.error is not None:
                             raise item.error
                         assert item.coro is not None
-                        await _Resume(item.coro, item.step)
+                        await _Resume(item.coro, item.step, cancel)
                     else:
                         event = item
                         if event._settler.state.revoked:  # type: ignore[union-attr]
