@@ -16,9 +16,7 @@ from typing import Any
 from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
 from aiokafka.errors import (
     KafkaError,
-    MessageSizeTooLargeError,
     ProducerFenced,
-    RecordTooLargeError,
 )
 from prometheus_client import CollectorRegistry
 
@@ -259,9 +257,10 @@ class Demux:
         backoff = self._failures.setdefault(tp, Backoff(initial=1.0, maximum=60.0))
         backoff.failures += 1
         delay = backoff.next_delay()
-        if isinstance(error, MessageSizeTooLargeError | RecordTooLargeError) and self._topics is not None:
-            # A topic's max.message.bytes was lowered after it was read: read the limits again,
-            # so the reopened worker sends what no longer fits to the DLQ instead of failing again.
+        if self._topics is not None:
+            # The output topics as they are now: a max.message.bytes lowered after it was read
+            # (what no longer fits goes to the DLQ instead of failing again), a topic deleted
+            # meanwhile (created again; its records timed out, and it stayed cached as there).
             self._topics.forget()
         if isinstance(error, ProducerFenced):
             # Another process owns the partition now; our consumer learns it at the

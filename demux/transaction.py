@@ -7,16 +7,16 @@ The transactional id is stable per source partition, so starting the producer
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import logging
 import time
 from typing import Any
 
 from aiokafka import AIOKafkaProducer, TopicPartition
+from aiokafka.errors import KafkaError, KafkaTimeoutError
 
 from demux.metrics import DemuxMetrics
-from walbus.aiokafka_shortcuts import OutputBatch, fenced
+from walbus.aiokafka_shortcuts import OutputBatch, drop_pending, fenced
 from walbus.kafka import DEFAULT_MAX_MESSAGE_BYTES, RECORD_OVERHEAD_BYTES
 
 log = logging.getLogger("walbus.demux")
@@ -24,6 +24,7 @@ log = logging.getLogger("walbus.demux")
 # A record batch holds at most this much (less when its topic's max.message.bytes is
 # smaller); a larger record, if its topic takes it, gets a batch of its own.
 BATCH_BYTES = 1_000_000
+STOP_S = 30.0  # a transactional producer's stop; then it is left behind (a new one fences it)
 
 Slot = tuple[str, int]  # (topic, partition)
 
@@ -139,7 +140,16 @@ class PartitionTransaction:
         futures, self._futures = self._futures, []
         started = time.monotonic()
         if futures:
-            await asyncio.gather(*(f for f, _ in futures))  # a failed batch must fail the commit
+            # A failed batch must fail the commit, and so must one never acknowledged: a batch
+            # for a topic deleted meanwhile waited forever, and with it every table of the
+            # partition (a fuzz). Past the transaction timeout the broker aborts it anyway.
+            acks = asyncio.gather(*(f for f, _ in futures))
+            try:
+                await asyncio.wait_for(acks, self._timeout_ms / 1000)
+            except TimeoutError:
+                raise KafkaTimeoutError(
+                    f"records of the transaction not acknowledged in {self._timeout_ms} ms (an output topic deleted?)"
+                ) from None
         if next_offset is not None:
             await producer.send_offsets_to_transaction({self.tp: next_offset}, self.group)
         await producer.commit_transaction()
@@ -175,11 +185,16 @@ class PartitionTransaction:
         self._futures.clear()
 
     async def stop(self) -> None:
+        """Release the producer. What it has not delivered was aborted or failed with the
+        transaction (a commit waits for every batch): dropped, so that stop() cannot wait on it."""
         self.discard()
         producer, self.producer = self.producer, None
         if producer is not None:
-            with contextlib.suppress(Exception):
-                await producer.stop()
+            drop_pending(producer, KafkaError("the partition's transaction ended without these records"))
+            try:
+                await asyncio.wait_for(producer.stop(), STOP_S)
+            except Exception as e:
+                log.warning("transactional producer did not stop cleanly", extra={"partition": self.tp.partition, "error": repr(e)})
 
 
 def _retrieve(fut: asyncio.Future[Any]) -> None:

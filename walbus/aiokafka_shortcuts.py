@@ -267,6 +267,24 @@ class NativeBatch(BatchBuilder):  # type: ignore[misc]
         return int(self._builder.record_count())
 
 
+def drop_pending(producer: AIOKafkaProducer, error: Exception) -> None:
+    """Fail every batch the producer has not delivered yet with ``error``: its ``stop()``
+    flushes them first, and one that can never be delivered (its topic deleted meanwhile)
+    held that stop forever (a fuzz). For a producer whose pending records nobody wants any
+    more (an aborted transaction's)."""
+    acc = getattr(producer, "_message_accumulator", None)
+    fail_all = getattr(acc, "fail_all", None)
+    if not callable(fail_all):
+        return
+    queued: Any = getattr(acc, "_batches", {})
+    batches = [b for q in queued.values() for b in q] + list(getattr(acc, "_pending_batches", ()))
+    fail_all(error)
+    for batch in batches:  # seen here, not logged as "Future exception was never retrieved"
+        for fut in (getattr(batch, "future", None), getattr(batch, "_drain_waiter", None)):
+            if isinstance(fut, asyncio.Future) and fut.done() and not fut.cancelled():
+                fut.exception()
+
+
 def _accumulator_settings(producer: AIOKafkaProducer) -> tuple[int, bool, int] | None:
     """(batch size, transactional, codec id) of the producer's batches when they are
     unserialized and uncompressed or LZ4 (what a NativeBatch builds), as its create_batch()

@@ -145,6 +145,34 @@ async def test_a_table_created_again_without_key_sends_its_rows_to_the_dlq(kafka
     assert [r.key for r in await read_records(kafka_bootstrap, f"{source}.public.other")] == [b'{"id":3}']
 
 
+async def test_a_table_topic_deleted_while_running_is_created_again(kafka_bootstrap: str, unique_name: str,
+                                                                    tmp_path: Path) -> None:
+    """Its batch could never be acknowledged: the commit waited for it forever, and every table of
+    the partition with it, SIGTERM unanswered (a fuzz). Now the commit fails after the
+    transaction timeout and the reopened worker creates the topic again."""
+    source = f"walbus.{unique_name}"
+    await create_topic(kafka_bootstrap, source)
+    row = {"id": 1, "n": 1}
+    await produce(kafka_bootstrap, source, [ev(0x100, 0, "insert", "public.a", ["id"], new=row, types=INTS),
+                                            ev(0x100, 1, "insert", "public.b", ["id"], new=row, types=INTS)], partition=0)
+    args = demux_args(kafka_bootstrap, source, tmp_path / "state", "--transaction-timeout-ms", "8000")
+    proc = DemuxProc(args, tmp_path / "demux.log").start()
+    try:
+        await wait_caught_up(kafka_bootstrap, demux_group(source), source, procs=[proc])
+        async with KafkaAdmin(client_kwargs={"bootstrap_servers": kafka_bootstrap}) as admin:
+            await admin.delete_topics([f"{source}.public.a"])
+        row = {"id": 2, "n": 2}
+        await produce(kafka_bootstrap, source, [ev(0x200, 0, "insert", "public.a", ["id"], new=row, types=INTS),
+                                                ev(0x200, 1, "insert", "public.b", ["id"], new=row, types=INTS)],
+                      partition=0)
+        await wait_caught_up(kafka_bootstrap, demux_group(source), source, within=90, procs=[proc])
+    finally:
+        assert proc.stop() == 0, proc.log_tail()
+    assert [r.key for r in await read_records(kafka_bootstrap, f"{source}.public.a")] == [b'{"id":2}']
+    assert [r.key for r in await read_records(kafka_bootstrap, f"{source}.public.b")] == [b'{"id":1}', b'{"id":2}']
+    assert "never retrieved" not in proc.log_tail(200_000)
+
+
 def _text(size: int, seed: int) -> str:
     """Incompressible text of ``size`` characters."""
     rnd = random.Random(seed)
