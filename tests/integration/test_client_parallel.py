@@ -7,6 +7,7 @@ import contextvars
 import itertools
 import random
 from collections import defaultdict
+from collections.abc import Awaitable
 
 import pytest
 
@@ -165,6 +166,29 @@ async def test_a_handlers_timeout_and_task_group_are_its_own(kafka_bootstrap: st
     kinds = [c.seq % 4 for c in changes]
     assert outcomes == {"timeout": kinds.count(0) + kinds.count(1), "group": kinds.count(2), "plain": kinds.count(3)}
     assert feed.stats.dead_letters == 0
+
+
+async def test_a_handler_may_return_any_awaitable(kafka_bootstrap: str, unique_name: str) -> None:
+    """A handler returning a gather (not a coroutine): started by hand on an idle lane, send()
+    on it failed the event, which was retried while its work had run already (a client fuzz)."""
+    changes = workload(random.Random(13), 40, TABLES)
+    await create_topic(kafka_bootstrap, unique_name)
+    await produce(kafka_bootstrap, unique_name, [c.record() for c in changes])
+    done: list[tuple[int, int]] = []
+
+    async def work(event: FeedEvent) -> None:
+        await asyncio.sleep(0.001)
+        done.append(event.position)
+
+    def handler(event: FeedEvent) -> Awaitable[None]:
+        return asyncio.gather(work(event))  # type: ignore[return-value]
+
+    feed = Feed(unique_name, group_id=unique_name + "-g", start="earliest", bootstrap_servers=kafka_bootstrap,
+                until_end=True, retry=RetryPolicy(attempts=1))
+    async with feed, asyncio.timeout(60):
+        await feed.run(handler, concurrency=4)
+    assert sorted(done) == [c.position for c in changes]  # each once
+    assert feed.stats.retries == 0 and feed.stats.dead_letters == 0
 
 
 async def test_members_share_a_group_over_a_multi_partition_topic(kafka_bootstrap: str, unique_name: str) -> None:

@@ -16,6 +16,7 @@ import contextvars
 from asyncio.tasks import _enter_task, _leave_task
 from collections import deque
 from collections.abc import Awaitable, Callable, Coroutine, Generator, Hashable
+from types import CoroutineType
 from typing import TYPE_CHECKING, Any
 
 from walbus.client.event import FeedEvent
@@ -44,6 +45,10 @@ class _Started:
 
     def __init__(self, event: FeedEvent, coro: Coroutine[Any, Any, Any] | None, step: Any, error: Exception | None) -> None:
         self.event, self.coro, self.step, self.error = event, coro, step, error
+
+
+async def _awaiting(awaitable: Awaitable[Any]) -> Any:
+    return await awaitable
 
 
 class _Resume:
@@ -293,6 +298,10 @@ class Dispatcher:
                         # current task (asyncio.timeout, a TaskGroup) is then the task that runs
                         # the rest of it (bound to this one, a handler's timeout cancelled run()).
                         coro: Any = handler(event)
+                        if type(coro) is not CoroutineType:
+                            # Any awaitable is a handler's result (a gather, a Task): started by
+                            # hand it must be a coroutine (send() on a Future failed the event).
+                            coro = _awaiting(coro)
                         worker: Any = lane.task
                         _leave_task(loop, me)
                         _enter_task(loop, worker)
