@@ -58,19 +58,27 @@ class OffsetStore:
             self._producer = None
 
     async def _load(self) -> dict[str, Any]:
+        doc, self.others = await self._read()
+        return doc
+
+    async def _read(self, until: int | None = None) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+        """This slot's document and the others', from the progress topic's start to its end
+        (or to ``until``, not included)."""
         consumer = AIOKafkaConsumer(**self._kwargs, enable_auto_commit=False, auto_offset_reset="earliest")
         await consumer.start()
         try:
             tp = TopicPartition(self.topic, 0)
             consumer.assign([tp])
             await consumer.seek_to_beginning(tp)
-            end = (await consumer.end_offsets([tp]))[tp]
+            end = (await consumer.end_offsets([tp]))[tp] if until is None else until
             key = self.slot.encode()
             doc: dict[str, Any] = {}
             others: dict[str, dict[str, Any]] = {}
             while await consumer.position(tp) < end:
                 batch = await consumer.getmany(tp, timeout_ms=1000)
                 for m in batch.get(tp, []):
+                    if m.offset >= end:
+                        break
                     if m.key == key:
                         doc = orjson.loads(m.value) if m.value else {}
                     elif m.key is not None:
@@ -80,17 +88,29 @@ class OffsetStore:
                             others[name] = other
                         else:
                             others.pop(name, None)  # a tombstone: that slot's record was removed
-            self.others = others
-            return doc
+            return doc, others
         finally:
             await consumer.stop()
 
-    async def save(self) -> None:
-        """Write the whole document (acknowledged by every in-sync replica before returning)."""
+    async def save(self) -> int:
+        """Write the whole document (acknowledged by every in-sync replica before returning);
+        its offset in the progress topic."""
         assert self._producer is not None, "OffsetStore.start() first"
         self.doc["v"] = 1
         self.doc["slot"] = self.slot
-        await self._producer.send_and_wait(self.topic, key=self.slot.encode(), value=orjson.dumps(self.doc))
+        md = await self._producer.send_and_wait(self.topic, key=self.slot.encode(), value=orjson.dumps(self.doc))
+        return int(md.offset)
+
+    async def delete(self) -> None:
+        """Remove this slot's document (a tombstone)."""
+        assert self._producer is not None, "OffsetStore.start() first"
+        self.doc = {}
+        await self._producer.send_and_wait(self.topic, key=self.slot.encode(), value=None)
+
+    async def others_before(self, offset: int) -> dict[str, dict[str, Any]]:
+        """The other slots' documents as the progress topic had them before ``offset``."""
+        _, others = await self._read(until=offset)
+        return others
 
     async def topic_last_position(self, topic: str, partitions: int, *, tail: int = 100) -> tuple[int, int] | None:
         """The highest event position (commit LSN, seq) among the last ``tail`` records of each

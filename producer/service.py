@@ -183,29 +183,7 @@ class Producer:
         drop by position. The source is recorded in this slot's progress document."""
         cfg = self.config
         capture = capture_settings(cfg)
-        for slot, doc in sorted(offsets.others.items()):
-            source = doc.get("source")
-            if isinstance(source, dict) and not setup.same_source(source, self._source):
-                raise ConfigError(
-                    f"topic {cfg.topic_name} is written by the producer of another database ({source.get('database')!r}, "
-                    f"system {source.get('system')}, slot {slot!r}, recorded in {offsets.topic}): its positions and this "
-                    f"database's would interleave and consumers would drop events. Give this database a topic of its own "
-                    f"(--topic), or, if that producer is gone for good, delete its record (key {slot!r}) from {offsets.topic}"
-                )
-            # Another slot of this database repeats its events only when it captures the same:
-            # seq numbers a transaction's captured changes, so under other filters one position
-            # names two different events, and consumers kept whichever came first (a fuzz).
-            theirs = doc.get("capture")
-            if isinstance(source, dict) and isinstance(theirs, dict) and theirs != capture:
-                differ = sorted(k for k in set(capture) | set(theirs) if capture.get(k) != theirs.get(k))
-                raise ConfigError(
-                    f"topic {cfg.topic_name} is written by another producer of this database (slot {slot!r}, recorded in "
-                    f"{offsets.topic}) that captures otherwise ({', '.join('--' + k.replace('_', '-') for k in differ)}: "
-                    f"theirs {[theirs.get(k) for k in differ]}, ours {[capture.get(k) for k in differ]}): one position would "
-                    f"name two different events and consumers would drop one. Capture the same, give this producer a topic "
-                    f"of its own (--topic), or, if that producer is gone for good, delete its record (key {slot!r}) from "
-                    f"{offsets.topic}"
-                )
+        self._check_claims(offsets.others, offsets.topic, capture)
         partitions = partitions_to_write(self._partitions, offsets.doc, offsets.others, repartition=cfg.repartition)
         if partitions != self._partitions:
             log.warning(
@@ -217,8 +195,48 @@ class Producer:
             self._partitions = partitions
         recorded = {"source": self._source, "partitions": partitions, "capture": capture}
         if any(offsets.doc.get(k) != v for k, v in recorded.items()):
+            previous = dict(offsets.doc)
             offsets.doc.update(recorded)
-            await offsets.save()
+            at = await offsets.save()
+            # Two producers starting at once both passed the check above before either wrote
+            # its claim (a fuzz): the progress log's order decides. The claims written before
+            # ours are read again; if one conflicts, ours is taken back and this one stops.
+            try:
+                self._check_claims(await offsets.others_before(at), offsets.topic, capture)
+            except ConfigError:
+                offsets.doc = previous
+                if previous:
+                    await offsets.save()
+                else:
+                    await offsets.delete()
+                raise
+
+    def _check_claims(self, others: dict[str, dict[str, Any]], offsets_topic: str, capture: dict[str, Any]) -> None:
+        """ConfigError when another slot's record on the topic forbids this producer there."""
+        cfg = self.config
+        for slot, doc in sorted(others.items()):
+            source = doc.get("source")
+            if isinstance(source, dict) and not setup.same_source(source, self._source):
+                raise ConfigError(
+                    f"topic {cfg.topic_name} is written by the producer of another database ({source.get('database')!r}, "
+                    f"system {source.get('system')}, slot {slot!r}, recorded in {offsets_topic}): its positions and this "
+                    f"database's would interleave and consumers would drop events. Give this database a topic of its own "
+                    f"(--topic), or, if that producer is gone for good, delete its record (key {slot!r}) from {offsets_topic}"
+                )
+            # Another slot of this database repeats its events only when it captures the same:
+            # seq numbers a transaction's captured changes, so under other filters one position
+            # names two different events, and consumers kept whichever came first (a fuzz).
+            theirs = doc.get("capture")
+            if isinstance(source, dict) and isinstance(theirs, dict) and theirs != capture:
+                differ = sorted(k for k in set(capture) | set(theirs) if capture.get(k) != theirs.get(k))
+                raise ConfigError(
+                    f"topic {cfg.topic_name} is written by another producer of this database (slot {slot!r}, recorded in "
+                    f"{offsets_topic}) that captures otherwise ({', '.join('--' + k.replace('_', '-') for k in differ)}: "
+                    f"theirs {[theirs.get(k) for k in differ]}, ours {[capture.get(k) for k in differ]}): one position would "
+                    f"name two different events and consumers would drop one. Capture the same, give this producer a topic "
+                    f"of its own (--topic), or, if that producer is gone for good, delete its record (key {slot!r}) from "
+                    f"{offsets_topic}"
+                )
 
     # -- running ------------------------------------------------------------------------------
 

@@ -264,6 +264,45 @@ async def test_another_slot_capturing_otherwise_is_refused(pg_dsn: str, kafka_bo
     assert [e["values"] for e in events(records)][-1] == [2]
 
 
+async def test_of_two_claims_written_at_once_the_later_one_stops(pg_dsn: str, kafka_bootstrap: str, unique_name: str) -> None:
+    # Two databases' producers started at the same moment: each read the progress topic before
+    # the other wrote its claim, and both went on into one topic (a fuzz). Here another
+    # database's claim lands between this producer's reading and its writing.
+    from aiokafka import AIOKafkaProducer
+
+    from producer import setup
+    from producer.config import ProducerConfig
+    from producer.offsets import OffsetStore
+    from producer.service import Producer
+
+    cfg = ProducerConfig(pg_dsn=pg_dsn, kafka_bootstrap=kafka_bootstrap, topic=unique_name, slot=f"{unique_name}_a")
+    producer = Producer(cfg)
+    with setup.connect(pg_dsn) as conn:
+        producer._source = setup.source_identity(conn)
+    offsets = OffsetStore({"bootstrap_servers": kafka_bootstrap}, unique_name, cfg.slot_name)
+    await offsets.start()
+    try:
+        assert offsets.others == {}  # nobody there yet
+        other = {"v": 1, "slot": "theirs", "source": {"system": "1", "database_oid": 1, "database": "elsewhere"}}
+        raw = AIOKafkaProducer(bootstrap_servers=kafka_bootstrap, acks="all")
+        await raw.start()
+        try:
+            await raw.send_and_wait(offsets.topic, key=b"theirs", value=orjson.dumps(other))
+        finally:
+            await raw.stop()
+        with pytest.raises(ConfigError, match="written by the producer of another database \\('elsewhere'"):
+            await producer._claim_topic(offsets)
+        # Its claim is taken back: the other producer's next start does not meet it.
+        again = OffsetStore({"bootstrap_servers": kafka_bootstrap}, unique_name, "theirs")
+        await again.start()
+        try:
+            assert again.others == {}
+        finally:
+            await again.stop()
+    finally:
+        await offsets.stop()
+
+
 async def test_a_topic_name_kafka_refuses_is_a_configuration_error(pg_dsn: str, kafka_bootstrap: str, unique_name: str) -> None:
     # The database topic "walbus.x_public_t" collides, for Kafka, with database x's table
     # topic "walbus.x.public.t": the producer died with a traceback (exit 1), not exit 2.
