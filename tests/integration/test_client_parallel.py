@@ -191,6 +191,42 @@ async def test_a_handler_may_return_any_awaitable(kafka_bootstrap: str, unique_n
     assert feed.stats.retries == 0 and feed.stats.dead_letters == 0
 
 
+async def test_a_handler_cancelling_itself_or_raising_at_once(kafka_bootstrap: str, unique_name: str) -> None:
+    """With events buffered before run() starts, a handler started as a lane's task that had not
+    run yet and cancelling itself killed that task (run() raised CancelledError); a plain
+    function raising before it returns an awaitable left run() (a re-fuzz)."""
+    changes = workload(random.Random(17), 40, TABLES)
+    await create_topic(kafka_bootstrap, unique_name)
+    await produce(kafka_bootstrap, unique_name, [c.record() for c in changes])
+    failing = changes[5].position
+    handled: list[tuple[int, int]] = []
+
+    async def cancels_itself(event: FeedEvent) -> None:
+        me = asyncio.current_task()
+        assert me is not None
+        me.cancel()
+        try:
+            await asyncio.sleep(0)
+        except asyncio.CancelledError:
+            me.uncancel()
+        handled.append(event.position)
+
+    def raises_at_once(event: FeedEvent) -> Awaitable[None]:
+        if event.position == failing and event.attempt == 1:
+            raise RuntimeError("not now")
+        return cancels_itself(event)
+
+    feed = Feed(unique_name, group_id=unique_name + "-g", start="earliest", bootstrap_servers=kafka_bootstrap,
+                until_end=True, retry=RetryPolicy(attempts=3, initial=0.01, maximum=0.02))
+    async with feed, asyncio.timeout(60):
+        async for first in feed:  # the feed holds buffered events when run() starts
+            handled.append(first.position)
+            break
+        await feed.run(raises_at_once, concurrency=4)
+    assert sorted(handled) == [c.position for c in changes]
+    assert feed.stats.retries == 1 and feed.stats.dead_letters == 0
+
+
 async def test_members_share_a_group_over_a_multi_partition_topic(kafka_bootstrap: str, unique_name: str) -> None:
     changes = workload(random.Random(32), 60, TABLES)
     await create_topic(kafka_bootstrap, unique_name, partitions=3)

@@ -262,6 +262,9 @@ class Dispatcher:
         self._workers = [asyncio.create_task(self._work(lane), context=lane.context) for lane in self._lanes]
         for lane, task in zip(self._lanes, self._workers, strict=True):
             lane.task = task
+        # Each lane's task to its first wait: a handler started as one that has not run yet, and
+        # cancelling it (its own task.cancel()), would kill it before it took the handler over.
+        await asyncio.sleep(0)
         loop = asyncio.get_running_loop()
         me = asyncio.current_task()
         assert me is not None
@@ -297,15 +300,15 @@ class Dispatcher:
                         # it. As the lane's task: what the handler's first step binds to the
                         # current task (asyncio.timeout, a TaskGroup) is then the task that runs
                         # the rest of it (bound to this one, a handler's timeout cancelled run()).
-                        coro: Any = handler(event)
-                        if type(coro) is not CoroutineType:
-                            # Any awaitable is a handler's result (a gather, a Task): started by
-                            # hand it must be a coroutine (send() on a Future failed the event).
-                            coro = _awaiting(coro)
                         worker: Any = lane.task
                         _leave_task(loop, me)
                         _enter_task(loop, worker)
                         try:
+                            # A plain function may raise at once, or return any awaitable (a
+                            # gather, a Task): started by hand it must be a coroutine.
+                            coro: Any = lane.context.run(handler, event)
+                            if type(coro) is not CoroutineType:
+                                coro = _awaiting(coro)
                             step = lane.context.run(coro.send, None)
                         except StopIteration:
                             _leave_task(loop, worker)
