@@ -26,13 +26,14 @@ pytestmark = pytest.mark.integration
 ROW = (b'{"id":1}', orjson.dumps({"id": 1, "v": "a table's row", "__op": "c"}))
 
 
-async def _send(bootstrap: str, topic: str, records: list[tuple[bytes, bytes, list[tuple[str, bytes]]]]) -> None:
-    await create_topic(bootstrap, topic)
+async def _send(bootstrap: str, topic: str, records: list[tuple[bytes, bytes, list[tuple[str, bytes]]]],
+                partitions: list[int] | None = None) -> None:
+    await create_topic(bootstrap, topic, partitions=1 + max(partitions or [0]))
     producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all", enable_idempotence=True)
     await producer.start()
     try:
-        for key, value, headers in records:
-            await producer.send_and_wait(topic, key=key, value=value, headers=headers, partition=0)
+        for (key, value, headers), partition in zip(records, partitions or [0] * len(records), strict=True):
+            await producer.send_and_wait(topic, key=key, value=value, headers=headers, partition=partition)
     finally:
         await producer.stop()
 
@@ -82,27 +83,29 @@ async def test_what_a_group_left_in_the_earlier_names_is_listed_and_moved(kafka_
         assert key is not None and value is not None
         return key, value, dead_letter_headers(error=f"E{i}", attempts=3, group=group, origin=Origin(unique_name, 0, i))
 
-    # The earlier dead-letter topic: another group's letter and a table's row beside this
-    # group's two letters, one of them replayed already (the replay group's offset, as before).
+    # The earlier dead-letter topic, a table's topic of 3 partitions: another group's letter and
+    # a table's row beside this group's two letters (the earlier writer spread them by key;
+    # reading partition 0 alone missed them, a re-fuzz), one of them replayed already (the
+    # replay group's offset, as before).
     other = (*letter(0)[:2], dead_letter_headers(error="X", attempts=1, group="other", origin=Origin(unique_name, 0, 0)))
-    await _send(kafka_bootstrap, earlier_dlq, [(*ROW, []), other, letter(1), letter(2)])
+    await _send(kafka_bootstrap, earlier_dlq, [(*ROW, []), other, letter(1), letter(2)], partitions=[0, 0, 1, 2])
     # The earlier replay topic: two replayed events, the group read the first.
     await _send(kafka_bootstrap, earlier_replay, [letter(1), letter(3)])
 
-    async def commit(grp: str, topic: str, offset: int) -> None:
+    async def commit(grp: str, topic: str, offset: int, partition: int = 0) -> None:
         consumer = AIOKafkaConsumer(bootstrap_servers=kafka_bootstrap, group_id=grp, enable_auto_commit=False)
         await consumer.start()
         try:
-            consumer.assign([TopicPartition(topic, 0)])
-            await consumer.commit({TopicPartition(topic, 0): offset})
+            consumer.assign([TopicPartition(topic, partition)])
+            await consumer.commit({TopicPartition(topic, partition): offset})
         finally:
             await consumer.stop()
 
-    await commit(f"{group}.dlq-replay", earlier_dlq, 3)
+    await commit(f"{group}.dlq-replay", earlier_dlq, 1, partition=1)
     await commit(group, earlier_replay, 1)
     kw = {"bootstrap_servers": kafka_bootstrap}
     listed = await list_dead_letters(kw, unique_name, group)
-    assert [(d.topic, d.offset, d.error) for d in listed] == [(earlier_dlq, 2, "E1"), (earlier_dlq, 3, "E2")]
+    assert [(d.topic, d.offset, d.error) for d in listed] == [(earlier_dlq, 0, "E1"), (earlier_dlq, 0, "E2")]
 
     replayed = await replay_dead_letters(kw, unique_name, group)
     assert [d.error for d in replayed] == ["E2"]

@@ -41,6 +41,7 @@ from walbus.kafka import (
     KafkaAdmin,
     TopicSpec,
     cut_to_fit,
+    topic_partitions,
 )
 from walbus.retry import Backoff
 
@@ -229,22 +230,25 @@ class DeadLetterWriter:
 
 async def _read_all(kwargs: Mapping[str, Any], topic: str, *, group: str | None = None,
                     start_group: str | None = None) -> tuple[list[Any], AIOKafkaConsumer]:
-    """Partition 0 of ``topic`` from ``group``'s committed offset (else from ``start_group``'s,
-    else from the beginning) to its end, and the consumer (to commit; the caller stops it)."""
+    """Every partition of ``topic`` (a group's own topics have one; an earlier name may be a
+    table's topic of several) from ``group``'s committed offset (else from ``start_group``'s,
+    else from the beginning) to its end, partition after partition, and the consumer (to
+    commit; the caller stops it)."""
+    tps = await topic_partitions(kwargs, topic, wait=False)
     consumer = AIOKafkaConsumer(**kwargs, group_id=group, enable_auto_commit=False, auto_offset_reset="earliest", isolation_level="read_committed")
     try:
         await consumer.start()
-        tp = TopicPartition(topic, 0)
-        consumer.assign([tp])
-        if start_group is not None and group is not None and await consumer.committed(tp) is None:
-            start = await committed_offset(kwargs, start_group, tp)
-            if start is not None:
-                consumer.seek(tp, start)
-        end = (await consumer.end_offsets([tp]))[tp]
+        consumer.assign(tps)
         out: list[Any] = []
-        while await consumer.position(tp) < end:
-            batches = await consumer.getmany(tp, timeout_ms=1000)
-            out += [m for m in batches.get(tp, []) if m.offset < end]
+        for tp in tps:
+            if start_group is not None and group is not None and await consumer.committed(tp) is None:
+                start = await committed_offset(kwargs, start_group, tp)
+                if start is not None:
+                    consumer.seek(tp, start)
+            end = (await consumer.end_offsets([tp]))[tp]
+            while await consumer.position(tp) < end:
+                batches = await consumer.getmany(tp, timeout_ms=1000)
+                out += [m for m in batches.get(tp, []) if m.offset < end]
         return out, consumer
     except BaseException:
         await consumer.stop()
@@ -327,7 +331,7 @@ async def replay_dead_letters(client_kwargs: Mapping[str, Any], topic: str, grou
             else:
                 out += [_decode(m) for m in copies]
             if msgs:
-                await consumer.commit({TopicPartition(name, 0): msgs[-1].offset + 1})
+                await consumer.commit({TopicPartition(name, m.partition): m.offset + 1 for m in msgs})
         finally:
             await consumer.stop()
     return out
