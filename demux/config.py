@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from walbus.config import ConfigError, load_config, option
+from walbus.config import INT32_MAX, PORT_MAX, ConfigError, load_config, option
 from walbus.contract import demux_group, side_topic, topic_name_error, unescape_topic_part
 from walbus.kafka import DEFAULT_MAX_MESSAGE_BYTES, KafkaOptions
 from walbus.metrics import DEFAULT_METRICS_ADDR
@@ -46,19 +46,19 @@ class DemuxConfig(KafkaOptions):
         "walbus-demux-state", help="directory of the last-row stores (SQLite, one per source partition)",
         env="legacy",
     )
-    txn_max_records: int = option(20000, help="commit the Kafka transaction after this many source records")
-    txn_max_ms: int = option(200, help="... or after this many milliseconds, whichever comes first")
-    topic_partitions: int = option(1, help="partitions of the per-table topics created by the demux")
+    txn_max_records: int = option(20000, minimum=1, maximum=INT32_MAX, help="commit the Kafka transaction after this many source records")
+    txn_max_ms: int = option(200, minimum=1, maximum=INT32_MAX, help="... or after this many milliseconds, whichever comes first")
+    topic_partitions: int = option(1, minimum=1, maximum=INT32_MAX, help="partitions of the per-table topics created by the demux")
     topic_replication_factor: int | None = option(
-        None, help="replication factor of the topics created by the demux (default: 3 with min.insync.replicas=2 "
+        None, minimum=1, maximum=32767, help="replication factor of the topics created by the demux (default: 3 with min.insync.replicas=2 "
         "on a cluster of 3+ brokers, else 1)"
     )
-    min_compaction_lag_ms: int | None = option(None, help="min.compaction.lag.ms of created per-table topics")
-    delete_retention_ms: int | None = option(None, help="delete.retention.ms of created per-table topics (tombstone lifetime)")
-    segment_ms: int | None = option(None, help="segment.ms of created per-table topics")
-    session_timeout_ms: int = option(10000, help="consumer group session timeout")
-    transaction_timeout_ms: int = option(60000, help="Kafka transaction timeout (an orphaned transaction is aborted after it)")
-    metrics_port: int | None = option(None, help="serve Prometheus /metrics, /healthz and /readyz on this port", env="legacy")
+    min_compaction_lag_ms: int | None = option(None, minimum=0, maximum=2**63 - 1, help="min.compaction.lag.ms of created per-table topics")
+    delete_retention_ms: int | None = option(None, minimum=0, maximum=2**63 - 1, help="delete.retention.ms of created per-table topics (tombstone lifetime)")
+    segment_ms: int | None = option(None, minimum=1, maximum=2**63 - 1, help="segment.ms of created per-table topics")
+    session_timeout_ms: int = option(10000, minimum=1, maximum=INT32_MAX, help="consumer group session timeout")
+    transaction_timeout_ms: int = option(60000, minimum=1, maximum=INT32_MAX, help="Kafka transaction timeout (an orphaned transaction is aborted after it)")
+    metrics_port: int | None = option(None, minimum=0, maximum=PORT_MAX, help="serve Prometheus /metrics, /healthz and /readyz on this port", env="legacy")
     metrics_addr: str = option(DEFAULT_METRICS_ADDR, help="address the metrics port binds (0.0.0.0: every interface)")
     log_level: str = option("info", help="log level", choices=LOG_LEVELS)
 

@@ -7,7 +7,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from walbus.config import ConfigError, load_config, option, parse_dsn
+from walbus.config import INT32_MAX, PORT_MAX, ConfigError, load_config, option, parse_dsn
 from walbus.contract import MAX_DATABASE_TOPIC_LENGTH, database_topic, topic_name_error
 from walbus.kafka import KafkaOptions
 from walbus.metrics import DEFAULT_METRICS_ADDR
@@ -38,43 +38,43 @@ class ProducerConfig(KafkaOptions):
     publication: str | None = option(None, help="pgoutput publication (default walbus_<database>), created if missing")
     topic: str | None = option(None, help="database topic (default <topic-prefix>.<database>)")
     topic_prefix: str = option("walbus", help="prefix of the default topic name")
-    partitions: int = option(1, help="partitions of the database topic when it is created (1: one total order)")
+    partitions: int = option(1, minimum=1, maximum=INT32_MAX, help="partitions of the database topic when it is created (1: one total order)")
     repartition: bool = option(
         False, help="write over every partition the database topic has now, not the count recorded at its first start "
         "(after partitions were added: stop the producer, let the demux and every Feed reach the topic's end, then start "
         "it once with this flag)", env="command",
     )
     replication_factor: int | None = option(
-        None, help="replication factor of the topics when created (default: 3 with min.insync.replicas=2 on a cluster of 3+ brokers, else 1)"
+        None, minimum=1, maximum=32767, help="replication factor of the topics when created (default: 3 with min.insync.replicas=2 on a cluster of 3+ brokers, else 1)"
     )
     tables: list[str] = option([], help="include list: table patterns (docs/contract.md), comma-separated")
     exclude_tables: list[str] = option([], help="exclude list: table patterns")
     exclude_columns: list[str] = option([], help="schema.table.column patterns left out of events")
     mask_columns: list[str] = option([], help="schema.table.column patterns whose values are replaced by ****")
     heartbeat_interval: float = option(
-        10.0, help="seconds between heartbeat records on <topic>.heartbeat (and confirmations of the server's position while "
+        10.0, minimum=0, maximum=86400, help="seconds between heartbeat records on <topic>.heartbeat (and confirmations of the server's position while "
         "captured tables are idle); 0: no heartbeat records, the position is still confirmed every 10 s",
     )
     heartbeat_action_query: str | None = option(
         None, help="SQL run on a normal connection at each heartbeat (e.g. an UPDATE of a heartbeat table, so that the slot of "
         "a quiet database advances); a failure is logged, counted and tried again at the next beat",
     )
-    metrics_port: int = option(0, help="serve Prometheus /metrics, /healthz and /readyz on this port (0: off)", env="legacy")
+    metrics_port: int = option(0, minimum=0, maximum=PORT_MAX, help="serve Prometheus /metrics, /healthz and /readyz on this port (0: off)", env="legacy")
     metrics_addr: str = option(DEFAULT_METRICS_ADDR, help="address the metrics port binds (0.0.0.0: every interface)")
     drop_slot_on_exit: bool = option(False, help="drop the replication slot when the producer exits")
     transaction_metadata: bool = option(False, help="emit BEGIN/END records on <topic>.transaction")
-    max_batch_bytes: int = option(1 << 20, help="Kafka record batch size in bytes")
-    max_in_flight: int = option(8, help="unacknowledged Kafka batches before reading pauses (backpressure)")
+    max_batch_bytes: int = option(1 << 20, minimum=1024, maximum=INT32_MAX, help="Kafka record batch size in bytes")
+    max_in_flight: int = option(8, minimum=1, maximum=1000, help="unacknowledged Kafka batches before reading pauses (backpressure)")
     compression: str = option("none", help="Kafka batch compression (lz4, zstd, snappy and gzip; all but gzip need the cramjam package; lz4 batches are built natively, at a fraction of the cost)", choices=["none", "gzip", "lz4", "zstd", "snappy"])
-    kafka_request_timeout_ms: int = option(30000, help="how long a Kafka batch may wait for its acknowledgement before the stream restarts")
-    retry_attempts: int = option(0, help="reconnect attempts after a transient fault (0: forever)")
-    retry_max_delay: float = option(60.0, help="longest backoff between reconnects, seconds")
+    kafka_request_timeout_ms: int = option(30000, minimum=1, maximum=INT32_MAX, help="how long a Kafka batch may wait for its acknowledgement before the stream restarts")
+    retry_attempts: int = option(0, minimum=0, help="reconnect attempts after a transient fault (0: forever)")
+    retry_max_delay: float = option(60.0, minimum=0.001, maximum=86400, help="longest backoff between reconnects, seconds")
     snapshot_mode: str = option(
         "initial", help="when to read the tables at start (Debezium's snapshot.mode; docs/operations.md)",
         choices=list(SNAPSHOT_MODES),
     )
-    snapshot_workers: int = option(1, help="parallel connections reading the initial snapshot")
-    snapshot_fetch_rows: int = option(10000, help="rows fetched per round trip while snapshotting")
+    snapshot_workers: int = option(1, minimum=1, maximum=256, help="parallel connections reading the initial snapshot")
+    snapshot_fetch_rows: int = option(10000, minimum=1, maximum=INT32_MAX, help="rows fetched per round trip while snapshotting")
     key_columns: str | None = option(
         None, help="message key columns per table, Debezium's message.key.columns: 'public.orders:col1,col2;inventory.*:sku' "
         "(table patterns as --tables; a name holding , : ; or a dot in double quotes)",
@@ -83,9 +83,9 @@ class ProducerConfig(KafkaOptions):
     signal_topic: str | None = option(
         None, help="Kafka topic of signals (records keyed with the database topic's name), created with one partition if missing",
     )
-    incremental_chunk_size: int = option(1024, help="rows per incremental-snapshot chunk")
+    incremental_chunk_size: int = option(1024, minimum=1, maximum=INT32_MAX, help="rows per incremental-snapshot chunk")
     incremental_filter_timeout: float = option(
-        300.0, help="seconds one query of a table with an additional-conditions filter may run; longer fails the table (0: no limit)",
+        300.0, minimum=0, maximum=INT32_MAX, help="seconds one query of a table with an additional-conditions filter may run; longer fails the table (0: no limit)",
     )
     log_level: str = option("info", help="debug, info, warning or error")
 

@@ -28,7 +28,7 @@ import types
 import typing
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Final, TypeVar
 
 ENV_PREFIX = "WALBUS_"
 ENV_SCOPES = ("shared", "command", "legacy")
@@ -38,6 +38,10 @@ _KV_SPLIT = re.compile(r",(?=\s*[A-Za-z_][\w.\-]*=)")
 log = logging.getLogger("walbus.config")
 
 T = TypeVar("T")
+
+
+PORT_MAX: Final = 65535
+INT32_MAX: Final = 2**31 - 1  # Kafka's int settings (timeouts in ms, partitions)
 
 
 class ConfigError(Exception):
@@ -53,17 +57,21 @@ def option(
     short: str | None = None,
     env: str = "shared",
     key_values: bool = False,
+    minimum: float | None = None,
+    maximum: float | None = None,
 ) -> Any:
     """Declare a config field. Fields without a default are required.
 
     ``env``: shared (``WALBUS_<OPTION>`` is read by every command), command (only
     ``WALBUS_<COMMAND>_<OPTION>``) or legacy (the shared name still read, deprecated).
-    ``key_values``: a list of key=value items whose values may hold commas."""
+    ``key_values``: a list of key=value items whose values may hold commas.
+    ``minimum``, ``maximum``: the range a number must be in (a ConfigError outside it)."""
     if env not in ENV_SCOPES:
         raise ValueError(f"env must be one of {ENV_SCOPES}")
     meta = {
         "help": help, "choices": tuple(choices) if choices else None, "secret": secret, "short": short,
-        "env": env, "key_values": key_values,
+        "env": env, "key_values": key_values, "minimum": minimum,
+        "maximum": maximum,
     }
     if isinstance(default, list):
         items = list(default)
@@ -263,14 +271,29 @@ def load_config(
     if missing:
         hints_text = ", ".join(f"{flag_name(m)} / {env_name(m)}" for m in missing)
         raise ConfigError(f"missing required option(s): {hints_text}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
     for name, v in values.items():
-        choices = next(f.metadata.get("choices") for f in dataclasses.fields(cls) if f.name == name)  # type: ignore[arg-type]
+        choices = fields[name].metadata.get("choices")
         if choices and v not in choices:
             raise ConfigError(f"{flag_name(name)}: {v!r} is not one of {', '.join(choices)}")
+        _check_number(name, v, fields[name].metadata.get("minimum"), fields[name].metadata.get("maximum"))
     try:
         return cls(**values)
     except (TypeError, ValueError) as e:
         raise ConfigError(str(e)) from None
+
+
+def _check_number(name: str, value: Any, minimum: float | None, maximum: float | None) -> None:
+    """A number option's value: never NaN (it compares false with everything: a limit that
+    never holds), within its range (a 0 that stalled a service, a port past 65535)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return
+    if value != value:
+        raise ConfigError(f"{flag_name(name)}: NaN is not a number of anything")
+    if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
+        low = "" if minimum is None else f"at least {minimum:g}"
+        high = "" if maximum is None else f"at most {maximum:g}"
+        raise ConfigError(f"{flag_name(name)}: {value!r} is out of range (it must be {' and '.join(x for x in (low, high) if x)})")
 
 
 def _env_key(f: dataclasses.Field[Any], env: Mapping[str, str], command: str | None) -> str | None:

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from walbus.config import ConfigError, load_config, option
+from walbus.config import INT32_MAX, ConfigError, load_config, option
 from walbus.contract import ContractError, Lsn, NameMatcher
 from walbus.kafka import KafkaOptions
 from walbus.logs import setup_logging
@@ -46,7 +46,7 @@ class SparkOptions:
         None, help="Spark master (local[2], yarn, spark://…, k8s://…); default: spark-submit's or local[*]"
     )
     driver_memory: str = option("1g", help="spark.driver.memory when this command starts the driver")
-    shuffle_partitions: int = option(4, help="spark.sql.shuffle.partitions")
+    shuffle_partitions: int = option(4, minimum=1, maximum=INT32_MAX, help="spark.sql.shuffle.partitions")
     spark_conf: list[str] = option(
         [], help="extra Spark settings, key=value; repeat the flag or separate with commas (a value may hold commas)",
         key_values=True,
@@ -84,7 +84,7 @@ class LoadConfig(CatalogOptions, SparkOptions, KafkaOptions):
     topic: str = option(help="the database topic, walbus.<database>")
     warehouse: str = option(help="warehouse root: a directory or a Hadoop filesystem URI (s3a://, hdfs://, …)")
     tables: list[str] = option([], help="only these tables: table patterns (docs/contract.md), comma-separated")
-    numeric_scale: int = option(NUMERIC_SCALE, help="scale of decimal(38, s) for new numeric columns")
+    numeric_scale: int = option(NUMERIC_SCALE, minimum=0, maximum=38, help="scale of decimal(38, s) for new numeric columns")
     skip_invalid: bool = option(
         False,
         help="quarantine records that are not contract-v1 events (<warehouse>/<topic>/_walbus_quarantine) "
@@ -145,7 +145,7 @@ class SqlConfig(CatalogOptions, SparkOptions):
     topic: str | None = option(None, help="the topic whose tables to expose (needed if the warehouse has several)")
     query: str | None = option(None, help="the SQL query (or give it as the first argument)")
     format: str = option("table", help="output format", choices=["table", "json"])
-    limit: int = option(1000, help="print at most this many rows")
+    limit: int = option(1000, minimum=0, maximum=INT32_MAX, help="print at most this many rows")
     as_of_lsn: str | None = option(
         None, help="show the tables as of this commit LSN (16/B374D848), rebuilt from their history"
     )

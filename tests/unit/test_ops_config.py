@@ -127,3 +127,23 @@ def test_version_and_the_status_command_are_listed(capsys: pytest.CaptureFixture
     assert capsys.readouterr().out.strip() == f"walbus {__version__}"
     assert walbus(["--help"]) == 0
     assert "status" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(("cls", "argv", "message"), [
+    # --max-in-flight 0 was taken: nothing ever reached Kafka and SIGTERM was not answered (a fuzz)
+    (ProducerConfig, ["--max-in-flight", "0"], "--max-in-flight: 0 is out of range (it must be at least 1 and at most 1000)"),
+    (ProducerConfig, ["--metrics-port", "70000"], "--metrics-port: 70000 is out of range"),
+    (ProducerConfig, ["--heartbeat-interval", "nan"], "--heartbeat-interval: NaN is not a number"),
+    (ProducerConfig, ["--snapshot-workers", "-1"], "--snapshot-workers: -1 is out of range"),
+    (ProducerConfig, ["--retry-max-delay", "0"], "--retry-max-delay: 0.0 is out of range"),
+    (DemuxConfig, ["--segment-ms", "0"], "--segment-ms: 0 is out of range"),
+    (LoadConfig, ["--numeric-scale", "39"], "--numeric-scale: 39 is out of range (it must be at least 0 and at most 38)"),
+])
+def test_numbers_out_of_range_are_configuration_errors(cls: type, argv: list[str], message: str) -> None:
+    from walbus.config import ConfigError
+
+    required = ["--kafka-bootstrap", "k:9092", *{ProducerConfig: ["--pg-dsn", "dbname=x"], DemuxConfig: ["--source-topic", "walbus.x"],
+                                                 LoadConfig: ["--topic", "walbus.x", "--warehouse", "/tmp/wh"]}[cls]]
+    with pytest.raises(ConfigError) as err:
+        load_config(cls, [*required, *argv], prog="walbus test", env={})
+    assert message in str(err.value)

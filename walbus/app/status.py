@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
-from walbus.config import ConfigError, load_config, option, parse_dsn
+from walbus.config import PORT_MAX, ConfigError, load_config, option, parse_dsn
 from walbus.contract import database_topic
 from walbus.kafka import KafkaOptions
 from walbus.logs import setup_logging
@@ -32,7 +32,7 @@ class StatusConfig(KafkaOptions):
     topic_prefix: str = option("walbus", help="prefix of the default topic name")
     warehouse: str | None = option(None, help="the warehouse root (a local directory): its last committed load")
     json: bool = option(False, help="print JSON instead of text")
-    metrics_port: int = option(0, help="serve the status as Prometheus metrics on this port instead of printing it", env="command")
+    metrics_port: int = option(0, minimum=0, maximum=PORT_MAX, help="serve the status as Prometheus metrics on this port instead of printing it", env="command")
     metrics_addr: str = option(DEFAULT_METRICS_ADDR, help="address the metrics port binds (0.0.0.0: every interface)")
     log_level: str = option("warning", help="log level", choices=["debug", "info", "warning", "error"])
 

@@ -27,7 +27,7 @@ class TailConfig(KafkaOptions):
     table: list[str] = option([], help="only these tables: fnmatch patterns on schema.table, comma-separated or repeated")
     operation: list[str] = option([], help="only these operations: insert, update, delete, truncate, read")
     from_beginning: bool = option(False, help="start at the oldest event instead of new events only")
-    max_events: int = option(0, help="exit after printing this many events (0: no limit)")
+    max_events: int = option(0, minimum=0, help="exit after printing this many events (0: no limit)")
     until_end: bool = option(False, help="exit once the events present at start are printed")
     # Per command only: a shared WALBUS_GROUP_ID would make tail commit another service's offsets.
     group_id: str | None = option(None, help="read as this consumer group and commit offsets", env="command")
