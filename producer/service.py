@@ -39,7 +39,14 @@ from producer.sink import KafkaSink, SinkError
 from producer.snapshot import InitialSnapshot, SnapshotAborted
 from walbus.allocator import tune_collector, tune_for_large_buffers
 from walbus.config import ConfigError, describe
-from walbus.contract import Lsn, heartbeat_topic, qualify_table, side_topic, split_table
+from walbus.contract import (
+    Lsn,
+    heartbeat_topic,
+    qualify_table,
+    side_topic,
+    split_pattern,
+    split_table,
+)
 from walbus.kafka import (
     DEFAULT_MAX_MESSAGE_BYTES,
     METADATA_WAIT_S,
@@ -61,14 +68,31 @@ TRANSIENT = (ReplicationError, SinkError, KafkaError, psycopg.OperationalError, 
 
 
 
-def capture_settings(cfg: ProducerConfig) -> dict[str, Any]:
+CAPTURE_FORM = 2  # records of another form (raw option strings) are not compared
+
+
+def capture_settings(cfg: ProducerConfig, capture: CaptureFilter, via_root: bool | None) -> dict[str, Any]:
     """What decides which events a producer writes and how (the settings recorded in its
-    progress document, which another slot's producer on the same topic must share)."""
+    progress document, which another slot's producer on the same topic must share): the
+    filters as parsed (``public."a"`` is ``public.a``; order and repeats do not count), the
+    plugin (wal2json writes no NaN), and whether the publication names partitions by their
+    root (pgoutput's ``publish_via_partition_root``)."""
+
+    def patterns(items: Sequence[str], parts: int) -> list[list[str]]:
+        return [list(p) for p in sorted({split_pattern(i, parts) for i in items})]
+
     return {
-        "tables": sorted(cfg.tables), "exclude_tables": sorted(cfg.exclude_tables),
-        "exclude_columns": sorted(cfg.exclude_columns), "mask_columns": sorted(cfg.mask_columns),
-        "key_columns": cfg.key_columns,
+        "tables": patterns(capture.tables, 2), "exclude_tables": patterns(capture.exclude_tables, 2),
+        "exclude_columns": patterns(capture.exclude_columns, 3), "mask_columns": patterns(capture.mask_columns, 3),
+        "key_columns": [[list(split_pattern(p, 2)), list(cols)] for p, cols in capture.key_columns],
+        "plugin": cfg.plugin, "publish_via_partition_root": via_root,
+        "form": CAPTURE_FORM,
     }
+
+
+def _setting_name(key: str) -> str:
+    return "the publication's publish_via_partition_root" if key == "publish_via_partition_root" else "--" + key.replace("_", "-")
+
 
 def partitions_to_write(topic_partitions: int, doc: dict[str, Any], others: dict[str, dict[str, Any]], *,
                         repartition: bool = False) -> int:
@@ -80,11 +104,13 @@ def partitions_to_write(topic_partitions: int, doc: dict[str, Any], others: dict
     another partition (a delete applied before an older insert brought the row back; a
     fuzz). The count changes only when asked (``repartition``), or when the topic now has
     fewer partitions than recorded (it was deleted and created again)."""
-    recorded = [d.get("partitions") for d in (doc, *others.values())]
-    known = next((n for n in recorded if isinstance(n, int) and n >= 1), None)
-    if known is None or repartition or topic_partitions < known:
+    recorded = [n for d in (doc, *others.values()) if isinstance(n := d.get("partitions"), int) and n >= 1]
+    if not recorded or repartition:
         return topic_partitions
-    return known
+    # One count for every slot of the topic (each slot writes every event: two counts put a
+    # table in two partitions at once; a re-fuzz): the largest recorded, as a --repartition
+    # left it, within what the topic has.
+    return min(max(recorded), topic_partitions)
 
 class Producer:
     """Streams one database's slot into its Kafka topic until :meth:`stop`."""
@@ -108,6 +134,7 @@ class Producer:
         self._stopping = asyncio.Event()
         self._partitions = 1
         self._source: dict[str, Any] = {}  # which database this is (setup.source_identity)
+        self._via_root: bool | None = None  # the pgoutput publication's publish_via_partition_root
         self._max_message_bytes = DEFAULT_MAX_MESSAGE_BYTES
         self._client_kwargs: dict[str, Any] = {}  # built once per run (an SSL context is costly)
         self.progress: Progress | None = None
@@ -137,6 +164,8 @@ class Producer:
             setup.warn_lost_changes(conn, cfg.plugin, tables)
             if cfg.plugin == "pgoutput":
                 setup.ensure_publication(conn, cfg.publication_name, self.capture, tables)
+                row = conn.execute("SELECT pubviaroot FROM pg_publication WHERE pubname = %s", (cfg.publication_name,)).fetchone()
+                self._via_root = bool(row and row[0])
             state = setup.check_slot(conn, cfg.slot_name, cfg.plugin, cfg.database)
         return tables, state
 
@@ -182,7 +211,7 @@ class Producer:
         producers of the same database (another slot) only repeat its events, which consumers
         drop by position. The source is recorded in this slot's progress document."""
         cfg = self.config
-        capture = capture_settings(cfg)
+        capture = capture_settings(cfg, self.capture, self._via_root)
         self._check_claims(offsets.others, offsets.topic, capture)
         partitions = partitions_to_write(self._partitions, offsets.doc, offsets.others, repartition=cfg.repartition)
         if partitions != self._partitions:
@@ -227,11 +256,11 @@ class Producer:
             # seq numbers a transaction's captured changes, so under other filters one position
             # names two different events, and consumers kept whichever came first (a fuzz).
             theirs = doc.get("capture")
-            if isinstance(source, dict) and isinstance(theirs, dict) and theirs != capture:
+            if isinstance(source, dict) and isinstance(theirs, dict) and theirs.get("form") == CAPTURE_FORM and theirs != capture:
                 differ = sorted(k for k in set(capture) | set(theirs) if capture.get(k) != theirs.get(k))
                 raise ConfigError(
                     f"topic {cfg.topic_name} is written by another producer of this database (slot {slot!r}, recorded in "
-                    f"{offsets_topic}) that captures otherwise ({', '.join('--' + k.replace('_', '-') for k in differ)}: "
+                    f"{offsets_topic}) that captures otherwise ({', '.join(_setting_name(k) for k in differ)}: "
                     f"theirs {[theirs.get(k) for k in differ]}, ours {[capture.get(k) for k in differ]}): one position would "
                     f"name two different events and consumers would drop one. Capture the same, give this producer a topic "
                     f"of its own (--topic), or, if that producer is gone for good, delete its record (key {slot!r}) from "

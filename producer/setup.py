@@ -329,6 +329,10 @@ def ensure_publication(
     )
     try:
         conn.execute(statement)
+    except psycopg.errors.DuplicateObject:
+        # Another producer of the database created it meanwhile (two started at once: one
+        # stopped with a traceback; a re-fuzz): it exists now.
+        return ensure_publication(conn, name, capture, tables)
     except psycopg.errors.InsufficientPrivilege as e:
         # FOR ALL TABLES needs a superuser: owning the tables is not enough.
         who = "a superuser" if all_tables else "the owner of every listed table (with CREATE on the database)"

@@ -255,10 +255,15 @@ async def test_another_slot_capturing_otherwise_is_refused(pg_dsn: str, kafka_bo
             pass
     message = str(err.value)
     assert f"another producer of this database (slot '{unique_name}_a'" in message
-    assert "(--tables: theirs [['public.a']], ours [['public.b']])" in message
-    # Capturing the same is welcome (it only repeats events).
-    async with running_producer(pg_dsn, kafka_bootstrap, topic=unique_name, slot=f"{unique_name}_c", tables=["public.a"],
-                                publication=f"{unique_name}_c"):
+    assert "(--tables: theirs [[['public', 'a']]], ours [[['public', 'b']]])" in message
+    # So is another plugin (wal2json cannot carry NaN: the same position, other values).
+    with pytest.raises(ConfigError, match="--plugin, the publication's publish_via_partition_root: theirs \\['pgoutput', False\\]"):
+        async with running_producer(pg_dsn, kafka_bootstrap, topic=unique_name, slot=f"{unique_name}_w",
+                                    tables=["public.a"], plugin="wal2json"):
+            pass
+    # Capturing the same is welcome (it only repeats events), however it is spelled.
+    async with running_producer(pg_dsn, kafka_bootstrap, topic=unique_name, slot=f"{unique_name}_c",
+                                tables=['public."a"', "public.a"], publication=f"{unique_name}_c"):
         sql(pg_dsn, "INSERT INTO a VALUES (2)")
         records = await read_topic(kafka_bootstrap, unique_name, min_count=2, timeout=30)
     assert [e["values"] for e in events(records)][-1] == [2]

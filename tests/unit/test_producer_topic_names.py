@@ -72,3 +72,7 @@ def test_the_partition_count_recorded_first_is_kept() -> None:
     assert partitions_to_write(4, {"partitions": 2}, {}, repartition=True) == 4
     assert partitions_to_write(1, {"partitions": 2}, {}) == 1  # the topic made again, smaller
     assert partitions_to_write(3, {"partitions": "x"}, {"s": {}}) == 3
+    # Every slot of the topic writes with one count: another slot's --repartition is followed,
+    # within what the topic has (slots on 6 and 2 put tables in two partitions at once).
+    assert partitions_to_write(6, {"partitions": 2}, {"a": {"partitions": 6}}) == 6
+    assert partitions_to_write(3, {"partitions": 6}, {"b": {"partitions": 2}}) == 3
