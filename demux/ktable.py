@@ -10,15 +10,26 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiokafka import AIOKafkaConsumer
+from aiokafka.errors import KafkaTimeoutError
 
 from walbus.kafka import topic_partitions
 
 
 class KTableTimeout(TimeoutError):
     """The end offsets were not reached in time."""
+
+
+# One look-up of offsets (the consumer's own limit is its 40 s request timeout: a topic deleted
+# after its partitions were looked up held the load, and a SIGTERM, that long; a re-fuzz).
+END_OFFSETS_S = 10.0
+
+
+class _Gone(Exception):
+    """The topic was deleted while it was being read."""
 
 
 async def read_ktable_raw(
@@ -50,14 +61,39 @@ async def read_ktable_raw(
         except LookupError:
             return {}
         consumer.assign(tps)
-        await consumer.seek_to_beginning(*tps)
         deadline = time.monotonic() + timeout_s
-        end = await consumer.end_offsets(tps)
-        while any(end[tp] < (min_end_offsets or {}).get(tp.partition, 0) for tp in tps):
-            if time.monotonic() > deadline:
-                raise KTableTimeout(f"reading {topic}: end offsets {end} did not reach {min_end_offsets}")
-            await asyncio.sleep(0.02)
-            end = await consumer.end_offsets(tps)
+
+        async def offsets(lookup: Callable[..., Awaitable[dict[Any, int]]]) -> dict[Any, int]:
+            """One look-up of the partitions' first or end offsets, at most END_OFFSETS_S.
+            Not wait_for: aiokafka's look-up finishes its own wait before it takes a cancel."""
+            task = asyncio.ensure_future(lookup(tps))
+            try:
+                done, _ = await asyncio.wait({task}, timeout=END_OFFSETS_S)
+                if done:
+                    return task.result()
+            except KafkaTimeoutError:
+                pass
+            finally:
+                if not task.done():
+                    task.cancel()
+                    task.add_done_callback(lambda f: f.cancelled() or f.exception())
+            try:
+                await topic_partitions(client_kwargs, topic, wait=False)
+            except LookupError:
+                raise _Gone from None
+            raise KTableTimeout(f"reading {topic}: no offsets in {END_OFFSETS_S} s")
+
+        try:
+            for tp, first in (await offsets(consumer.beginning_offsets)).items():
+                consumer.seek(tp, first)
+            end = await offsets(consumer.end_offsets)
+            while any(end[tp] < (min_end_offsets or {}).get(tp.partition, 0) for tp in tps):
+                if time.monotonic() > deadline:
+                    raise KTableTimeout(f"reading {topic}: end offsets {end} did not reach {min_end_offsets}")
+                await asyncio.sleep(0.02)
+                end = await offsets(consumer.end_offsets)
+        except _Gone:
+            return {}  # deleted meanwhile: as when there was no topic
         todo = {tp for tp in tps if end[tp] > 0}
         table: dict[bytes, bytes] = {}
         while todo:

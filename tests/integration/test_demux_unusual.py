@@ -173,6 +173,32 @@ async def test_a_table_topic_deleted_while_running_is_created_again(kafka_bootst
     assert "never retrieved" not in proc.log_tail(200_000)
 
 
+async def test_a_table_topic_deleted_while_it_is_loaded_reads_as_empty(kafka_bootstrap: str, unique_name: str,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """The last-row store's load of a topic deleted after its partitions were looked up waited
+    for the consumer's 40 s request timeout, twice, and a SIGTERM with it (a re-fuzz)."""
+    import time
+
+    import demux.ktable as ktable
+
+    topic = f"{unique_name}.public.t"
+    await create_topic(kafka_bootstrap, topic)
+    await produce(kafka_bootstrap, topic, [(b'{"id":1}', b'{"id":1}')])
+    looked_up = ktable.topic_partitions
+
+    async def then_deleted(*args: Any, **kwargs: Any) -> Any:
+        partitions = await looked_up(*args, **kwargs)
+        async with KafkaAdmin(client_kwargs={"bootstrap_servers": kafka_bootstrap}) as admin:
+            await admin.delete_topics([topic])
+        monkeypatch.setattr(ktable, "topic_partitions", looked_up)
+        return partitions
+
+    monkeypatch.setattr(ktable, "topic_partitions", then_deleted)
+    started = time.monotonic()
+    assert await ktable.read_ktable_raw(client_kwargs={"bootstrap_servers": kafka_bootstrap}, topic=topic) == {}
+    assert time.monotonic() - started < 2 * ktable.END_OFFSETS_S + 5
+
+
 def _text(size: int, seed: int) -> str:
     """Incompressible text of ``size`` characters."""
     rnd = random.Random(seed)
