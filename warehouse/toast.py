@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from pyspark.sql import Column, DataFrame, SparkSession, Window
 from pyspark.sql import functions as F
 
-from warehouse.frame import POSITION, prev_name, transient
+from warehouse.frame import DELETED, POSITION, prev_name, transient
 from warehouse.schema import qcol, quote
 
 _PROBE = transient("probe")
@@ -126,8 +126,12 @@ def resolve_unchanged(
         for c in unchanged
     ]
     if current_path is not None:
+        # A tombstone keeps the deleted row's values: none of them is a live row's (the row of
+        # that key inserted since, with no event under this name, took one; a fuzz).
+        live = ~F.coalesce(F.col(DELETED), F.lit(False))
         table = spark.read.format("delta").load(current_path).select(
-            *keys, *[F.struct(_pos().alias("p"), qcol(c).alias("v"), _raw_text(c)).alias(_table_col(i)) for i, c in enumerate(unchanged)]
+            *keys, *[F.when(live, F.struct(_pos().alias("p"), qcol(c).alias("v"), _raw_text(c))).alias(_table_col(i))
+                     for i, c in enumerate(unchanged)]
         )
         looked_up = flagged.where(F.col(_NEEDS_TABLE)).join(table, list(pk), "left")
         rest = flagged.where(~F.col(_NEEDS_TABLE))
