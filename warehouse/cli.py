@@ -243,6 +243,7 @@ def stream_main(argv: Sequence[str]) -> int:
 
     metrics = _metrics(config)
     queries: list[Any] = []  # the query, once started: ready while it runs
+    failures: list[BaseException] = []  # what micro-batches raised
     server = serve_metrics(
         config.metrics_port, metrics.registry, addr=config.metrics_addr,
         ready=lambda: bool(queries) and bool(queries[0].isActive),
@@ -251,7 +252,7 @@ def stream_main(argv: Sequence[str]) -> int:
     try:
         query = start_stream(
             spark, _spec(config), checkpoint=config.checkpoint, trigger=config.trigger,
-            metrics=metrics,
+            metrics=metrics, failures=failures,
         )
         queries.append(query)
         query.awaitTermination()
@@ -260,7 +261,9 @@ def stream_main(argv: Sequence[str]) -> int:
     except Exception as e:  # the query's failure
         if not metrics.failed_runs:  # not a micro-batch's (that one counted itself): the source's, say
             metrics.failed()
-        return _failed("stream", e)
+        # A micro-batch's own error (a schema change, say), as load says it; Spark's names
+        # only the Python traceback that carried it.
+        return _failed("stream", failures[-1] if failures else e)
     finally:
         if server is not None:  # first: a scrape would ask a stopped JVM whether the query runs
             server.shutdown()

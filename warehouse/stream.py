@@ -44,10 +44,11 @@ def stream_app_id(topic: str, query_id: str) -> str:
 
 def start_stream(
     spark: SparkSession, spec: LoadSpec, *, checkpoint: str | None = None, trigger: str = AVAILABLE_NOW,
-    metrics: WarehouseMetrics | None = None,
+    metrics: WarehouseMetrics | None = None, failures: list[BaseException] | None = None,
 ) -> Any:
     """Start the query (a StreamingQuery); the caller awaits it. ``metrics`` count each
-    micro-batch (and are written to their file after each one)."""
+    micro-batch (and are written to their file after each one); ``failures`` gets what a
+    micro-batch raised (Spark's own error wraps it in a Python traceback's text)."""
     reader = spark.readStream.format("kafka")
     for key, value in spark_kafka_options(spec.kafka).items():
         reader = reader.option(key, value)
@@ -72,7 +73,9 @@ def start_stream(
             # replay=True: any micro-batch may be one Spark re-runs after a failure
             txn = Txn(stream_app_id(spec.topic, query_id[0]), batch_id, replay=True)
             write_slice(frame.sparkSession, spec, frame, txn, result)
-        except BaseException:
+        except BaseException as e:
+            if failures is not None:
+                failures.append(e)
             if metrics is not None:
                 metrics.failed(result)
                 metrics.write()

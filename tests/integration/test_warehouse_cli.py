@@ -217,3 +217,24 @@ def test_stream_command_serves_health_and_writes_its_metrics(
     assert samples[("walbus_warehouse_events_total", (("table", TABLES[0]), *topic))] == 3
     assert samples[("walbus_warehouse_loads_total", topic)] >= 1
     assert samples[("walbus_warehouse_load_failures_total", topic)] == 0
+
+
+def test_stream_says_why_a_micro_batch_failed(tmp_path: Path, kafka_bootstrap: str, unique_name: str) -> None:
+    # Spark's error names only the Python traceback that carried a micro-batch's failure: the
+    # stream printed "StreamingQueryException: … Traceback (most recent call last):" and no
+    # cause, where load says the column and the change (a fuzz).
+    def run() -> subprocess.CompletedProcess[bytes]:
+        return subprocess.run(
+            _cli("stream", "--kafka-bootstrap", kafka_bootstrap, "--topic", unique_name, "--warehouse", str(tmp_path / "wh"),
+                 "--master", "local[1]", "--spark-conf", "spark.ui.enabled=false", "--trigger", "available-now"),
+            capture_output=True, timeout=600,
+        )
+
+    produce_events(kafka_bootstrap, unique_name, Txn(0x1000).insert(TABLES[0], ["id"], {"id": ("int4", 1), "n": ("int4", 7)}).events)
+    first = run()
+    assert first.returncode == 0, first.stderr.decode()[-3000:]
+    produce_events(kafka_bootstrap, unique_name, Txn(0x2000).insert(TABLES[0], ["id"], {"id": ("int4", 2), "n": ("text", "x")}).events)
+    failed = run()
+    assert failed.returncode == 1
+    last = failed.stderr.decode().strip().splitlines()[-1]
+    assert last.startswith("walbus warehouse stream: error: ") and "column 'n' changed type from int4" in last, last
