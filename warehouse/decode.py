@@ -133,6 +133,9 @@ class TableTally:
     # load's keyed changes; a fuzz found it).
     keyed: Position | None = None
     pk: tuple[str, ...] = ()
+    # The last event under each primary key: a load spanning a key change keys the current
+    # table by the latest one from the last event under another on (job._load_table).
+    key_last: dict[tuple[str, ...], Position] = field(default_factory=dict)
     columns_at: Position | None = None  # the latest event with a row image, and its columns
     columns: tuple[str, ...] = ()
     types: tuple[str, ...] = ()  # and their types and typmods (Schema's third part)
@@ -145,6 +148,11 @@ class TableTally:
         self.events += other.events
         if other.keyed is not None and (self.keyed is None or other.keyed > self.keyed):
             self.keyed, self.pk = other.keyed, other.pk
+        for key, last in other.key_last.items():
+            if last > self.key_last.get(key, last):
+                self.key_last[key] = last
+            else:
+                self.key_last.setdefault(key, last)
         if other.columns_at is not None and (self.columns_at is None or other.columns_at > self.columns_at):
             self.columns_at, self.columns, self.types, self.typmods = other.columns_at, other.columns, other.types, other.typmods
         if other.truncate is not None and (self.truncate is None or other.truncate > self.truncate):
@@ -352,8 +360,13 @@ def _decode_batch(
         if t is None:
             t = tables[table] = TableTally(commit_lsn, commit_lsn)
         t.events += 1
-        if event.pk and (t.keyed is None or position > t.keyed):
-            t.keyed, t.pk = position, event.pk
+        if event.pk:
+            if t.keyed is None or position > t.keyed:
+                t.keyed, t.pk = position, event.pk
+            if position > t.key_last.get(event.pk, position):
+                t.key_last[event.pk] = position
+            else:
+                t.key_last.setdefault(event.pk, position)
         if commit_lsn < t.lsn_lo:
             t.lsn_lo = commit_lsn
         elif commit_lsn > t.lsn_hi:

@@ -207,6 +207,8 @@ def _table_meta(summary: SliceSummary) -> list[dict[str, Any]]:
             "table": table,
             "events": tally.events,
             "pk": list(tally.pk),
+            # the last event under another primary key than the latest (a key change in the load)
+            "key_cut": max((last for key, last in tally.key_last.items() if key != tally.pk), default=None),
             "latest_columns": list(tally.columns) if tally.columns_at is not None else None,
             "truncate": None if tally.truncate is None else {"commit_lsn": tally.truncate[0], "seq": tally.truncate[1]},
             # Decimal: pg_commit_lsn's type (an LSN past 2**63 has no bigint literal)
@@ -499,8 +501,21 @@ def _load_table(
             truncate = meta["truncate"]
             position = (int(truncate["commit_lsn"]), int(truncate["seq"])) if truncate is not None else None
             started = time.monotonic()
+            current_rows = rows
+            if meta["key_cut"] is not None:
+                # The primary key changed inside this load: the events under the earlier key are
+                # not rows under this one (merged by it, a deleted row came back under a key it
+                # never had; a fuzz). The current table takes the events since, as a current
+                # table rebuilt from the change on would (the change across loads: see
+                # _check_primary_key); history keeps every event.
+                lsn, seq = (int(x) for x in meta["key_cut"])
+                at = F.lit(decimal.Decimal(lsn))  # pg_commit_lsn is decimal(20,0): past 2**63 no bigint
+                log.warning("primary key changed within this load: the current table takes the changes since",
+                            extra={"table": table, "primary_key": pk, "since": f"{lsn:X}/{seq}"})
+                after = (F.col(POSITION[0]) > at) | ((F.col(POSITION[0]) == at) & (F.col(POSITION[1]) > seq))
+                current_rows = rows.where(after)
             current = merge_current(
-                spark, paths.current, rows, pk, columns, txn, position, new_current, int(meta["events"])
+                spark, paths.current, current_rows, pk, columns, txn, position, new_current, int(meta["events"])
             )
             summary.timed("current", started)
             summary.inserted += current.inserted

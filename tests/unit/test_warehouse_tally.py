@@ -60,7 +60,7 @@ def test_a_task_tallies_each_table_and_its_edges() -> None:
     orders = a.tables["public.orders"]
     assert orders.events == 4 and (orders.lsn_lo, orders.lsn_hi) == (0x100, 0x200)
     # the truncate is the latest; its (empty) key is not the table's: the delete's is the latest key
-    assert orders.keyed == (0x200, 0) and orders.pk == ("id",)
+    assert orders.keyed == (0x200, 0) and orders.pk == ("id",) and orders.key_last == {("id",): (0x200, 0)}
     assert orders.columns_at == (0x200, 0) and orders.columns == ("id",)  # the delete's identity
     assert orders.truncate == (0x200, 1) and orders.unchanged == {"price"}
     assert orders.schemas == {
