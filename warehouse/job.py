@@ -339,7 +339,7 @@ def write_slice(
         result.batches.append(txn.batch_id)
         if failures:
             raise LoadError(
-                "; ".join(failures)
+                "; ".join(f.rstrip(".") for f in failures)
                 + ". The other tables of this load are committed; the load itself is not, so "
                 "every run replays it until the table is fixed (or left out with --tables)."
             )
