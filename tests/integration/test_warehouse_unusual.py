@@ -133,14 +133,16 @@ def test_invalid_record_fails_the_load_or_is_quarantined(
     assert load(spark, kafka_bootstrap, unique_name, tmp_path).lines() == ["no new events"]
 
 
+def doc(title: str, body: str | None = None) -> dict[str, tuple[str, Any]]:
+    """Row 1 of a table with a TOAST-able body (left out: unchanged)."""
+    row = {"id": ("int4", 1), "title": ("text", title)}
+    return row if body is None else {**row, "body": ("text", body)}
+
+
 def test_unchanged_toast_value_comes_from_the_newest_version(
     spark: Any, kafka_bootstrap: str, unique_name: str, tmp_path: Path
 ) -> None:
     table, pk = "public.docs", ["id"]
-
-    def doc(title: str, body: str | None = None) -> dict[str, tuple[str, Any]]:
-        row = {"id": ("int4", 1), "title": ("text", title)}
-        return row if body is None else {**row, "body": ("text", body)}
 
     insert = Txn(0x1000).insert(table, pk, doc("t1", "old body")).events
     produce_events(kafka_bootstrap, unique_name, insert + Txn(0x2000).update(table, pk, doc("t2", "new body")).events)
@@ -163,10 +165,6 @@ def test_an_unchanged_toast_value_is_never_a_deleted_rows(
     # under this name (the table swapped by renames), an update leaving the body unchanged
     # took the deleted row's body (a fuzz). Not known: null, and pg_unchanged says so.
     table, pk = "public.docs", ["id"]
-
-    def doc(title: str, body: str | None = None) -> dict[str, tuple[str, Any]]:
-        row = {"id": ("int4", 1), "title": ("text", title)}
-        return row if body is None else {**row, "body": ("text", body)}
 
     produce_events(kafka_bootstrap, unique_name, Txn(0x1000).insert(table, pk, doc("t1", "deleted body")).events)
     load(spark, kafka_bootstrap, unique_name, tmp_path)
