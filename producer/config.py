@@ -87,7 +87,7 @@ class ProducerConfig(KafkaOptions):
     incremental_filter_timeout: float = option(
         300.0, minimum=0, maximum=INT32_MAX, help="seconds one query of a table with an additional-conditions filter may run; longer fails the table (0: no limit)",
     )
-    log_level: str = option("info", help="debug, info, warning or error")
+    log_level: str = option("info", help="log level", choices=["debug", "info", "warning", "error"])
 
     @property
     def database(self) -> str:

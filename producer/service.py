@@ -18,7 +18,13 @@ from typing import Any
 
 import orjson
 import psycopg
-from aiokafka.errors import InvalidTopicError, KafkaError
+from aiokafka.errors import (
+    InvalidPartitionsError,
+    InvalidReplicationFactorError,
+    InvalidTopicError,
+    KafkaError,
+    PolicyViolationError,
+)
 from prometheus_client import CollectorRegistry
 
 from producer import setup
@@ -177,6 +183,8 @@ class Producer:
             # e.g. a name Kafka finds colliding with an existing topic's ('.' and '_' alike:
             # the topic of database "x_public_t" and database x's table topic of public.t)
             raise ConfigError(f"Kafka refuses the topic: {e}. Choose another --topic") from None
+        except (InvalidPartitionsError, InvalidReplicationFactorError, PolicyViolationError) as e:
+            raise ConfigError(f"Kafka refuses the topic: {str(e).rstrip('.')}. Check --partitions and --replication-factor") from None
 
     async def _ensure_topics(self, client_kwargs: dict[str, Any]) -> None:
         cfg = self.config

@@ -221,6 +221,10 @@ def load_toml(path: Path) -> dict[str, Any]:
         raise ConfigError(f"config file {path} does not exist") from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"config file {path} is not UTF-8 text (TOML is)") from None
+    except OSError as e:
+        raise ConfigError(f"config file {path} cannot be read: {e.strerror or e}") from None
 
 
 def load_config(

@@ -118,7 +118,8 @@ class KafkaOptions:
     kafka_ssl_keyfile: str | None = option(None, help="client key (mutual TLS)")
 
     def kafka_client_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments for any aiokafka client."""
+        """Keyword arguments for any aiokafka client; ConfigError for settings no client can use."""
+        check_bootstrap(self.kafka_bootstrap)
         kw: dict[str, Any] = {
             "bootstrap_servers": self.kafka_bootstrap,
             "security_protocol": self.kafka_security_protocol,
@@ -132,11 +133,36 @@ class KafkaOptions:
                 sasl_plain_password=self.kafka_sasl_password,
             )
         if self.kafka_security_protocol in ("SSL", "SASL_SSL"):
-            ctx = ssl.create_default_context(cafile=self.kafka_ssl_cafile)
+            try:
+                ctx = ssl.create_default_context(cafile=self.kafka_ssl_cafile)
+            except (OSError, ssl.SSLError) as e:
+                raise ConfigError(f"--kafka-ssl-cafile {self.kafka_ssl_cafile}: {_tls_reason(e)}") from None
             if self.kafka_ssl_certfile:
-                ctx.load_cert_chain(self.kafka_ssl_certfile, self.kafka_ssl_keyfile)
+                try:
+                    ctx.load_cert_chain(self.kafka_ssl_certfile, self.kafka_ssl_keyfile)
+                except (OSError, ssl.SSLError) as e:
+                    raise ConfigError(
+                        f"--kafka-ssl-certfile {self.kafka_ssl_certfile} / --kafka-ssl-keyfile {self.kafka_ssl_keyfile}: "
+                        f"{_tls_reason(e)}"
+                    ) from None
             kw["ssl_context"] = ctx
         return kw
+
+
+def _tls_reason(e: OSError) -> str:
+    return (e.reason or str(e)) if isinstance(e, ssl.SSLError) else (e.strerror or str(e))
+
+
+def check_bootstrap(servers: str) -> None:
+    """ConfigError unless ``servers`` is host[:port][,host[:port]…] with ports 1 to 65535 (a
+    host alone means port 9092, as aiokafka reads it)."""
+    for server in servers.split(","):
+        server = server.strip()
+        host, colon, port = server.rpartition(":")
+        if not colon:
+            host, port = server, "9092"
+        if not host.strip("[]") or not port.isdigit() or not 0 < int(port) <= 65535:
+            raise ConfigError(f"--kafka-bootstrap {servers!r}: give host:port[,host:port], ports 1 to 65535")
 
 
 # walbus's own topics on a cluster of this many brokers or more: replicated 3 times, and an

@@ -85,7 +85,12 @@ def serve_metrics(
     if not port:
         return None
     server_class = _Server6 if ":" in addr else _Server
-    server = make_server(addr, port, health_app(registry, ready), server_class, handler_class=_QuietHandler)
+    try:
+        server = make_server(addr, port, health_app(registry, ready), server_class, handler_class=_QuietHandler)
+    except OSError as e:  # in use, or an address not on this host: the operator's to fix
+        from walbus.config import ConfigError
+
+        raise ConfigError(f"--metrics-port {port} on --metrics-addr {addr}: {e.strerror or e}") from None
     threading.Thread(target=server.serve_forever, name="walbus-metrics", daemon=True).start()
     log.info("metrics served", extra={"addr": addr, "port": port})
     return server

@@ -202,6 +202,7 @@ def _metrics(config: LoadConfig) -> WarehouseMetrics:
 
 def load_main(argv: Sequence[str]) -> int:
     config = load_config(LoadConfig, argv, prog="walbus warehouse load", section="warehouse")
+    config.kafka_client_kwargs()  # its Kafka settings checked before Spark starts
     try:
         NameMatcher(config.tables)
     except ContractError as e:
@@ -237,6 +238,7 @@ def load_main(argv: Sequence[str]) -> int:
 
 def stream_main(argv: Sequence[str]) -> int:
     config = load_config(StreamConfig, argv, prog="walbus warehouse stream", section="warehouse")
+    config.kafka_client_kwargs()  # its Kafka settings checked before Spark starts
     setup_logging(config.log_level)
     from walbus.metrics import serve_metrics
     from warehouse.stream import start_stream

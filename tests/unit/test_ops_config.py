@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import pytest
 
@@ -147,3 +148,42 @@ def test_numbers_out_of_range_are_configuration_errors(cls: type, argv: list[str
     with pytest.raises(ConfigError) as err:
         load_config(cls, [*required, *argv], prog="walbus test", env={})
     assert message in str(err.value)
+
+
+def test_settings_no_client_can_use_are_configuration_errors(tmp_path: Any) -> None:
+    # Each ended in "fatal: <Python exception>", exit 1, with a traceback (a configuration fuzz).
+    import socket
+
+    from walbus.config import ConfigError, load_toml
+    from walbus.kafka import KafkaOptions
+    from walbus.metrics import new_registry, serve_metrics
+
+    def kwargs(**options: Any) -> None:
+        KafkaOptions(**{"kafka_bootstrap": "127.0.0.1:9092", **options}).kafka_client_kwargs()
+
+    for bootstrap in ("::::", "127.0.0.1:99999", "", "host:x", "a:1,"):
+        with pytest.raises(ConfigError, match="--kafka-bootstrap"):
+            kwargs(kafka_bootstrap=bootstrap)
+    kwargs(kafka_bootstrap="a:1,[::1]:9092,b")
+    with pytest.raises(ConfigError, match=r"--kafka-ssl-cafile /nonexistent/ca\.pem: No such file"):
+        kwargs(kafka_security_protocol="SSL", kafka_ssl_cafile="/nonexistent/ca.pem")
+    not_pem = tmp_path / "not.pem"
+    not_pem.write_text("hello")
+    with pytest.raises(ConfigError, match="--kafka-ssl-cafile"):
+        kwargs(kafka_security_protocol="SSL", kafka_ssl_cafile=str(not_pem))
+    with pytest.raises(ConfigError, match="--kafka-ssl-certfile"):
+        kwargs(kafka_security_protocol="SSL", kafka_ssl_certfile=str(not_pem))
+    with pytest.raises(ConfigError, match="cannot be read: Is a directory"):
+        load_toml(tmp_path)
+    latin = tmp_path / "latin.toml"
+    latin.write_bytes(b'a = "\xff"\n')
+    with pytest.raises(ConfigError, match="is not UTF-8"):
+        load_toml(latin)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        with pytest.raises(ConfigError, match="Address already in use"):
+            serve_metrics(taken.getsockname()[1], new_registry())
+    with pytest.raises(SystemExit):  # argparse's choices: exit 2 with the choices listed
+        load_config(ProducerConfig, ["--pg-dsn", "dbname=x", "--kafka-bootstrap", "k:1", "--log-level", "verbose"],
+                    prog="walbus produce", env={})
