@@ -249,10 +249,26 @@ def load_config(
     file_values: dict[str, Any] = {}
     if config_path:
         doc = load_toml(Path(config_path))
-        flat = {k: v for k, v in doc.items() if not isinstance(v, dict)}
+        scopes = {f.name: f.metadata.get("env", "shared") for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+        for key, value in doc.items():
+            name = key.replace("-", "_")
+            if isinstance(value, dict):
+                continue
+            if scopes.get(name) == "command":
+                # As its shared env var: its meaning differs between commands (tail's group_id
+                # is no demux's), so only the command's own [section] sets it (a fuzz).
+                log.warning(f"{key} at the top of {config_path} is ignored by this command: set it under [{section}]",
+                            extra={"ignored_key": key})
+                continue
+            file_values[name] = value
         if section and isinstance(doc.get(section), dict):
-            flat.update(doc[section])
-        file_values = {k.replace("-", "_"): v for k, v in flat.items()}
+            # Several commands may share a section ([warehouse]: load, stream, sql), so a key
+            # another one takes is no error here; but a typo must not pass without a word.
+            unknown = sorted(k for k in doc[section] if k.replace("-", "_") not in scopes)
+            if unknown:
+                log.warning(f"{config_path}: [{section}] keys this command does not take: {', '.join(unknown)}",
+                            extra={"ignored_keys": unknown})
+            file_values.update({k.replace("-", "_"): v for k, v in doc[section].items()})
     hints = typing.get_type_hints(cls)
     values: dict[str, Any] = {}
     for f in dataclasses.fields(cls):  # type: ignore[arg-type]

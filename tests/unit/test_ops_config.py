@@ -187,3 +187,17 @@ def test_settings_no_client_can_use_are_configuration_errors(tmp_path: Any) -> N
     with pytest.raises(SystemExit):  # argparse's choices: exit 2 with the choices listed
         load_config(ProducerConfig, ["--pg-dsn", "dbname=x", "--kafka-bootstrap", "k:1", "--log-level", "verbose"],
                     prog="walbus produce", env={})
+
+
+def test_a_command_scoped_option_is_not_taken_from_the_top_of_a_config_file(
+    tmp_path: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    # README: top-level keys apply to every service; but tail ignores the shared
+    # WALBUS_GROUP_ID because it would commit the demux's offsets, and took a top-level
+    # group_id all the same (a configuration fuzz).
+    path = tmp_path / "walbus.toml"
+    path.write_text('group_id = "walbus-demux.walbus.shop"\nkafka_bootstrap = "k:1"\n[tail]\nmax_events = 3\nmax_event = 4\n')
+    with caplog.at_level(logging.WARNING):
+        cfg = load_config(TailConfig, ["--topic", "walbus.shop", "--config", str(path)], prog="walbus tail", env={}, section="tail")
+    assert cfg.group_id is None and cfg.max_events == 3 and cfg.kafka_bootstrap == "k:1"
+    assert "group_id at the top of" in caplog.text and "keys this command does not take: max_event" in caplog.text
