@@ -134,6 +134,7 @@ def check_key_columns(conn: psycopg.Connection[tuple[object, ...]], capture: Cap
     for schema, name in tables:
         key = capture.key_for(schema, name)
         if key is None:
+            check_primary_key_shown(conn, capture, (schema, name))
             continue
         columns = set(table_columns(conn, (schema, name)))
         qualified = qualify_table(schema, name)
@@ -154,6 +155,27 @@ def check_key_columns(conn: psycopg.Connection[tuple[object, ...]], capture: Cap
     for pattern, _cols in capture.key_columns:
         if not any(ch in pattern for ch in WILDCARDS) and pattern not in names:
             log.warning("--key-columns names a table that is not captured (yet)", extra={"table": pattern})
+
+
+def check_primary_key_shown(conn: psycopg.Connection[tuple[object, ...]], capture: CaptureFilter, table: TableName) -> None:
+    """A primary-key column excluded or masked is a configuration error, as a --key-columns
+    one is: masked, every row had the key "****" and the demux's compacted topic kept one row
+    of the table; excluded, every event went to the demux's dead-letter topic (a fuzz)."""
+    if not (capture.excluded_columns or capture.masked_columns):
+        return
+    schema, name = table
+    rows = conn.execute(
+        "SELECT a.attname FROM pg_index i JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = ANY(i.indkey) "
+        "WHERE i.indrelid = %s::regclass AND i.indisprimary ORDER BY a.attnum",
+        (sql_table(table),),
+    ).fetchall()
+    hidden = [str(r[0]) for r in rows
+              if capture.excluded_columns.matches(schema, name, str(r[0])) or capture.masked_columns.matches(schema, name, str(r[0]))]
+    if hidden:
+        raise ConfigError(
+            f"--exclude-columns/--mask-columns: primary-key column(s) {hidden} of {qualify_table(schema, name)} are excluded "
+            "or masked: a key must be in the event (narrow the rule, or give the table other --key-columns)"
+        )
 
 
 def tables_without_identity(conn: psycopg.Connection[tuple[object, ...]], tables: list[TableName]) -> list[TableName]:

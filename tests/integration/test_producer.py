@@ -19,6 +19,7 @@ from tests.support.pipeline import (
     running_producer,
     slot_confirmed_lsn,
 )
+from walbus.config import ConfigError
 from walbus.contract import decode_event, event_key, parse_event_key
 
 pytestmark = pytest.mark.integration
@@ -250,6 +251,17 @@ async def test_filters_exclude_and_mask_columns(pg_dsn: str, kafka_bootstrap: st
         records = await read_topic(kafka_bootstrap, unique_name, min_count=1)
     (m,) = values(records)
     assert m["columns"] == ["id", "email", "password"] and m["values"] == [1, "a@b.c", "****"]
+
+
+@pytest.mark.parametrize("rule", ["mask_columns", "exclude_columns"])
+async def test_a_primary_key_column_cannot_be_masked_or_excluded(pg_dsn: str, kafka_bootstrap: str, unique_name: str,
+                                                                  rule: str) -> None:
+    # Masked, every row of the table had the key "****" and the demux's compacted topic kept one;
+    # excluded, every event went to the demux's dead-letter topic (a configuration fuzz).
+    sql(pg_dsn, "CREATE TABLE t (id int PRIMARY KEY, v text)")
+    with pytest.raises(ConfigError, match=r"primary-key column\(s\) \['id'\] of public.t are excluded or masked"):
+        async with running_producer(pg_dsn, kafka_bootstrap, topic=unique_name, **{rule: ["public.t.id"]}):
+            pass
 
 
 def _produce_cli(*args: str) -> subprocess.CompletedProcess[str]:
