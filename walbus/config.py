@@ -28,7 +28,7 @@ import types
 import typing
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Final, TypeVar
+from typing import Any, Final, NoReturn, TypeVar
 
 ENV_PREFIX = "WALBUS_"
 ENV_SCOPES = ("shared", "command", "legacy")
@@ -160,10 +160,24 @@ def _convert(name: str, tp: Any, raw: Any, source: str, *, key_values: bool = Fa
     raise ConfigError(f"{name}: unsupported option type {tp!r}")
 
 
+class _QuietParser(argparse.ArgumentParser):
+    """argparse, but its errors never echo an option's value: "unrecognized arguments: --pg-dns
+    postgresql://u:PW@…" printed the password of a mistyped flag (a fuzz)."""
+
+    def error(self, message: str) -> NoReturn:
+        from walbus.logs import redact_dsn
+
+        head, sep, rest = message.partition("unrecognized arguments: ")
+        if sep:
+            flags = [a.split("=", 1)[0] for a in rest.split() if a.startswith("-")]
+            message = head + sep + (" ".join(flags) or "(values without a flag)")
+        super().error(redact_dsn(message))
+
+
 def build_parser(
     cls: type[Any], prog: str, description: str | None = None, command: str | None = None
 ) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _QuietParser(
         prog=prog,
         description=description,
         argument_default=argparse.SUPPRESS,

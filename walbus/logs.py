@@ -9,19 +9,22 @@ from typing import Any
 
 import orjson
 
-# key=value: a quoted value (backslash escapes) or up to the next whitespace.
-_PASSWORD_KV = re.compile(r"""(password\s*=\s*)('(?:[^'\\]|\\.)*'?|"(?:[^"\\]|\\.)*"?|\S+)""", re.IGNORECASE)
-# URI: the userinfo's password runs to the *last* '@' of the URI (an '@' or ':' inside a
-# password need not be percent-encoded for libpq to be asked, and stopping at the first
-# one would print the rest).
-_PASSWORD_URI = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*://[^\s:/?#@]*:)(\S*)(@)")
+# key=value (and a URI's query string): a quoted value (backslash escapes) with what follows
+# it up to whitespace (libpq quotes with ' only: "x"rest is one value), or up to whitespace.
+_PASSWORD_KV = re.compile(r"""(password\s*=\s*)('(?:[^'\\]|\\.)*'?\S*|"(?:[^"\\]|\\.)*"?\S*|\S+)""", re.IGNORECASE)
+# URI: the userinfo's password runs to the *last* '@' of the line (an '@', ':', tab or space
+# inside a password need not be encoded for libpq to be asked, and stopping at the first one
+# would print the rest).
+_PASSWORD_URI = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*://[^\s:/?#@]*:)([^\n]*)(@)")
 _SECRET_KEYS = ("password", "passwd", "secret", "sasl_plain_password", "token")
 
 
 def redact_dsn(text: str) -> str:
     """Hide passwords in libpq key=value DSNs and in URIs (``user:pw@host``), however many."""
-    text = _PASSWORD_URI.sub(r"\1***\3", text)
-    return _PASSWORD_KV.sub(r"\1***", text)
+    # The query string's password first: "host:port/db?password=a@b" read as a userinfo
+    # "host:" would end at that '@' and print the rest (a fuzz).
+    text = _PASSWORD_KV.sub(r"\1***", text)
+    return _PASSWORD_URI.sub(r"\1***\3", text)
 
 
 def _clean(key: str, value: Any) -> Any:

@@ -84,3 +84,25 @@ def test_an_unencoded_at_in_a_uri_password_is_a_config_error() -> None:
     assert "ss" not in str(caught.value).replace("password", "")
     assert parse_dsn("postgresql://u:p%40ss@h/db", "--pg-dsn")["password"] == "p@ss"
     assert ProducerConfig(pg_dsn="postgresql://u:pa:ss@h/shop", kafka_bootstrap="k").database == "shop"
+
+
+@pytest.mark.parametrize("text", [
+    "postgresql://127.0.0.1:1/db?user=u&password=a@SECRET",  # host:port read as user:, the query's '@'
+    "host=h password=\"x\"SECRET dbname=d",  # libpq quotes with ' only
+    "postgresql://u:pa\tSECRET@h/db",  # a tab in the password
+])
+def test_passwords_the_redaction_missed(text: str) -> None:
+    # A configuration fuzz found each printed, in the producer's start line and its connection errors.
+    assert "SECRET" not in redact_dsn(text)
+
+
+def test_argument_errors_never_echo_a_value(capsys: pytest.CaptureFixture[str]) -> None:
+    # "unrecognized arguments: --pg-dns postgresql://u:PW@…" printed a mistyped flag's value.
+    from walbus.app.tail import TailConfig
+    from walbus.config import load_config
+
+    with pytest.raises(SystemExit):
+        load_config(TailConfig, ["--topic", "t", "--kafka-bootstrap", "k:1", "--pg-dns", "postgresql://u:SECRET@h/db",
+                                 "--kafka-sasl-pasword=SECRET2", "SECRET3"], prog="walbus tail", env={})
+    err = capsys.readouterr().err
+    assert "unrecognized arguments: --pg-dns --kafka-sasl-pasword" in err and "SECRET" not in err

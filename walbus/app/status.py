@@ -101,6 +101,8 @@ def serve(config: StatusConfig, sources: StatusSources) -> int:
 
 def main(argv: Sequence[str]) -> int:
     config = load_config(StatusConfig, argv, prog="walbus status", description=__doc__, section="status")
+    if config.pg_dsn:
+        parse_dsn(config.pg_dsn, "--pg-dsn")  # libpq's own parse errors quote pieces of it, the password among them
     setup_logging(config.log_level)
     sources = config.sources()
     if not sources.pg_dsn and not sources.topic:
