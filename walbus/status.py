@@ -222,6 +222,9 @@ async def gather(sources: StatusSources) -> Status:
             if not any(t.kind == "database" for t in status.topics):
                 status.missing["topic"] = f"no topic named {sources.topic!r}"
     if sources.warehouse_loads_dir is not None:
+        root = sources.warehouse_loads_dir.parent.parent  # <warehouse>/<topic>/_walbus_loads
+        if not root.is_dir():  # a typo read as "nothing loaded yet" (a fuzz)
+            status.missing["warehouse"] = f"no warehouse directory {str(root)!r}"
         try:
             status.warehouse = last_committed_load(sources.warehouse_loads_dir)
         except (OSError, ValueError, KeyError) as e:

@@ -95,3 +95,14 @@ def test_exit_code_says_unreadable_before_missing() -> None:
     out = io.StringIO()
     render(Status(missing={"topic": "no topic named 'walbus.x'"}), out)
     assert out.getvalue().endswith("not found: no topic named 'walbus.x'\n")
+
+
+def test_a_warehouse_directory_that_is_not_there_is_said(tmp_path: Path) -> None:
+    import asyncio
+
+    from walbus.status import StatusSources, gather
+
+    missing = asyncio.run(gather(StatusSources(warehouse_loads_dir=tmp_path / "nope" / "walbus~2Eshop" / "_walbus_loads")))
+    assert missing.missing == {"warehouse": f"no warehouse directory {str(tmp_path / 'nope')!r}"}
+    there = asyncio.run(gather(StatusSources(warehouse_loads_dir=tmp_path / "walbus~2Eshop" / "_walbus_loads")))
+    assert there.missing == {} and there.warehouse is None  # a warehouse with nothing loaded yet
