@@ -304,29 +304,25 @@ class Dispatcher:
                         _leave_task(loop, me)
                         _enter_task(loop, worker)
                         try:
-                            # A plain function may raise at once, or return any awaitable (a
-                            # gather, a Task): started by hand it must be a coroutine.
-                            coro: Any = lane.context.run(handler, event)
-                            if type(coro) is not CoroutineType:
-                                coro = _awaiting(coro)
-                            step = lane.context.run(coro.send, None)
+                            try:
+                                # A plain function may raise at once, or return any awaitable (a
+                                # gather, a Task): started by hand it must be a coroutine.
+                                coro: Any = lane.context.run(handler, event)
+                                if type(coro) is not CoroutineType:
+                                    coro = _awaiting(coro)
+                                step = lane.context.run(coro.send, None)
+                            finally:
+                                _leave_task(loop, worker)
+                                _enter_task(loop, me)
                         except StopIteration:
-                            _leave_task(loop, worker)
-                            _enter_task(loop, me)
                             # feed._handled(event), inline: once per event.
                             delivery: Any = event._settler
                             if delivery.outcome == "pending":
                                 acked(delivery)
                             continue
-                        except BaseException as e:
-                            _leave_task(loop, worker)
-                            _enter_task(loop, me)
-                            if not isinstance(e, Exception):
-                                raise
+                        except Exception as e:
                             lane.push(_Started(event, None, None, e))  # retried (or dead-lettered) by the lane
                             continue
-                        _leave_task(loop, worker)
-                        _enter_task(loop, me)
                         lane.push(_Started(event, coro, step, None))
                         continue
                     while len(lane.events) >= LANE_DEPTH:
