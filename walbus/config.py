@@ -144,15 +144,18 @@ def _convert(name: str, tp: Any, raw: Any, source: str, *, key_values: bool = Fa
                 return False
             raise ValueError(raw)
         if base is int:
-            if isinstance(raw, bool):
+            # A TOML 1.9 (or true) is no count: int() would make it 1 without a word (a fuzz).
+            if isinstance(raw, bool) or (isinstance(raw, float) and not raw.is_integer()):
                 raise TypeError
             return int(raw)
         if base is float:
+            if isinstance(raw, bool):
+                raise TypeError
             return float(raw)
         if base is Path:
             return Path(str(raw))
         if base is str:
-            if not isinstance(raw, str | int | float):
+            if isinstance(raw, bool) or not isinstance(raw, str | int | float):
                 raise TypeError
             return str(raw)
     except (TypeError, ValueError):

@@ -201,3 +201,40 @@ def test_a_command_scoped_option_is_not_taken_from_the_top_of_a_config_file(
         cfg = load_config(TailConfig, ["--topic", "walbus.shop", "--config", str(path)], prog="walbus tail", env={}, section="tail")
     assert cfg.group_id is None and cfg.max_events == 3 and cfg.kafka_bootstrap == "k:1"
     assert "group_id at the top of" in caplog.text and "keys this command does not take: max_event" in caplog.text
+
+
+def test_a_config_file_value_of_the_wrong_type_is_refused_not_coerced(tmp_path: Any) -> None:
+    # TOML's 1.9 became 1 partition and `true` a heartbeat of 1.0 s, without a word (a fuzz).
+    from walbus.config import ConfigError
+
+    path = tmp_path / "walbus.toml"
+    required = ["--pg-dsn", "dbname=x", "--kafka-bootstrap", "k:1", "--config", str(path)]
+    for line, message in (("partitions = 1.9", "--partitions: 1.9 is not a valid int"),
+                          ("partitions = true", "--partitions: True is not a valid int"),
+                          ("heartbeat_interval = true", "--heartbeat-interval: True is not a valid float"),
+                          ("topic = false", "--topic: False is not a valid str")):
+        path.write_text(line + "\n")
+        with pytest.raises(ConfigError, match=message):
+            load_config(ProducerConfig, required, prog="walbus produce", env={}, section="produce")
+    path.write_text("partitions = 3.0\nheartbeat_interval = 2\n")
+    cfg = load_config(ProducerConfig, required, prog="walbus produce", env={}, section="produce")
+    assert (cfg.partitions, cfg.heartbeat_interval) == (3, 2.0)
+
+
+@pytest.mark.parametrize("flag", ["--topic", "--publication", "--signal-topic", "--signal-table"])
+def test_an_empty_name_is_refused_not_taken_for_the_default(flag: str) -> None:
+    # An empty --topic wrote to the default topic (and an empty --signal-topic read no signals).
+    from producer.config import load
+    from walbus.config import ConfigError
+
+    with pytest.raises(ConfigError, match=f"{flag} is empty"):
+        load(["--pg-dsn", "dbname=x", "--kafka-bootstrap", "k:1", flag, " "])
+
+
+@pytest.mark.parametrize("rows", ["-1", "0", "1000001"])
+def test_demo_rows_out_of_range_are_a_usage_error(rows: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from walbus.app.demo import main as demo
+
+    with pytest.raises(SystemExit) as exit_:
+        demo(["--rows", rows])
+    assert exit_.value.code == 2 and "--rows must be between 1 and 1000000" in capsys.readouterr().err

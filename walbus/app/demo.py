@@ -33,6 +33,7 @@ from walbus.contract import table_topic as contract_table_topic
 from walbus.logs import redact_dsn
 
 DATABASE_PREFIX = "walbus_demo"
+DEMO_MAX_ROWS = 1_000_000  # the demo holds its rows and the table in memory
 TABLE_DDL = "CREATE TABLE transactions (transaction_id INT PRIMARY KEY, user_id INT, amount INT)"
 
 
@@ -264,6 +265,8 @@ def main(argv: Sequence[str]) -> int:
     parser.add_argument("--state-dir", type=Path, default=None, help="the local stack's state directory (default: WALBUS_DEV_STATE_DIR or ./.walbus); removed at the end when the demo created it")
     parser.add_argument("--no-warehouse", action="store_true", help="skip the Spark step")
     args = parser.parse_args(argv)
+    if not 1 <= args.rows <= DEMO_MAX_ROWS:
+        parser.error(f"--rows must be between 1 and {DEMO_MAX_ROWS}")
     from walbus.logs import setup_logging
     from warehouse.extra import spark_missing
 
