@@ -107,10 +107,15 @@ class OffsetStore:
         self.doc = {}
         await self._producer.send_and_wait(self.topic, key=self.slot.encode(), value=None)
 
-    async def others_before(self, offset: int) -> dict[str, dict[str, Any]]:
-        """The other slots' documents as the progress topic had them before ``offset``."""
-        _, others = await self._read(until=offset)
-        return others
+    async def claims_before(self, offset: int) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+        """This slot's document and the others' as the progress topic had them before ``offset``."""
+        return await self._read(until=offset)
+
+    async def latest(self) -> dict[str, Any]:
+        """This slot's document as the progress topic has it now (another producer of the same
+        slot name, of another cluster, may have written it since :meth:`start`)."""
+        doc, _ = await self._read()
+        return doc
 
     async def topic_last_position(self, topic: str, partitions: int, *, tail: int = 100) -> tuple[int, int] | None:
         """The highest event position (commit LSN, seq) among the last ``tail`` records of each

@@ -74,23 +74,29 @@ TRANSIENT = (ReplicationError, SinkError, KafkaError, psycopg.OperationalError, 
 
 
 
-CAPTURE_FORM = 2  # records of another form (raw option strings) are not compared
+CAPTURE_FORM = 3  # records of another form (raw option strings; no signal table) are not compared
 
 
 def capture_settings(cfg: ProducerConfig, capture: CaptureFilter, via_root: bool | None) -> dict[str, Any]:
     """What decides which events a producer writes and how (the settings recorded in its
     progress document, which another slot's producer on the same topic must share): the
     filters as parsed (``public."a"`` is ``public.a``; order and repeats do not count), the
-    plugin (wal2json writes no NaN), and whether the publication names partitions by their
-    root (pgoutput's ``publish_via_partition_root``)."""
+    signal table (captured whatever the filters say), the plugin (wal2json writes no NaN),
+    and whether the publication names partitions by their root (pgoutput's
+    ``publish_via_partition_root``)."""
 
     def patterns(items: Sequence[str], parts: int) -> list[list[str]]:
         return [list(p) for p in sorted({split_pattern(i, parts) for i in items})]
 
+    keys = [[list(split_pattern(p, 2)), list(cols)] for p, cols in capture.key_columns]
+    named = [tuple(k[0]) for k in keys]
+    if all(len(n) == 2 and "*" not in "".join(n) for n in named) and len(set(named)) == len(named):
+        keys.sort()  # first match wins, but rules for distinct whole names cannot overlap
     return {
         "tables": patterns(capture.tables, 2), "exclude_tables": patterns(capture.exclude_tables, 2),
         "exclude_columns": patterns(capture.exclude_columns, 3), "mask_columns": patterns(capture.mask_columns, 3),
-        "key_columns": [[list(split_pattern(p, 2)), list(cols)] for p, cols in capture.key_columns],
+        "key_columns": keys,
+        "signal_table": None if capture.signal_table is None else list(split_table(capture.signal_table)),
         "plugin": cfg.plugin, "publish_via_partition_root": via_root,
         "form": CAPTURE_FORM,
     }
@@ -101,22 +107,28 @@ def _setting_name(key: str) -> str:
 
 
 def partitions_to_write(topic_partitions: int, doc: dict[str, Any], others: dict[str, dict[str, Any]], *,
-                        repartition: bool = False) -> int:
-    """How many of the database topic's partitions the producer writes over: the count its
-    progress records (this slot's, else another slot's of the topic), else the topic's.
+                        repartition: bool = False) -> tuple[int, int]:
+    """How many of the database topic's partitions the producer writes over, and when that
+    count was decided (a counter, ``partitions_since`` in the progress records): the count
+    decided last among this slot's and the other slots' records, else the topic's.
 
     A table's partition is murmur2(table) % count: with partitions added, most tables move,
     and a consumer (the demux) reads their new events before their last old ones, in
     another partition (a delete applied before an older insert brought the row back; a
     fuzz). The count changes only when asked (``repartition``), or when the topic now has
-    fewer partitions than recorded (it was deleted and created again)."""
-    recorded = [n for d in (doc, *others.values()) if isinstance(n := d.get("partitions"), int) and n >= 1]
-    if not recorded or repartition:
-        return topic_partitions
-    # One count for every slot of the topic (each slot writes every event: two counts put a
-    # table in two partitions at once; a re-fuzz): the largest recorded, as a --repartition
-    # left it, within what the topic has.
-    return min(max(recorded), topic_partitions)
+    fewer partitions than decided (it was deleted and created again). Every slot follows the
+    count decided last (each slot writes every event: two counts put a table in two
+    partitions at once; a re-fuzz), not the largest: a slot's record from before the topic
+    was made again smaller moved tables once partitions were added back (a re-fuzz)."""
+    recorded = [(since if isinstance(since := d.get("partitions_since", 0), int) else 0, n)
+                for d in (doc, *others.values()) if isinstance(n := d.get("partitions"), int) and n >= 1]
+    if not recorded:
+        return topic_partitions, 0
+    latest = max(recorded)
+    if repartition or latest[1] > topic_partitions:
+        return topic_partitions, latest[0] + 1
+    return latest[1], latest[0]
+
 
 class Producer:
     """Streams one database's slot into its Kafka topic until :meth:`stop`."""
@@ -220,8 +232,11 @@ class Producer:
         drop by position. The source is recorded in this slot's progress document."""
         cfg = self.config
         capture = capture_settings(cfg, self.capture, self._via_root)
+        self._check_own_record(offsets.doc, offsets.topic)
         self._check_claims(offsets.others, offsets.topic, capture)
-        partitions = partitions_to_write(self._partitions, offsets.doc, offsets.others, repartition=cfg.repartition)
+        if cfg.repartition:
+            await self._check_no_slot_streams(offsets)
+        partitions, since = partitions_to_write(self._partitions, offsets.doc, offsets.others, repartition=cfg.repartition)
         if partitions != self._partitions:
             log.warning(
                 "the database topic has more partitions than the producer writes over: partitions added later are left "
@@ -230,23 +245,66 @@ class Producer:
                 extra={"topic": cfg.topic_name, "partitions": self._partitions, "written": partitions},
             )
             self._partitions = partitions
-        recorded = {"source": self._source, "partitions": partitions, "capture": capture}
+        recorded = {"source": self._source, "partitions": partitions, "partitions_since": since, "capture": capture}
         if any(offsets.doc.get(k) != v for k, v in recorded.items()):
-            previous = dict(offsets.doc)
             offsets.doc.update(recorded)
+            ours = dict(offsets.doc)
             at = await offsets.save()
             # Two producers starting at once both passed the check above before either wrote
             # its claim (a fuzz): the progress log's order decides. The claims written before
-            # ours are read again; if one conflicts, ours is taken back and this one stops.
+            # ours are read again (this slot's own too: a producer of another cluster may use
+            # the same slot name); if one conflicts, ours is taken back and this one stops.
+            own_before, others_before = await offsets.claims_before(at)
             try:
-                self._check_claims(await offsets.others_before(at), offsets.topic, capture)
+                self._check_own_record(own_before, offsets.topic)
+                self._check_claims(others_before, offsets.topic, capture)
             except ConfigError:
-                offsets.doc = previous
-                if previous:
-                    await offsets.save()
-                else:
-                    await offsets.delete()
+                # Back to what the slot's record was before ours, unless it was written since.
+                if await offsets.latest() == {**ours, "v": 1, "slot": offsets.slot}:
+                    offsets.doc = own_before
+                    if own_before:
+                        await offsets.save()
+                    else:
+                        await offsets.delete()
                 raise
+
+    async def _check_no_slot_streams(self, offsets: OffsetStore) -> None:
+        """ConfigError when another slot of the topic streams: ``--repartition`` while it
+        writes with the old count put every moved table in two partitions at once (a re-fuzz)."""
+        cfg = self.config
+        names = sorted(offsets.others)
+        if not names:
+            return
+
+        def active() -> list[str]:
+            with setup.connect(cfg.pg_dsn) as conn:
+                rows = conn.execute(
+                    "SELECT slot_name FROM pg_replication_slots WHERE active AND slot_name = ANY(%s) ORDER BY 1", (names,)
+                ).fetchall()
+            return [str(r[0]) for r in rows]
+
+        streaming = await asyncio.to_thread(active)
+        if streaming:
+            raise ConfigError(
+                f"--repartition while other slots of topic {cfg.topic_name} stream ({', '.join(streaming)}): they would go on "
+                f"writing with the old partition count. Stop their producers first, then start them again after this one"
+            )
+
+    def _check_own_record(self, doc: dict[str, Any], offsets_topic: str) -> None:
+        """ConfigError when this slot's record names another database: a database of another
+        cluster (or one dropped and created again) with the same name has the same default
+        slot and topic, and the two went on writing one topic, their positions interleaved
+        (a fuzz)."""
+        source = doc.get("source")
+        if isinstance(source, dict) and not setup.same_source(source, self._source):
+            slot = self.config.slot_name
+            raise ConfigError(
+                f"topic {self.config.topic_name} is written by the producer of another database ({source.get('database')!r}, "
+                f"system {source.get('system')}, oid {source.get('database_oid')}) under this slot's name {slot!r} (its record "
+                f"in {offsets_topic}): its positions and this database's would interleave and consumers would drop events. "
+                f"Give this database a topic of its own (--topic), or, if that producer is gone for good (e.g. the database "
+                f"was created again), delete its record (key {slot!r}) from {offsets_topic}"
+            )
 
     def _check_claims(self, others: dict[str, dict[str, Any]], offsets_topic: str, capture: dict[str, Any]) -> None:
         """ConfigError when another slot's record on the topic forbids this producer there."""
@@ -264,8 +322,9 @@ class Producer:
             # seq numbers a transaction's captured changes, so under other filters one position
             # names two different events, and consumers kept whichever came first (a fuzz).
             theirs = doc.get("capture")
-            if isinstance(source, dict) and isinstance(theirs, dict) and theirs.get("form") == CAPTURE_FORM and theirs != capture:
-                differ = sorted(k for k in set(capture) | set(theirs) if capture.get(k) != theirs.get(k))
+            differ = sorted(k for k in set(capture) | set(theirs) if capture.get(k) != theirs.get(k)) \
+                if isinstance(theirs, dict) else []
+            if isinstance(source, dict) and isinstance(theirs, dict) and theirs.get("form") == CAPTURE_FORM and differ:
                 raise ConfigError(
                     f"topic {cfg.topic_name} is written by another producer of this database (slot {slot!r}, recorded in "
                     f"{offsets_topic}) that captures otherwise ({', '.join(_setting_name(k) for k in differ)}: "

@@ -308,6 +308,62 @@ async def test_of_two_claims_written_at_once_the_later_one_stops(pg_dsn: str, ka
         await offsets.stop()
 
 
+async def test_this_slots_record_of_another_database_is_refused(pg_dsn: str, kafka_bootstrap: str, unique_name: str) -> None:
+    # Two clusters with a database of the same name have the same default slot and topic:
+    # only the other slots' records were checked, this slot's own was overwritten, and both
+    # databases went on writing one topic (a fuzz; here two databases share --slot instead).
+    slot = f"{unique_name}_s"
+    sql(pg_dsn, "CREATE TABLE t (id int PRIMARY KEY)")
+    async with running_producer(pg_dsn, kafka_bootstrap, topic=unique_name, slot=slot):
+        sql(pg_dsn, "INSERT INTO t VALUES (1)")
+        await read_topic(kafka_bootstrap, unique_name, min_count=1, timeout=30)
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute("SELECT pg_drop_replication_slot(%s)", (slot,))
+    with database(pg_dsn, f"{unique_name}_other") as other:
+        sql(other, "CREATE TABLE t (id int PRIMARY KEY)")
+        with pytest.raises(ConfigError) as err:
+            async with running_producer(other, kafka_bootstrap, topic=unique_name, slot=slot):
+                pass
+    message = str(err.value)
+    assert f"topic {unique_name} is written by the producer of another database ({unique_name!r}" in message
+    assert f"under this slot's name {slot!r}" in message and f"delete its record (key {slot!r})" in message
+
+
+async def test_of_two_claims_of_one_slot_name_written_at_once_the_later_one_stops(
+    pg_dsn: str, kafka_bootstrap: str, unique_name: str
+) -> None:
+    # The race of the test above under one slot name: another cluster's producer writes the
+    # slot's record between this producer's reading and its writing. This one stops and puts
+    # the other's record back.
+    from aiokafka import AIOKafkaProducer
+
+    from producer import setup
+    from producer.config import ProducerConfig
+    from producer.offsets import OffsetStore
+    from producer.service import Producer
+
+    cfg = ProducerConfig(pg_dsn=pg_dsn, kafka_bootstrap=kafka_bootstrap, topic=unique_name, slot=f"{unique_name}_a")
+    producer = Producer(cfg)
+    with setup.connect(pg_dsn) as conn:
+        producer._source = setup.source_identity(conn)
+    offsets = OffsetStore({"bootstrap_servers": kafka_bootstrap}, unique_name, cfg.slot_name)
+    await offsets.start()
+    try:
+        assert offsets.doc == {}
+        theirs = {"v": 1, "slot": cfg.slot_name, "source": {"system": "1", "database_oid": 1, "database": "elsewhere"}}
+        raw = AIOKafkaProducer(bootstrap_servers=kafka_bootstrap, acks="all")
+        await raw.start()
+        try:
+            await raw.send_and_wait(offsets.topic, key=cfg.slot_name.encode(), value=orjson.dumps(theirs))
+        finally:
+            await raw.stop()
+        with pytest.raises(ConfigError, match="written by the producer of another database \\('elsewhere'"):
+            await producer._claim_topic(offsets)
+        assert await offsets.latest() == theirs
+    finally:
+        await offsets.stop()
+
+
 async def test_a_topic_name_kafka_refuses_is_a_configuration_error(pg_dsn: str, kafka_bootstrap: str, unique_name: str) -> None:
     # The database topic "walbus.x_public_t" collides, for Kafka, with database x's table
     # topic "walbus.x.public.t": the producer died with a traceback (exit 1), not exit 2.

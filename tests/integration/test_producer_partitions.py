@@ -93,3 +93,29 @@ async def test_partitions_added_later_are_used_only_when_asked(pg_dsn: str, kafk
     now = {f"public.{t}": at_first[f"public.{t}"] | {_kafkas_partition(f"public.{t}", 4)} for t in tables}
     assert await _tables_by_partition(kafka_bootstrap, unique_name, 4) == now
     assert any(len(parts) == 2 for parts in now.values())  # some table did move
+
+
+async def test_repartition_while_another_slot_streams_is_refused(pg_dsn: str, kafka_bootstrap: str, unique_name: str) -> None:
+    # The other slot went on writing with the old count, so every moved table was in two
+    # partitions at once (a re-fuzz). Its producer must be stopped first.
+    from aiokafka.admin import AIOKafkaAdminClient, NewPartitions
+
+    from walbus.config import ConfigError
+
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute("CREATE TABLE t (id int PRIMARY KEY)")
+    async with running_producer(pg_dsn, kafka_bootstrap, topic=unique_name, slot=f"{unique_name}_a", partitions=2):
+        admin = AIOKafkaAdminClient(bootstrap_servers=kafka_bootstrap)
+        await admin.start()
+        try:
+            await admin.create_partitions({unique_name: NewPartitions(total_count=4)})
+        finally:
+            await admin.close()
+        with pytest.raises(ConfigError, match=f"--repartition while other slots of topic {unique_name} stream \\({unique_name}_a\\)"):
+            async with running_producer(pg_dsn, kafka_bootstrap, topic=unique_name, slot=f"{unique_name}_b", repartition=True):
+                pass
+    # Stopped, it no longer stands in the way.
+    async with running_producer(pg_dsn, kafka_bootstrap, topic=unique_name, slot=f"{unique_name}_b", repartition=True):
+        with psycopg.connect(pg_dsn, autocommit=True) as conn:
+            conn.execute("INSERT INTO t VALUES (1)")
+        await read_topic(kafka_bootstrap, unique_name, min_count=1)

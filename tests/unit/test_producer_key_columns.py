@@ -48,3 +48,23 @@ def test_a_rule_naming_a_missing_column_keeps_the_tables_key() -> None:
     r = rel(["id"], capture)
     assert r.pk == ["id"]
     assert orjson.loads(EventEncoder().insert(r, 1, [1, "a", "x"]).value)["pk"] == ["id"]
+
+
+def _capture(key_columns: str | None, signal_table: str | None = None) -> dict[str, object]:
+    from producer.config import ProducerConfig
+    from producer.service import Producer, capture_settings
+
+    cfg = ProducerConfig(pg_dsn="dbname=x", kafka_bootstrap="k:1", key_columns=key_columns, signal_table=signal_table)
+    return capture_settings(cfg, Producer(cfg).capture, False)
+
+
+def test_the_recorded_capture_holds_the_signal_table_and_key_rules_in_any_order() -> None:
+    # Two slots on one topic, one with --signal-table: the signal table is captured whatever the
+    # filters say, so one position named the signal row in one and a row of another table in
+    # the other, and consumers dropped one (a re-fuzz). And --key-columns rules for distinct
+    # whole names were refused when given in another order, which the docs say does not count.
+    assert _capture(None, "public.signals")["signal_table"] == ["public", "signals"]
+    assert _capture(None, "public.signals") != _capture(None)
+    assert _capture("public.a:x;public.b:x") == _capture('public.b:x;public."a":x')
+    # Rules that may overlap keep their order: the first match wins.
+    assert _capture("public.*:x;public.b:y") != _capture("public.b:y;public.*:x")

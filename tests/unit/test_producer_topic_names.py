@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from producer.config import load
@@ -66,13 +68,29 @@ def test_a_slot_name_ending_in_a_newline_is_a_configuration_error() -> None:
 def test_the_partition_count_recorded_first_is_kept() -> None:
     from producer.service import partitions_to_write
 
-    assert partitions_to_write(4, {}, {}) == 4  # nothing recorded: the topic's
-    assert partitions_to_write(4, {"partitions": 2}, {}) == 2  # partitions added: still 2
-    assert partitions_to_write(4, {}, {"other_slot": {"partitions": 2}}) == 2  # another producer's record
-    assert partitions_to_write(4, {"partitions": 2}, {}, repartition=True) == 4
-    assert partitions_to_write(1, {"partitions": 2}, {}) == 1  # the topic made again, smaller
-    assert partitions_to_write(3, {"partitions": "x"}, {"s": {}}) == 3
+    def count(*args: Any, **kwargs: Any) -> int:
+        return partitions_to_write(*args, **kwargs)[0]
+
+    assert count(4, {}, {}) == 4  # nothing recorded: the topic's
+    assert count(4, {"partitions": 2}, {}) == 2  # partitions added: still 2
+    assert count(4, {}, {"other_slot": {"partitions": 2}}) == 2  # another producer's record
+    assert partitions_to_write(4, {"partitions": 2}, {}, repartition=True) == (4, 1)
+    assert partitions_to_write(1, {"partitions": 2}, {}) == (1, 1)  # the topic made again, smaller
+    assert count(3, {"partitions": "x"}, {"s": {}}) == 3
     # Every slot of the topic writes with one count: another slot's --repartition is followed,
     # within what the topic has (slots on 6 and 2 put tables in two partitions at once).
-    assert partitions_to_write(6, {"partitions": 2}, {"a": {"partitions": 6}}) == 6
-    assert partitions_to_write(3, {"partitions": 6}, {"b": {"partitions": 2}}) == 3
+    assert count(6, {"partitions": 2}, {"a": {"partitions": 6, "partitions_since": 1}}) == 6
+    assert count(6, {"partitions": 2}, {"a": {"partitions": 6}}) == 6  # records from before the counter
+    assert count(3, {"partitions": 6}, {"b": {"partitions": 2}}) == 3
+
+
+def test_a_count_from_before_the_topic_was_made_smaller_is_not_followed() -> None:
+    # Slots A and B on 3 partitions; the topic made again with 1 (A decides 1); partitions
+    # added back to 3: B's stale 3 was the largest record, and A moved tables without
+    # --repartition (a re-fuzz).
+    from producer.service import partitions_to_write
+
+    a, since = partitions_to_write(1, {"partitions": 3}, {"b": {"partitions": 3}})
+    assert (a, since) == (1, 1)
+    assert partitions_to_write(3, {"partitions": 1, "partitions_since": 1}, {"b": {"partitions": 3}}) == (1, 1)
+    assert partitions_to_write(3, {"partitions": 3}, {"a": {"partitions": 1, "partitions_since": 1}}) == (1, 1)
