@@ -42,6 +42,7 @@ T = TypeVar("T")
 
 PORT_MAX: Final = 65535
 INT32_MAX: Final = 2**31 - 1  # Kafka's int settings (timeouts in ms, partitions)
+INT64_MAX: Final = 2**63 - 1  # any other count
 
 
 class ConfigError(Exception):
@@ -121,7 +122,7 @@ def _base_type(tp: Any) -> tuple[Any, bool]:
     return tp, False
 
 
-def _convert(name: str, tp: Any, raw: Any, source: str, *, key_values: bool = False) -> Any:
+def _convert(name: str, tp: Any, raw: Any, source: str, *, key_values: bool = False, secret: bool = False) -> Any:
     base, optional = _base_type(tp)
     if raw is None:
         if optional:
@@ -159,7 +160,11 @@ def _convert(name: str, tp: Any, raw: Any, source: str, *, key_values: bool = Fa
                 raise TypeError
             return str(raw)
     except (TypeError, ValueError):
-        raise ConfigError(f"{name}: {raw!r} is not a valid {getattr(base, '__name__', base)} ({source})") from None
+        from walbus.logs import redact_dsn
+
+        # A secret's value is never echoed, whatever its type (a TOML list holding a password).
+        given = f"a {type(raw).__name__}" if secret else redact_dsn(repr(raw))
+        raise ConfigError(f"{name}: {given} is not a valid {getattr(base, '__name__', base)} ({source})") from None
     raise ConfigError(f"{name}: unsupported option type {tp!r}")
 
 
@@ -172,8 +177,11 @@ class _QuietParser(argparse.ArgumentParser):
 
         head, sep, rest = message.partition("unrecognized arguments: ")
         if sep:
-            flags = [a.split("=", 1)[0] for a in rest.split() if a.startswith("-")]
+            # Long flags only: a value after a mistyped flag may start with '-' (-Xs3cret).
+            flags = [a.split("=", 1)[0] for a in rest.split() if a.startswith("--")]
             message = head + sep + (" ".join(flags) or "(values without a flag)")
+        # "ambiguous option: --kafka-sasl=PW could match …" echoes the value after '='.
+        message = re.sub(r"(--[A-Za-z0-9][-A-Za-z0-9_]*)=\S*", r"\1=…", message)
         super().error(redact_dsn(message))
 
 
@@ -291,15 +299,16 @@ def load_config(
     for f in dataclasses.fields(cls):  # type: ignore[arg-type]
         name, tp, kv = f.name, hints[f.name], bool(f.metadata.get("key_values"))
         env_key = _env_key(f, env, section)
+        secret = bool(f.metadata.get("secret")) or name.endswith("dsn")
         if name in ns:
             raw = ns[name]
             if isinstance(raw, list):  # repeated list flags
                 raw = [item for text in raw for item in split_list(text, key_values=kv)]
-            values[name] = _convert(flag_name(name), tp, raw, "flag", key_values=kv)
+            values[name] = _convert(flag_name(name), tp, raw, "flag", key_values=kv, secret=secret)
         elif env_key is not None:
-            values[name] = _convert(flag_name(name), tp, env[env_key], f"env {env_key}", key_values=kv)
+            values[name] = _convert(flag_name(name), tp, env[env_key], f"env {env_key}", key_values=kv, secret=secret)
         elif name in file_values:
-            values[name] = _convert(flag_name(name), tp, file_values[name], f"file {config_path}", key_values=kv)
+            values[name] = _convert(flag_name(name), tp, file_values[name], f"file {config_path}", key_values=kv, secret=secret)
     missing = [
         f.name
         for f in dataclasses.fields(cls)  # type: ignore[arg-type]
@@ -327,6 +336,9 @@ def _check_number(name: str, value: Any, minimum: float | None, maximum: float |
         return
     if value != value:
         raise ConfigError(f"{flag_name(name)}: NaN is not a number of anything")
+    if isinstance(value, int) and not -INT64_MAX <= value <= INT64_MAX:
+        # Past what any client or log line takes (orjson refuses it: the start-up line was lost).
+        raise ConfigError(f"{flag_name(name)}: {value} is out of range")
     if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
         low = "" if minimum is None else f"at least {minimum:g}"
         high = "" if maximum is None else f"at most {maximum:g}"

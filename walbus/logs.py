@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 import sys
@@ -52,7 +53,10 @@ class JsonFormatter(logging.Formatter):
                 out[key] = _clean(key, value)
         if record.exc_info:
             out["exc"] = redact_dsn(self.formatException(record.exc_info))
-        return orjson.dumps(out, default=str).decode()
+        try:
+            return orjson.dumps(out, default=str).decode()
+        except TypeError:  # an int past 64 bits: the line is kept, the number as text
+            return json.dumps(out, default=str, ensure_ascii=False)
 
 
 JsonFormatter.converter = __import__("time").gmtime

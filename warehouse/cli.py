@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from walbus.config import INT32_MAX, ConfigError, load_config, option
+from walbus.config import INT32_MAX, PORT_MAX, ConfigError, load_config, option
 from walbus.contract import ContractError, Lsn, NameMatcher
 from walbus.kafka import KafkaOptions
 from walbus.logs import setup_logging
@@ -91,7 +91,7 @@ class LoadConfig(CatalogOptions, SparkOptions, KafkaOptions):
         "and load the rest; default: such a record fails the load",
     )
     parallel_tables: int = option(
-        8, help="tables written at once (driver threads): their fixed Spark/Delta costs overlap"
+        8, minimum=1, maximum=256, help="tables written at once (driver threads): their fixed Spark/Delta costs overlap"
     )
     slice_reader: str = option(
         "auto",
@@ -125,7 +125,7 @@ class StreamConfig(LoadConfig):
     )
 
     metrics_port: int | None = option(
-        None, help="serve Prometheus /metrics, /healthz and /readyz on this port; default: none", env="command"
+        None, minimum=0, maximum=PORT_MAX, help="serve Prometheus /metrics, /healthz and /readyz on this port; default: none", env="command"
     )
     metrics_addr: str = option(DEFAULT_METRICS_ADDR, help="address the metrics port binds (0.0.0.0: every interface)")
 

@@ -238,3 +238,49 @@ def test_demo_rows_out_of_range_are_a_usage_error(rows: str, capsys: pytest.Capt
     with pytest.raises(SystemExit) as exit_:
         demo(["--rows", rows])
     assert exit_.value.code == 2 and "--rows must be between 1 and 1000000" in capsys.readouterr().err
+
+
+def test_configuration_errors_never_echo_a_secret(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    # A TOML list for a password, a DSN in a number's flag, an ambiguous abbreviation with its
+    # value and a '-'-value after a mistyped flag were all printed as given (a re-fuzz).
+    from walbus.app.cli import main as walbus
+
+    path = tmp_path / "walbus.toml"
+    for line in ('kafka_sasl_password = ["TomlSecret2"]', 'pg_dsn = ["postgresql://u:TomlSecret1@h/db"]'):
+        path.write_text(line + "\n")
+        assert walbus(["produce", "--pg-dsn", "dbname=x", "--kafka-bootstrap", "k:1", "--config", str(path)]
+                      if "sasl" in line else ["produce", "--kafka-bootstrap", "k:1", "--config", str(path)]) == 2
+        err = capsys.readouterr().err
+        assert "is not a valid str" in err and "Secret" not in err, err
+    assert walbus(["produce", "--pg-dsn", "dbname=x", "--kafka-bootstrap", "k:1", "--partitions=postgresql://u:s3cretPW99@h/db"]) == 2
+    for argv in (["tail", "--topic", "x", "--kafka-sasl=s3cretPW99"],
+                 ["produce", "--pg-dsn", "dbname=x", "--kafka-sasl-pasword", "-Xs3cretPW99"]):
+        with pytest.raises(SystemExit):
+            walbus(argv)
+    err = capsys.readouterr().err
+    assert "s3cretPW99" not in err and "--kafka-sasl=…" in err and "--kafka-sasl-pasword" in err, err
+
+
+def test_an_integer_past_64_bits_is_refused_and_logs_survive_one() -> None:
+    # --retry-attempts 99999999999999999999999 was taken, and the start-up log line (with the
+    # config) died in orjson ("Integer exceeds 64-bit range").
+    import io
+
+    from walbus.config import ConfigError
+    from walbus.logs import setup_logging
+
+    with pytest.raises(ConfigError, match="--retry-attempts: 99999999999999999999999 is out of range"):
+        load_config(ProducerConfig, ["--pg-dsn", "dbname=x", "--kafka-bootstrap", "k:1", "--retry-attempts",
+                                     "99999999999999999999999"], prog="walbus produce", env={})
+    with pytest.raises(ConfigError, match="--parallel-tables: 0 is out of range"):
+        load_config(LoadConfig, ["--kafka-bootstrap", "k:1", "--topic", "walbus.x", "--warehouse", "/tmp/wh",
+                                 "--parallel-tables", "0"], prog="walbus warehouse load", env={})
+    out = io.StringIO()
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    setup_logging("info", stream=out)
+    try:
+        logging.getLogger("walbus.test").info("big", extra={"n": 2**70})
+    finally:
+        root.handlers[:], root.level = handlers, level
+    assert '"n": 1180591620717411303424' in out.getvalue()

@@ -84,7 +84,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return _load(args[0])(args[1:])
     except (ConfigError, StackError) as e:
-        print(f"walbus {args[0]}: error: {e}", file=sys.stderr)
+        print(f"walbus {args[0]}: error: {redact_dsn(str(e))}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
