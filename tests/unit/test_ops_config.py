@@ -243,7 +243,16 @@ def test_demo_rows_out_of_range_are_a_usage_error(rows: str, capsys: pytest.Capt
 def test_configuration_errors_never_echo_a_secret(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
     # A TOML list for a password, a DSN in a number's flag, an ambiguous abbreviation with its
     # value and a '-'-value after a mistyped flag were all printed as given (a re-fuzz).
-    from walbus.app.cli import main as walbus
+    import signal
+
+    from walbus.app.cli import main
+
+    def walbus(argv: list[str]) -> int:
+        sigterm = signal.getsignal(signal.SIGTERM)
+        try:
+            return main(argv)
+        finally:  # the CLI takes SIGTERM over before it imports a service
+            signal.signal(signal.SIGTERM, sigterm)
 
     path = tmp_path / "walbus.toml"
     for line in ('kafka_sasl_password = ["TomlSecret2"]', 'pg_dsn = ["postgresql://u:TomlSecret1@h/db"]'):
