@@ -30,6 +30,9 @@ def default_slot_name(database: str) -> str:
     return f"{_SLOT_PREFIX}{body[: 63 - len(_SLOT_PREFIX) - 9]}_{digest}"
 
 
+MIN_HEARTBEAT_S = 0.1  # a shorter one means a record at every loop
+
+
 @dataclass(kw_only=True)
 class ProducerConfig(KafkaOptions):
     pg_dsn: str = option(help="PostgreSQL connection string (URI or key=value); needs the REPLICATION privilege")
@@ -131,6 +134,8 @@ def load(argv: Sequence[str] | None) -> ProducerConfig:
         raise ConfigError("--partitions and --replication-factor must be at least 1")
     if not cfg.heartbeat_interval >= 0:  # also refuses NaN
         raise ConfigError("--heartbeat-interval must be 0 (off) or a number of seconds")
+    if 0 < cfg.heartbeat_interval < MIN_HEARTBEAT_S:  # 1e-9 wrote a record each loop (a re-fuzz)
+        raise ConfigError(f"--heartbeat-interval must be 0 (off) or at least {MIN_HEARTBEAT_S} s")
     if cfg.heartbeat_action_query is not None and not cfg.heartbeat_action_query.strip():
         raise ConfigError("--heartbeat-action-query is empty")
     if cfg.heartbeat_action_query and not cfg.heartbeat_interval:
