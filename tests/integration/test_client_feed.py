@@ -122,6 +122,22 @@ async def test_transactions(kafka_bootstrap: str, unique_name: str) -> None:
         assert [e async for e in feed] == []
 
 
+async def test_a_short_linger_does_not_split_transactions_already_in_the_topic(kafka_bootstrap: str, unique_name: str) -> None:
+    # transaction_linger=0.01 split 30,000-row transactions wholly in the topic into two or three
+    # (the linger ran out between two fetches while catching up; a client fuzz).
+    sizes = [5_000, 5_000, 1]
+    changes = [Change(0x1000_0000 + 100 * t, seq, 900 + t, "public.users", "insert", {"id": 100_000 * t + seq, "a": "x" * 400})
+               for t, n in enumerate(sizes) for seq in range(n)]  # ~13 MB each: many fetches
+    await create_topic(kafka_bootstrap, unique_name)
+    await produce(kafka_bootstrap, unique_name, [c.record() for c in changes])
+    # Small fetches and a 1 ms linger: every fetch's round trip outlasts the linger.
+    small = {"max_partition_fetch_bytes": 16384, "fetch_max_bytes": 16384}
+    async with Feed(unique_name, start="earliest", bootstrap_servers=kafka_bootstrap, transaction_linger=0.001,
+                    until_end=True, consumer_options=small) as feed:
+        got = [len(t.events) async for t in feed.transactions()]
+    assert got == sizes
+
+
 POISON_KEY = b"FFFFFFFFFFFFFFFF-FFFFFFFF"
 
 

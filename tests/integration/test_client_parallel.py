@@ -8,6 +8,7 @@ import itertools
 import random
 from collections import defaultdict
 from collections.abc import Awaitable
+from typing import Any
 
 import pytest
 
@@ -189,6 +190,73 @@ async def test_a_handler_may_return_any_awaitable(kafka_bootstrap: str, unique_n
         await feed.run(handler, concurrency=4)
     assert sorted(done) == [c.position for c in changes]  # each once
     assert feed.stats.retries == 0 and feed.stats.dead_letters == 0
+
+
+async def test_a_nack_at_the_tail_is_retried_and_dead_lettered_without_a_next_record(
+    kafka_bootstrap: str, unique_name: str
+) -> None:
+    """A lane's handler that awaited, then nacked, while the dispatcher waited for records: the
+    retry (and the dead letter after the last attempt) waited for the next record to arrive,
+    forever at the tail of a quiet topic (a client fuzz)."""
+    changes = workload(random.Random(17), 1, TABLES)[:1]
+    await create_topic(kafka_bootstrap, unique_name)
+    await produce(kafka_bootstrap, unique_name, [c.record() for c in changes])
+    attempts: list[int] = []
+    dead = asyncio.Event()
+
+    async def handler(event: FeedEvent) -> None:
+        attempts.append(event.attempt)
+        await asyncio.sleep(0.05)  # some I/O first: the dispatcher is back waiting for records
+        if event.attempt < 3:
+            event.nack(retry_in=0.1, error="try again")
+        else:
+            dead.set()
+            raise RuntimeError("poison")
+
+    feed = Feed(unique_name, group_id=unique_name + "-g", start="earliest", bootstrap_servers=kafka_bootstrap,
+                retry=RetryPolicy(attempts=3, initial=0.1, maximum=0.1))
+    async with feed:
+        task = asyncio.create_task(feed.run(handler, concurrency=4))
+        try:
+            async with asyncio.timeout(20):
+                await dead.wait()
+                while feed.stats.dead_letters == 0:
+                    await asyncio.sleep(0.05)
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    assert attempts == [1, 2, 3] and feed.stats.retries == 2 and feed.stats.dead_letters == 1
+
+
+async def test_lanes_dead_lettering_at_once_share_one_producer(
+    kafka_bootstrap: str, unique_name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first dead letters of several lanes at once: each lane started a producer of its
+    own, and all but one were never stopped (a client fuzz)."""
+    import walbus.client.deadletters as deadletters
+
+    started: list[Any] = []
+
+    class Counting(deadletters.AIOKafkaProducer):  # type: ignore[misc]
+        async def start(self) -> None:
+            started.append(self)
+            await super().start()
+
+    monkeypatch.setattr(deadletters, "AIOKafkaProducer", Counting)
+    changes = workload(random.Random(19), 8, TABLES)
+    await create_topic(kafka_bootstrap, unique_name)
+    await produce(kafka_bootstrap, unique_name, [c.record() for c in changes])
+
+    async def handler(event: FeedEvent) -> None:
+        await asyncio.sleep(0.01)
+        raise RuntimeError("poison")
+
+    feed = Feed(unique_name, group_id=unique_name + "-g", start="earliest", bootstrap_servers=kafka_bootstrap,
+                until_end=True, retry=RetryPolicy(attempts=1))
+    async with feed, asyncio.timeout(60):
+        await feed.run(handler, concurrency=4)
+    assert feed.stats.dead_letters == len(changes)
+    assert len(started) == 1 and started[0]._closed
 
 
 async def test_a_handler_cancelling_itself_or_raising_at_once(kafka_bootstrap: str, unique_name: str) -> None:

@@ -279,3 +279,51 @@ async def test_a_composite_key_in_dict_form_is_read_by_column_name(kafka_bootstr
         assert table.get((1, 2))["v"] == "12"  # type: ignore[index]
         assert table.get({"a": 1, "x": 2}) is None and {"a": 1, "x": 2} not in table and {"a": 1} not in table
         assert {"b": 2, "a": 1} in table
+
+
+async def test_stop_ends_every_wait_and_concurrent_waits_share_one_consumer(
+    kafka_bootstrap: str, unique_name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # stop() during a wait: one waiting for the demux died in an AttributeError, one waiting for
+    # the table's reader waited for good. And ten first waits at once started ten high-watermark
+    # consumers, nine of them never stopped (a client fuzz).
+    import walbus.client.table as table_module
+
+    started: list[Any] = []
+
+    class Counting(table_module.AIOKafkaConsumer):  # type: ignore[misc]
+        async def start(self) -> None:
+            if self._isolation_level == "read_uncommitted":
+                started.append(self)
+            await super().start()
+
+    monkeypatch.setattr(table_module, "AIOKafkaConsumer", Counting)
+    source = f"walbus.{unique_name}"
+    topic = f"{source}.public.a"
+    changes = workload(random.Random(14), 20, ["public.a"])
+    await create_topic(kafka_bootstrap, source)
+    await create_topic(kafka_bootstrap, topic, compact=True)
+    await produce(kafka_bootstrap, source, [c.record() for c in changes])
+    commits = sorted({c.commit_lsn for c in changes})
+    demux = ScriptedDemux(kafka_bootstrap, source, demux_group(source), transactional_id=f"{unique_name}-tx")
+    await demux.start()
+    try:
+        # The demux wrote every row and committed its offset, but the table is behind: the waits
+        # reach step 4 (the table's own reader). A Table without a group skips step 3.
+        await demux.write([(topic, r) for r in table_records(changes, "public.a")], source_offset=len(changes))
+        table = Table(topic, bootstrap_servers=kafka_bootstrap)
+        await table.start()
+        async with asyncio.timeout(30):
+            await asyncio.gather(*(table.wait_until(commits[-1]) for _ in range(10)))
+        assert len(started) == 1
+        # Step 3, waiting for a demux that never gets there: stop() ends it with TableError.
+        waiting = asyncio.create_task(table.wait_until(commits[-1] + 1000))
+        await asyncio.sleep(1.0)
+        assert not waiting.done()
+        await table.stop()
+        with pytest.raises(TableError, match="Table stopped"):
+            async with asyncio.timeout(10):
+                await waiting
+        assert all(c._closed for c in started)
+    finally:
+        await demux.stop()

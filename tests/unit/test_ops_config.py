@@ -240,10 +240,16 @@ def test_demo_rows_out_of_range_are_a_usage_error(rows: str, capsys: pytest.Capt
     assert exit_.value.code == 2 and "--rows must be between 1 and 1000000" in capsys.readouterr().err
 
 
-def test_configuration_errors_never_echo_a_secret(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
+def test_configuration_errors_never_echo_a_secret(
+    tmp_path: Any, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     # A TOML list for a password, a DSN in a number's flag, an ambiguous abbreviation with its
     # value and a '-'-value after a mistyped flag were all printed as given (a re-fuzz).
+    import os
     import signal
+
+    for name in [n for n in os.environ if n.startswith("WALBUS_")]:
+        monkeypatch.delenv(name)  # the file's values must count: env vars beat them
 
     from walbus.app.cli import main
 

@@ -25,6 +25,7 @@ events the group had not read yet.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -194,6 +195,25 @@ class DeadLetterWriter:
         self.group = group
         self._producer: AIOKafkaProducer | None = None
         self._limit = DEFAULT_MAX_MESSAGE_BYTES
+        # Several run() lanes dead-letter at once: one producer for all (each started its own,
+        # and all but one were never stopped; a client fuzz).
+        self._starting = asyncio.Lock()
+
+    async def _started(self) -> AIOKafkaProducer:
+        async with self._starting:
+            if self._producer is None:
+                async with KafkaAdmin(client_kwargs=self._kwargs) as admin:
+                    await admin.ensure_topic(TopicSpec(self.topic, configs=LARGE_TOPIC))
+                    self._limit = await admin.max_message_bytes(self.topic, wait=METADATA_WAIT_S)
+                producer = AIOKafkaProducer(**self._kwargs, acks="all", enable_idempotence=True,
+                                            max_request_size=DEFAULT_MAX_MESSAGE_BYTES)
+                try:
+                    await producer.start()
+                except BaseException:
+                    await producer.stop()
+                    raise
+                self._producer = producer
+            return self._producer
 
     async def write(self, key: bytes | None, value: bytes | None, headers: list[tuple[str, bytes]]) -> None:
         """Send one dead letter; transient faults are retried with backoff (never dropped).
@@ -202,20 +222,9 @@ class DeadLetterWriter:
         backoff = Backoff(initial=0.5, maximum=30.0)
         while True:
             try:
-                if self._producer is None:
-                    async with KafkaAdmin(client_kwargs=self._kwargs) as admin:
-                        await admin.ensure_topic(TopicSpec(self.topic, configs=LARGE_TOPIC))
-                        self._limit = await admin.max_message_bytes(self.topic, wait=METADATA_WAIT_S)
-                    producer = AIOKafkaProducer(**self._kwargs, acks="all", enable_idempotence=True,
-                                                max_request_size=DEFAULT_MAX_MESSAGE_BYTES)
-                    try:
-                        await producer.start()
-                    except BaseException:
-                        await producer.stop()
-                        raise
-                    self._producer = producer
+                producer = await self._started()
                 fitted = cut_to_fit(self._limit, key, value, headers)
-                await self._producer.send_and_wait(self.topic, key=fitted[0], value=fitted[1], headers=fitted[2])
+                await producer.send_and_wait(self.topic, key=fitted[0], value=fitted[1], headers=fitted[2])
                 return
             except KafkaError as e:
                 if not e.retriable and not isinstance(e, KafkaConnectionError | KafkaTimeoutError):

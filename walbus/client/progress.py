@@ -28,6 +28,10 @@ from walbus.contract import ContractError
 log = logging.getLogger("walbus.client.progress")
 
 
+class ProgressStopped(RuntimeError):
+    """:meth:`SourceProgress.stop` was called while a wait was in progress."""
+
+
 class SourceProgress:
     """Watches the database topic's newest positions and, optionally, the demux group's offsets."""
 
@@ -87,7 +91,7 @@ class SourceProgress:
             async with self._cursor_lock:
                 consumer = self._consumer
                 if consumer is None:
-                    raise RuntimeError("SourceProgress not started")
+                    raise ProgressStopped("SourceProgress not started or stopped")
                 if not self._tps:
                     tps = await topic_partitions(self._kwargs, self.topic)
                     consumer.assign(tps)
@@ -138,7 +142,7 @@ class SourceProgress:
         next one it will read) belongs to a later commit: in the database topic a later commit
         comes after every event of the earlier ones.
         """
-        if self.group is None or self._admin is None:
+        if self.group is None:
             return
         needed = {tp: end for tp, end in ends.items() if end > 0}
         loop = asyncio.get_running_loop()
@@ -151,7 +155,10 @@ class SourceProgress:
                     extra={"group": self.group, "topic": self.topic},
                 )
                 warn_at = float("inf")
-            committed = await self._admin.list_consumer_group_offsets(self.group, partitions=list(needed))
+            admin = self._admin
+            if admin is None:
+                raise ProgressStopped("SourceProgress not started or stopped")
+            committed = await admin.list_consumer_group_offsets(self.group, partitions=list(needed))
             for tp, om in committed.items():
                 if tp not in needed or om.offset <= 0:
                     continue
@@ -172,6 +179,8 @@ class SourceProgress:
             return await self._probe_position(tp, offset)
 
     async def _probe_position(self, tp: TopicPartition, offset: int) -> Position | None:
+        if self._consumer is None:
+            raise ProgressStopped("SourceProgress not started or stopped")  # no probe left behind
         if self._probe is None:
             self._probe = AIOKafkaConsumer(
                 **self._kwargs, enable_auto_commit=False, isolation_level="read_committed", fetch_max_wait_ms=50

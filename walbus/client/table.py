@@ -184,6 +184,7 @@ class Table(Mapping[Any, Row]):
         self._max_commit: dict[TopicPartition, int] = {}  # highest __commit_lsn applied
         self._changed = asyncio.Condition()
         self._progress_lock = asyncio.Lock()
+        self._stopped = asyncio.Event()  # stop() was called: waits end with TableError
         self._failure: BaseException | None = None
         self._warned_null_key = False
         self._key_columns: tuple[str, ...] = ()  # the primary key's columns, in key order (from the records)
@@ -239,8 +240,13 @@ class Table(Mapping[Any, Row]):
             **self._consumer_options,
         }
         consumer = AIOKafkaConsumer(**self._kwargs, enable_auto_commit=False, isolation_level="read_committed", **options)
-        await consumer.start()
+        try:
+            await consumer.start()
+        except BaseException:
+            await consumer.stop()  # unreachable or refused: not left unclosed
+            raise
         self._consumer = consumer
+        self._stopped.clear()
         try:
             self._tps = await topic_partitions(self._kwargs, self.topic)
             consumer.assign(self._tps)
@@ -254,6 +260,9 @@ class Table(Mapping[Any, Row]):
             raise
 
     async def stop(self) -> None:
+        # Every wait_until in progress ends ("Table stopped"), whichever step it is in: one in
+        # step 4 waited for a notify that never came, one in step 3 died in an AttributeError.
+        self._stopped.set()
         task, consumer, progress = self._task, self._consumer, self._progress
         self._task = self._consumer = self._progress = None
         hw, self._hw_consumer = self._hw_consumer, None
@@ -389,6 +398,19 @@ class Table(Mapping[Any, Row]):
             raise RuntimeError("Table not started")
         if self.reflects(lsn):
             return
+        steps = asyncio.ensure_future(self._reach(lsn))
+        stopped = asyncio.ensure_future(self._stopped.wait())
+        try:
+            await asyncio.wait((steps, stopped), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopped.cancel()
+            if not steps.done():
+                steps.cancel()
+        self._check_running()
+        steps.result()
+
+    async def _reach(self, lsn: int) -> None:
+        """wait_until's steps 2 to 4 (stop() cancels them: they use the consumers it stops)."""
         async with self._progress_lock:
             if self._progress is None:
                 progress = SourceProgress(
@@ -396,15 +418,23 @@ class Table(Mapping[Any, Row]):
                 )
                 await progress.start()
                 self._progress = progress
-        ends = await self._progress.commit_reached(lsn)
-        await self._progress.group_reached(lsn, ends)
-        if self._consumer is None:
-            raise RuntimeError("Table stopped")
+            progress = self._progress
+        ends = await progress.commit_reached(lsn)
+        await progress.group_reached(lsn, ends)
         await self._wait_offsets(await self._high_watermarks())
 
+    def _check_running(self) -> None:
+        # A wait in any step when stop() came: one waiting for the demux died in an
+        # AttributeError, one waiting for the table's reader waited for good (a client fuzz).
+        if self._stopped.is_set():
+            raise TableError("Table stopped")
+
     async def _high_watermarks(self) -> dict[TopicPartition, int]:
-        if self._hw_consumer is None:
-            hw = AIOKafkaConsumer(**self._kwargs, enable_auto_commit=False, isolation_level="read_uncommitted")
-            await hw.start()
-            self._hw_consumer = hw
-        return dict(await self._hw_consumer.end_offsets(self._tps))
+        async with self._progress_lock:  # concurrent first waits: one consumer, not one each (a fuzz)
+            if self._hw_consumer is None:
+                self._check_running()
+                hw = AIOKafkaConsumer(**self._kwargs, enable_auto_commit=False, isolation_level="read_uncommitted")
+                await hw.start()
+                self._hw_consumer = hw
+            hw = self._hw_consumer
+        return dict(await hw.end_offsets(self._tps))
