@@ -305,6 +305,6 @@ def test_a_heartbeat_interval_too_short_to_mean_one_is_refused() -> None:
     from producer.config import load
     from walbus.config import ConfigError
 
-    with pytest.raises(ConfigError, match="--heartbeat-interval must be 0 \\(off\\) or at least 0.1 s"):
+    with pytest.raises(ConfigError, match=r"--heartbeat-interval must be 0 \(off\) or at least 0\.1 s"):
         load(["--pg-dsn", "dbname=x", "--kafka-bootstrap", "k:1", "--heartbeat-interval", "1e-9"])
     assert load(["--pg-dsn", "dbname=x", "--kafka-bootstrap", "k:1", "--heartbeat-interval", "0"]).heartbeat_interval == 0
