@@ -15,6 +15,8 @@ from typing import Final, Protocol
 
 import psycopg
 
+from producer.session import session_options
+
 log = logging.getLogger("walbus.producer.catalog")
 
 
@@ -134,7 +136,7 @@ class Catalog:
 
     def _connection(self) -> psycopg.Connection[tuple[object, ...]]:
         if self._conn is None or self._conn.closed:
-            self._conn = psycopg.connect(self._dsn, autocommit=True, application_name="walbus-catalog")
+            self._conn = psycopg.connect(self._dsn, autocommit=True, application_name="walbus-catalog", options=session_options(self._dsn))
         return self._conn
 
     def close(self) -> None:

@@ -27,6 +27,7 @@ from producer.config import ProducerConfig
 from producer.decoders import LogicalMessage
 from producer.metrics import SnapshotMetrics
 from producer.offsets import OffsetStore
+from producer.session import session_options
 from producer.signal_topic import TopicSignal
 from producer.tablescan import (
     ScanTable,
@@ -656,7 +657,8 @@ class IncrementalSnapshot:
 
     def _connection(self) -> psycopg.Connection[tuple[object, ...]]:
         if self._conn is None or self._conn.closed:
-            self._conn = psycopg.connect(self.config.pg_dsn, autocommit=True, application_name="walbus-incremental")
+            dsn = self.config.pg_dsn
+            self._conn = psycopg.connect(dsn, autocommit=True, application_name="walbus-incremental", options=session_options(dsn))
         return self._conn
 
     def _give_up_table(self, chunk: Chunk) -> None:

@@ -24,6 +24,7 @@ from psycopg import pq
 
 from producer.decoders import WalMessages
 from producer.native import copy_reader, new_messages
+from producer.session import session_options
 from walbus.contract import Lsn
 
 log = logging.getLogger("walbus.producer.replication")
@@ -86,7 +87,8 @@ class ReplicationStream:
 
     @classmethod
     def connect(cls, dsn: str, *, application_name: str = "walbus") -> ReplicationStream:
-        conn = psycopg.connect(dsn, replication="database", autocommit=True, application_name=application_name)
+        conn = psycopg.connect(dsn, replication="database", autocommit=True, application_name=application_name,
+                               options=session_options(dsn))
         return cls(conn)
 
     def execute(self, command: str) -> list[tuple[object, ...]]:

@@ -15,6 +15,7 @@ from psycopg import sql
 
 from producer.codec import CaptureFilter
 from producer.replication import quote_ident
+from producer.session import session_options
 from walbus.config import ConfigError, split_unquoted
 from walbus.contract import ContractError, qualify_table, split_pattern, split_table
 from walbus.logs import redact_dsn
@@ -37,7 +38,7 @@ class SlotState:
 
 def connect(dsn: str) -> psycopg.Connection[tuple[object, ...]]:
     try:
-        return psycopg.connect(dsn, autocommit=True, connect_timeout=10, application_name="walbus-setup")
+        return psycopg.connect(dsn, autocommit=True, connect_timeout=10, application_name="walbus-setup", options=session_options(dsn))
     except psycopg.OperationalError as e:
         raise ConfigError(f"cannot connect to PostgreSQL at {redact_dsn(dsn)}: {str(e).strip()}") from None
 

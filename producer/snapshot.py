@@ -29,6 +29,7 @@ from producer.native import EncodeCopyRows, encode_copy_rows
 from producer.offsets import OffsetStore
 from producer.progress import Progress
 from producer.replication import ReplicationStream
+from producer.session import session_options
 from producer.sink import KafkaSink
 from producer.tablescan import (
     ScanTable,
@@ -586,7 +587,7 @@ class _Export:
     @classmethod
     def open(cls, cfg: ProducerConfig, existing_slot: bool) -> _Export:
         if existing_slot:
-            conn = psycopg.connect(cfg.pg_dsn, autocommit=True, application_name="walbus-snapshot-export")
+            conn = psycopg.connect(cfg.pg_dsn, autocommit=True, application_name="walbus-snapshot-export", options=session_options(cfg.pg_dsn))
             conn.execute("BEGIN ISOLATION LEVEL REPEATABLE READ, READ ONLY")
             row = conn.execute(
                 "SELECT pg_export_snapshot(), (pg_current_wal_insert_lsn() - '0/0')::int8, "
@@ -610,7 +611,7 @@ class _Export:
         conns = []
         try:
             for i in range(count):
-                c = psycopg.connect(self.dsn, autocommit=True, application_name=f"walbus-snapshot-{i}")
+                c = psycopg.connect(self.dsn, autocommit=True, application_name=f"walbus-snapshot-{i}", options=session_options(self.dsn))
                 conns.append(c)
                 c.execute("BEGIN ISOLATION LEVEL REPEATABLE READ, READ ONLY")
                 c.execute(sql.SQL("SET TRANSACTION SNAPSHOT {}").format(sql.Literal(self.name)))

@@ -364,6 +364,29 @@ async def test_of_two_claims_of_one_slot_name_written_at_once_the_later_one_stop
         await offsets.stop()
 
 
+@pytest.mark.parametrize("plugin", ["pgoutput", "wal2json"])
+async def test_database_settings_do_not_change_the_values(
+    pg_dsn: str, kafka_bootstrap: str, unique_name: str, plugin: str
+) -> None:
+    # A database with extra_float_digits = 0 printed the largest float8 rounded past its range
+    # (the event said null), and bytea_output = escape made wal2json's bytea wrong ("\\x377"
+    # for \x41ff); DateStyle and IntervalStyle change dates and intervals (a types fuzz).
+    with database(pg_dsn, f"{unique_name}_{plugin}") as dsn:
+        with psycopg.connect(pg_dsn, autocommit=True) as conn:
+            for setting in ("extra_float_digits = 0", "bytea_output = escape", "DateStyle = 'German, DMY'",
+                            "IntervalStyle = iso_8601"):
+                conn.execute(pgsql.SQL("ALTER DATABASE {} SET " + setting).format(pgsql.Identifier(f"{unique_name}_{plugin}")))
+        sql(dsn, "CREATE TABLE t (id int PRIMARY KEY, f float8, b bytea, d date, i interval)",
+            "INSERT INTO t VALUES (1, 1.7976931348623157e308, '\\x41ff', '2026-11-28', '1 day 02:03:04')")
+        async with running_producer(dsn, kafka_bootstrap, topic=unique_name + plugin, plugin=plugin):
+            sql(dsn, "INSERT INTO t VALUES (2, 0.1, '\\x41ff', '2026-11-28', '1 day 02:03:04')")
+            records = await read_topic(kafka_bootstrap, unique_name + plugin, min_count=2, timeout=30)
+    expected = ["1.7976931348623157e+308", "0.1"]
+    for e, f in zip(events(records), expected, strict=True):  # the snapshot's read, then the insert
+        values = dict(zip(e["columns"], e["values"], strict=True))
+        assert (repr(values["f"]), values["b"], values["d"], values["i"]) == (f, "\\x41ff", "2026-11-28", "1 day 02:03:04"), e
+
+
 async def test_a_topic_name_kafka_refuses_is_a_configuration_error(pg_dsn: str, kafka_bootstrap: str, unique_name: str) -> None:
     # The database topic "walbus.x_public_t" collides, for Kafka, with database x's table
     # topic "walbus.x.public.t": the producer died with a traceback (exit 1), not exit 2.

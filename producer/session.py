@@ -1,0 +1,37 @@
+"""The settings every producer connection runs with.
+
+Events carry PostgreSQL's text output of a value, and several settings change that text: a
+database or role with ``extra_float_digits = 0`` printed the largest float8 rounded past its
+range (an event said ``null`` for it, and an incremental snapshot's chunk bound skipped the
+row), and ``bytea_output = escape`` made wal2json's values wrong (a types fuzz). The replication
+connection (whose walsender writes the values), the snapshot's and the catalog's all set them,
+after whatever the DSN's own ``options`` (or ``PGOPTIONS``) say.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Final
+
+from psycopg.conninfo import conninfo_to_dict
+
+# PostgreSQL's defaults, which the contract's value forms and the warehouse's parsers assume.
+OUTPUT_SETTINGS: Final = (
+    ("DateStyle", "ISO"),
+    ("IntervalStyle", "postgres"),
+    ("extra_float_digits", "1"),
+    ("bytea_output", "hex"),
+)
+
+
+def session_options(dsn: str) -> str:
+    """``options=`` for ``psycopg.connect(dsn, …)``: the DSN's own options, then ours."""
+    try:
+        own = str(conninfo_to_dict(dsn).get("options") or "")
+    except Exception:  # a DSN libpq will refuse anyway: let connect() say why
+        own = ""
+    if not own:
+        own = os.environ.get("PGOPTIONS", "")
+    ours = " ".join(f"-c {name}={value}" for name, value in OUTPUT_SETTINGS)
+    return f"{own} {ours}".strip()
+
