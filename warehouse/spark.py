@@ -69,6 +69,11 @@ def base_conf(*, shuffle_partitions: int = 4) -> dict[str, str]:
         # failed load
         "spark.sql.mapKeyDedupPolicy": "LAST_WIN",
         "spark.sql.shuffle.partitions": str(shuffle_partitions),
+        # Constraint propagation infers filters from every projection's predicates; over the fill
+        # of unchanged TOAST values (a self-union and two joins of rows with many columns) its
+        # constraint sets grew past the driver's memory from ~16 columns on: a 2-event load died
+        # in OutOfMemoryError (a types fuzz). Nothing a load runs gains from the filters it infers.
+        "spark.sql.constraintPropagation.enabled": "false",
         # Delta reconstructs its snapshot with this many tasks (50 by default): far too many
         # for small tables on a few cores.
         "spark.databricks.delta.snapshotPartitions": str(max(shuffle_partitions, 1)),
