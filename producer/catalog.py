@@ -31,6 +31,9 @@ class TableInfo:
     identity: tuple[str, ...]  # the replica identity's columns (pk, index, all or none)
     typmods: tuple[int, ...] = ()  # pg_attribute.atttypmod per column (-1: none)
     not_null: tuple[str, ...] = ()  # the columns with pg_attribute.attnotnull
+    # Generated (STORED) columns: not among ``columns``. pgoutput and the snapshots leave them
+    # out; wal2json sends them, and its decoder drops them (a types fuzz).
+    generated: tuple[str, ...] = ()
 
 
 # The types whose modifier an event carries (``typmods``, docs/contract.md), as SQL writes it.
@@ -210,11 +213,12 @@ class Catalog:
 
     def _query_table(self, schema: str, name: str, relid: int, replident: str) -> TableInfo:
         conn = self._connection()
-        cols = conn.execute(
-            "SELECT attname, atttypid::int8, atttypmod, attnotnull FROM pg_attribute WHERE attrelid = %s AND attnum > 0 "
-            "AND NOT attisdropped ORDER BY attnum",
+        every = conn.execute(
+            "SELECT attname, atttypid::int8, atttypmod, attnotnull, attgenerated <> '' FROM pg_attribute "
+            "WHERE attrelid = %s AND attnum > 0 AND NOT attisdropped ORDER BY attnum",
             (relid,),
         ).fetchall()
+        cols = [c for c in every if c[4] is not True]
         pk = self._index_columns(conn, relid, "indisprimary")
         if replident == "d":
             identity = pk
@@ -227,6 +231,7 @@ class Catalog:
         return TableInfo(
             schema, name, tuple(str(c[0]) for c in cols), tuple(int(str(c[1])) for c in cols), pk, replident, identity,
             tuple(int(str(c[2])) for c in cols), tuple(str(c[0]) for c in cols if c[3] is True),
+            tuple(str(c[0]) for c in every if c[4] is True),
         )
 
     @staticmethod

@@ -64,3 +64,36 @@ async def test_domain_columns_are_their_base_types_in_snapshot_and_stream(
     # the same key, whichever part wrote the row: a compacted topic holds one row per key
     assert read.key_values() == update.key_values() == {"id": 1}
     assert delete.key_values() == insert.key_values() == {"id": 2}
+
+
+@pytest.mark.parametrize("plugin", ["pgoutput", "wal2json"])
+async def test_a_bytea_domain_and_a_generated_column_alike_in_snapshot_and_stream(
+    pg_dsn: str, kafka_bootstrap: str, unique_name: str, plugin: str
+) -> None:
+    # wal2json drops the \x of a bytea (oid 17) only: a domain over bytea came as "\\x\\x0102".
+    # And wal2json sends STORED generated columns, which pgoutput and the snapshots leave out:
+    # its events had column g, the others not (a types fuzz).
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute("CREATE DOMAIN blob AS bytea")
+        conn.execute("CREATE TABLE g (id int PRIMARY KEY, a int, g int GENERATED ALWAYS AS (a * 2) STORED, b blob)")
+        conn.execute("ALTER TABLE g REPLICA IDENTITY FULL")
+        conn.execute("INSERT INTO g (id, a, b) VALUES (1, 1, '\\x00')")
+    topic = f"walbus.{unique_name}"
+    async with running_producer(pg_dsn, kafka_bootstrap, topic=topic, plugin=plugin):
+        with psycopg.connect(pg_dsn, autocommit=True) as conn:
+            conn.execute("INSERT INTO g (id, a, b) VALUES (2, 2, '\\x0102')")
+            conn.execute("UPDATE g SET a = 3 WHERE id = 2")
+            conn.execute("DELETE FROM g WHERE id = 1")
+        async with asyncio.timeout(60), Feed(topic, bootstrap_servers=kafka_bootstrap, start="earliest") as feed:
+            events = []
+            async for event in feed:
+                events.append(event)
+                if len(events) == 4:
+                    break
+    read, insert, update, delete = events
+    assert read.row() == {"id": 1, "a": 1, "b": "\\x00"}
+    assert insert.row() == {"id": 2, "a": 2, "b": "\\x0102"}
+    assert update.row() == {"id": 2, "a": 3, "b": "\\x0102"}
+    assert update.identity is not None and tuple(update.identity.columns) == ("id", "a", "b")
+    assert delete.identity is not None
+    assert dict(zip(delete.identity.columns, delete.identity.values, strict=True)) == {"id": 1, "a": 1, "b": "\\x00"}
