@@ -741,6 +741,13 @@ def _quote_part(part: str) -> str:
     return part
 
 
+def array_delimiter(element_type: str) -> str:
+    """The delimiter in an array value's text of ``element_type`` elements (``pg_type.typdelim``):
+    ``;`` for ``box`` (whose own text holds commas), ``,`` for every other built-in type. (A
+    ``box[]`` split at its commas came out as seven garbled elements; a types fuzz.)"""
+    return ";" if element_type == "box" else ","
+
+
 def qualify_table(schema: str, table: str) -> str:
     """The event's ``table`` field for (schema, table); inverse of :func:`split_table`."""
     return f"{_quote_part(schema)}.{_quote_part(table)}"

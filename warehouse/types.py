@@ -42,6 +42,7 @@ from pyspark.sql.types import (
     TimestampType,
 )
 
+from walbus.contract import array_delimiter
 from warehouse import NUMERIC_SCALE
 
 DECIMAL_PRECISION: Final = 38
@@ -126,8 +127,18 @@ def compatible(existing: DataType, incoming: DataType) -> bool:
 _DATE_RE = r"^\d{4}-\d{2}-\d{2}$"
 _TS_RE = r"^\d{4}-\d{2}-\d{2}[ T]\d{2}:\d{2}:\d{2}(\.\d{1,6})?([+-]\d{2}(:?\d{2}){0,2}|Z)?$"
 _BYTEA_RE = r"^\\x([0-9a-fA-F]{2})*$"
-# One element of an array literal: a quoted string (backslash escapes) or a run without commas.
-_ARRAY_ELEMENT_RE = r'"(?:[^"\\]|\\.)*"|[^,]+'
+
+
+def _array_element_re(delimiter: str) -> str:
+    """One element of an array literal: a quoted string (backslash escapes) or a run without
+    the delimiter (``,``; ``;`` in a ``box[]``: walbus.contract.array_delimiter)."""
+    return rf'"(?:[^"\\]|\\.)*"|[^{delimiter}]+'
+
+
+def _simple_array_re(delimiter: str) -> str:
+    """A one-dimensional array with default bounds ("{...}", no nested braces outside quotes)."""
+    item = rf'("(?:[^"\\]|\\.)*"|[^{{}}{delimiter}"]+)'
+    return rf"^\{{({item}({delimiter}{item})*)?\}}$"
 
 
 def _numeric_re(scale: int, precision: int = DECIMAL_PRECISION) -> str:
@@ -176,11 +187,12 @@ def _unquote(element: Column) -> Column:
 
 def _convert_array(raw: Column, element_pg_type: str, target: ArrayType) -> tuple[Column, Column]:
     element_type = target.elementType
-    # One-dimensional arrays with default bounds only ("{...}", no nested braces outside quotes);
-    # anything else (multi-dimensional, "[0:1]={...}") is kept as text in pg_raw_values.
-    simple = raw.rlike(r'^\{(("(?:[^"\\]|\\.)*"|[^{},"]+)(,("(?:[^"\\]|\\.)*"|[^{},"]+))*)?\}$')
+    delimiter = array_delimiter(element_pg_type)
+    # One-dimensional arrays with default bounds only; anything else (multi-dimensional,
+    # "[0:1]={...}") is kept as text in pg_raw_values.
+    simple = raw.rlike(_simple_array_re(delimiter))
     body = F.regexp_replace(F.substring(raw, 2, 1 << 30), r"\}$", "")
-    texts = F.transform(F.regexp_extract_all(body, F.lit(_ARRAY_ELEMENT_RE), 0), _unquote)
+    texts = F.transform(F.regexp_extract_all(body, F.lit(_array_element_re(delimiter)), 0), _unquote)
     if isinstance(element_type, StringType):
         # each element's text is its value: exact, without two more passes over the elements
         # (lambdas are evaluated element by element, interpreted)

@@ -902,3 +902,19 @@ def test_a_load_with_tables_says_what_it_left_out_for_good(
     assert result.events == 1 and result.left_out == {other: 2}
     assert "left out by --tables, and not loaded by a later load either: 2 events of public.other (2)" in result.lines()
     assert load(spark, kafka_bootstrap, unique_name, tmp_path).lines() == ["no new events"]
+
+
+def test_a_box_array_is_split_at_its_semicolons(spark: Any) -> None:
+    # box[] elements are separated by ';': split at the commas, {(1,1),(0,0);(3,3),(2,2)} was
+    # stored as seven pieces with nothing in pg_raw_values (a types fuzz).
+    from pyspark.sql import functions as F
+    from pyspark.sql.types import ArrayType, StringType
+
+    from warehouse.types import convert
+
+    value, exact = convert(F.col("t"), "_box", ArrayType(StringType()))
+    rows = spark.createDataFrame([("{(1,1),(0,0);(3,3),(2,2)}",), ("{{(1,1),(0,0)}}",)], "t string")
+    got = [(r["v"], r["e"]) for r in rows.select(value.alias("v"), exact.alias("e")).collect()]
+    assert got == [(["(1,1),(0,0)", "(3,3),(2,2)"], True), (None, False)]
+    value, exact = convert(F.col("t"), "_int4", ArrayType(StringType()))
+    assert [r["v"] for r in spark.createDataFrame([("{1,2}",)], "t string").select(value.alias("v")).collect()] == [["1", "2"]]

@@ -177,3 +177,13 @@ def test_typed_row_uses_the_events_typmods() -> None:
     )
     row = feed_event(event, 1, None).typed_row()
     assert row == {"id": 1, "amount": Decimal("7.00"), "name": "x"} and str(row["amount"]) == "7.00"
+
+
+def test_a_box_array_is_split_at_its_semicolons() -> None:
+    # PostgreSQL separates box[] elements with ';' (a box's text holds commas): split at the
+    # commas it came out as seven garbled elements (a types fuzz).
+    from walbus.client.typed import typed_value
+
+    assert typed_value("_box", "{(1,1),(0,0);(3,3),(2,2)}") == ["(1,1),(0,0)", "(3,3),(2,2)"]
+    assert typed_value("_box", '{{"(1,1),(0,0)";NULL}}') == [["(1,1),(0,0)", None]]
+    assert typed_value("_point", '{"(1,2)","(3,4)"}') == ["(1,2)", "(3,4)"]  # quoted: commas inside

@@ -39,7 +39,7 @@ from uuid import UUID
 
 import orjson
 
-from walbus.contract import RowImage
+from walbus.contract import RowImage, array_delimiter
 
 MASK = "****"
 
@@ -127,7 +127,7 @@ def typed_value(type_name: str, value: Any, modifiers: Sequence[int] = ()) -> An
     if element == "numeric" and len(modifiers) == 2 and modifiers[1] > 0:
         parse = functools.partial(_numeric_with_scale, modifiers[1])
     if type_name.startswith("_"):
-        return parse_array(value, parse)
+        return parse_array(value, parse, delimiter=array_delimiter(element))
     return parse(value)
 
 
@@ -174,12 +174,12 @@ def typed_image(image: RowImage, typmods: Mapping[str, Sequence[int]] | None = N
 # -- arrays ---------------------------------------------------------------------------------
 
 
-def parse_array(text: str, element: Callable[[str], Any] = str) -> list[Any]:
+def parse_array(text: str, element: Callable[[str], Any] = str, *, delimiter: str = ",") -> list[Any]:
     """PostgreSQL's array text (``{1,2}``, ``{{"a b",NULL},{c,"d\\"e"}}``) as nested lists.
 
     Unquoted ``NULL`` (any case) is None; a quoted ``"NULL"`` is the string. Elements are passed
     through ``element`` (not NULLs). A ``[1:2]=`` dimension prefix (lower bounds other than 1)
-    is dropped. The delimiter is ``,`` (``box``'s ``;`` is not supported: boxes are text).
+    is dropped. ``delimiter``: the element type's (:func:`walbus.contract.array_delimiter`).
     """
     s = text
     if s.startswith("["):
@@ -187,16 +187,17 @@ def parse_array(text: str, element: Callable[[str], Any] = str) -> list[Any]:
         if eq < 0:
             raise TypedValueError(f"not an array: {text[:80]!r}")
         s = s[eq + 1 :]
-    parser = _ArrayParser(s, element)
+    parser = _ArrayParser(s, element, delimiter)
     result = parser.parse()
     return result
 
 
 class _ArrayParser:
-    def __init__(self, text: str, element: Callable[[str], Any]) -> None:
+    def __init__(self, text: str, element: Callable[[str], Any], delimiter: str = ",") -> None:
         self.s = text
         self.i = 0
         self.element = element
+        self.delimiter = delimiter
 
     def fail(self, why: str) -> TypedValueError:
         return TypedValueError(f"not an array ({why} at {self.i}): {self.s[:80]!r}")
@@ -230,8 +231,8 @@ class _ArrayParser:
             self.i += 1
             if c == "}":
                 return out
-            if c != ",":
-                raise self.fail("expected ',' or '}'")
+            if c != self.delimiter:
+                raise self.fail(f"expected {self.delimiter!r} or '}}'")
 
     def item(self) -> Any:
         c = self.s[self.i : self.i + 1]
@@ -264,7 +265,7 @@ class _ArrayParser:
         chars: list[str] = []
         while self.i < len(self.s):
             c = self.s[self.i]
-            if c in ",}":
+            if c == self.delimiter or c == "}":
                 break
             if c in '{"':
                 raise self.fail(f"unexpected {c!r}")
