@@ -18,13 +18,18 @@ _PASSWORD_KV = re.compile(r"""(password\s*=\s*)('(?:[^'\\]|\\.)*'?\S*|"(?:[^"\\]
 # would print the rest).
 _PASSWORD_URI = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*://[^\s:/?#@]*:)([^\n]*)(@)")
 _SECRET_KEYS = ("password", "passwd", "secret", "sasl_plain_password", "token")
+# aiokafka's DEBUG dump of a SaslAuthenticate request or response: a PLAIN login's bytes are
+# user NUL user NUL password. The bytes literal (either quote) to its end, else the rest of the line.
+_SASL_BYTES = re.compile(r"""(auth_bytes=)(b'(?:[^'\\]|\\.)*'|b"(?:[^"\\]|\\.)*"|[^\n]*)""")
 
 
 def redact_dsn(text: str) -> str:
-    """Hide passwords in libpq key=value DSNs and in URIs (``user:pw@host``), however many."""
+    """Hide passwords in libpq key=value DSNs, in URIs (``user:pw@host``), however many, and
+    SASL login bytes (aiokafka's request dumps)."""
     # The query string's password first: "host:port/db?password=a@b" read as a userinfo
     # "host:" would end at that '@' and print the rest (a fuzz).
     text = _PASSWORD_KV.sub(r"\1***", text)
+    text = _SASL_BYTES.sub(r"\1***", text)
     return _PASSWORD_URI.sub(r"\1***\3", text)
 
 
@@ -71,3 +76,6 @@ def setup_logging(level: str = "info", *, stream: Any = None) -> None:
     root.setLevel(level.upper())
     # aiokafka logs every reconnect attempt at ERROR; our own retry loop reports those.
     logging.getLogger("aiokafka").setLevel(logging.CRITICAL if level.lower() != "debug" else logging.DEBUG)
+    # Its connections dump each request at DEBUG, a SASL login's password too: redacted above,
+    # and kept at INFO in case another handler (a library user's) formats the records.
+    logging.getLogger("aiokafka.conn").setLevel(logging.INFO if level.lower() == "debug" else logging.NOTSET)

@@ -106,3 +106,24 @@ def test_argument_errors_never_echo_a_value(capsys: pytest.CaptureFixture[str]) 
                                  "--kafka-sasl-pasword=SECRET2", "SECRET3"], prog="walbus tail", env={})
     err = capsys.readouterr().err
     assert "unrecognized arguments: --pg-dns --kafka-sasl-pasword" in err and "SECRET" not in err
+
+
+def test_debug_logs_never_show_a_sasl_login() -> None:
+    # `--log-level debug` printed aiokafka's dump of a SASL PLAIN login: user NUL user NUL password.
+    from walbus.logs import setup_logging
+
+    stream = io.StringIO()
+    root, log = logging.getLogger(), logging.getLogger("aiokafka.conn")
+    saved = root.handlers[:], root.level, logging.getLogger("aiokafka").level, log.level
+    try:
+        setup_logging("debug", stream=stream)
+        assert not log.isEnabledFor(logging.DEBUG)  # its request dumps stay off under debug
+        for login in (b"u\x00u\x00Top'Secret)1", b'u\x00u\x00Top"Secret\'1'):
+            # what aiokafka.conn logs, formatted as any log line is (the level aside)
+            log.info("%s Request 2: %s", "<conn>", f"SaslAuthenticateRequest_v1(sasl_auth_bytes={login!r})")
+    finally:
+        root.handlers[:], root.level = saved[0], saved[1]
+        logging.getLogger("aiokafka").setLevel(saved[2])
+        log.setLevel(saved[3])
+    out = stream.getvalue()
+    assert out.count("sasl_auth_bytes=***") == 2 and "Secret" not in out, out
