@@ -116,6 +116,9 @@ class KafkaOptions:
     kafka_ssl_cafile: str | None = option(None, help="CA bundle to verify the brokers")
     kafka_ssl_certfile: str | None = option(None, help="client certificate (mutual TLS)")
     kafka_ssl_keyfile: str | None = option(None, help="client key (mutual TLS)")
+    kafka_ssl_key_password: str | None = option(
+        None, help="passphrase of an encrypted client key", secret=True
+    )
 
     def kafka_client_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for any aiokafka client; ConfigError for settings no client can use."""
@@ -138,15 +141,34 @@ class KafkaOptions:
             except (OSError, ssl.SSLError) as e:
                 raise ConfigError(f"--kafka-ssl-cafile {self.kafka_ssl_cafile}: {_tls_reason(e)}") from None
             if self.kafka_ssl_certfile:
+                files = f"--kafka-ssl-certfile {self.kafka_ssl_certfile} / --kafka-ssl-keyfile {self.kafka_ssl_keyfile}"
+                # Without a passphrase, a callable that refuses: OpenSSL would otherwise ask for
+                # one on the terminal (a service hangs) or fail with "Invalid argument".
                 try:
-                    ctx.load_cert_chain(self.kafka_ssl_certfile, self.kafka_ssl_keyfile)
-                except (OSError, ssl.SSLError) as e:
+                    ctx.load_cert_chain(
+                        self.kafka_ssl_certfile, self.kafka_ssl_keyfile, password=self.kafka_ssl_key_password or _no_passphrase
+                    )
+                except _KeyEncrypted:
                     raise ConfigError(
-                        f"--kafka-ssl-certfile {self.kafka_ssl_certfile} / --kafka-ssl-keyfile {self.kafka_ssl_keyfile}: "
-                        f"{_tls_reason(e)}"
+                        f"--kafka-ssl-keyfile {self.kafka_ssl_keyfile or self.kafka_ssl_certfile} is encrypted: "
+                        "give its passphrase with --kafka-ssl-key-password (or WALBUS_KAFKA_SSL_KEY_PASSWORD)"
                     ) from None
+                except ssl.SSLError as e:
+                    # OpenSSL says only "PEM lib" for a wrong passphrase
+                    hint = " (a wrong --kafka-ssl-key-password?)" if self.kafka_ssl_key_password and e.library == "SSL" else ""
+                    raise ConfigError(f"{files}: {_tls_reason(e)}{hint}") from None
+                except OSError as e:
+                    raise ConfigError(f"{files}: {_tls_reason(e)}") from None
             kw["ssl_context"] = ctx
         return kw
+
+
+class _KeyEncrypted(Exception):
+    pass
+
+
+def _no_passphrase() -> str:
+    raise _KeyEncrypted
 
 
 def _tls_reason(e: OSError) -> str:

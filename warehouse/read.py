@@ -92,6 +92,8 @@ def spark_kafka_options(options: KafkaOptions) -> dict[str, str]:
             with open(options.kafka_ssl_keyfile or options.kafka_ssl_certfile) as fh:
                 out["kafka.ssl.keystore.key"] = fh.read()
             out["kafka.ssl.keystore.type"] = "PEM"
+            if options.kafka_ssl_key_password:
+                out["kafka.ssl.key.password"] = options.kafka_ssl_key_password
     return out
 
 
