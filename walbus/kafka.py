@@ -12,15 +12,23 @@ from typing import Any, TypeVar
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
+from aiokafka.conn import collect_hosts, create_conn
 from aiokafka.errors import (
+    AuthenticationFailedError,
+    AuthenticationMethodNotSupported,
+    IllegalSaslStateError,
     KafkaConnectionError,
     KafkaError,
     LeaderNotAvailableError,
+    SaslAuthenticationFailed,
     TopicAlreadyExistsError,
     UnknownTopicOrPartitionError,
+    UnsupportedSaslMechanismError,
     for_code,
 )
 from aiokafka.partitioner import murmur2
+from aiokafka.protocol.admin import SaslHandShakeRequest
+from aiokafka.protocol.metadata import MetadataRequest
 
 from walbus.config import ConfigError, option
 
@@ -347,6 +355,124 @@ class KafkaAdmin:
         raise UnknownTopicOrPartitionError(f"topic {topic}")
 
 
+# A broker's answers to a login that retrying cannot mend.
+_LOGIN_REFUSED = (SaslAuthenticationFailed, UnsupportedSaslMechanismError, AuthenticationFailedError, AuthenticationMethodNotSupported)
+# How long one look at why a broker refuses may take (per bootstrap server).
+REFUSAL_PROBE_S = 10.0
+
+
+async def broker_refusal(client_kwargs: Mapping[str, Any]) -> str | None:
+    """Why a bootstrap server refuses this client, when one does: a login, a certificate or a
+    security protocol its listener does not take, which no retry mends. None when none refuses
+    (down, unreachable: transient; or answering).
+
+    aiokafka's bootstrap drops the reason (it raises "Unable to bootstrap" for all of them): one
+    direct connection to each server, with the same settings, finds it."""
+    for host, port, _ in collect_hosts(client_kwargs["bootstrap_servers"], randomize=False):
+        try:
+            reason = await asyncio.wait_for(_refusal(host, port, client_kwargs), REFUSAL_PROBE_S)
+        except (TimeoutError, OSError, KafkaError):
+            continue
+        if reason:
+            return f"{host}:{port} {reason}"
+    return None
+
+
+async def _refusal(host: str, port: int, kw: Mapping[str, Any]) -> str | None:
+    protocol = kw.get("security_protocol", "PLAINTEXT")
+    settings = {k: kw[k] for k in ("security_protocol", "ssl_context", "sasl_mechanism",
+                                   "sasl_plain_username", "sasl_plain_password") if k in kw}
+    try:
+        conn = await create_conn(host, port, request_timeout_ms=int(REFUSAL_PROBE_S * 1000), **settings)
+        try:
+            await conn.send(MetadataRequest([]))
+        finally:
+            conn.close()
+        return None
+    except UnsupportedSaslMechanismError:
+        offered = ", ".join(await _sasl_mechanisms(host, port, kw.get("ssl_context"))) or "others"
+        return f"takes no {kw.get('sasl_mechanism')} login on this port ({offered}): check --kafka-sasl-mechanism"
+    except _LOGIN_REFUSED as e:
+        return f"refuses the login: {e}"
+    except IllegalSaslStateError:
+        return f"takes no SASL login on this port: check --kafka-security-protocol (not {protocol}?)"
+    except ssl.SSLCertVerificationError as e:
+        return f"has a certificate this client does not trust: {e.verify_message} (check --kafka-ssl-cafile)"
+    except ConnectionRefusedError:
+        return None
+    except (KafkaConnectionError, ConnectionError, ssl.SSLEOFError):
+        # closed at once: a listener for another protocol, or a TLS alert aiokafka drops
+        return await _closed_why(host, port, protocol, kw.get("ssl_context"))
+    except ssl.SSLError as e:
+        return f"fails the TLS handshake: {_tls_reason(e)} (check --kafka-security-protocol)"
+
+
+async def _closed_why(host: str, port: int, protocol: str, ctx: ssl.SSLContext | None) -> str | None:
+    if ctx is not None:
+        try:
+            reader, writer = await asyncio.open_connection(host, port, ssl=ctx)
+        except (ConnectionError, ssl.SSLEOFError):
+            pass  # no TLS on that port? asked below
+        else:
+            try:
+                # a broker that rejects the client's certificate says so after the handshake
+                await asyncio.wait_for(reader.read(1), 2.0)
+            except (ssl.SSLError, ConnectionError) as e:
+                if isinstance(e, ssl.SSLError) and not isinstance(e, ssl.SSLEOFError):
+                    return (f"refuses this client's certificate: {_tls_reason(e)} (does the listener want "
+                            "--kafka-ssl-certfile/--kafka-ssl-keyfile, from a CA it trusts, unexpired?)")
+            except TimeoutError:
+                pass
+            finally:
+                writer.close()
+            return None
+        if await _speaks_kafka(host, port):
+            return f"speaks Kafka without TLS on this port: check --kafka-security-protocol (not {protocol}?)"
+        return None
+    if await _speaks_tls(host, port):
+        return f"wants TLS on this port: check --kafka-security-protocol (SSL or SASL_SSL, not {protocol}?)"
+    if protocol == "PLAINTEXT":
+        mechanisms = await _sasl_mechanisms(host, port)
+        if mechanisms:
+            return (f"wants a SASL login on this port ({', '.join(mechanisms)}): "
+                    "check --kafka-security-protocol (SASL_PLAINTEXT?)")
+    return None
+
+
+async def _speaks_tls(host: str, port: int) -> bool:
+    """Whether Kafka answers over TLS there (its certificate unchecked: only the protocol asked)."""
+    ctx = ssl.create_default_context()
+    ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE
+    return await _speaks_kafka(host, port, ctx)
+
+
+async def _speaks_kafka(host: str, port: int, ctx: ssl.SSLContext | None = None) -> bool:
+    """Whether Kafka answers there (an ApiVersions request), without TLS or with ``ctx``."""
+    try:
+        conn = await create_conn(host, port, request_timeout_ms=int(REFUSAL_PROBE_S * 1000), ssl_context=ctx,
+                                 security_protocol="PLAINTEXT" if ctx is None else "SSL")
+    except (OSError, KafkaError):
+        return False
+    conn.close()
+    return True
+
+
+async def _sasl_mechanisms(host: str, port: int, ctx: ssl.SSLContext | None = None) -> list[str]:
+    """The SASL mechanisms a listener offers (a handshake, no login); none on a plain one."""
+    try:
+        conn = await create_conn(host, port, request_timeout_ms=int(REFUSAL_PROBE_S * 1000), ssl_context=ctx,
+                                 security_protocol="PLAINTEXT" if ctx is None else "SSL")
+    except (OSError, KafkaError):
+        return []
+    try:
+        response = await conn.send(SaslHandShakeRequest("PLAIN"))
+    except (OSError, KafkaError):
+        return []
+    finally:
+        conn.close()
+    return list(response.enabled_mechanisms) if response.error_code in (0, UnsupportedSaslMechanismError.errno) else []
+
+
 async def wait_for_broker(
     client_kwargs: dict[str, Any], *, attempts: int = 0, max_delay: float = 60.0, stop: asyncio.Event | None = None
 ) -> bool:
@@ -363,6 +489,7 @@ async def wait_for_broker(
             await admin.list_topics()
             return True
         except (KafkaConnectionError, KafkaError, OSError) as e:
+            await raise_refusal(client_kwargs, e)
             if attempts and backoff.failures + 1 >= attempts:
                 raise KafkaConnectionError(
                     f"Kafka at {client_kwargs.get('bootstrap_servers')} did not answer after {backoff.failures + 1} attempts: {e}"
@@ -371,6 +498,15 @@ async def wait_for_broker(
         finally:
             await admin.close()
     return False
+
+
+async def raise_refusal(client_kwargs: Mapping[str, Any], error: BaseException) -> None:
+    """ConfigError when ``error`` (a failed connection) is a broker refusing this client: a
+    wrong login or certificate is not retried (see :func:`broker_refusal`)."""
+    if isinstance(error, KafkaConnectionError):
+        reason = await broker_refusal(client_kwargs)
+        if reason:
+            raise ConfigError(f"Kafka at {reason}")
 
 
 async def require_broker(client_kwargs: dict[str, Any]) -> None:
@@ -385,11 +521,15 @@ async def require_broker(client_kwargs: dict[str, Any]) -> None:
 Offsets = dict[int, int]  # partition -> offset
 
 
-async def retry_retriable(op: Callable[[], Awaitable[_T]], what: str, *, within: float = OFFSETS_WAIT_S) -> _T:
+async def retry_retriable(
+    op: Callable[[], Awaitable[_T]], what: str, *, within: float = OFFSETS_WAIT_S,
+    client_kwargs: Mapping[str, Any] | None = None,
+) -> _T:
     """``await op()``, again with jittered backoff while it raises a retriable Kafka error
     (a dead partition leader, a broker not ready, a connection lost), for ``within`` seconds;
     other errors are raised at once. ``op`` should make a new client each time, so that
-    fresh metadata finds a partition's new leader."""
+    fresh metadata finds a partition's new leader. ``client_kwargs``: a broker refusing them
+    is a ConfigError at once (see :func:`raise_refusal`)."""
     from walbus.retry import Backoff
 
     loop = asyncio.get_running_loop()
@@ -399,6 +539,8 @@ async def retry_retriable(op: Callable[[], Awaitable[_T]], what: str, *, within:
         try:
             return await op()
         except KafkaError as e:
+            if client_kwargs is not None:
+                await raise_refusal(client_kwargs, e)
             if not e.retriable or loop.time() >= deadline:
                 raise
             await backoff.wait(log, what, e)
@@ -410,7 +552,8 @@ async def topic_offsets(
     """Each partition's earliest and end offset of ``topic``; retriable faults are retried
     (see ``retry_retriable``)."""
     return await retry_retriable(
-        lambda: _topic_offsets(client_kwargs, topic), f"reading the offsets of {topic}", within=within
+        lambda: _topic_offsets(client_kwargs, topic), f"reading the offsets of {topic}", within=within,
+        client_kwargs=client_kwargs,
     )
 
 

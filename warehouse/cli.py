@@ -222,6 +222,9 @@ def load_main(argv: Sequence[str]) -> int:
         metrics.failed(result)
         print(f"walbus warehouse load: error: {e}", file=sys.stderr)
         return 1
+    except ConfigError:  # e.g. Kafka refusing the login: exit 2, as at any command's start
+        metrics.failed(result)
+        raise
     except Exception as e:  # Spark/JVM failures
         metrics.failed(result)
         return _failed("load", e)

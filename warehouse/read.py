@@ -37,7 +37,7 @@ async def _bounds(options: KafkaOptions, topic: str) -> TopicBounds:
             return await admin.list_topics()
 
     # A broker that is down while the load starts is a transient fault, not a failed load.
-    if topic not in await retry_retriable(topics, "listing the topics"):
+    if topic not in await retry_retriable(topics, "listing the topics", client_kwargs=client_kwargs):
         raise TopicError(f"topic {topic!r} does not exist on {options.kafka_bootstrap}")
     earliest, latest = await topic_offsets(client_kwargs, topic)
     return TopicBounds(earliest, latest)
