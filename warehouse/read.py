@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import orjson
 from pyspark.sql import DataFrame, SparkSession
 
+from walbus.config import ConfigError
 from walbus.kafka import KafkaAdmin, KafkaOptions, retry_retriable, topic_offsets
 
 Offsets = dict[int, int]  # partition -> offset
@@ -66,7 +67,8 @@ def check_no_gap(topic: str, start: Offsets, earliest: Offsets) -> None:
 
 
 def spark_kafka_options(options: KafkaOptions) -> dict[str, str]:
-    """The ``kafka.*`` options of Spark's Kafka source for walbus' Kafka settings."""
+    """The ``kafka.*`` options of Spark's Kafka source for walbus' Kafka settings. PEM files
+    are inlined: they need to exist on the driver only."""
     out = {
         "kafka.bootstrap.servers": options.kafka_bootstrap,
         "kafka.security.protocol": options.kafka_security_protocol,
@@ -77,6 +79,11 @@ def spark_kafka_options(options: KafkaOptions) -> dict[str, str]:
             if options.kafka_sasl_mechanism == "PLAIN"
             else "org.apache.kafka.common.security.scram.ScramLoginModule"
         )
+        for flag, value in (("--kafka-sasl-username", options.kafka_sasl_username),
+                            ("--kafka-sasl-password", options.kafka_sasl_password)):
+            # JSON's \u0001 is no JAAS escape: Spark's login would use another password
+            if any(ord(c) < 32 or ord(c) == 127 for c in value or ""):
+                raise ConfigError(f"{flag} holds a control character: Spark's Kafka source cannot take it")
         user = orjson.dumps(options.kafka_sasl_username or "").decode()
         password = orjson.dumps(options.kafka_sasl_password or "").decode()
         out["kafka.sasl.mechanism"] = options.kafka_sasl_mechanism
@@ -84,17 +91,42 @@ def spark_kafka_options(options: KafkaOptions) -> dict[str, str]:
     if options.kafka_security_protocol in ("SSL", "SASL_SSL"):
         if options.kafka_ssl_cafile:
             out["kafka.ssl.truststore.type"] = "PEM"
-            out["kafka.ssl.truststore.location"] = options.kafka_ssl_cafile
+            out["kafka.ssl.truststore.certificates"] = _read(options.kafka_ssl_cafile, "--kafka-ssl-cafile")
         if options.kafka_ssl_certfile:
-            # PEM key material inline: the files need to exist on the driver only.
-            with open(options.kafka_ssl_certfile) as fh:
-                out["kafka.ssl.keystore.certificate.chain"] = fh.read()
-            with open(options.kafka_ssl_keyfile or options.kafka_ssl_certfile) as fh:
-                out["kafka.ssl.keystore.key"] = fh.read()
+            out["kafka.ssl.keystore.certificate.chain"] = _read(options.kafka_ssl_certfile, "--kafka-ssl-certfile")
+            key = _read(options.kafka_ssl_keyfile or options.kafka_ssl_certfile, "--kafka-ssl-keyfile")
             out["kafka.ssl.keystore.type"] = "PEM"
-            if options.kafka_ssl_key_password:
-                out["kafka.ssl.key.password"] = options.kafka_ssl_key_password
+            # Kafka's PEM keystore takes PKCS#8 only (Python's ssl takes PKCS#1 too), and on
+            # Java 17 cannot decrypt what `openssl pkey -aes256` writes (PBES2): Spark gets
+            # the key unencrypted PKCS#8, as the client key file would be without a passphrase.
+            out["kafka.ssl.keystore.key"] = (
+                key if "-----BEGIN PRIVATE KEY-----" in key else _pkcs8(key, options.kafka_ssl_key_password)
+            )
     return out
+
+
+def _read(path: str, flag: str) -> str:
+    try:
+        with open(path) as fh:
+            return fh.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{flag} {path}: {getattr(e, 'strerror', None) or e}") from None
+
+
+def _pkcs8(pem: str, password: str | None) -> str:
+    """A PEM key (PKCS#1 or PKCS#8, encrypted or not) as unencrypted PKCS#8 PEM, in memory only."""
+    from cryptography.hazmat.primitives import serialization
+
+    try:
+        key = serialization.load_pem_private_key(pem.encode(), password.encode() if password else None)
+    except (ValueError, TypeError) as e:
+        raise ConfigError(
+            f"--kafka-ssl-keyfile: {e}; Spark's Kafka source takes unencrypted PKCS#8 keys "
+            "(openssl pkcs8 -topk8 -nocrypt -in KEY -out KEY8)"
+        ) from None
+    return key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    ).decode()
 
 
 def offsets_json(topic: str, offsets: Offsets) -> str:

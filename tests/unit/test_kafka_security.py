@@ -60,8 +60,44 @@ def test_an_encrypted_client_key_takes_its_passphrase_and_never_prompts(pki: Pat
         mtls(pki, "client_enc.key", kafka_ssl_key_password="nope").kafka_client_kwargs()
     options = mtls(pki, "client_enc.key", kafka_ssl_key_password=KEY_PASSWORD)
     assert "ssl_context" in options.kafka_client_kwargs()
+    # Spark's source (Java 17) cannot decrypt an openssl-encrypted PKCS#8 key (PBES2): it
+    # gets the key decrypted, in memory
     spark = spark_kafka_options(options)
-    assert spark["kafka.ssl.key.password"] == KEY_PASSWORD
-    assert spark["kafka.ssl.keystore.key"].startswith("-----BEGIN ENCRYPTED PRIVATE KEY-----")
+    assert "kafka.ssl.key.password" not in spark
+    assert spark["kafka.ssl.keystore.key"] == (pki / "client.key").read_text()
     # an unencrypted key ignores the option, as OpenSSL does
     assert "ssl_context" in mtls(pki, kafka_ssl_key_password="unused").kafka_client_kwargs()
+
+
+def test_spark_gets_pkcs8_keys_and_the_ca_inline(pki: Path) -> None:
+    # A PKCS#1 key ("BEGIN RSA PRIVATE KEY") was passed verbatim: Kafka's PEM keystore takes
+    # PKCS#8 only, and Spark's source failed with "Failed to create new KafkaAdminClient". The
+    # CA file went by path (kafka.ssl.truststore.location): it had to exist on every executor.
+    from cryptography.hazmat.primitives import serialization
+
+    from warehouse.read import spark_kafka_options
+
+    ca = pki / "client.pem"  # self-signed: its own CA
+    spark = spark_kafka_options(mtls(pki, "client_pkcs1.key", kafka_ssl_cafile=str(ca)))
+    assert spark["kafka.ssl.keystore.key"].startswith("-----BEGIN PRIVATE KEY-----")
+    converted = serialization.load_pem_private_key(spark["kafka.ssl.keystore.key"].encode(), None)
+    original = serialization.load_pem_private_key((pki / "client.key").read_bytes(), None)
+    assert converted.private_numbers() == original.private_numbers()  # type: ignore[union-attr]
+    assert spark["kafka.ssl.truststore.certificates"] == ca.read_text()
+    assert spark["kafka.ssl.truststore.type"] == "PEM" and "kafka.ssl.truststore.location" not in spark
+    # a PKCS#8 key goes as it is
+    assert spark_kafka_options(mtls(pki))["kafka.ssl.keystore.key"] == (pki / "client.key").read_text()
+
+
+@pytest.mark.parametrize("field", ["kafka_sasl_username", "kafka_sasl_password"])
+def test_a_control_character_in_a_sasl_login_is_refused_for_spark(field: str) -> None:
+    # orjson wrote "\u0001", which Spark's JAAS parser reads as "u0001": another password.
+    from warehouse.read import spark_kafka_options
+
+    login = {"kafka_sasl_username": "alice", "kafka_sasl_password": "pw", field: "a\x01b"}
+    options = KafkaOptions(kafka_bootstrap="k:1", kafka_security_protocol="SASL_PLAINTEXT", **login)
+    with pytest.raises(ConfigError, match=f"--{field.replace('_', '-')} holds a control character"):
+        spark_kafka_options(options)
+    ok = KafkaOptions(kafka_bootstrap="k:1", kafka_security_protocol="SASL_PLAINTEXT",
+                      kafka_sasl_username="alice", kafka_sasl_password='q"\\ é;')
+    assert 'password="q\\"\\\\ é;";' in spark_kafka_options(ok)["kafka.sasl.jaas.config"]
