@@ -131,6 +131,7 @@ class KafkaOptions:
     def kafka_client_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for any aiokafka client; ConfigError for settings no client can use."""
         check_bootstrap(self.kafka_bootstrap)
+        self._check_unused()
         kw: dict[str, Any] = {
             "bootstrap_servers": self.kafka_bootstrap,
             "security_protocol": self.kafka_security_protocol,
@@ -169,6 +170,25 @@ class KafkaOptions:
                     raise ConfigError(f"{files}: {_tls_reason(e)}") from None
             kw["ssl_context"] = ctx
         return kw
+
+
+    def _check_unused(self) -> None:
+        """A warning for security options the protocol does not use (once per process: this
+        runs for each client); a key without its certificate is an error."""
+        protocol = self.kafka_security_protocol
+        ssl_set = [f"--kafka-ssl-{n}" for n in ("cafile", "certfile", "keyfile", "key-password")
+                   if getattr(self, f"kafka_ssl_{n.replace('-', '_')}")]
+        sasl_set = [f"--kafka-sasl-{n}" for n in ("username", "password") if getattr(self, f"kafka_sasl_{n}")]
+        unused = (ssl_set if protocol not in ("SSL", "SASL_SSL") else []) + (sasl_set if not protocol.startswith("SASL") else [])
+        if unused and (protocol, *unused) not in _WARNED_UNUSED:
+            _WARNED_UNUSED.add((protocol, *unused))
+            log.warning(f"{', '.join(unused)} not used with --kafka-security-protocol {protocol}")
+        if protocol in ("SSL", "SASL_SSL") and (self.kafka_ssl_keyfile or self.kafka_ssl_key_password) \
+                and not self.kafka_ssl_certfile:
+            raise ConfigError("--kafka-ssl-keyfile and --kafka-ssl-key-password need --kafka-ssl-certfile (the client certificate)")
+
+
+_WARNED_UNUSED: set[tuple[str, ...]] = set()
 
 
 class _KeyEncrypted(Exception):

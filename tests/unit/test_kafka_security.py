@@ -101,3 +101,21 @@ def test_a_control_character_in_a_sasl_login_is_refused_for_spark(field: str) ->
     ok = KafkaOptions(kafka_bootstrap="k:1", kafka_security_protocol="SASL_PLAINTEXT",
                       kafka_sasl_username="alice", kafka_sasl_password='q"\\ é;')
     assert 'password="q\\"\\\\ é;";' in spark_kafka_options(ok)["kafka.sasl.jaas.config"]
+
+
+def test_security_options_the_protocol_does_not_use_are_not_silently_ignored(
+    pki: Path, caplog: pytest.LogCaptureFixture,
+) -> None:
+    # --kafka-ssl-* with PLAINTEXT, --kafka-sasl-* with SSL and a key without its certificate
+    # were dropped without a word.
+    caplog.set_level("WARNING", logger="walbus.kafka")
+    for _ in range(2):  # once, however many clients are made
+        KafkaOptions(kafka_bootstrap="k:1", kafka_ssl_cafile="/x/ca.pem", kafka_sasl_username="u").kafka_client_kwargs()
+    KafkaOptions(kafka_bootstrap="k:1", kafka_security_protocol="SSL", kafka_sasl_password="pw").kafka_client_kwargs()
+    assert [r.getMessage() for r in caplog.records] == [
+        "--kafka-ssl-cafile, --kafka-sasl-username not used with --kafka-security-protocol PLAINTEXT",
+        "--kafka-sasl-password not used with --kafka-security-protocol SSL",
+    ]
+    with pytest.raises(ConfigError, match="need --kafka-ssl-certfile"):
+        KafkaOptions(kafka_bootstrap="k:1", kafka_security_protocol="SSL",
+                     kafka_ssl_keyfile=str(pki / "client.key")).kafka_client_kwargs()
