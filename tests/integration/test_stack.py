@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import psycopg
@@ -146,10 +151,10 @@ def test_dev_cli_up_status_down_twice() -> None:
         pids += [str(info["postgres"]["pid"]), str(info["kafka"]["pid"])]
         env = subprocess.run([*walbus, "env"], capture_output=True, text=True, timeout=60)
         assert env.stdout.startswith("export WALBUS_PG_DSN=") and "WALBUS_KAFKA_BOOTSTRAP=127.0.0.1:" in env.stdout
-        # `up` shows where PostgreSQL is, not its password (only `env` hands that out)
-        password = info["postgres"]["dsn"].split("@")[0].rpartition(":")[2]
-        assert len(password) >= 16 and password in env.stdout
-        assert password not in up.stdout + again.stdout and ":***@" in up.stdout
+        # `up` and `status` show where PostgreSQL is, not its password (only `env` hands that out)
+        password = env.stdout.split("WALBUS_PG_DSN=")[1].split("@")[0].rpartition(":")[2]
+        assert len(password) >= 16
+        assert password not in up.stdout + again.stdout + status.stdout and ":***@" in up.stdout
         down = subprocess.run([*walbus, "down"], capture_output=True, text=True, timeout=120)
         assert down.returncode == 0 and "postgres" in down.stdout and "kafka" in down.stdout
         status = subprocess.run([*walbus, "status"], capture_output=True, text=True, timeout=60)
@@ -167,3 +172,98 @@ def test_dev_cli_corrupt_state_is_a_clear_error(tmp_path: Path) -> None:
     )
     assert res.returncode == 2
     assert "corrupt" in res.stderr and "Traceback" not in res.stderr
+
+
+@pytest.fixture
+def open_dir() -> Iterator[Path]:
+    """A directory under /tmp that PostgreSQL, run as `postgres` under root, may enter
+    (pytest's tmp_path is below a 0700 directory)."""
+    base = Path(tempfile.mkdtemp(prefix="walbus-dev-"))
+    base.chmod(0o755)
+    yield base
+    shutil.rmtree(base, ignore_errors=True)
+
+
+def _running_in(state: Path) -> list[str]:
+    """Command lines of the live processes that name ``state`` (the stack's servers)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                cmd = (proc / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if os.fsencode(str(state)) in cmd and pid_alive(int(proc.name), str(state)):
+                found.append(f"{proc.name}: {cmd[:150]!r}")
+    return found
+
+
+def _env_without_stack() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k not in ("WALBUS_PG_DSN", "WALBUS_KAFKA_BOOTSTRAP", "WALBUS_DEV_STATE_DIR")}
+
+
+@pytest.mark.parametrize(("sig", "spawned"), [(signal.SIGINT, "kafka/stdout.log"), (signal.SIGTERM, "pg/postgres.log")])
+def test_an_interrupted_up_leaves_no_server_running(open_dir: Path, sig: int, spawned: str) -> None:
+    """Ctrl-C or SIGTERM while `walbus dev up` waited for a server left it running with no
+    recorded PID: `down` (even --purge) did not stop it, the next `up` found its port taken."""
+    state = open_dir / "state"
+    up = subprocess.Popen([sys.executable, "-m", "walbus.app.cli", "dev", "up", "--state-dir", str(state)],
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 180
+        while not (state / spawned).exists():  # the server is being started
+            assert up.poll() is None and time.monotonic() < deadline, up.communicate()
+            time.sleep(0.05)
+        up.send_signal(sig)
+        out, err = up.communicate(timeout=120)
+        assert up.returncode == 128 + sig if sig == signal.SIGTERM else up.returncode == 130, out + err
+        assert _running_in(state) == []
+    finally:
+        subprocess.run([sys.executable, "-m", "walbus.app.cli", "dev", "down", "--purge", "--state-dir", str(state)], timeout=180)
+        for line in _running_in(state):
+            os.kill(int(line.split(":")[0]), signal.SIGKILL)
+
+
+def test_a_demo_whose_stack_fails_to_start_stops_and_removes_it(open_dir: Path) -> None:
+    """Kafka failing at start (an unusable heap option): the demo exited 2 but left the
+    PostgreSQL it had started running and the state directory it had made; the error showed
+    Kafka's server.log, not stdout.log where the JVM said what was wrong."""
+    state = open_dir / "new"
+    res = subprocess.run(
+        [sys.executable, "-m", "walbus.app.cli", "demo", "--no-warehouse", "--state-dir", str(state)],
+        capture_output=True, text=True, timeout=300, env={**_env_without_stack(), "WALBUS_KAFKA_HEAP": "-Xmx1k"},
+    )
+    try:
+        assert res.returncode == 2, res.stdout[-2000:] + res.stderr[-2000:]
+        assert "stdout.log" in res.stderr and "heap" in res.stderr.lower()
+        assert not state.exists() and _running_in(state) == []
+    finally:
+        for line in _running_in(state):
+            os.kill(int(line.split(":")[0]), signal.SIGKILL)
+
+
+def test_a_stack_in_an_unusual_directory_survives_restarts_and_a_kill_9(open_dir: Path) -> None:
+    """A non-ASCII state directory sent Kafka's data to a mojibake sibling (Java reads .properties
+    as ISO-8859-1): the second `up` failed. `up` right after a kill -9 of PostgreSQL failed on the
+    socket lock naming the zombie. The socket_dsn was not percent-encoded; up's hint dropped
+    --state-dir."""
+    state = open_dir / "stäte & 100%"
+    walbus = [sys.executable, "-m", "walbus.app.cli", "dev"]
+    where = ["--state-dir", str(state)]
+    try:
+        up = subprocess.run([*walbus, "up", *where], capture_output=True, text=True, timeout=240)
+        assert up.returncode == 0, up.stderr
+        assert f'walbus dev env --state-dir {shlex.quote(str(state))}' in up.stdout
+        info = json.loads(subprocess.run([*walbus, "status", *where], capture_output=True, text=True, timeout=60).stdout)
+        with psycopg.connect(info["postgres"]["socket_dsn"]) as conn:
+            assert conn.execute("SELECT 1").fetchone() == (1,)
+        os.kill(info["postgres"]["pid"], signal.SIGKILL)
+        again = subprocess.run([*walbus, "up", *where], capture_output=True, text=True, timeout=240)
+        assert again.returncode == 0, again.stderr
+        assert subprocess.run([*walbus, "down", *where], timeout=180).returncode == 0
+        third = subprocess.run([*walbus, "up", *where], capture_output=True, text=True, timeout=240)
+        assert third.returncode == 0, third.stderr
+        assert sorted(p.name for p in open_dir.iterdir()) == [state.name]  # no mojibake sibling
+    finally:
+        subprocess.run([*walbus, "down", "--purge", *where], timeout=180)
+    assert not state.exists() and _running_in(state) == []

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import stat
 from pathlib import Path
 
@@ -73,19 +74,145 @@ def test_servers_run_without_the_callers_groups() -> None:
     assert kw["group"] == pwd.getpwnam(me).pw_gid and kw["extra_groups"] == []
 
 
-class Recorder:
-    def __init__(self, state_dir: Path) -> None:
-        self.state_dir = state_dir
-        self.calls: list[bool] = []
-
-    def down(self, *, purge: bool = False) -> list[str]:
-        self.calls.append(purge)
-        return []
+def _used_state_dir(path: Path) -> LocalStack:
+    """A state directory as `walbus dev up` leaves it (no server runs)."""
+    stack = LocalStack.load(path)
+    stack.save()
+    for d in ("pg/data", "pg/run", "kafka/data", "kafka-2/data"):
+        (stack.state_dir / d).mkdir(parents=True)
+    write_private(stack.postgres.password_file, "0123abcd")
+    return stack
 
 
 def test_the_demo_removes_the_stack_it_created_and_only_that(tmp_path: Path) -> None:
-    own, stopped, running = Recorder(tmp_path), Recorder(tmp_path), Recorder(tmp_path)
-    release(own, was_running=False, created=True)
-    release(stopped, was_running=False, created=False)
-    release(running, was_running=True, created=False)
-    assert (own.calls, stopped.calls, running.calls) == ([True], [False], [])
+    own, found = _used_state_dir(tmp_path / "own"), _used_state_dir(tmp_path / "found")
+    release(own, was_running=False, created=True, new_dir=True)
+    assert not own.state_dir.exists()
+    release(found, was_running=False, created=False)
+    assert found.record.exists() and (found.state_dir / "pg" / "data").is_dir()
+    running = _used_state_dir(tmp_path / "running")
+    release(running, was_running=True, created=True, new_dir=True)
+    assert running.record.exists()
+
+
+def test_a_purge_deletes_walbus_files_only_and_refuses_a_directory_walbus_never_used(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`walbus dev down --purge --state-dir DIR` and `walbus demo --state-dir .` deleted DIR and
+    everything in it, walbus's or not (a tester's project directory)."""
+    foreign = tmp_path / "project"
+    (foreign / "src").mkdir(parents=True)
+    (foreign / "src" / "important.txt").write_text("precious")
+    assert walbus(["dev", "down", "--purge", "--state-dir", str(foreign)]) == 2
+    assert "no stack.json" in capsys.readouterr().err
+    assert (foreign / "src" / "important.txt").read_text() == "precious"
+    # `walbus demo --state-dir .` in a project: walbus's entries go, the project stays.
+    stack = _used_state_dir(foreign)
+    (foreign / "kafka.txt").write_text("mine")  # a name like walbus's, but a file
+    release(stack, was_running=False, created=True, new_dir=False)
+    assert sorted(p.name for p in foreign.iterdir()) == ["kafka.txt", "src"]
+    assert (foreign / "src" / "important.txt").read_text() == "precious"
+    # An empty directory of the user's stays too; one walbus made is removed with its stack.
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    release(_used_state_dir(empty), was_running=False, created=True, new_dir=False)
+    assert empty.is_dir() and not any(empty.iterdir())
+    own = _used_state_dir(tmp_path / "own")
+    assert walbus(["dev", "down", "--purge", "--state-dir", str(own.state_dir)]) == 0
+    assert not own.state_dir.exists()
+    assert walbus(["dev", "down", "--purge", "--state-dir", str(tmp_path / "never")]) == 0
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the mode matters when PostgreSQL runs as the postgres user")
+def test_postgres_does_not_change_the_mode_of_a_directory_walbus_did_not_make(tmp_path: Path) -> None:
+    """initdb as root chmod-ed the state directory 0711, a directory of the user's too."""
+    from walbus.app.dev.postgres import find_bindir
+    from walbus.app.dev.state import only_walbus_entries
+
+    try:
+        find_bindir()
+    except StackError:
+        pytest.skip("no PostgreSQL server binaries")
+    tmp_path.chmod(0o755)
+    stack = _used_state_dir(tmp_path / "project")
+    assert only_walbus_entries(stack.state_dir)
+    (stack.state_dir / "notes.txt").write_text("mine")
+    assert not only_walbus_entries(stack.state_dir)
+    shutil.rmtree(stack.state_dir / "pg")
+    stack.state_dir.chmod(0o700)
+    with pytest.raises(StackError, match="cannot enter"):
+        stack.postgres.init()
+    assert stat.S_IMODE(stack.state_dir.stat().st_mode) == 0o700
+
+
+def test_status_hides_the_password_and_its_socket_dsn_survives_any_path(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`dev status` printed the superuser's password (only `dev env` may); its socket_dsn was not
+    percent-encoded (a space, '&' or '%' in the path: psycopg refused it)."""
+    import json
+
+    from psycopg.conninfo import conninfo_to_dict
+
+    stack = _used_state_dir(tmp_path / "sp ace&a%20b")
+    assert walbus(["dev", "status", "--state-dir", str(stack.state_dir)]) == 3
+    info = json.loads(capsys.readouterr().out)
+    assert "0123abcd" not in json.dumps(info) and ":***@" in info["postgres"]["dsn"]
+    socket = conninfo_to_dict(info["postgres"]["socket_dsn"])
+    assert socket["host"] == str(stack.postgres.socket_dir) and socket["port"] == str(stack.postgres.port)
+    # A directory with no stack: no made-up ports, it says there is none.
+    assert walbus(["dev", "status", "--state-dir", str(tmp_path / "none")]) == 3
+    captured = capsys.readouterr()
+    assert json.loads(captured.out) == {"state_dir": str(tmp_path / "none"), "stack": None}
+    assert "no stack" in captured.err
+
+
+def test_a_corrupt_stack_json_is_purged_and_its_servers_found_by_their_command_lines(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The error about a corrupt stack.json advised `walbus dev down --purge`, which failed the same way."""
+    import subprocess
+    import sys
+
+    state = tmp_path / "corrupt"
+    (state / "pg" / "data").mkdir(parents=True)
+    (state / "stack.json").write_text("garbage")
+    # Stands in for the postmaster (`postgres -D <state>/pg/data`): the sweep finds it by that argument.
+    server = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)", str(state / "pg" / "data")])
+    try:
+        assert walbus(["dev", "up", "--state-dir", str(state)]) == 2
+        assert "down --purge" in capsys.readouterr().err
+        assert walbus(["dev", "down", "--purge", "--state-dir", str(state)]) == 0
+        assert str(server.pid) in capsys.readouterr().out
+        assert server.wait(10) is not None and not state.exists()
+    finally:
+        server.kill()
+        server.wait()
+
+
+def test_a_state_dir_that_is_a_file_is_a_one_line_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "afile").write_text("x")
+    for state in (tmp_path / "afile", tmp_path / "afile" / "below"):
+        assert walbus(["dev", "up", "--state-dir", str(state)]) == 2
+        err = capsys.readouterr().err
+        assert "is a file" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_socket_lock_of_a_dead_or_zombie_server_is_cleared(tmp_path: Path) -> None:
+    """Right after a kill -9, the postmaster is a zombie that PID 1 has not reaped: PostgreSQL
+    refused to start over the socket's lock file naming it (walbus cleared postmaster.pid only)."""
+    import subprocess
+    import sys
+    import time
+
+    pg = PostgresInstance(tmp_path, 5432)
+    pg.socket_dir.mkdir(parents=True)
+    zombie = subprocess.Popen(["true"])
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "-D", str(pg.datadir)])
+    try:
+        for _ in range(100):  # until `true` has exited (not reaped: a zombie)
+            if "\nState:\tZ" in Path(f"/proc/{zombie.pid}/status").read_text():
+                break
+            time.sleep(0.05)
+        (pg.socket_dir / ".s.PGSQL.5432.lock").write_text(f"{zombie.pid}\n{pg.datadir}\n")
+        (pg.socket_dir / ".s.PGSQL.5433.lock").write_text(f"{live.pid}\n{pg.datadir}\n")
+        pg.clear_stale_socket_locks()
+        assert sorted(p.name for p in pg.socket_dir.iterdir()) == [".s.PGSQL.5433.lock"]
+    finally:
+        live.kill()
+        live.wait()
+        zombie.wait()

@@ -76,3 +76,84 @@ def test_free_ports_are_outside_the_ephemeral_range_and_handed_out_once() -> Non
     ports = [free_port() for _ in range(50)]
     assert len(set(ports)) == len(ports)
     assert all(not low <= p <= high for p in ports)
+
+
+def _java_properties(text: str) -> dict[str, str]:
+    """What java.util.Properties.load reads from a file: ISO-8859-1, then \\uXXXX escapes."""
+    out = {}
+    for line in text.encode("latin-1").decode("latin-1").splitlines():
+        if line and not line.startswith("#"):
+            key, _, value = line.partition("=")
+            value = value.strip().encode("latin-1").decode("unicode_escape")
+            out[key.strip()] = value.encode("utf-16", "surrogatepass").decode("utf-16")
+    return out
+
+
+def test_kafka_config_files_name_a_non_ascii_state_dir_as_java_reads_them(tmp_path: Path) -> None:
+    """Written as UTF-8, Java read "ü" as "Ã¼": Kafka's data and log went to a sibling directory,
+    and the next `up` failed ("Invalid cluster.id")."""
+    from walbus.app.dev.kafka import KafkaInstance
+
+    node = KafkaInstance(tmp_path / "stäte ü 😀 \\ x", 9092, 9093)
+    node.write_config()
+    server = _java_properties((node.home / "server.properties").read_bytes().decode("ascii"))
+    assert server["log.dirs"] == str(node.datadir)
+    log4j2 = _java_properties((node.home / "log4j2.properties").read_bytes().decode("ascii"))
+    assert log4j2["appender.file.fileName"] == str(node.logfile)
+    log4j = _java_properties((node.home / "log4j.properties").read_bytes().decode("ascii"))
+    assert log4j["log4j.appender.file.File"] == str(node.logfile)
+
+
+def test_kafka_versions_are_plain_dotted_numbers(tmp_path: Path) -> None:
+    from walbus.app.dev.kafka import cache_dir
+
+    for bad in ("../../etc", "4.4.0/../x", "4", "latest", "4.4.0-SNAPSHOT", ""):
+        with pytest.raises(StackError, match="not a version number"):
+            LocalStack.load(tmp_path, kafka_version=bad)
+        with pytest.raises(StackError, match="not a version number"):
+            cache_dir(bad)
+    assert cache_dir("3.9.1").name == "kafka-3.9.1"
+
+
+def test_a_version_maven_cannot_fetch_leaves_no_state(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """A mistyped --kafka-version was checked only after PostgreSQL had been set up and started,
+    and recorded in stack.json: every later `up` failed. Maven's answer came with colour codes."""
+    import os
+    import stat
+    import subprocess
+
+    from walbus.app.cli import main as walbus
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    mvn = bin_dir / "mvn"  # Maven Central's answer for a version it does not have, without the network
+    mvn.write_text('#!/bin/sh\nprintf "\\033[0m\\033[1;31m[ERROR]\\033[m"; echo " Could not resolve org.apache.kafka:kafka_2.13:jar:9.9.9 ($*)"\nexit 1\n')
+    mvn.chmod(mvn.stat().st_mode | stat.S_IXUSR)
+    java = subprocess.run(["sh", "-c", "command -v java"], capture_output=True, text=True).stdout.strip()
+    if java:
+        (bin_dir / "java").symlink_to(java)
+    else:
+        pytest.skip("no java")
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    monkeypatch.setenv("WALBUS_CACHE_DIR", str(tmp_path / "cache"))
+    state = tmp_path / "state"
+    assert walbus(["dev", "up", "--state-dir", str(state), "--kafka-version", "9.9.9"]) == 2
+    assert not state.exists()
+    assert not (tmp_path / "cache" / "kafka-9.9.9").exists()
+    err = capsys.readouterr().err
+    assert "Maven could not fetch Apache Kafka 9.9.9" in err and "[ERROR] Could not resolve" in err and "\x1b" not in err
+
+
+def test_kafka_exiting_at_start_shows_the_jvm_output(tmp_path: Path) -> None:
+    """The JVM's own start errors (a bad heap option) go to stdout.log; only server.log was shown."""
+    import subprocess
+
+    from walbus.app.dev.kafka import KafkaInstance
+
+    node = KafkaInstance(tmp_path, 9092, 9093)
+    node.home.mkdir()
+    node.stdout_log.write_text("Error occurred during initialization of VM\nToo small maximum heap\n")
+    node._proc = subprocess.Popen(["false"])
+    node._proc.wait()
+    with pytest.raises(StackError, match=r"(?s)stdout\.log.*Too small maximum heap"):
+        node.wait_ready(5)

@@ -90,24 +90,30 @@ def endpoints(state_dir: Path | None) -> Iterator[tuple[str, str]]:
     from walbus.app.dev import LocalStack, default_state_dir
 
     stack = LocalStack.load(state_dir or default_state_dir())
-    created = not stack.record.exists()  # a stack of the demo's own: removed with its state at the end
+    # A stack of the demo's own is purged at the end; the directory itself goes only if the demo
+    # made it (`--state-dir .` keeps the directory and everything in it that is not walbus's).
+    created = not stack.record.exists()
+    new_dir = not stack.state_dir.exists()
     was_running = stack.postgres.running() and stack.kafka.running()
-    with Ticker("local PostgreSQL + Kafka" + (" (running already)" if was_running else " (the first run fetches Kafka's jars)")):
-        stack.up()
-    print(endpoints_text(stack.postgres.dsn, stack.kafka.bootstrap))
     try:
+        with Ticker("local PostgreSQL + Kafka" + (" (running already)" if was_running else " (the first run fetches Kafka's jars)")):
+            stack.up()
+        print(endpoints_text(stack.postgres.dsn, stack.kafka.bootstrap))
         yield stack.postgres.dsn, stack.kafka.bootstrap
     finally:
-        release(stack, was_running=was_running, created=created)
+        release(stack, was_running=was_running, created=created, new_dir=new_dir)
 
 
-def release(stack: Any, *, was_running: bool, created: bool) -> None:
+def release(stack: Any, *, was_running: bool, created: bool, new_dir: bool = False) -> None:
     """Leave the local stack as the demo found it: a running one runs on, a stopped one is
-    stopped again, and one the demo created is removed with its state directory."""
+    stopped again, and one the demo created is purged (its state directory removed when the
+    demo made that too)."""
     if was_running:
         return
-    stack.down(purge=created)
-    print("  stopped the local stack" + (f" and removed {stack.state_dir}" if created else ""))
+    # No stack.json: `up` failed before it set anything up (a purge would refuse the directory).
+    stack.down(purge=created and stack.record.is_file(), remove_dir=new_dir)
+    removed = created and new_dir and not stack.state_dir.exists()
+    print("  stopped the local stack" + (f" and removed {stack.state_dir}" if removed else ""))
 
 
 def fresh_database(admin_dsn: str, database: str) -> str:
@@ -275,6 +281,9 @@ def main(argv: Sequence[str]) -> int:
         print(f"walbus demo: error: {missing} (or run the demo with --no-warehouse)", file=sys.stderr)
         return 2
 
+    from walbus.app.dev.processes import exit_on_sigterm
+
+    exit_on_sigterm()  # a stop runs the cleanups: a stack the demo started is not left running
     setup_logging("warning")
     total = 5 if args.no_warehouse else 6
     work = Path(tempfile.mkdtemp(prefix="walbus-demo-"))

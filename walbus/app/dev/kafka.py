@@ -19,6 +19,7 @@ import asyncio
 import base64
 import contextlib
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -26,8 +27,20 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from walbus.app.dev.processes import StackError, pid_alive, port_in_use, spawn, stop_pid, tail
+from walbus.app.dev.processes import (
+    StackError,
+    pid_alive,
+    port_in_use,
+    signals_deferred,
+    spawn,
+    stop_pid,
+    tail,
+)
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 KAFKA_VERSION = "4.4.0"
 # The last 3.x line: what the local stack ran before 4.x, kept working and tested.
@@ -87,7 +100,19 @@ def major(version: str) -> int:
         raise StackError(f"Kafka version {version!r} is not a version number like {KAFKA_VERSION}") from None
 
 
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+_VERSION = re.compile(r"[0-9]+(\.[0-9]+){1,3}\Z")
+
+
+def check_version(version: str) -> str:
+    """A plain dotted version (it names a cache directory: nothing like ``../x`` may get there)."""
+    if not _VERSION.match(version):
+        raise StackError(f"Kafka version {version!r} is not a version number like {KAFKA_VERSION}")
+    return version
+
+
 def cache_dir(version: str = KAFKA_VERSION) -> Path:
+    check_version(version)
     base = os.environ.get("WALBUS_CACHE_DIR") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "walbus"
     )
@@ -112,13 +137,16 @@ def ensure_jars(version: str = KAFKA_VERSION) -> Path:
     tmp = work / "libs.partial"
     shutil.rmtree(tmp, ignore_errors=True)
     res = subprocess.run(
-        [mvn, "-q", "-B", "-f", str(work / "pom.xml"), "dependency:copy-dependencies",
+        [mvn, "-q", "-B", "-Dstyle.color=never", "-f", str(work / "pom.xml"), "dependency:copy-dependencies",
          f"-DoutputDirectory={tmp}", "-DincludeScope=runtime"],
         capture_output=True,
         text=True,
     )
     if res.returncode != 0:
-        raise StackError(f"Maven could not fetch Apache Kafka {version}:\n{(res.stdout + res.stderr)[-2000:]}")
+        shutil.rmtree(work, ignore_errors=True)  # a version that does not exist leaves no cache entry
+        # Maven 3.8 sends colour codes even with style.color=never (a reset before each line).
+        text = _ANSI.sub("", res.stdout + res.stderr)
+        raise StackError(f"Maven could not fetch Apache Kafka {version}:\n{text[-2000:]}")
     shutil.rmtree(libs, ignore_errors=True)
     tmp.rename(libs)
     marker.write_text(version)
@@ -154,6 +182,10 @@ class KafkaInstance:
     @property
     def logfile(self) -> Path:
         return self.home / "server.log"
+
+    @property
+    def stdout_log(self) -> Path:
+        return self.home / "stdout.log"
 
     @property
     def bootstrap(self) -> str:
@@ -207,9 +239,10 @@ class KafkaInstance:
             "replica.fetch.max.bytes": "16777216",
             "transaction.max.timeout.ms": "900000",
         }
-        (self.home / "server.properties").write_text("".join(f"{k}={v}\n" for k, v in props.items()))
-        (self.home / "log4j.properties").write_text(_LOG4J.format(logfile=self.logfile))
-        (self.home / "log4j2.properties").write_text(_LOG4J2.format(logfile=self.logfile))
+        (self.home / "server.properties").write_text("".join(f"{k}={properties_value(v)}\n" for k, v in props.items()), "ascii")
+        logfile = properties_value(str(self.logfile))
+        (self.home / "log4j.properties").write_text(_LOG4J.format(logfile=logfile), "ascii")
+        (self.home / "log4j2.properties").write_text(_LOG4J2.format(logfile=logfile), "ascii")
 
     def formatted(self) -> bool:
         return (self.datadir / "meta.properties").exists()
@@ -242,8 +275,9 @@ class KafkaInstance:
         if res.returncode != 0:
             raise StackError(f"formatting Kafka storage failed: {(res.stdout + res.stderr).strip()[-1500:]}")
 
-    def launch(self, cluster_id: str | None = None) -> None:
-        """Start the process (without waiting for it to answer); a running node is left alone."""
+    def launch(self, cluster_id: str | None = None, on_spawn: Callable[[], None] | None = None) -> None:
+        """Start the process (without waiting for it to answer); a running node is left alone.
+        ``on_spawn`` runs once its PID is known."""
         if self.running():
             return
         for p in (self.port, self.controller_port):
@@ -253,18 +287,23 @@ class KafkaInstance:
         self.format_storage(cluster_id)
         heap = os.environ.get("WALBUS_KAFKA_HEAP", "-Xms256m -Xmx1g").split()
         java = self._java()
-        self._proc = spawn(
-            [java[0], *heap, "-XX:+UseG1GC", *java[1:], MAIN_CLASS, self.marker],
-            logfile=self.home / "stdout.log",
-        )
-        self.pid = self._proc.pid
+        with signals_deferred():  # a Ctrl-C waits until the new PID is known (and recorded)
+            self._proc = spawn(
+                [java[0], *heap, "-XX:+UseG1GC", *java[1:], MAIN_CLASS, self.marker],
+                logfile=self.stdout_log,
+            )
+            self.pid = self._proc.pid
+            if on_spawn is not None:
+                on_spawn()
 
     def wait_ready(self, timeout: float = 90.0) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self._proc is not None and self._proc.poll() is not None:
+                # The JVM's own start errors (a bad heap option, a missing class) go to stdout.log.
                 raise StackError(
-                    f"Kafka exited at start ({self._proc.returncode}); log {self.logfile}:\n{tail(self.logfile)}"
+                    f"Kafka exited at start ({self._proc.returncode}); log {self.logfile}:\n{tail(self.logfile)}\n"
+                    f"its output {self.stdout_log}:\n{tail(self.stdout_log)}"
                 )
             if asyncio.run(broker_answers(self.bootstrap)):
                 return
@@ -287,6 +326,20 @@ class KafkaInstance:
         if self.pid is not None and self.running():
             with contextlib.suppress(ProcessLookupError):
                 os.kill(self.pid, signal.SIGTERM)
+
+
+def properties_value(value: str) -> str:
+    """``value`` for a Java .properties file, which Java reads as ISO-8859-1: each character
+    outside printable ASCII as a \\uXXXX escape (a state directory named "ü" sent Kafka's
+    data to "Ã¼"), backslashes doubled."""
+    out = []
+    for ch in value.replace("\\", "\\\\"):
+        if " " <= ch < "\x7f":
+            out.append(ch)
+        else:  # UTF-16 code units, as Java's own \\u escapes
+            units = ch.encode("utf-16-be")
+            out += [f"\\u{int.from_bytes(units[i:i + 2], 'big'):04x}" for i in range(0, len(units), 2)]
+    return "".join(out)
 
 
 def new_cluster_id() -> str:
@@ -332,8 +385,9 @@ class KafkaCluster:
     def running(self) -> bool:
         return all(n.running() for n in self.nodes)
 
-    def start(self, timeout: float = 120.0) -> None:
-        """Launch every node first: a node of a quorum answers only once a majority runs."""
+    def start(self, timeout: float = 120.0, on_spawn: Callable[[], None] | None = None) -> None:
+        """Launch every node first: a node of a quorum answers only once a majority runs.
+        ``on_spawn`` runs as each node's PID is known."""
         if self.running():
             return
         ids = {cid for n in self.nodes if (cid := n.cluster_id()) is not None}
@@ -344,7 +398,7 @@ class KafkaCluster:
             )
         cluster_id = ids.pop() if ids else new_cluster_id()
         for node in self.nodes:
-            node.launch(cluster_id)
+            node.launch(cluster_id, on_spawn)
         for node in self.nodes:
             node.wait_ready(timeout)
 

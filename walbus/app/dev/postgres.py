@@ -11,18 +11,25 @@ import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+from urllib.parse import quote
 
 import psycopg
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 from walbus.app.dev.processes import (
     StackError,
     as_user,
     pid_alive,
     port_in_use,
+    signals_deferred,
     spawn,
     stop_pid,
     tail,
 )
+from walbus.app.dev.state import only_walbus_entries
 
 SUPERUSER = "postgres"
 INSTALL_HINT = "install PostgreSQL's server, e.g. `apt-get install postgresql-15 postgresql-15-wal2json`"
@@ -126,7 +133,8 @@ class PostgresInstance:
 
     @property
     def socket_dsn(self) -> str:
-        return f"postgresql://{SUPERUSER}@/postgres?host={self.socket_dir}&port={self.port}"
+        # Percent-encoded: a space, '&' or '%' in the state directory's path would break the URI.
+        return f"postgresql://{SUPERUSER}@/postgres?host={quote(str(self.socket_dir), safe='/')}&port={self.port}"
 
     def running(self) -> bool:
         return self.pid is not None and pid_alive(self.pid, str(self.datadir))
@@ -142,7 +150,11 @@ class PostgresInstance:
                 f"it looks corrupt; remove {self.state_dir} (or run `walbus dev down --purge`) and retry"
             )
         if user is not None:
-            for parent in self.state_dir.resolve().parents:
+            # The server user may enter the state dir (not list it). Its mode is changed only when
+            # walbus made it: a directory of the user's (`--state-dir .`) is never touched.
+            if not self.state_dir.stat().st_mode & 0o001 and only_walbus_entries(self.state_dir):
+                self.state_dir.chmod(0o711)
+            for parent in [self.state_dir.resolve(), *self.state_dir.resolve().parents]:
                 if not parent.stat().st_mode & 0o001:
                     raise StackError(
                         f"PostgreSQL runs as the '{user}' user (walbus runs as root), which cannot enter "
@@ -151,8 +163,7 @@ class PostgresInstance:
                     )
         self.datadir.mkdir(parents=True, exist_ok=True)
         self.socket_dir.mkdir(parents=True, exist_ok=True)
-        # The server user may enter the state dir (not list it) and owns pg/, closed to others.
-        self.state_dir.chmod(0o711 if user else 0o700)
+        # pg/ belongs to the server user, closed to others.
         (self.state_dir / "pg").chmod(0o700)
         _chown_tree(self.state_dir / "pg", user)
         self.datadir.chmod(0o700)
@@ -187,7 +198,9 @@ class PostgresInstance:
         (self.datadir / "pg_hba.conf").write_text(HBA)
         _chown_tree(self.state_dir / "pg", user)
 
-    def start(self, timeout: float = 60.0) -> None:
+    def start(self, timeout: float = 60.0, on_spawn: Callable[[], None] | None = None) -> None:
+        """Start the server and wait until it accepts connections; ``on_spawn`` runs as soon as
+        its PID is known (to record it before the wait, which Ctrl-C may end)."""
         if self.running():
             return
         if port_in_use(self.port):
@@ -201,15 +214,19 @@ class PostgresInstance:
             first = stale_pid.read_text().splitlines()[:1]
             if not (first and first[0].isdigit() and pid_alive(int(first[0]), str(self.datadir))):
                 stale_pid.unlink()
+        self.clear_stale_socket_locks()
         self.logfile.touch()
         if user:
             _chown_tree(self.logfile.parent, user)
-        proc = spawn(
-            [str(bindir / "postgres"), "-D", str(self.datadir), "-p", str(self.port), "-k", str(self.socket_dir)],
-            logfile=self.logfile,
-            user=user,
-        )
-        self.pid = proc.pid
+        with signals_deferred():  # a Ctrl-C waits until the new PID is known (and recorded)
+            proc = spawn(
+                [str(bindir / "postgres"), "-D", str(self.datadir), "-p", str(self.port), "-k", str(self.socket_dir)],
+                logfile=self.logfile,
+                user=user,
+            )
+            self.pid = proc.pid
+            if on_spawn is not None:
+                on_spawn()
         deadline = time.monotonic() + timeout
         last: Exception | None = None
         while time.monotonic() < deadline:
@@ -223,6 +240,14 @@ class PostgresInstance:
                 last = e
                 time.sleep(0.2)
         raise StackError(f"PostgreSQL did not accept connections within {timeout:.0f}s: {last}")
+
+    def clear_stale_socket_locks(self) -> None:
+        """The socket's lock file of a dead server names it as well, and PostgreSQL refuses to
+        start while that PID exists, even as a zombie not reaped yet (right after a kill -9)."""
+        for lock in self.socket_dir.glob(".s.PGSQL.*.lock"):
+            first = lock.read_text(errors="replace").splitlines()[:1]
+            if not (first and first[0].strip().isdigit() and pid_alive(int(first[0]), str(self.datadir))):
+                lock.unlink(missing_ok=True)
 
     def stop(self) -> bool:
         if self.pid is None:

@@ -8,7 +8,9 @@ import random
 import signal
 import socket
 import subprocess
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -100,6 +102,64 @@ def pid_alive(pid: int, marker: str) -> bool:
     """True when ``pid`` runs and its command line holds ``marker`` (guards against PID reuse)."""
     cmd = pid_cmdline(pid)
     return cmd is not None and marker in cmd
+
+
+def pids_with_argument(argument: str) -> list[int]:
+    """Live processes one of whose arguments is exactly ``argument`` (a path only walbus's
+    servers of one state directory take): found when no PID was recorded for them."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            args = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if os.fsencode(argument) in args and pid_cmdline(int(entry.name)) is not None:
+            found.append(int(entry.name))
+    return found
+
+
+def stop_by_argument(argument: str, *, sig: int = signal.SIGTERM, timeout: float = 30.0) -> list[int]:
+    """Stop every process found by :func:`pids_with_argument`; their PIDs."""
+    pids = pids_with_argument(argument)
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
+    return [pid for pid in pids if stop_pid(pid, argument, sig=sig, timeout=timeout)] if pids else []
+
+
+@contextlib.contextmanager
+def signals_deferred(*, redeliver: bool = True) -> Iterator[None]:
+    """Ctrl-C and SIGTERM wait until the block ends, then take effect (``redeliver``) or are
+    dropped: a process being spawned gets its PID recorded, a cleanup is not cut short.
+
+    Python-level handlers, not a blocked mask or SIG_IGN: a child inherits those across exec
+    (a JVM started with SIGTERM ignored never shuts down on it).
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[int] = []
+    kinds = (signal.SIGINT, signal.SIGTERM)
+    previous = {s: signal.signal(s, lambda signum, frame: caught.append(signum)) for s in kinds}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        if redeliver and caught:
+            signal.raise_signal(caught[0])
+
+
+def exit_on_sigterm() -> None:
+    """SIGTERM raises SystemExit(143) in the main thread, so that cleanups (``finally``) run:
+    Python's default ends the process at once, leaving what a command started running."""
+
+    def _exit(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, _exit)
 
 
 def stop_pid(pid: int, marker: str, *, sig: int = signal.SIGTERM, timeout: float = 30.0) -> bool:

@@ -2,17 +2,29 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
-import shutil
+import signal
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from walbus.app.dev.kafka import BROKER_COUNTS, KAFKA_3_VERSION, KAFKA_VERSION, KafkaCluster
+from walbus.app.dev import state
+from walbus.app.dev.kafka import (
+    BROKER_COUNTS,
+    KAFKA_3_VERSION,
+    KAFKA_VERSION,
+    KafkaCluster,
+    KafkaInstance,
+    check_version,
+    ensure_jars,
+)
 from walbus.app.dev.postgres import PostgresInstance, wal2json_installed, write_private
-from walbus.app.dev.processes import StackError, free_port
+from walbus.app.dev.processes import StackError, free_port, signals_deferred, stop_by_argument
+from walbus.app.dev.state import make_state_dir
+from walbus.logs import redact_dsn
 
 DEFAULT_STATE_DIR = Path(".walbus")
 
@@ -29,9 +41,8 @@ def default_state_dir() -> Path:
     return Path(own or shared or str(DEFAULT_STATE_DIR)).resolve()
 
 
-def make_state_dir(path: Path) -> None:
-    """The state directory, closed to other users (it holds the superuser's password)."""
-    path.mkdir(parents=True, exist_ok=True, mode=0o700)
+class CorruptState(StackError):
+    """stack.json cannot be read: `walbus dev down --purge` still cleans up (by command lines)."""
 
 
 @dataclass
@@ -52,7 +63,9 @@ class LocalStack:
         they must match what it was created with (its data was formatted for that).
         """
         state_dir = (state_dir or default_state_dir()).resolve()
-        record = state_dir / "stack.json"
+        record = state_dir / state.RECORD
+        if kafka_version is not None:
+            check_version(kafka_version)
         if not record.exists():
             n = brokers or 1
             if n not in BROKER_COUNTS:
@@ -64,9 +77,9 @@ class LocalStack:
             pg = data["postgres"]
             stack = cls(state_dir, PostgresInstance(state_dir, int(pg["port"]), pg.get("pid")), _load_kafka(state_dir, data["kafka"]))
         except (ValueError, KeyError, TypeError, AttributeError) as e:
-            raise StackError(
+            raise CorruptState(
                 f"{record} is unreadable ({e}): the state directory looks corrupt; "
-                f"remove {state_dir} (or run `walbus dev down --purge`) and retry"
+                f"`walbus dev down --purge --state-dir {state_dir}` and retry"
             ) from None
         kafka = stack.kafka
         if (kafka_version and kafka_version != kafka.version) or (brokers and brokers != len(kafka.nodes)):
@@ -99,14 +112,45 @@ class LocalStack:
         tmp.replace(self.record)
 
     def up(self) -> None:
-        """Start whatever is not running yet (idempotent)."""
+        """Start whatever is not running yet (idempotent).
+
+        Failed or interrupted (Ctrl-C, SIGTERM as SystemExit), it stops the servers it launched:
+        each PID is recorded as soon as it is known, and the servers are also found by their
+        command lines, so none is left running unrecorded.
+        """
+        state.check_state_dir(self.state_dir)
+        if not self.kafka.running():
+            # Before any state: a version Maven does not know leaves nothing behind.
+            ensure_jars(self.kafka.version)
         make_state_dir(self.state_dir)
         self._reassign_ports_if_taken()
-        self.postgres.init()
-        self.postgres.start()
-        self.save()
-        self.kafka.start()
-        self.save()
+        launch_pg = not self.postgres.running()
+        launch_kafka = [n for n in self.kafka.nodes if not n.running()]
+        self.save()  # first: whatever walbus puts here next, stack.json marks the directory as its own
+        try:
+            self.postgres.init()
+            self.postgres.start(on_spawn=self.save)
+            self.save()
+            self.kafka.start(on_spawn=self.save)
+            self.save()
+        except BaseException:
+            with signals_deferred(redeliver=False):
+                self._stop_launched(launch_pg, launch_kafka)
+            raise
+
+    def _stop_launched(self, postgres: bool, kafka: list[KafkaInstance]) -> None:
+        for node in kafka:
+            node.signal_stop()
+        for node in kafka:
+            node.stop()
+            stop_by_argument(node.marker, timeout=60)  # spawned, but interrupted before its PID was kept
+            node.pid = None
+        if postgres:
+            self.postgres.stop()
+            stop_by_argument(str(self.postgres.datadir), sig=signal.SIGINT)
+            self.postgres.pid = None
+        with contextlib.suppress(OSError):
+            self.save()
 
     def _reassign_ports_if_taken(self) -> None:
         # A stopped stack whose recorded port was taken meanwhile may move: nothing else points at it.
@@ -122,7 +166,11 @@ class LocalStack:
                 fresh = KafkaCluster.create(self.state_dir, ports, self.kafka.version)
                 self.kafka = fresh
 
-    def down(self, *, purge: bool = False) -> list[str]:
+    def down(self, *, purge: bool = False, remove_dir: bool = True) -> list[str]:
+        """Stop both; ``purge``: also delete walbus's files in the state directory (and the
+        directory, when ``remove_dir`` and nothing else is left in it)."""
+        if purge and self.state_dir.exists() and not self.record.is_file():
+            state.purge(self.state_dir)  # refuses: checked before anything is stopped
         stopped = []
         pids = self.kafka.stop()
         if pids:
@@ -133,8 +181,11 @@ class LocalStack:
             node.pid = None
         self.postgres.pid = None
         if purge:
-            shutil.rmtree(self.state_dir, ignore_errors=True)
-        elif self.state_dir.exists():
+            others = state.stop_unrecorded(self.state_dir)
+            if others:
+                stopped.append(f"unrecorded servers (pid {', '.join(map(str, others))})")
+            state.purge(self.state_dir, remove_dir=remove_dir)
+        elif self.record.is_file():  # never a stack.json in a directory walbus did not set up
             self.save()
         return stopped
 
@@ -144,7 +195,7 @@ class LocalStack:
             "postgres": {
                 "running": self.postgres.running(),
                 "pid": self.postgres.pid,
-                "dsn": self.postgres.dsn,
+                "dsn": redact_dsn(self.postgres.dsn),  # `walbus dev env` alone prints the password
                 "socket_dsn": self.postgres.socket_dsn,
                 "wal2json": wal2json_installed(),
                 "log": str(self.postgres.logfile),
@@ -168,6 +219,16 @@ class LocalStack:
         if not (self.postgres.running() and self.kafka.running()):
             raise StackError(f"no local stack runs in {self.state_dir}: `walbus dev up` first")
         return {"WALBUS_PG_DSN": self.postgres.dsn, "WALBUS_KAFKA_BOOTSTRAP": self.kafka.bootstrap}
+
+
+def purge_unreadable(state_dir: Path) -> list[int]:
+    """`down --purge` of a state directory whose stack.json cannot be read: its servers are
+    found by their command lines. The PIDs stopped."""
+    if state_dir.is_dir() and not (state_dir / state.RECORD).is_file():
+        state.purge(state_dir)  # refuses
+    stopped = state.stop_unrecorded(state_dir)
+    state.purge(state_dir)
+    return stopped
 
 
 def _load_kafka(state_dir: Path, kf: dict[str, Any]) -> KafkaCluster:
