@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from decimal import Decimal
 from typing import TYPE_CHECKING
 
@@ -35,3 +36,22 @@ async def test_a_subscriber_sees_typed_rows(walbus_pipeline: Pipeline) -> None:
     assert inserted.row() == {"id": 1, "total": "12.50", "tags": '{a,"b c"}'}
     assert inserted.typed_row() == {"id": 1, "total": Decimal("12.50"), "tags": ["a", "b c"]}
     assert updated.typed_row() == {"id": 1, "total": Decimal("13.00"), "tags": ["a", "b c"]}
+
+
+async def test_the_pipeline_leaves_no_topic_behind(services: Services) -> None:
+    """The fixture deleted the database topic only: its .progress and .heartbeat topics stayed."""
+    from walbus.client.testing import pipeline
+    from walbus.kafka import KafkaAdmin
+
+    async with pipeline() as p:
+        p.execute("CREATE TABLE t (id int PRIMARY KEY)", "INSERT INTO t VALUES (1)")
+        async with p.feed() as feed:
+            await p.events(feed, 1)
+        topic = p.topic
+    async with KafkaAdmin(client_kwargs={"bootstrap_servers": services.kafka_bootstrap}) as admin:
+        for _ in range(100):  # a deletion reaches the metadata a moment later
+            left = sorted(t for t in await admin.list_topics() if t == topic or t.startswith(f"{topic}."))
+            if not left:
+                break
+            await asyncio.sleep(0.2)
+    assert left == []

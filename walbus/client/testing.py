@@ -4,6 +4,7 @@ Either as a pytest fixture::
 
     pytest_plugins = ["walbus.client.testing"]  # in your root conftest.py or the test module
 
+    @pytest.mark.asyncio  # pytest-asyncio runs async tests (or asyncio_mode = "auto" in its config)
     async def test_my_subscriber(walbus_pipeline):
         async with walbus_pipeline.feed(group_id="notify", tables=["public.orders"]) as feed:
             walbus_pipeline.execute("CREATE TABLE orders (id int PRIMARY KEY, total numeric)",
@@ -17,7 +18,9 @@ It needs a PostgreSQL server with ``wal_level=logical`` and Kafka: ``WALBUS_PG_D
 ``WALBUS_KAFKA_BOOTSTRAP`` (``eval "$(walbus dev env)"`` after ``walbus dev up``) or the
 arguments. Each pipeline creates its own database (``walbus_test_<random>``) on that server and
 runs ``walbus produce`` for it as a child process (this interpreter, so your installed walbus);
-at the end it stops the producer, drops the database, its slot and its topic.
+at the end it stops the producer, drops the database, its slot, its topic and the topic's side
+topics (``.progress``, ``.heartbeat``, …). The fixture is async: the tests that use it need
+pytest-asyncio (``@pytest.mark.asyncio`` on each, or ``asyncio_mode = "auto"``).
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from walbus.client._connect import topic_partitions
 from walbus.client.event import FeedEvent
 from walbus.client.feed import Feed
-from walbus.contract import database_topic
+from walbus.contract import SIDE_TOPIC_SUFFIXES, database_topic, side_topic
 from walbus.kafka import KafkaAdmin
 
 READY_TIMEOUT = 60.0
@@ -115,9 +118,12 @@ async def pipeline(pg_dsn: str | None = None, kafka_bootstrap: str | None = None
 
 
 async def _delete_topic(bootstrap: str, topic: str) -> None:
+    """The database topic and the side topics the producer made beside it (one per test: left,
+    they pile up on a shared broker)."""
+    mine = {topic, *(side_topic(topic, suffix) for suffix in SIDE_TOPIC_SUFFIXES)}
     with contextlib.suppress(Exception):  # cleanup only: a leftover topic harms no later test
         async with KafkaAdmin(client_kwargs={"bootstrap_servers": bootstrap}) as admin:
-            await admin.delete_topics([topic])
+            await admin.delete_topics([t for t in await admin.list_topics() if t in mine])
 
 
 async def _until_streaming(producer: asyncio.subprocess.Process, log: IO[bytes], dsn: str, bootstrap: str, topic: str) -> None:
