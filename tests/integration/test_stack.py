@@ -138,27 +138,30 @@ def test_dev_cli_up_status_down_twice() -> None:
     state = Path(tempfile.mkdtemp(prefix="walbus-cli-"))
     walbus = [sys.executable, "-m", "walbus.app.cli", "dev", "--state-dir", str(state)]
     pids: list[str] = []
-    for _ in range(2):
-        up = subprocess.run([*walbus, "up"], capture_output=True, text=True, timeout=180)
-        assert up.returncode == 0, up.stderr
-        again = subprocess.run([*walbus, "up"], capture_output=True, text=True, timeout=60)
-        assert again.returncode == 0 and "reusing" in again.stdout
-        status = subprocess.run([*walbus, "status"], capture_output=True, text=True, timeout=60)
-        assert status.returncode == 0 and '"running": true' in status.stdout
-        import json
+    try:
+        for _ in range(2):
+            up = subprocess.run([*walbus, "up"], capture_output=True, text=True, timeout=180)
+            assert up.returncode == 0, up.stderr
+            again = subprocess.run([*walbus, "up"], capture_output=True, text=True, timeout=60)
+            assert again.returncode == 0 and "reusing" in again.stdout
+            status = subprocess.run([*walbus, "status"], capture_output=True, text=True, timeout=60)
+            assert status.returncode == 0 and '"running": true' in status.stdout
+            import json
 
-        info = json.loads(status.stdout)
-        pids += [str(info["postgres"]["pid"]), str(info["kafka"]["pid"])]
-        env = subprocess.run([*walbus, "env"], capture_output=True, text=True, timeout=60)
-        assert env.stdout.startswith("export WALBUS_PG_DSN=") and "WALBUS_KAFKA_BOOTSTRAP=127.0.0.1:" in env.stdout
-        # `up` and `status` show where PostgreSQL is, not its password (only `env` hands that out)
-        password = env.stdout.split("WALBUS_PG_DSN=")[1].split("@")[0].rpartition(":")[2]
-        assert len(password) >= 16
-        assert password not in up.stdout + again.stdout + status.stdout and ":***@" in up.stdout
-        down = subprocess.run([*walbus, "down"], capture_output=True, text=True, timeout=120)
-        assert down.returncode == 0 and "postgres" in down.stdout and "kafka" in down.stdout
-        status = subprocess.run([*walbus, "status"], capture_output=True, text=True, timeout=60)
-        assert status.returncode == 3
+            info = json.loads(status.stdout)
+            pids += [str(info["postgres"]["pid"]), str(info["kafka"]["pid"])]
+            env = subprocess.run([*walbus, "env"], capture_output=True, text=True, timeout=60)
+            assert env.stdout.startswith("export WALBUS_PG_DSN=") and "WALBUS_KAFKA_BOOTSTRAP=127.0.0.1:" in env.stdout
+            # `up` and `status` show where PostgreSQL is, not its password (only `env` hands that out)
+            password = env.stdout.split("WALBUS_PG_DSN=")[1].split("@")[0].rpartition(":")[2]
+            assert len(password) >= 16
+            assert password not in up.stdout + again.stdout + status.stdout and ":***@" in up.stdout
+            down = subprocess.run([*walbus, "down"], capture_output=True, text=True, timeout=120)
+            assert down.returncode == 0 and "postgres" in down.stdout and "kafka" in down.stdout
+            status = subprocess.run([*walbus, "status"], capture_output=True, text=True, timeout=60)
+            assert status.returncode == 3
+    finally:  # a failed assertion leaves no stack running
+        subprocess.run([*walbus, "down", "--purge"], capture_output=True, timeout=180)
     shutil.rmtree(state, ignore_errors=True)
     for pid in pids:
         assert not Path(f"/proc/{pid}").exists() or not pid_alive(int(pid), str(state))
