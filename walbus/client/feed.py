@@ -39,6 +39,7 @@ from prometheus_client import CollectorRegistry
 from walbus.aiokafka_shortcuts import read_in_runs, send_next_fetch
 from walbus.client._connect import client_kwargs as _client_kwargs
 from walbus.client._connect import read_records, topic_partitions
+from walbus.client._race import until_set
 from walbus.client.acks import acked_prefix
 from walbus.client.deadletters import (
     DeadLetterWriter,
@@ -840,14 +841,7 @@ class Feed:
         if wait <= 0 or self._nudge.is_set():
             return {}
         # getmany() takes records only when it returns them: cancelled while waiting, it took none.
-        getter = asyncio.ensure_future(consumer.getmany(timeout_ms=max(1, int(wait * 1000))))
-        nudged = asyncio.ensure_future(self._nudge.wait())
-        try:
-            await asyncio.wait((getter, nudged), return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            nudged.cancel()
-            if not getter.done():
-                getter.cancel()
+        getter = await until_set(consumer.getmany(timeout_ms=max(1, int(wait * 1000))), self._nudge)
         try:
             batches: dict[TopicPartition, list[Any]] = await getter
         except asyncio.CancelledError:

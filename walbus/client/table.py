@@ -29,6 +29,7 @@ from prometheus_client import CollectorRegistry
 
 from walbus.client._connect import client_kwargs as _client_kwargs
 from walbus.client._connect import topic_partitions
+from walbus.client._race import until_set
 from walbus.client.metrics import client_metrics
 from walbus.client.progress import SourceProgress
 from walbus.contract import ContractError, demux_group, pop_table_meta
@@ -398,14 +399,7 @@ class Table(Mapping[Any, Row]):
             raise RuntimeError("Table not started")
         if self.reflects(lsn):
             return
-        steps = asyncio.ensure_future(self._reach(lsn))
-        stopped = asyncio.ensure_future(self._stopped.wait())
-        try:
-            await asyncio.wait((steps, stopped), return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            stopped.cancel()
-            if not steps.done():
-                steps.cancel()
+        steps = await until_set(self._reach(lsn), self._stopped)
         self._check_running()
         steps.result()
 

@@ -1,0 +1,23 @@
+"""Waiting for work that an event may call off (a Feed's nack, a Table's stop)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+async def until_set(work: Coroutine[Any, Any, T], event: asyncio.Event) -> asyncio.Task[T]:
+    """Run ``work`` until it is done or ``event`` is set, whichever comes first; its task,
+    cancelled in the second case (and when the caller is)."""
+    task = asyncio.ensure_future(work)
+    waiter = asyncio.ensure_future(event.wait())
+    try:
+        await asyncio.wait((task, waiter), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        waiter.cancel()
+        if not task.done():
+            task.cancel()
+    return task
