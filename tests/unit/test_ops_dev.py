@@ -74,12 +74,26 @@ def test_servers_run_without_the_callers_groups() -> None:
     assert kw["group"] == pwd.getpwnam(me).pw_gid and kw["extra_groups"] == []
 
 
+def _wait_for_command_line(pid: int, marker: str) -> None:
+    """Until a child just spawned runs its own program: before its exec, /proc shows the parent's
+    command line, and a sweep by command line missed it (the tests were flaky)."""
+    import time
+
+    for _ in range(200):
+        if marker in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace"):
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"process {pid} never showed {marker!r} in its command line")
+
+
 def _used_state_dir(path: Path) -> LocalStack:
     """A state directory as `walbus dev up` leaves it (no server runs)."""
     stack = LocalStack.load(path)
     stack.save()
     for d in ("pg/data", "pg/run", "kafka/data", "kafka-2/data"):
         (stack.state_dir / d).mkdir(parents=True)
+    for node in ("kafka", "kafka-2"):
+        (stack.state_dir / node / "server.properties").write_text("node.id=1\n")
     write_private(stack.postgres.password_file, "0123abcd")
     return stack
 
@@ -119,6 +133,22 @@ def test_a_purge_deletes_walbus_files_only_and_refuses_a_directory_walbus_never_
     assert walbus(["dev", "down", "--purge", "--state-dir", str(own.state_dir)]) == 0
     assert not own.state_dir.exists()
     assert walbus(["dev", "down", "--purge", "--state-dir", str(tmp_path / "never")]) == 0
+
+
+def test_a_users_own_pg_or_kafka_folder_is_neither_taken_nor_purged(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`dev up` used a pg/ or kafka/ folder the user already had, and `down --purge` (or the
+    demo) deleted it with the user's files; a stray stack.json was enough for a purge (a re-fuzz)."""
+    project = tmp_path / "project"
+    for name in ("pg", "kafka"):
+        (project / name).mkdir(parents=True)
+        (project / name / "notes.txt").write_text("mine")
+    assert walbus(["dev", "up", "--state-dir", str(project)]) == 2
+    err = capsys.readouterr().err
+    assert "already holds kafka, pg but no stack.json" in err
+    assert not (project / "stack.json").exists()
+    (project / "stack.json").write_text("garbage")
+    assert walbus(["dev", "down", "--purge", "--state-dir", str(project)]) == 0
+    assert (project / "pg" / "notes.txt").read_text() == (project / "kafka" / "notes.txt").read_text() == "mine"
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="the mode matters when PostgreSQL runs as the postgres user")
@@ -170,10 +200,12 @@ def test_a_corrupt_stack_json_is_purged_and_its_servers_found_by_their_command_l
 
     state = tmp_path / "corrupt"
     (state / "pg" / "data").mkdir(parents=True)
+    (state / "pg" / "data" / "PG_VERSION").write_text("15\n")
     (state / "stack.json").write_text("garbage")
     # Stands in for the postmaster (`postgres -D <state>/pg/data`): the sweep finds it by that argument.
     server = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)", str(state / "pg" / "data")])
     try:
+        _wait_for_command_line(server.pid, str(state / "pg" / "data"))
         assert walbus(["dev", "up", "--state-dir", str(state)]) == 2
         assert "down --purge" in capsys.readouterr().err
         assert walbus(["dev", "down", "--purge", "--state-dir", str(state)]) == 0
@@ -208,6 +240,7 @@ def test_a_socket_lock_of_a_dead_or_zombie_server_is_cleared(tmp_path: Path) -> 
             if "\nState:\tZ" in Path(f"/proc/{zombie.pid}/status").read_text():
                 break
             time.sleep(0.05)
+        _wait_for_command_line(live.pid, str(pg.datadir))
         (pg.socket_dir / ".s.PGSQL.5432.lock").write_text(f"{zombie.pid}\n{pg.datadir}\n")
         (pg.socket_dir / ".s.PGSQL.5433.lock").write_text(f"{live.pid}\n{pg.datadir}\n")
         pg.clear_stale_socket_locks()

@@ -123,6 +123,7 @@ class LocalStack:
             # Before any state: a version Maven does not know leaves nothing behind.
             ensure_jars(self.kafka.version)
         make_state_dir(self.state_dir)
+        state.check_unclaimed(self.state_dir)
         self._reassign_ports_if_taken()
         launch_pg = not self.postgres.running()
         launch_kafka = [n for n in self.kafka.nodes if not n.running()]

@@ -48,6 +48,27 @@ def is_walbus_entry(path: Path) -> bool:
     return path.is_dir() and not path.is_symlink() and (path.name in _DIRS or _KAFKA_HOME.match(path.name) is not None)
 
 
+def _made_by_walbus(path: Path) -> bool:
+    """Whether a walbus-named directory holds what walbus puts there: a user's own pg/ or
+    kafka/ (in a directory with a stray stack.json) is not deleted by a purge (a re-fuzz)."""
+    if path.name in _DIRS:
+        return any((path / p).exists() for p in ("data/PG_VERSION", "postgres.log", "run"))
+    return (path / "server.properties").is_file()
+
+
+def check_unclaimed(state_dir: Path) -> None:
+    """Before walbus claims a state directory (writes its first stack.json): a pg/ or kafka/ it
+    holds already is the user's, which a purge would delete with everything in it (a re-fuzz)."""
+    if not state_dir.is_dir() or (state_dir / RECORD).exists():
+        return
+    taken = sorted(p.name for p in state_dir.iterdir() if p.name not in _FILES and is_walbus_entry(p))
+    if taken:
+        raise StackError(
+            f"the state directory {state_dir} already holds {', '.join(taken)} but no {RECORD}: walbus did not make "
+            "them. Choose another --state-dir (an empty or new directory)"
+        )
+
+
 def only_walbus_entries(state_dir: Path) -> bool:
     """True when everything in ``state_dir`` is walbus's: a directory walbus made itself."""
     return all(is_walbus_entry(p) for p in state_dir.iterdir())
@@ -86,7 +107,8 @@ def purge(state_dir: Path, *, remove_dir: bool = True) -> None:
     for entry in sorted(state_dir.iterdir()):
         if entry.name != RECORD and is_walbus_entry(entry):
             if entry.is_dir() and not entry.is_symlink():
-                shutil.rmtree(entry)
+                if _made_by_walbus(entry):
+                    shutil.rmtree(entry)
             else:
                 entry.unlink()
     record.unlink()  # last: a purge cut short is retried by running it again
