@@ -111,6 +111,11 @@ class OffsetStore:
         """This slot's document and the others' as the progress topic had them before ``offset``."""
         return await self._read(until=offset)
 
+    async def others_now(self) -> dict[str, dict[str, Any]]:
+        """The other slots' documents as the progress topic has them now."""
+        _, others = await self._read()
+        return others
+
     async def latest(self) -> dict[str, Any]:
         """This slot's document as the progress topic has it now (another producer of the same
         slot name, of another cluster, may have written it since :meth:`start`)."""

@@ -268,6 +268,25 @@ class Producer:
                         await offsets.delete()
                 raise
 
+    async def _check_partition_count(self) -> None:
+        """ConfigError when another slot decided a new partition count since this producer
+        started: a --repartition while this one was reconnecting passed the check for streaming
+        slots, and this one went on with the old count (tables in two partitions; a re-fuzz)."""
+        offsets = self.offsets
+        if offsets is None:
+            return
+        ours = offsets.doc.get("partitions_since", 0)
+        ours = ours if isinstance(ours, int) else 0
+        newer = sorted(
+            slot for slot, doc in (await offsets.others_now()).items()
+            if isinstance(since := doc.get("partitions_since"), int) and since > ours and doc.get("partitions") != self._partitions
+        )
+        if newer:
+            raise ConfigError(
+                f"slot {newer[0]!r} changed the partition count of topic {self.config.topic_name} (--repartition) while this "
+                f"producer ran with {self._partitions}: start it again to follow the new count"
+            )
+
     async def _check_no_slot_streams(self, offsets: OffsetStore) -> None:
         """ConfigError when another slot of the topic streams: ``--repartition`` while it
         writes with the old count put every moved table in two partitions at once (a re-fuzz)."""
@@ -464,6 +483,10 @@ class Producer:
                     # Retries count per position: only a confirmed position past this one resets them.
                     self._failed_at = self.progress.confirmed_lsn if self.progress is not None else 0
                     log.warning("stream failed", extra={"error": describe_error(e), "confirmed_lsn": str(Lsn(self._failed_at))})
+                    try:
+                        await asyncio.wait_for(self._check_partition_count(), 30)
+                    except TRANSIENT as unread:  # Kafka itself may be what failed: checked at the next retry
+                        log.info("the progress records could not be read again", extra={"error": describe_error(unread)})
                     try:
                         await backoff.wait(log, "stream", e, stop=self._stopping)
                     except type(e):

@@ -119,3 +119,44 @@ async def test_repartition_while_another_slot_streams_is_refused(pg_dsn: str, ka
         with psycopg.connect(pg_dsn, autocommit=True) as conn:
             conn.execute("INSERT INTO t VALUES (1)")
         await read_topic(kafka_bootstrap, unique_name, min_count=1)
+
+
+async def test_a_count_decided_by_another_slot_while_reconnecting_stops_this_producer(
+    pg_dsn: str, kafka_bootstrap: str, unique_name: str
+) -> None:
+    # Another slot's --repartition ran while this producer was reconnecting (its slot inactive,
+    # so the check for streaming slots passed): this one came back with the old count, and new
+    # rows of moved tables went into two partitions (a re-fuzz). It now stops, exit 2.
+    import asyncio
+
+    from aiokafka import AIOKafkaProducer
+
+    from producer.config import ProducerConfig
+    from producer.offsets import progress_topic
+    from producer.service import Producer
+    from walbus.config import ConfigError
+
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute("CREATE TABLE t (id int PRIMARY KEY)")
+    slot = f"{unique_name}_a"
+    producer = Producer(ProducerConfig(pg_dsn=pg_dsn, kafka_bootstrap=kafka_bootstrap, topic=unique_name, slot=slot,
+                                       partitions=2, heartbeat_interval=1.0))
+    task = asyncio.create_task(producer.run())
+    try:
+        async with asyncio.timeout(60):
+            await producer.ready.wait()
+        assert producer.offsets is not None
+        theirs = {**producer.offsets.doc, "slot": f"{unique_name}_b", "partitions": 4, "partitions_since": 1}
+        raw = AIOKafkaProducer(bootstrap_servers=kafka_bootstrap, acks="all")
+        await raw.start()
+        try:
+            await raw.send_and_wait(progress_topic(unique_name), key=f"{unique_name}_b".encode(), value=orjson.dumps(theirs))
+        finally:
+            await raw.stop()
+        with psycopg.connect(pg_dsn, autocommit=True) as conn:  # the stream breaks: it reconnects
+            conn.execute("SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots WHERE slot_name = %s", (slot,))
+        with pytest.raises(ConfigError, match=f"slot '{unique_name}_b' changed the partition count of topic {unique_name}"):
+            await asyncio.wait_for(asyncio.shield(task), 60)
+    finally:
+        producer.stop()
+        await asyncio.gather(task, return_exceptions=True)
