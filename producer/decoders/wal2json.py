@@ -366,9 +366,12 @@ class Wal2jsonDecoder:
                     # the catalog was read for this change: a generated column it named is left out
                     generated = self._generated[(schema, table)]
                     cols, ident_cols = _without(cols, generated), None if ident_cols is None else _without(ident_cols, generated)
-                if action != "I" and rel.replident == "f" and ident_cols and [c["name"] for c in ident_cols] != rel.columns:
+                if (action != "I" and rel.replident == "f" and ident_cols and [c["name"] for c in ident_cols] != rel.columns
+                        and {c["name"] for c in cols} <= {c["name"] for c in ident_cols}):
                     # Under REPLICA IDENTITY FULL the identity is the whole old row: its
-                    # columns are the relation the change was written with.
+                    # columns are the relation the change was written with. (Not when it lacks
+                    # some of the new row's: written under DEFAULT before an ALTER TABLE … FULL,
+                    # whose key-only identity lost every other column; a re-fuzz.)
                     rel, index, convs = self._relation(schema, table, ident_cols, whole=True)
                 if not rel.captured:
                     continue

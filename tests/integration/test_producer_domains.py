@@ -97,3 +97,27 @@ async def test_a_bytea_domain_and_a_generated_column_alike_in_snapshot_and_strea
     assert update.identity is not None and tuple(update.identity.columns) == ("id", "a", "b")
     assert delete.identity is not None
     assert dict(zip(delete.identity.columns, delete.identity.values, strict=True)) == {"id": 1, "a": 1, "b": "\\x00"}
+
+
+async def test_a_wal2json_update_written_before_replica_identity_full_keeps_its_row(
+    pg_dsn: str, kafka_bootstrap: str, unique_name: str
+) -> None:
+    # An update written under REPLICA IDENTITY DEFAULT and decoded after ALTER TABLE … FULL:
+    # its key-only identity was taken for the whole old row, and the event kept only the key
+    # (pgoutput sends the row; a re-fuzz).
+    topic = f"walbus.{unique_name}"
+    slot = f"{unique_name}_s"
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute("CREATE TABLE f (k int PRIMARY KEY, a text, n int)")
+        conn.execute("INSERT INTO f VALUES (1, 'a', 1)")
+    async with running_producer(pg_dsn, kafka_bootstrap, topic=topic, plugin="wal2json", slot=slot):
+        pass  # the slot exists from here on
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute("UPDATE f SET a = 'b', n = 2 WHERE k = 1")
+        conn.execute("ALTER TABLE f REPLICA IDENTITY FULL")
+    async with running_producer(pg_dsn, kafka_bootstrap, topic=topic, plugin="wal2json", slot=slot):
+        async with asyncio.timeout(60), Feed(topic, bootstrap_servers=kafka_bootstrap, start="earliest") as feed:
+            async for event in feed:
+                if event.operation == "update":
+                    break
+    assert event.row() == {"k": 1, "a": "b", "n": 2}
