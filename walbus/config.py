@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import logging
 import os
 import re
@@ -177,11 +178,23 @@ class _QuietParser(argparse.ArgumentParser):
 
         head, sep, rest = message.partition("unrecognized arguments: ")
         if sep:
-            # Long flags only: a value after a mistyped flag may start with '-' (-Xs3cret).
-            flags = [a.split("=", 1)[0] for a in rest.split() if a.startswith("--")]
-            message = head + sep + (" ".join(flags) or "(values without a flag)")
-        # "ambiguous option: --kafka-sasl=PW could match …" echoes the value after '='.
-        message = re.sub(r"(--[A-Za-z0-9][-A-Za-z0-9_]*)=\S*", r"\1=…", message)
+            # Only what looks like a mistyped flag (close to one of ours): a value after it may
+            # start with '-' or '--' (-Xs3cret, --hunter2) and hold spaces.
+            known = [o for action in self._actions for o in action.option_strings]
+            flags, others = [], 0
+            for token in rest.split():
+                name = token.split("=", 1)[0]
+                close = difflib.get_close_matches(name, known, n=1, cutoff=0.8) if name.startswith("--") else []
+                if close:
+                    flags.append(f"{name} (did you mean {close[0]}?)")
+                else:
+                    others += 1
+            if flags:
+                message = head + sep + ", ".join(flags) + (f" and {others} other argument(s)" if others else "")
+            else:
+                message = head + f"{others} argument(s) this command does not take (values not shown; see --help)"
+        # "ambiguous option: --kafka-sasl=PW could match …" echoes the value after '=' (spaces too).
+        message = re.sub(r"(--[A-Za-z0-9][-A-Za-z0-9_]*)=.*?( could match|$)", r"\1=…\2", message)
         super().error(redact_dsn(message))
 
 

@@ -115,9 +115,9 @@ async def test_a_wal2json_update_written_before_replica_identity_full_keeps_its_
     with psycopg.connect(pg_dsn, autocommit=True) as conn:
         conn.execute("UPDATE f SET a = 'b', n = 2 WHERE k = 1")
         conn.execute("ALTER TABLE f REPLICA IDENTITY FULL")
-    async with running_producer(pg_dsn, kafka_bootstrap, topic=topic, plugin="wal2json", slot=slot):
-        async with asyncio.timeout(60), Feed(topic, bootstrap_servers=kafka_bootstrap, start="earliest") as feed:
-            async for event in feed:
-                if event.operation == "update":
-                    break
+    async with (running_producer(pg_dsn, kafka_bootstrap, topic=topic, plugin="wal2json", slot=slot), asyncio.timeout(60),
+                Feed(topic, bootstrap_servers=kafka_bootstrap, start="earliest") as feed):
+        async for event in feed:
+            if event.operation == "update":
+                break
     assert event.row() == {"k": 1, "a": "b", "n": 2}

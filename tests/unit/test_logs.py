@@ -105,7 +105,10 @@ def test_argument_errors_never_echo_a_value(capsys: pytest.CaptureFixture[str]) 
         load_config(TailConfig, ["--topic", "t", "--kafka-bootstrap", "k:1", "--pg-dns", "postgresql://u:SECRET@h/db",
                                  "--kafka-sasl-pasword=SECRET2", "SECRET3"], prog="walbus tail", env={})
     err = capsys.readouterr().err
-    assert "unrecognized arguments: --pg-dns --kafka-sasl-pasword" in err and "SECRET" not in err
+    # only what is close to one of the command's flags (tail has no --pg-dsn): a re-fuzz found
+    # values that start with '--' or hold spaces listed as flags
+    assert "unrecognized arguments: --kafka-sasl-pasword (did you mean --kafka-sasl-password?) and 3 other" in err, err
+    assert "SECRET" not in err
 
 
 def test_debug_logs_never_show_a_sasl_login() -> None:

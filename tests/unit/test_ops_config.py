@@ -269,11 +269,16 @@ def test_configuration_errors_never_echo_a_secret(
         assert "is not a valid str" in err and "Secret" not in err, err
     assert walbus(["produce", "--pg-dsn", "dbname=x", "--kafka-bootstrap", "k:1", "--partitions=postgresql://u:s3cretPW99@h/db"]) == 2
     for argv in (["tail", "--topic", "x", "--kafka-sasl=s3cretPW99"],
-                 ["produce", "--pg-dsn", "dbname=x", "--kafka-sasl-pasword", "-Xs3cretPW99"]):
+                 ["produce", "--pg-dsn", "dbname=x", "--kafka-sasl-pasword", "-Xs3cretPW99"],
+                 # and (a re-fuzz) a value with spaces, or one that starts with '--'
+                 ["tail", "--topic", "x", "--kafka-sasl=correct horse s3cretPW99"],
+                 ["warehouse", "sql", "--kafka-sasl-password", "--s3cretPW99"],
+                 ["produce", "--pg-dsn", "dbname=x", "--bogus", "--s3cretPW99"]):
         with pytest.raises(SystemExit):
             walbus(argv)
     err = capsys.readouterr().err
-    assert "s3cretPW99" not in err and "--kafka-sasl=…" in err and "--kafka-sasl-pasword" in err, err
+    assert "s3cretPW99" not in err and "horse" not in err and "--kafka-sasl=…" in err, err
+    assert "--kafka-sasl-pasword (did you mean --kafka-sasl-password?)" in err, err
 
 
 def test_an_integer_past_64_bits_is_refused_and_logs_survive_one() -> None:
