@@ -327,3 +327,4 @@ async def test_stop_ends_every_wait_and_concurrent_waits_share_one_consumer(
         assert all(c._closed for c in started)
     finally:
         await demux.stop()
+

@@ -9,9 +9,14 @@ from typing import Any, TypeVar
 T = TypeVar("T")
 
 
+# How long a task called off may take to clean up (it closes what it opened) before the caller
+# goes on without it.
+CLEANUP_S = 30.0
+
+
 async def until_set(work: Coroutine[Any, Any, T], event: asyncio.Event) -> asyncio.Task[T]:
     """Run ``work`` until it is done or ``event`` is set, whichever comes first; its task,
-    cancelled in the second case (and when the caller is)."""
+    cancelled in the second case (and when the caller is), and given time to clean up."""
     task = asyncio.ensure_future(work)
     waiter = asyncio.ensure_future(event.wait())
     try:
@@ -20,4 +25,5 @@ async def until_set(work: Coroutine[Any, Any, T], event: asyncio.Event) -> async
         waiter.cancel()
         if not task.done():
             task.cancel()
+            await asyncio.wait((task,), timeout=CLEANUP_S)
     return task

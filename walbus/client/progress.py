@@ -59,11 +59,12 @@ class SourceProgress:
         self._probe_lock = asyncio.Lock()
 
     async def start(self) -> None:
+        # Each client is kept before it starts: stop() closes one whose start was cut short.
         consumer = AIOKafkaConsumer(
             **self._kwargs, enable_auto_commit=False, isolation_level="read_committed", fetch_max_wait_ms=50
         )
-        await consumer.start()
         self._consumer = consumer
+        await consumer.start()
         if self.group is not None:
             self._admin = AIOKafkaAdminClient(**self._kwargs)
             await self._admin.start()
