@@ -119,11 +119,6 @@ def load(argv: Sequence[str] | None) -> ProducerConfig:
         description="Stream a PostgreSQL database's changes into its Kafka topic.", section="produce",
     )
     _ = cfg.database  # validates the DSN now
-    for flag, value in (("--topic", cfg.topic), ("--publication", cfg.publication), ("--signal-topic", cfg.signal_topic),
-                        ("--signal-table", cfg.signal_table)):
-        if value is not None and not value.strip():
-            # Not the default in disguise: an empty value is a mistake (a TOML key left blank).
-            raise ConfigError(f"{flag} is empty: leave it out for the default")
     # The side topics (<topic>.transaction, .heartbeat, …) must be legal names too.
     problem = topic_name_error(cfg.topic_name, limit=MAX_DATABASE_TOPIC_LENGTH)
     if problem is not None:

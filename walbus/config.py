@@ -332,6 +332,10 @@ def load_config(
         raise ConfigError(f"missing required option(s): {hints_text}")
     fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
     for name, v in values.items():
+        if isinstance(v, str) and not v.strip():
+            # Never the default in disguise: a blank TOML key or env var (--warehouse "" loaded
+            # into the working directory, demux --group-id "" took the default group; a re-fuzz).
+            raise ConfigError(f"{flag_name(name)} is empty: leave it out for the default")
         choices = fields[name].metadata.get("choices")
         if choices and v not in choices:
             raise ConfigError(f"{flag_name(name)}: {v!r} is not one of {', '.join(choices)}")

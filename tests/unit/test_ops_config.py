@@ -313,3 +313,15 @@ def test_a_heartbeat_interval_too_short_to_mean_one_is_refused() -> None:
     with pytest.raises(ConfigError, match=r"--heartbeat-interval must be 0 \(off\) or at least 0\.1 s"):
         load(["--pg-dsn", "dbname=x", "--kafka-bootstrap", "k:1", "--heartbeat-interval", "1e-9"])
     assert load(["--pg-dsn", "dbname=x", "--kafka-bootstrap", "k:1", "--heartbeat-interval", "0"]).heartbeat_interval == 0
+
+
+def test_any_empty_setting_is_refused_not_taken_for_the_default() -> None:
+    # `warehouse load --warehouse ""` loaded into the working directory and `demux --group-id ""`
+    # took the default group (a re-fuzz): a blank value of any option is refused.
+    from walbus.config import ConfigError
+
+    with pytest.raises(ConfigError, match="--warehouse is empty"):
+        load_config(LoadConfig, ["--kafka-bootstrap", "k:1", "--topic", "walbus.x", "--warehouse", ""], prog="w", env={})
+    with pytest.raises(ConfigError, match="--group-id is empty"):
+        load_config(DemuxConfig, ["--kafka-bootstrap", "k:1", "--source-topic", "walbus.x"], prog="d",
+                    env={"WALBUS_DEMUX_GROUP_ID": " "}, section="demux")

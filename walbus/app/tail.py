@@ -85,8 +85,6 @@ def main(argv: Sequence[str]) -> int:
     setup_logging(config.log_level)
     if config.max_events < 0:
         raise ConfigError("--max-events: 0 (no limit) or more")
-    if config.group_id is not None and not config.group_id.strip():
-        raise ConfigError("--group-id is empty: give a group's name, or leave it out to read without committing")
     try:
         EventFilter(config.table, config.operation)
     except ValueError as e:
