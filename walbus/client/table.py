@@ -18,7 +18,7 @@ import asyncio
 import contextlib
 import inspect
 import logging
-from collections.abc import Awaitable, Callable, Coroutine, Iterator, Mapping, MutableMapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping, MutableMapping
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
@@ -410,7 +410,7 @@ class Table(Mapping[Any, Row]):
                 progress = SourceProgress(
                     self._kwargs, self.source_topic, self.source_group, metrics_registry=self._metrics_registry
                 )
-                await self._started(progress.start(), progress.stop())
+                await self._started(progress.start, progress.stop)
                 self._progress = progress
             progress = self._progress
         ends = await progress.commit_reached(lsn)
@@ -423,26 +423,25 @@ class Table(Mapping[Any, Row]):
         if self._stopped.is_set():
             raise TableError("Table stopped")
 
-    async def _started(self, start: Coroutine[Any, Any, None], stop: Coroutine[Any, Any, None]) -> None:
+    async def _started(self, start: Callable[[], Awaitable[None]], stop: Callable[[], Awaitable[None]]) -> None:
         """Start a client of a wait, not cut short: aiokafka's clients cancelled while starting
         left a connection open, and one started after stop() looked was never stopped (a
         re-fuzz). Then it is stopped here, and the wait ends with TableError."""
-        starting = asyncio.ensure_future(start)
+        starting = asyncio.ensure_future(start())
         try:
             await asyncio.shield(starting)
             self._check_running()
         except BaseException:
             await asyncio.wait((starting,))
-            await stop
+            await stop()
             raise
-        stop.close()  # not needed
 
     async def _high_watermarks(self) -> dict[TopicPartition, int]:
         async with self._progress_lock:  # concurrent first waits: one consumer, not one each (a fuzz)
             if self._hw_consumer is None:
                 self._check_running()
                 hw = AIOKafkaConsumer(**self._kwargs, enable_auto_commit=False, isolation_level="read_uncommitted")
-                await self._started(hw.start(), hw.stop())
+                await self._started(hw.start, hw.stop)
                 self._hw_consumer = hw
             hw = self._hw_consumer
         return dict(await hw.end_offsets(self._tps))
