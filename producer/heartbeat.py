@@ -107,19 +107,45 @@ class Heartbeats:
         self._metrics = metrics
         self._action = action
         self._next = 0.0  # the first beat goes out as soon as streaming starts
+        self._owed: int | None = None  # end of a transaction no beat has reported confirmed yet
 
     def due(self, now: float) -> bool:
         return self.interval > 0 and now >= self._next
 
-    async def beat(self, sink: KafkaSink, progress: Progress, now: float) -> None:
+    def committed(self, end_lsn: int) -> None:
+        """A transaction with events was read: once Kafka acknowledges it, and the stream is
+        idle, a beat reports it at once (:meth:`owed`), not at the next interval. A reader
+        cannot tell the last event of a transaction from the records (the producer writes a
+        large one over several batches); a confirmed position past its commit tells it that
+        every event of it is in the topic (``Table.wait_until``)."""
+        if self.interval > 0:
+            self._owed = end_lsn
+
+    @property
+    def owing(self) -> bool:
+        """A transaction waits for its acknowledgement to be reported."""
+        return self._owed is not None
+
+    def owed(self, confirmed_lsn: int) -> bool:
+        """The transaction is acknowledged and no beat has said so yet."""
+        return self._owed is not None and confirmed_lsn >= self._owed
+
+    async def beat(self, sink: KafkaSink, progress: Progress, now: float, *, prompt: bool = False) -> None:
         """The record goes through the sink like transaction metadata: the slot is confirmed
-        past a transaction only once everything sent before its end, this too, is acknowledged."""
-        self._next = now + self.interval
+        past a transaction only once everything sent before its end, this too, is acknowledged.
+        A prompt beat (see :meth:`committed`) keeps the interval's schedule and does not run
+        the action query: an action that writes a captured table would otherwise beat again
+        at once, for ever."""
+        if not prompt:
+            self._next = now + self.interval
         wall = time.time()
-        hb = Heartbeat(self.slot, progress.confirmed_lsn, progress.read_lsn, int(wall * 1000))
+        confirmed = progress.confirmed_lsn
+        hb = Heartbeat(self.slot, confirmed, progress.read_lsn, int(wall * 1000))
         await sink.send_side_record(self.topic, hb.key(), hb.to_json())
+        if self._owed is not None and confirmed >= self._owed:
+            self._owed = None
         self._metrics.last_heartbeat.set(wall)
-        if self._action is not None:
+        if self._action is not None and not prompt:
             self._action.fire()
 
     async def close(self) -> None:

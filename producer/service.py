@@ -583,7 +583,9 @@ class Producer:
         until = self._until
         reached = False  # until's transaction is in (what was read after it is dropped: it comes again)
         while not self._stopping.is_set() and not (until is not None and not in_txn and self._caught_up()):
-            messages = await stream.read(timeout=0.002 if sink.has_open() else 1.0)
+            # Short reads while a batch is open (it is sent once the stream idles) or a beat
+            # waits for an acknowledgement (it goes out once that came).
+            messages = await stream.read(timeout=0.002 if sink.has_open() else 0.005 if heartbeats.owing else 1.0)
             if not messages:
                 await sink.flush()  # the stream is idle: nothing will fill the open batches soon
             else:
@@ -614,6 +616,8 @@ class Producer:
                         case TxnEnd():
                             in_txn = False
                             await self._commit(it, sink, progress, txn_topic)
+                            if it.counts:
+                                heartbeats.committed(it.end_lsn)
                             if until is not None and it.commit_lsn >= until:
                                 # Stop at this transaction's end: the rest of what was read
                                 # comes again from the slot (a stop inside the next one is
@@ -645,6 +649,8 @@ class Producer:
                 progress.advance_idle(stream.position.wal_end)
             if heartbeats.due(now):  # inside a long transaction too: the producer is alive
                 await heartbeats.beat(sink, progress, now)
+            elif not messages and not in_txn and heartbeats.owed(progress.confirmed_lsn):
+                await heartbeats.beat(sink, progress, now, prompt=True)
             confirmed = progress.confirmed_lsn
             if confirmed != sent_lsn or stream.position.reply_requested or now - last_feedback >= min(confirm_every, 10.0):
                 await stream.send_feedback(confirmed)

@@ -92,3 +92,42 @@ async def test_table_equals_select_and_wait_until(pg_dsn: str, kafka_bootstrap: 
         finally:
             demux.send_signal(signal.SIGTERM)
             demux.wait(60)
+
+
+async def test_wait_until_a_large_transactions_commit_waits_for_all_of_it(
+    pg_dsn: str, kafka_bootstrap: str, unique_name: str, tmp_path: Path,
+) -> None:
+    # The producer writes a large transaction over several batches: wait_until(its commit LSN),
+    # called as soon as its first event arrived, returned with a part of it in the table
+    # (9,500-17,000 rows of 30,000 in a client fuzz). The producer's heartbeat after the
+    # transaction, sent as soon as it is idle, now says when all of it is in the database topic
+    # (the interval here is 60 s: only that prompt beat ends the wait within the timeout).
+    rows = 30_000
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute("CREATE TABLE big (id INT PRIMARY KEY, pad TEXT)")
+        conn.execute("INSERT INTO big VALUES (0, 'first')")  # the demux creates the topic
+    source = f"walbus.{unique_name}"
+    async with running_producer(pg_dsn, kafka_bootstrap, topic=source, heartbeat_interval=60.0):
+        log = tmp_path / "demux.log"
+        demux = walbus_process(
+            ["demux", "--kafka-bootstrap", kafka_bootstrap, "--source-topic", source, "--state-dir", str(tmp_path / "state")],
+            log=log,
+        )
+        try:
+            async with (
+                asyncio.timeout(150),
+                Table(f"{source}.public.big", bootstrap_servers=kafka_bootstrap) as table,
+                Feed(source, bootstrap_servers=kafka_bootstrap, tables=["public.big"], from_beginning=False) as feed,
+            ):
+                with psycopg.connect(pg_dsn, autocommit=True) as conn:
+                    conn.execute("INSERT INTO big SELECT g, repeat('x', 200) FROM generate_series(1, %s) g", (rows,))
+                event = await asyncio.wait_for(feed.__anext__(), 60)  # the transaction's first event
+                async with asyncio.timeout(45):
+                    await table.wait_until(event.commit_lsn)
+                assert len(table) == rows + 1, f"{len(table) - 1} of the transaction's {rows} rows"
+        except BaseException:
+            print(log.read_text()[-5000:])
+            raise
+        finally:
+            demux.send_signal(signal.SIGTERM)
+            demux.wait(60)

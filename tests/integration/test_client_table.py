@@ -328,3 +328,46 @@ async def test_stop_ends_every_wait_and_concurrent_waits_share_one_consumer(
     finally:
         await demux.stop()
 
+
+
+async def test_wait_until_waits_for_the_rest_of_a_commit_written_over_several_batches(
+    kafka_bootstrap: str, unique_name: str, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The producer writes a large transaction over several batches, and its first events told
+    # wait_until (step 2) that the commit was in the database topic: it returned with part of
+    # it (9,500-17,000 rows of 30,000 in a client fuzz). Now a commit's own events do not end
+    # step 2: a later commit's event or a heartbeat confirmed past it does (and, with no
+    # heartbeat for BEAT_WAIT_S, the first event again, with a warning).
+    from tests.support.cdc_data import Change
+    from walbus.client import progress
+    from walbus.contract import Heartbeat, heartbeat_topic
+
+    source = f"walbus.{unique_name}"
+    beats = heartbeat_topic(source)
+    await create_topic(kafka_bootstrap, source)
+    await create_topic(kafka_bootstrap, beats, compact=True)
+    part = [Change(0x100, i, 1, "public.a", "insert", {"id": i, "v": i}) for i in range(3)]
+    await produce(kafka_bootstrap, source, [c.record() for c in part])
+    await produce(kafka_bootstrap, beats, [(b"s", Heartbeat("s", 0x90, 0x100, 1).to_json())])
+
+    async def step_2(lsn: int, wait_s: float) -> bool:
+        watch = progress.SourceProgress({"bootstrap_servers": kafka_bootstrap}, source, None)
+        await watch.start()
+        try:
+            async with asyncio.timeout(wait_s):
+                await watch.commit_reached(lsn)
+        except TimeoutError:
+            return False
+        finally:
+            await watch.stop()
+        return True
+
+    assert not await step_2(0x100, 2.0), "returned on the commit's first events"
+    await produce(kafka_bootstrap, beats, [(b"s", Heartbeat("s", 0x108, 0x108, 2).to_json())])
+    assert await step_2(0x100, 10.0), "a heartbeat confirmed past the commit did not end the wait"
+    assert not await step_2(0x200, 2.0)  # an LSN past every commit and heartbeat
+    await produce(kafka_bootstrap, source, [Change(0x300, 0, 2, "public.b", "insert", {"id": 1}).record()])
+    assert await step_2(0x200, 10.0), "a later commit's event did not end the wait"
+    monkeypatch.setattr(progress, "BEAT_WAIT_S", 0.5)  # heartbeats stopped: the first event again
+    await produce(kafka_bootstrap, source, [Change(0x400, 0, 3, "public.a", "insert", {"id": 9, "v": 9}).record()])
+    assert await step_2(0x400, 10.0)

@@ -62,6 +62,29 @@ async def test_heartbeats_arrive_on_an_idle_database_with_the_position(pg_dsn: s
     assert len(await read_topic(kafka_bootstrap, unique_name)) == 1
 
 
+async def test_a_beat_follows_each_transaction_once_kafka_acknowledged_it(
+    pg_dsn: str, kafka_bootstrap: str, unique_name: str,
+) -> None:
+    # Table.wait_until learns from a heartbeat that every event of a commit is in the topic
+    # (a large one goes over several batches); with beats only each interval it waited up to
+    # the interval on an idle database. Now a beat goes out once the transaction is
+    # acknowledged and the stream idles: with a 60 s interval, within seconds.
+    sql(pg_dsn, "CREATE TABLE t (id int PRIMARY KEY)")
+    hb_topic = heartbeat_topic(unique_name)
+    async with running_producer(pg_dsn, kafka_bootstrap, topic=unique_name, heartbeat_interval=60.0):
+        for n in (1, 2):
+            sql(pg_dsn, f"INSERT INTO t SELECT g FROM generate_series({n * 10000}, {n * 10000 + 5000}) g")
+            events = changes(await read_topic(kafka_bootstrap, unique_name, min_count=5001 * n), "public.t")
+            commit_lsn = events[-1]["commit_lsn"]
+            deadline = time.monotonic() + 20
+            while not any(hb.confirmed_lsn > commit_lsn for _, hb in await beats(kafka_bootstrap, hb_topic)):
+                assert time.monotonic() < deadline, f"no heartbeat past commit {commit_lsn} within 20 s"
+                await asyncio.sleep(0.2)
+        got = await beats(kafka_bootstrap, hb_topic)
+    # the first beat at the start, one after each transaction; no beat per event or per batch
+    assert 3 <= len(got) <= 5, got
+
+
 async def test_heartbeats_off_create_no_topic(pg_dsn: str, kafka_bootstrap: str, unique_name: str) -> None:
     from tests.support.kafka import list_topics
 

@@ -2,8 +2,11 @@
 
 A commit that touched other tables never shows up in a per-table topic, so the table topic
 alone cannot say "commit X is reflected". The database topic can: its records are in commit
-order, so once it holds an event with ``commit_lsn >= X`` every commit up to X is in it. And
-the demux commits its consumer-group offsets on the database topic in the same Kafka
+order, so once it holds an event with ``commit_lsn > X`` every commit up to X is in it. The
+events of commit X itself cannot tell whether they are all there (the producer writes a large
+transaction over several batches); the producer's heartbeats can: one whose confirmed position
+is past X says Kafka acknowledged every event up to X, and the producer sends one as soon as
+it is idle after a transaction. And the demux commits its consumer-group offsets on the database topic in the same Kafka
 transaction as its output records, so once the demux group's committed offset has passed
 every event of those commits, every per-table record derived from them is committed
 (visible to ``read_committed`` readers).
@@ -23,9 +26,13 @@ from prometheus_client import CollectorRegistry
 from walbus.client._connect import topic_partitions
 from walbus.client.metrics import client_metrics
 from walbus.client.positions import Position, newest, valid_event
-from walbus.contract import ContractError
+from walbus.contract import ContractError, decode_heartbeat, heartbeat_topic
 
 log = logging.getLogger("walbus.client.progress")
+
+# A commit's events are in the topic but no heartbeat came for this long: heartbeats are off
+# (or the producer is older, or stopped), and its first event is taken for the whole commit.
+BEAT_WAIT_S = 30.0
 
 
 class ProgressStopped(RuntimeError):
@@ -53,6 +60,10 @@ class SourceProgress:
         self._admin: AIOKafkaAdminClient | None = None
         self._tps: list[TopicPartition] = []
         self._newest: dict[TopicPartition, Position] = {}
+        self._beat_topic = heartbeat_topic(topic)
+        self._beat_tps: list[TopicPartition] = []  # none: the producers send no heartbeats
+        self._confirmed = -1  # the highest confirmed position a heartbeat read reported
+        self._beats = 0  # heartbeats read
         self._probe: AIOKafkaConsumer | None = None  # random access to single records
         self._at: dict[tuple[TopicPartition, int], Position | None] = {}  # None: not a valid event
         self._cursor_lock = asyncio.Lock()
@@ -79,13 +90,18 @@ class SourceProgress:
             await admin.close()
 
     async def commit_reached(self, lsn: int) -> dict[TopicPartition, int]:
-        """Wait until the database topic holds an event with ``commit_lsn >= lsn``.
+        """Wait until the database topic holds every event with ``commit_lsn <= lsn``.
 
-        Returns, per partition, the offset after the last record read (at least the end
-        offsets looked up before reading). Only the records written since the first call are
-        read (from the last record then on), not the whole topic.
+        That is when it holds an event of a later commit, or a producer's heartbeat reports a
+        confirmed position past ``lsn``; without heartbeats, when it holds an event of commit
+        ``lsn`` itself (the rest of a large one may still be on its way). Returns, per
+        partition, the offset after the last record read (at least the end offsets looked up
+        before reading, after the heartbeats). Only the records written since the first call
+        are read (from the last record then on), not the whole topic.
         """
-        target = (lsn, 0)
+        loop = asyncio.get_running_loop()
+        seen_at: float | None = None  # when an event of commit `lsn` was first seen
+        beats_then = 0
         while True:
             # One reader of the cursor at a time; the lock is not held while sleeping, so a
             # waiter for a far LSN does not hold up the others.
@@ -94,15 +110,27 @@ class SourceProgress:
                 if consumer is None:
                     raise ProgressStopped("SourceProgress not started or stopped")
                 if not self._tps:
-                    tps = await topic_partitions(self._kwargs, self.topic)
-                    consumer.assign(tps)
-                    ends = await consumer.end_offsets(tps)
-                    for tp in tps:
-                        consumer.seek(tp, max(ends[tp] - 1, 0))
-                    self._tps = tps
+                    await self._assign(consumer)
+                if self._beat_tps:
+                    # Before the ends below: a heartbeat's events are then within them.
+                    await self._read_to(consumer, await consumer.end_offsets(self._beat_tps))
                 ends = await consumer.end_offsets(self._tps)
                 await self._read_to(consumer, ends)
-                if any(p >= target for p in self._newest.values()):
+                whole = self._confirmed > lsn or any(p[0] > lsn for p in self._newest.values())
+                if not whole and any(p[0] == lsn for p in self._newest.values()):
+                    now = loop.time()
+                    if seen_at is None or self._beats > beats_then:
+                        seen_at, beats_then = now, self._beats
+                    if not self._beat_tps:
+                        whole = True
+                    elif now - seen_at > BEAT_WAIT_S:
+                        log.warning(
+                            "no heartbeat from the producer: taking the commit's first event for the whole "
+                            "commit (a large one may still be on its way)",
+                            extra={"topic": self.topic, "commit_lsn": lsn, "waited_s": BEAT_WAIT_S},
+                        )
+                        whole = True
+                if whole:
                     # Not the ends looked up before reading: a fetch may bring records appended
                     # since, the target's among them, and the demux group's offset reaching
                     # those ends then said nothing of it (wait_until returned before the commit
@@ -110,18 +138,45 @@ class SourceProgress:
                     return {tp: max(int(ends[tp]), await consumer.position(tp)) for tp in self._tps}
             await asyncio.sleep(self._poll)
 
+    async def _assign(self, consumer: AIOKafkaConsumer) -> None:
+        """Read the database topic and its heartbeats from their last records on."""
+        tps = await topic_partitions(self._kwargs, self.topic)
+        try:
+            beat_tps = await topic_partitions(self._kwargs, self._beat_topic, wait=False)
+        except LookupError:
+            beat_tps = []  # heartbeats off (--heartbeat-interval 0)
+        consumer.assign(tps + beat_tps)
+        ends = await consumer.end_offsets(tps + beat_tps)
+        for tp in tps + beat_tps:
+            consumer.seek(tp, max(ends[tp] - 1, 0))
+        self._tps, self._beat_tps = tps, beat_tps
+
     async def _read_to(self, consumer: AIOKafkaConsumer, ends: dict[TopicPartition, int]) -> None:
         while True:
-            behind = [tp for tp in self._tps if await consumer.position(tp) < ends[tp]]
+            behind = [tp for tp in ends if await consumer.position(tp) < ends[tp]]
             if not behind:
                 return
             batches = await consumer.getmany(*behind, timeout_ms=200)
             for tp, msgs in batches.items():
+                if tp.topic == self._beat_topic:
+                    for m in msgs:
+                        self._note_beat(m)
+                    continue
                 for m in msgs:
                     pos = self._position_of(m)
                     best = newest(self._newest.get(tp), pos)
                     if best is not None:
                         self._newest[tp] = best
+
+    def _note_beat(self, msg: Any) -> None:
+        if msg.value is None:
+            return  # a slot's heartbeats deleted (a tombstone): nothing to note
+        try:
+            beat = decode_heartbeat(msg.value)
+        except ContractError:
+            return  # not a heartbeat: it tells nothing (the producers write only valid ones)
+        self._beats += 1
+        self._confirmed = max(self._confirmed, beat.confirmed_lsn)
 
     def _position_of(self, msg: Any) -> Position | None:
         """The record's position if it is a valid event keyed by it (a bad key must not count)."""

@@ -377,9 +377,13 @@ class Table(Mapping[Any, Row]):
 
         1. this table has already applied, in every partition, a record committed after
            ``lsn`` (per-partition order is commit order): done;
-        2. otherwise it waits until the database topic (``source_topic``) holds an event with
-           ``commit_lsn >= lsn``: from then on every commit up to ``lsn`` is in it. (So an LSN
-           read *after* your commit, e.g. ``pg_current_wal_lsn()``, waits for a later commit.)
+        2. otherwise it waits until the database topic (``source_topic``) holds every event
+           of those commits: it holds an event with ``commit_lsn > lsn``, or a producer's
+           heartbeat reports a confirmed position past ``lsn`` (the producer sends one as soon
+           as a transaction is acknowledged and it idles). A commit's own events do not end
+           this step (a large one is written over several batches), unless heartbeats are
+           off. (So an LSN read *after* your commit, e.g. ``pg_current_wal_lsn()``, waits for
+           a later commit or the producer's next confirmation of the server's position.)
         3. unless ``follow_demux=False``, it waits until the demux's committed
            offset on the database topic has passed every event of those commits (it reached
            the end seen in step 2, or the record before it belongs to a later commit); the
