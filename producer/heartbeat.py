@@ -26,6 +26,11 @@ log = logging.getLogger("walbus.producer.heartbeat")
 # With heartbeats off, the server's position is still confirmed this often while the captured
 # tables are idle (WAL of other tables and databases must be recyclable).
 IDLE_CONFIRM_S = 10.0
+# A prompt beat (see Heartbeats.committed) waits for the stream to be quiet this long: a
+# steady trickle of transactions tells its readers the same with its next events, and a beat
+# after each one doubled its produce requests (p99 commit-to-append latency at 2,000 rows/s in
+# 20-row transactions went from 20-25 ms to 68-70 ms).
+PROMPT_QUIET_S = 0.02
 # The action query's statement_timeout: its interval, within these bounds.
 ACTION_TIMEOUT_MIN_S = 1.0
 ACTION_TIMEOUT_MAX_S = 60.0
@@ -108,6 +113,7 @@ class Heartbeats:
         self._action = action
         self._next = 0.0  # the first beat goes out as soon as streaming starts
         self._owed: int | None = None  # end of a transaction no beat has reported confirmed yet
+        self._data_at = 0.0  # when the stream last brought messages
 
     def due(self, now: float) -> bool:
         return self.interval > 0 and now >= self._next
@@ -126,9 +132,14 @@ class Heartbeats:
         """A transaction waits for its acknowledgement to be reported."""
         return self._owed is not None
 
-    def owed(self, confirmed_lsn: int) -> bool:
-        """The transaction is acknowledged and no beat has said so yet."""
-        return self._owed is not None and confirmed_lsn >= self._owed
+    def streaming(self, now: float) -> None:
+        """The stream brought messages."""
+        self._data_at = now
+
+    def owed(self, confirmed_lsn: int, now: float) -> bool:
+        """The transaction is acknowledged, no beat has said so yet, and the stream has been
+        quiet for :data:`PROMPT_QUIET_S`."""
+        return self._owed is not None and confirmed_lsn >= self._owed and now - self._data_at >= PROMPT_QUIET_S
 
     async def beat(self, sink: KafkaSink, progress: Progress, now: float, *, prompt: bool = False) -> None:
         """The record goes through the sink like transaction metadata: the slot is confirmed

@@ -589,6 +589,7 @@ class Producer:
             if not messages:
                 await sink.flush()  # the stream is idle: nothing will fill the open batches soon
             else:
+                heartbeats.streaming(time.monotonic())
                 for it in decoder.decode(messages):
                     match it:
                         case EncodedEvent():
@@ -649,7 +650,7 @@ class Producer:
                 progress.advance_idle(stream.position.wal_end)
             if heartbeats.due(now):  # inside a long transaction too: the producer is alive
                 await heartbeats.beat(sink, progress, now)
-            elif not messages and not in_txn and heartbeats.owed(progress.confirmed_lsn):
+            elif not messages and not in_txn and heartbeats.owed(progress.confirmed_lsn, now):
                 await heartbeats.beat(sink, progress, now, prompt=True)
             confirmed = progress.confirmed_lsn
             if confirmed != sent_lsn or stream.position.reply_requested or now - last_feedback >= min(confirm_every, 10.0):

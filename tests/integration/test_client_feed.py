@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import threading
 
@@ -280,3 +281,63 @@ async def test_a_resume_inside_a_large_batch_reads_on(kafka_bootstrap: str, uniq
     await asyncio.to_thread(reading.join, 60)
     assert not reading.is_alive(), "the feed never got past the batch it resumed inside"
     assert got == [c.position for c in changes[resume_at:]]
+
+
+async def test_transactions_waits_for_the_rest_of_a_commit_while_the_producer_beats(
+    kafka_bootstrap: str, unique_name: str, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A producer that stalls in the middle of a large transaction (a slow broker, a leader
+    # election) for longer than transaction_linger split it into two Transactions with the
+    # same commit_lsn, and the last transaction of a quiet topic waited out the linger. With
+    # heartbeats, silence no longer ends a transaction while the producer beats and has not
+    # confirmed past it, and a heartbeat confirmed past it ends it at once.
+    from walbus.client import beats as beats_module
+    from walbus.contract import Heartbeat, heartbeat_topic
+
+    beats = heartbeat_topic(unique_name)
+    await create_topic(kafka_bootstrap, unique_name)
+    await create_topic(kafka_bootstrap, beats, compact=True)
+    await produce(kafka_bootstrap, beats, [(b"s", Heartbeat("s", 0x90, 0x90, 1).to_json())])
+    txn = [Change(0x100, seq, 7, "public.users", "insert", {"id": seq, "a": "x"}) for seq in range(6)]
+    await produce(kafka_bootstrap, unique_name, [c.record() for c in txn[:3]])
+    got: asyncio.Queue[Transaction] = asyncio.Queue()
+
+    async def read(feed: Feed) -> None:
+        async for t in feed.transactions():
+            got.put_nowait(t)
+
+    async with Feed(unique_name, start="earliest", bootstrap_servers=kafka_bootstrap, transaction_linger=0.2) as feed:
+        reader = asyncio.create_task(read(feed))
+        await asyncio.sleep(2.0)  # ten lingers of silence, the producer "alive" (its topic found)
+        assert got.empty(), f"split at the stall: {len(got.get_nowait().events)} events"
+        await produce(kafka_bootstrap, unique_name, [c.record() for c in txn[3:]])
+        await produce(kafka_bootstrap, beats, [(b"s", Heartbeat("s", 0x108, 0x108, 2).to_json())])
+        first = await asyncio.wait_for(got.get(), 15)
+        assert len(first.events) == 6 and got.empty()
+        reader.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await reader
+
+    # A long linger: the heartbeat past the commit ends the transaction, not the linger.
+    more = [Change(0x200, seq, 8, "public.users", "insert", {"id": 10 + seq, "a": "y"}) for seq in range(2)]
+    async with Feed(unique_name, start="earliest", bootstrap_servers=kafka_bootstrap, transaction_linger=60) as feed:
+        reader = asyncio.create_task(read(feed))
+        assert (await asyncio.wait_for(got.get(), 15)).commit_lsn == 0x100  # confirmed: at once
+        await produce(kafka_bootstrap, unique_name, [c.record() for c in more])
+        await asyncio.sleep(0.5)
+        await produce(kafka_bootstrap, beats, [(b"s", Heartbeat("s", 0x208, 0x208, 3).to_json())])
+        assert (await asyncio.wait_for(got.get(), 15)).commit_lsn == 0x200  # not the 60 s linger
+        reader.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await reader
+
+    # Heartbeats that stopped: silence ends a transaction again (after BEAT_WAIT_S).
+    monkeypatch.setattr(beats_module, "BEAT_WAIT_S", 1.0)
+    async with Feed(unique_name, start="earliest", bootstrap_servers=kafka_bootstrap, transaction_linger=0.2) as feed:
+        reader = asyncio.create_task(read(feed))
+        await produce(kafka_bootstrap, unique_name, [Change(0x300, 0, 9, "public.users", "insert", {"id": 99, "a": "z"}).record()])
+        lsns = [(await asyncio.wait_for(got.get(), 15)).commit_lsn for _ in range(3)]
+        assert lsns == [0x100, 0x200, 0x300]
+        reader.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await reader

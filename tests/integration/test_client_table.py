@@ -339,6 +339,7 @@ async def test_wait_until_waits_for_the_rest_of_a_commit_written_over_several_ba
     # step 2: a later commit's event or a heartbeat confirmed past it does (and, with no
     # heartbeat for BEAT_WAIT_S, the first event again, with a warning).
     from tests.support.cdc_data import Change
+    from walbus.client import beats as beats_module
     from walbus.client import progress
     from walbus.contract import Heartbeat, heartbeat_topic
 
@@ -368,6 +369,6 @@ async def test_wait_until_waits_for_the_rest_of_a_commit_written_over_several_ba
     assert not await step_2(0x200, 2.0)  # an LSN past every commit and heartbeat
     await produce(kafka_bootstrap, source, [Change(0x300, 0, 2, "public.b", "insert", {"id": 1}).record()])
     assert await step_2(0x200, 10.0), "a later commit's event did not end the wait"
-    monkeypatch.setattr(progress, "BEAT_WAIT_S", 0.5)  # heartbeats stopped: the first event again
+    monkeypatch.setattr(beats_module, "BEAT_WAIT_S", 0.5)  # heartbeats stopped: the first event again
     await produce(kafka_bootstrap, source, [Change(0x400, 0, 3, "public.a", "insert", {"id": 9, "v": 9}).record()])
     assert await step_2(0x400, 10.0)

@@ -14,15 +14,16 @@ T = TypeVar("T")
 CLEANUP_S = 30.0
 
 
-async def until_set(work: Coroutine[Any, Any, T], event: asyncio.Event) -> asyncio.Task[T]:
-    """Run ``work`` until it is done or ``event`` is set, whichever comes first; its task,
-    cancelled in the second case (and when the caller is), and given time to clean up."""
+async def until_set(work: Coroutine[Any, Any, T], *events: asyncio.Event) -> asyncio.Task[T]:
+    """Run ``work`` until it is done or one of ``events`` is set, whichever comes first; its
+    task, cancelled in the second case (and when the caller is), and given time to clean up."""
     task = asyncio.ensure_future(work)
-    waiter = asyncio.ensure_future(event.wait())
+    waiters = [asyncio.ensure_future(e.wait()) for e in events]
     try:
-        await asyncio.wait((task, waiter), return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait((task, *waiters), return_when=asyncio.FIRST_COMPLETED)
     finally:
-        waiter.cancel()
+        for waiter in waiters:
+            waiter.cancel()
         if not task.done():
             task.cancel()
             await asyncio.wait((task,), timeout=CLEANUP_S)

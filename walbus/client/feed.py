@@ -41,6 +41,7 @@ from walbus.client._connect import client_kwargs as _client_kwargs
 from walbus.client._connect import read_records, topic_partitions
 from walbus.client._race import until_set
 from walbus.client.acks import acked_prefix
+from walbus.client.beats import HeartbeatWatch
 from walbus.client.deadletters import (
     DeadLetterWriter,
     Origin,
@@ -235,8 +236,10 @@ class Feed:
             also commits once it has waited ``IDLE_COMMIT_AFTER_S`` (50 ms) for new records, and on stop.
         resume_after: for exactly-once effects: returns the last position your handler stored
             (in the same transaction as its effects); events at or before it are skipped.
-        transaction_linger: ``transactions()`` yields the last transaction of the topic once
-            no record arrived for this many seconds (v1 events carry no end-of-transaction mark).
+        transaction_linger: without the producers' heartbeats, ``transactions()`` yields the
+            last transaction of the topic once no record arrived for this many seconds (v1
+            events carry no end-of-transaction mark); with them, once a heartbeat confirmed
+            past it and the topic is read to its end.
         until_end: stop iterating once the partitions are read up to where they ended when
             they were assigned (for tools and tests).
         strict: raise :class:`~walbus.contract.ContractError` on a record that is not a valid
@@ -318,6 +321,8 @@ class Feed:
         # Set by a nack: a reader waiting for records wakes up to retry or dead-letter it (a
         # run() lane nacks while the dispatcher waits; the retry waited for the next record).
         self._nudge = asyncio.Event()
+        # transactions(): the producers' heartbeats, which tell when a commit is all there.
+        self._beats: HeartbeatWatch | None = None
         self._dlq: DeadLetterWriter | None = None
         self._replay_topic: str | None = None
         if group_id is not None and dead_letters:
@@ -386,14 +391,16 @@ class Feed:
             await self._close_clients()
 
     async def _close_clients(self) -> None:
-        consumer, admin = self._consumer, self._admin
-        self._consumer = self._admin = None
+        consumer, admin, beats = self._consumer, self._admin, self._beats
+        self._consumer = self._admin = self._beats = None
         for tp in list(self._parts):
             self._forget(tp)
         self._retries.clear()
         self._dead.clear()
         self._last = None
         try:
+            if beats is not None:
+                await beats.stop()
             if consumer is not None:
                 await consumer.stop()
             if admin is not None:
@@ -713,8 +720,9 @@ class Feed:
     def transactions(self) -> AsyncIterator[Transaction]:
         """Iterate over whole transactions instead of single events.
 
-        A transaction is complete when the first event of a later commit arrives, or when its
-        partition stays silent for ``transaction_linger`` seconds. All of a transaction is held
+        A transaction is complete when the first event of a later commit arrives, or when a
+        producer's heartbeat confirmed past it and the topic is read to its end; without
+        heartbeats, when its partition stays silent for ``transaction_linger`` seconds. All of a transaction is held
         in memory. Offsets are committed after the caller has finished with the transaction.
         """
         return _TransactionStream(self)
@@ -723,6 +731,9 @@ class Feed:
         self._use_mode("transactions")
         self._finish_current()
         await self._maybe_commit()
+        if self._beats is None and not self._until_end:
+            beats = self._beats = HeartbeatWatch(self._kwargs, self.topic)
+            await beats.start()
         group: list[_Record] = []
         marks: _Marks = {}
         while True:
@@ -733,8 +744,9 @@ class Feed:
                     continue
             else:
                 self._holding = bool(group)
+                wake = self._beats.advanced if group and self._beats is not None else None
                 try:
-                    rec = await self._read(self._linger if group else None)
+                    rec = await self._read(self._linger if group else None, wake)
                 except _Stopped:
                     raise StopAsyncIteration from None
                 finally:
@@ -747,6 +759,8 @@ class Feed:
                 self._lookahead = rec
             if not group:
                 continue
+            if rec is None and not await self._all_there(group[0].position[0]):
+                continue  # the rest of the commit is on its way
             kept = [r for r in group if self._valid(r)]
             wanted = [r for r in kept if r.wanted]
             self.stats.filtered += len(kept) - len(wanted)
@@ -760,6 +774,31 @@ class Feed:
             first = events[0]
             return Transaction(first.commit_lsn, first.xid, first.timestamp, events)
 
+    async def _all_there(self, commit_lsn: int) -> bool:
+        """Whether a commit whose last event read was followed by silence (``transaction_linger``,
+        or a heartbeat) is all there. A producer's heartbeat confirmed past it says every event
+        of it is in the topic: then it is when the database topic's partitions are read up to
+        their ends looked up now. A producer that beats but confirmed less is still writing it
+        (a large transaction, a slow broker): wait. Without heartbeats, the silence decides, as
+        before (see :data:`~walbus.client.beats.BEAT_WAIT_S`)."""
+        beats, consumer = self._beats, self._consumer
+        if beats is None or consumer is None or not beats.enabled:
+            return True
+        if not beats.past(commit_lsn):
+            return not beats.alive()
+        tps = [tp for tp in self._parts if tp.topic == self.topic]  # the producers' own writes
+        ends = await consumer.end_offsets(tps)
+        for tp in tps:
+            state = self._parts.get(tp)
+            if state is None:
+                continue  # revoked meanwhile
+            if state.buffer or state.batches:
+                return False
+            at = state.read_offset if state.read_offset is not None else await consumer.position(tp)
+            if at < ends[tp]:
+                return False
+        return True
+
     def _use_mode(self, mode: Literal["events", "transactions"]) -> None:
         if self._consumer is None:
             raise RuntimeError("Feed not started: use `async with Feed(...)` or `await feed.start()`")
@@ -770,8 +809,9 @@ class Feed:
 
     # -- reading -----------------------------------------------------------------------------
 
-    async def _read(self, wait_s: float | None) -> _Record | None:
-        """The next record that is neither a duplicate nor invalid; None after ``wait_s`` s."""
+    async def _read(self, wait_s: float | None, wake: asyncio.Event | None = None) -> _Record | None:
+        """The next record that is neither a duplicate nor invalid; None after ``wait_s`` s, or
+        once ``wake`` is set (which it clears) while no record is at hand."""
         consumer = self._consumer
         if consumer is None or self._stopping:
             raise _Stopped
@@ -790,6 +830,9 @@ class Feed:
                 if rec is not None:
                     return rec
                 continue
+            if wake is not None and wake.is_set():
+                wake.clear()
+                return None
             if self._until_end and await self._at_end():
                 if self._holding:
                     return None
@@ -802,10 +845,10 @@ class Feed:
                 if not batches:
                     # A feed catching up waits a fetch's round trip for its next records: commit
                     # only when the wait outlasts that (a commit per fetch cost ~9% of throughput).
-                    batches = await self._wait_records(consumer, deadline, IDLE_COMMIT_AFTER_S)
+                    batches = await self._wait_records(consumer, deadline, IDLE_COMMIT_AFTER_S, wake)
                 if not batches:
                     await self._idle()
-                    batches = await self._wait_records(consumer, deadline, 1.0)
+                    batches = await self._wait_records(consumer, deadline, 1.0, wake)
                     if not batches and deadline is not None and deadline <= _now():
                         if self._holding and give_up is not None and _now() < give_up and self._behind(consumer):
                             deadline = min(_now() + 0.1, give_up)  # records to fetch: not the tail yet
@@ -834,18 +877,21 @@ class Feed:
                 return True
         return False
 
-    async def _wait_records(self, consumer: AIOKafkaConsumer, deadline: float | None, most_s: float) -> dict[TopicPartition, list[Any]]:
+    async def _wait_records(
+        self, consumer: AIOKafkaConsumer, deadline: float | None, most_s: float, wake: asyncio.Event | None = None,
+    ) -> dict[TopicPartition, list[Any]]:
         """What arrives within ``most_s`` seconds (and before ``deadline``): empty when nothing,
-        or at once when a nack asks for the reader (:attr:`_nudge`)."""
+        or at once when a nack asks for the reader (:attr:`_nudge`) or ``wake`` is set."""
         wait = most_s if deadline is None else min(most_s, deadline - _now())
-        if wait <= 0 or self._nudge.is_set():
+        events = (self._nudge,) if wake is None else (self._nudge, wake)
+        if wait <= 0 or any(e.is_set() for e in events):
             return {}
         # getmany() takes records only when it returns them: cancelled while waiting, it took none.
-        getter = await until_set(consumer.getmany(timeout_ms=max(1, int(wait * 1000))), self._nudge)
+        getter = await until_set(consumer.getmany(timeout_ms=max(1, int(wait * 1000))), *events)
         try:
             batches: dict[TopicPartition, list[Any]] = await getter
         except asyncio.CancelledError:
-            if not self._nudge.is_set():
+            if not any(e.is_set() for e in events):
                 raise  # not ours: the caller is cancelled
             return {}
         return batches

@@ -24,15 +24,12 @@ from aiokafka.admin import AIOKafkaAdminClient
 from prometheus_client import CollectorRegistry
 
 from walbus.client._connect import topic_partitions
+from walbus.client.beats import BEAT_WAIT_S, HeartbeatWatch
 from walbus.client.metrics import client_metrics
 from walbus.client.positions import Position, newest, valid_event
-from walbus.contract import ContractError, decode_heartbeat, heartbeat_topic
+from walbus.contract import ContractError
 
 log = logging.getLogger("walbus.client.progress")
-
-# A commit's events are in the topic but no heartbeat came for this long: heartbeats are off
-# (or the producer is older, or stopped), and its first event is taken for the whole commit.
-BEAT_WAIT_S = 30.0
 
 
 class ProgressStopped(RuntimeError):
@@ -60,10 +57,7 @@ class SourceProgress:
         self._admin: AIOKafkaAdminClient | None = None
         self._tps: list[TopicPartition] = []
         self._newest: dict[TopicPartition, Position] = {}
-        self._beat_topic = heartbeat_topic(topic)
-        self._beat_tps: list[TopicPartition] = []  # none: the producers send no heartbeats
-        self._confirmed = -1  # the highest confirmed position a heartbeat read reported
-        self._beats = 0  # heartbeats read
+        self._beats: HeartbeatWatch | None = None
         self._probe: AIOKafkaConsumer | None = None  # random access to single records
         self._at: dict[tuple[TopicPartition, int], Position | None] = {}  # None: not a valid event
         self._cursor_lock = asyncio.Lock()
@@ -76,13 +70,17 @@ class SourceProgress:
         )
         self._consumer = consumer
         await consumer.start()
+        self._beats = HeartbeatWatch(self._kwargs, self.topic)
+        await self._beats.start()
         if self.group is not None:
             self._admin = AIOKafkaAdminClient(**self._kwargs)
             await self._admin.start()
 
     async def stop(self) -> None:
-        consumer, admin, probe = self._consumer, self._admin, self._probe
-        self._consumer = self._admin = self._probe = None
+        consumer, admin, probe, beats = self._consumer, self._admin, self._probe, self._beats
+        self._consumer = self._admin = self._probe = self._beats = None
+        if beats is not None:
+            await beats.stop()
         for c in (consumer, probe):
             if c is not None:
                 await c.stop()
@@ -99,37 +97,32 @@ class SourceProgress:
         before reading, after the heartbeats). Only the records written since the first call
         are read (from the last record then on), not the whole topic.
         """
-        loop = asyncio.get_running_loop()
-        seen_at: float | None = None  # when an event of commit `lsn` was first seen
-        beats_then = 0
         while True:
             # One reader of the cursor at a time; the lock is not held while sleeping, so a
             # waiter for a far LSN does not hold up the others.
             async with self._cursor_lock:
-                consumer = self._consumer
-                if consumer is None:
+                consumer, beats = self._consumer, self._beats
+                if consumer is None or beats is None:
                     raise ProgressStopped("SourceProgress not started or stopped")
                 if not self._tps:
-                    await self._assign(consumer)
-                if self._beat_tps:
-                    # Before the ends below: a heartbeat's events are then within them.
-                    await self._read_to(consumer, await consumer.end_offsets(self._beat_tps))
+                    tps = await topic_partitions(self._kwargs, self.topic)
+                    consumer.assign(tps)
+                    ends = await consumer.end_offsets(tps)
+                    for tp in tps:
+                        consumer.seek(tp, max(ends[tp] - 1, 0))
+                    self._tps = tps
+                confirmed = beats.past(lsn)  # before the ends below: its events are within them
                 ends = await consumer.end_offsets(self._tps)
                 await self._read_to(consumer, ends)
-                whole = self._confirmed > lsn or any(p[0] > lsn for p in self._newest.values())
-                if not whole and any(p[0] == lsn for p in self._newest.values()):
-                    now = loop.time()
-                    if seen_at is None or self._beats > beats_then:
-                        seen_at, beats_then = now, self._beats
-                    if not self._beat_tps:
-                        whole = True
-                    elif now - seen_at > BEAT_WAIT_S:
+                whole = confirmed or any(p[0] > lsn for p in self._newest.values())
+                if not whole and any(p[0] == lsn for p in self._newest.values()) and not beats.alive():
+                    if beats.enabled:
                         log.warning(
                             "no heartbeat from the producer: taking the commit's first event for the whole "
                             "commit (a large one may still be on its way)",
                             extra={"topic": self.topic, "commit_lsn": lsn, "waited_s": BEAT_WAIT_S},
                         )
-                        whole = True
+                    whole = True  # heartbeats off (no topic), or none for BEAT_WAIT_S
                 if whole:
                     # Not the ends looked up before reading: a fetch may bring records appended
                     # since, the target's among them, and the demux group's offset reaching
@@ -138,45 +131,18 @@ class SourceProgress:
                     return {tp: max(int(ends[tp]), await consumer.position(tp)) for tp in self._tps}
             await asyncio.sleep(self._poll)
 
-    async def _assign(self, consumer: AIOKafkaConsumer) -> None:
-        """Read the database topic and its heartbeats from their last records on."""
-        tps = await topic_partitions(self._kwargs, self.topic)
-        try:
-            beat_tps = await topic_partitions(self._kwargs, self._beat_topic, wait=False)
-        except LookupError:
-            beat_tps = []  # heartbeats off (--heartbeat-interval 0)
-        consumer.assign(tps + beat_tps)
-        ends = await consumer.end_offsets(tps + beat_tps)
-        for tp in tps + beat_tps:
-            consumer.seek(tp, max(ends[tp] - 1, 0))
-        self._tps, self._beat_tps = tps, beat_tps
-
     async def _read_to(self, consumer: AIOKafkaConsumer, ends: dict[TopicPartition, int]) -> None:
         while True:
-            behind = [tp for tp in ends if await consumer.position(tp) < ends[tp]]
+            behind = [tp for tp in self._tps if await consumer.position(tp) < ends[tp]]
             if not behind:
                 return
             batches = await consumer.getmany(*behind, timeout_ms=200)
             for tp, msgs in batches.items():
-                if tp.topic == self._beat_topic:
-                    for m in msgs:
-                        self._note_beat(m)
-                    continue
                 for m in msgs:
                     pos = self._position_of(m)
                     best = newest(self._newest.get(tp), pos)
                     if best is not None:
                         self._newest[tp] = best
-
-    def _note_beat(self, msg: Any) -> None:
-        if msg.value is None:
-            return  # a slot's heartbeats deleted (a tombstone): nothing to note
-        try:
-            beat = decode_heartbeat(msg.value)
-        except ContractError:
-            return  # not a heartbeat: it tells nothing (the producers write only valid ones)
-        self._beats += 1
-        self._confirmed = max(self._confirmed, beat.confirmed_lsn)
 
     def _position_of(self, msg: Any) -> Position | None:
         """The record's position if it is a valid event keyed by it (a bad key must not count)."""
