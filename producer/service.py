@@ -664,6 +664,11 @@ class Producer:
         # Graceful stop: everything read is flushed and acknowledged, then confirmed.
         await sink.wait_acked(timeout=60)
         await stream.send_feedback(progress.confirmed_lsn)
+        if heartbeats.interval > 0:
+            # A last beat: readers that go by them (Table.wait_until, Feed.transactions(), a
+            # warehouse load's cut) learn now, not at the next start, that all of it is in.
+            await heartbeats.beat(sink, progress, time.monotonic(), prompt=True)
+            await sink.wait_acked(timeout=60)
         if inc is not None:
             await inc.save_confirmed(progress.confirmed_lsn)
         if until is None:

@@ -44,7 +44,7 @@ from warehouse.frame import (
     typed_rows,
 )
 from warehouse.history import write_history
-from warehouse.read import Offsets, check_no_gap, read_slice, topic_bounds
+from warehouse.read import Offsets, check_no_gap, commit_cut, read_slice, topic_bounds
 from warehouse.schema import (
     PRIMARY_KEY_PROPERTY,
     SchemaChangeError,
@@ -183,7 +183,9 @@ def run_load(spark: SparkSession, spec: LoadSpec, result: LoadResult | None = No
         next_id = last.batch_id + 1
         check_no_gap(spec.topic, start, bounds.earliest)
     if any(bounds.latest[p] > start[p] for p in bounds.latest):
-        todo.append(loads.Load(next_id, "planned", start, dict(bounds.latest)))
+        end = commit_cut(spec.kafka, spec.topic, start, bounds)
+        if any(end[p] > start[p] for p in end):
+            todo.append(loads.Load(next_id, "planned", start, end))
     result = LoadResult() if result is None else result
     for load in todo:
         _run_batch(spark, spec, log_path, load, result, replay=load is last)

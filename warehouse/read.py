@@ -1,23 +1,39 @@
 """Reading one load's slice of the database topic with Spark's own Kafka source.
 
 The slice is fixed before Spark reads anything: ``start`` comes from the load log (where the
-last successful load stopped), ``end`` is the topic's end offsets when the job starts. Both
-are explicit per-partition offsets, so a replayed load reads exactly the same records.
+last successful load stopped), ``end`` is the topic's end offsets when the job starts, cut
+before a transaction the producer is still writing (:func:`commit_cut`). Both are explicit
+per-partition offsets, so a replayed load reads exactly the same records.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
+import time
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import orjson
+from aiokafka import AIOKafkaConsumer, TopicPartition
 from pyspark.sql import DataFrame, SparkSession
 
 from walbus.config import ConfigError
-from walbus.kafka import KafkaAdmin, KafkaOptions, retry_retriable, topic_offsets
+from walbus.contract import ContractError, decode_heartbeat, heartbeat_topic, parse_event_key
+from walbus.kafka import METADATA_WAIT_S, KafkaAdmin, KafkaOptions, retry_retriable, topic_offsets
 
 Offsets = dict[int, int]  # partition -> offset
+T = TypeVar("T")
+
+log = logging.getLogger("walbus.warehouse")
+
+# Heartbeats read to find the highest confirmed position (the compacted topic's newest ones).
+BEATS_READ = 32
+# The newest heartbeat sent this long ago: the producers beat no more (stopped, heartbeats
+# turned off, an interval longer than this) and the load is not cut (see commit_cut).
+BEAT_STALE_MS = 60_000
 
 
 class TopicError(RuntimeError):
@@ -28,6 +44,10 @@ class TopicError(RuntimeError):
 class TopicBounds:
     earliest: Offsets
     latest: Offsets
+    # The highest position a producer's heartbeat confirmed, read before ``latest``, and when
+    # the newest heartbeat was sent (producer's clock, ms); None: no heartbeat topic.
+    confirmed: int | None = None
+    beat_ms: int | None = None
 
 
 async def _bounds(options: KafkaOptions, topic: str) -> TopicBounds:
@@ -38,20 +58,150 @@ async def _bounds(options: KafkaOptions, topic: str) -> TopicBounds:
             return await admin.list_topics()
 
     # A broker that is down while the load starts is a transient fault, not a failed load.
-    if topic not in await retry_retriable(topics, "listing the topics", client_kwargs=client_kwargs):
+    names = await retry_retriable(topics, "listing the topics", client_kwargs=client_kwargs)
+    if topic not in names:
         raise TopicError(f"topic {topic!r} does not exist on {options.kafka_bootstrap}")
+    confirmed = beat_ms = None
+    if heartbeat_topic(topic) in names:
+        # Before the end offsets: every event a heartbeat confirmed is then within them.
+        confirmed, beat_ms = await retry_retriable(
+            lambda: _newest_beats(client_kwargs, heartbeat_topic(topic)), "reading the heartbeats",
+            client_kwargs=client_kwargs,
+        )
     earliest, latest = await topic_offsets(client_kwargs, topic)
-    return TopicBounds(earliest, latest)
+    return TopicBounds(earliest, latest, confirmed, beat_ms)
 
 
-def topic_bounds(options: KafkaOptions, topic: str) -> TopicBounds:
+async def _newest_beats(client_kwargs: dict[str, Any], topic: str) -> tuple[int | None, int | None]:
+    """The highest confirmed position and the newest send time of the newest heartbeats."""
+    confirmed: int | None = None
+    beat_ms: int | None = None
+    for records in (await _read_tails(client_kwargs, topic, None, BEATS_READ)).values():
+        for _offset, _key, value, _ts in records:
+            try:
+                beat = decode_heartbeat(value) if value is not None else None
+            except ContractError:
+                beat = None  # not a heartbeat: it tells nothing
+            if beat is not None:
+                confirmed = max(confirmed or 0, beat.confirmed_lsn)
+                beat_ms = max(beat_ms or 0, beat.ts_ms)
+    return confirmed, beat_ms
+
+
+Record = tuple[int, bytes | None, bytes | None, int]  # offset, key, value, timestamp (ms)
+
+
+async def _read_tails(
+    client_kwargs: dict[str, Any], topic: str, ranges: dict[int, tuple[int, int]] | None, most: int,
+) -> dict[int, list[Record]]:
+    """Per partition, the records of ``ranges`` (``lo <= offset < hi``), or with ``ranges``
+    None each partition's last ``most`` records."""
+    count = 0
+    if ranges is None:
+        async with KafkaAdmin(client_kwargs=client_kwargs) as admin:
+            count = await admin.partitions(topic, wait=METADATA_WAIT_S)
+    consumer = AIOKafkaConsumer(**client_kwargs, enable_auto_commit=False)
+    await consumer.start()
+    try:
+        if ranges is None:
+            tps = [TopicPartition(topic, p) for p in range(count)]
+            ends = await consumer.end_offsets(tps)
+            ranges = {tp.partition: (max(0, int(ends[tp]) - most), int(ends[tp])) for tp in tps}
+        out: dict[int, list[Record]] = {p: [] for p in ranges}
+        todo = {TopicPartition(topic, p): hi for p, (lo, hi) in ranges.items() if hi > lo}
+        consumer.assign(list(todo))
+        for tp in todo:
+            consumer.seek(tp, ranges[tp.partition][0])
+        while todo:
+            batches = await consumer.getmany(*todo, timeout_ms=1000)
+            for tp, msgs in batches.items():
+                for m in msgs:
+                    if m.offset < todo[tp]:
+                        out[tp.partition].append((m.offset, m.key, m.value, m.timestamp))
+            for tp in list(todo):
+                if await consumer.position(tp) >= todo[tp]:
+                    del todo[tp]
+        return out
+    finally:
+        await consumer.stop()
+
+
+def _run(work: Callable[[], Coroutine[Any, Any, T]]) -> T:
     try:
         asyncio.get_running_loop()
     except RuntimeError:
-        return asyncio.run(_bounds(options, topic))
+        return asyncio.run(work())
     # called from async code (a loop is running in this thread): use a thread of its own
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        return pool.submit(asyncio.run, _bounds(options, topic)).result()
+        return pool.submit(asyncio.run, work()).result()
+
+
+def topic_bounds(options: KafkaOptions, topic: str) -> TopicBounds:
+    return _run(lambda: _bounds(options, topic))
+
+
+def commit_cut(options: KafkaOptions, topic: str, start: Offsets, bounds: TopicBounds) -> Offsets:
+    """Where a load of ``start`` to ``bounds.latest`` ends, so that it holds no part of a
+    transaction the producer is still writing (a large one goes over several batches, and a
+    load that took its first ones left current tables in a state the database never had until
+    the next load). Per partition: after the last record of a commit at or before the position
+    the producers' heartbeats confirmed (a record that is no event counts as one). Without
+    heartbeats, or with the newest sent :data:`BEAT_STALE_MS` ago or longer (the producers
+    beat no more: a load cut there would wait for ever), the end offsets themselves (with a
+    warning when that takes in records past the confirmed position)."""
+    latest = bounds.latest
+    if bounds.confirmed is None or bounds.beat_ms is None:
+        return dict(latest)
+    confirmed, beat_ms = bounds.confirmed, bounds.beat_ms
+    cut = _run(lambda: _cut(options.kafka_client_kwargs(), topic, start, latest, confirmed))
+    held = sum(latest[p] - cut[p] for p in latest)
+    if not held:
+        return cut
+    behind_ms = int(time.time() * 1000) - beat_ms
+    if behind_ms >= BEAT_STALE_MS:
+        log.warning(
+            "the producers' last heartbeat is old: loading to the end offsets, past the position it "
+            "confirmed (a transaction still being written may be partly loaded)",
+            extra={"topic": topic, "heartbeat_age_s": behind_ms // 1000, "records_past_it": held},
+        )
+        return dict(latest)
+    log.info(
+        "load cut before a transaction still being written: its records are left for the next load",
+        extra={"topic": topic, "records_left": held, "confirmed_lsn": confirmed},
+    )
+    return cut
+
+
+async def _cut(client_kwargs: dict[str, Any], topic: str, start: Offsets, latest: Offsets, confirmed: int) -> Offsets:
+    """Per partition, the offset after the last record (looking back from the end, further
+    each round) that is no part of a commit past ``confirmed``."""
+    cut = dict(latest)
+    open_parts = {p: latest[p] for p in latest if latest[p] > start.get(p, 0)}
+    step = 64
+    while open_parts:
+        ranges = {p: (max(start.get(p, 0), hi - step), hi) for p, hi in open_parts.items()}
+        tails = await _read_tails(client_kwargs, topic, ranges, step)
+        for p, records in tails.items():
+            lo = ranges[p][0]
+            done_at = None
+            for offset, key, _value, _ts in reversed(records):
+                try:
+                    whole = parse_event_key(key or b"")[0] <= confirmed
+                except ContractError:
+                    whole = True  # no event: no part of a transaction
+                if whole:
+                    done_at = offset + 1
+                    break
+            if done_at is not None:
+                cut[p] = done_at
+                del open_parts[p]
+            elif lo <= start.get(p, 0):
+                cut[p] = start.get(p, 0)  # all of it is past the confirmed position
+                del open_parts[p]
+            else:
+                open_parts[p] = lo
+        step *= 4
+    return cut
 
 
 def check_no_gap(topic: str, start: Offsets, earliest: Offsets) -> None:

@@ -85,6 +85,23 @@ async def test_a_beat_follows_each_transaction_once_kafka_acknowledged_it(
     assert 3 <= len(got) <= 5, got
 
 
+async def test_a_graceful_stop_sends_a_last_beat(
+    pg_dsn: str, kafka_bootstrap: str, unique_name: str, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A warehouse load ends after the last commit a heartbeat confirmed: the last transaction a
+    # stopped producer wrote waited for its next start (no prompt beat in time here).
+    from producer import heartbeat
+
+    monkeypatch.setattr(heartbeat, "PROMPT_QUIET_S", 1e9)
+    sql(pg_dsn, "CREATE TABLE t (id int PRIMARY KEY)")
+    hb_topic = heartbeat_topic(unique_name)
+    async with running_producer(pg_dsn, kafka_bootstrap, topic=unique_name, heartbeat_interval=60.0):
+        sql(pg_dsn, "INSERT INTO t VALUES (1)")
+        (change,) = changes(await read_topic(kafka_bootstrap, unique_name, min_count=1), "public.t")
+        assert all(hb.confirmed_lsn <= change["commit_lsn"] for _, hb in await beats(kafka_bootstrap, hb_topic))
+    assert max(hb.confirmed_lsn for _, hb in await beats(kafka_bootstrap, hb_topic)) > change["commit_lsn"]
+
+
 async def test_heartbeats_off_create_no_topic(pg_dsn: str, kafka_bootstrap: str, unique_name: str) -> None:
     from tests.support.kafka import list_topics
 

@@ -56,3 +56,54 @@ async def test_bounds_do_not_retry_a_missing_topic_or_a_fatal_error(
     with pytest.raises(TopicAuthorizationFailedError):
         await asyncio.to_thread(topic_bounds, options, f"walbus.{unique_name}")
     assert len(calls) == 1
+
+
+async def test_a_load_is_cut_before_a_transaction_the_producer_is_still_writing(kafka_bootstrap: str, unique_name: str) -> None:
+    """A large transaction goes to the topic over several batches: a load planned while it was
+    written took its first events, and left the current tables in a state the database never
+    had until the next load. The slice now ends after the last commit the producers'
+    heartbeats confirmed."""
+    import time
+
+    from tests.support.cdc_data import Change
+    from walbus.contract import Heartbeat, heartbeat_topic
+    from warehouse import read
+
+    topic = f"walbus.{unique_name}"
+    beats = heartbeat_topic(topic)
+    options = KafkaOptions(kafka_bootstrap=kafka_bootstrap)
+    await create_topic(kafka_bootstrap, topic, partitions=2)
+    now_ms = int(time.time() * 1000)
+
+    def events(commit: int, n: int) -> list[tuple[bytes | None, bytes | None]]:
+        return [Change(commit, seq, 5, "public.t", "insert", {"id": seq}).record() for seq in range(n)]
+
+    await produce(kafka_bootstrap, topic, events(0x100, 3) + events(0x200, 2), partition=0)  # 0x200: 2 of more
+    await produce(kafka_bootstrap, topic, events(0x180, 2), partition=1)
+
+    async def cut(start: dict[int, int] | None = None) -> dict[int, int]:
+        bounds = await asyncio.to_thread(topic_bounds, options, topic)
+        return await asyncio.to_thread(read.commit_cut, options, topic, start or dict(bounds.earliest), bounds)
+
+    assert await cut() == {0: 5, 1: 2}  # no heartbeat topic: the end offsets, as before
+    await create_topic(kafka_bootstrap, beats, compact=True)
+    await produce(kafka_bootstrap, beats, [(b"s", Heartbeat("s", 0x190, 0x200, now_ms).to_json())])
+    assert await cut() == {0: 3, 1: 2}
+    assert await cut({0: 3, 1: 2}) == {0: 3, 1: 2}  # nothing confirmed past the last load: no load
+    # A tail longer than one look back (64, 256, ... records), then a record that is no event.
+    await produce(kafka_bootstrap, topic, events(0x200, 300), partition=0)
+    assert await cut() == {0: 3, 1: 2}
+    await produce(kafka_bootstrap, topic, [(b"not a key", b"{}"), *events(0x300, 2)], partition=0)
+    assert await cut() == {0: 306, 1: 2}  # the no-event record closes what is before it
+    await produce(kafka_bootstrap, beats, [(b"s", Heartbeat("s", 0x400, 0x400, now_ms).to_json())])
+    assert await cut() == {0: 308, 1: 2}
+    # Heartbeats two minutes older than the newest record: the producers beat no more (turned
+    # off, stopped); the load is not cut, or it would wait for ever.
+    stale = f"{topic}-stale"
+    await create_topic(kafka_bootstrap, stale)
+    await create_topic(kafka_bootstrap, heartbeat_topic(stale), compact=True)
+    await produce(kafka_bootstrap, heartbeat_topic(stale), [(b"s", Heartbeat("s", 0x90, 0x90, now_ms - 120_000).to_json())])
+    await produce(kafka_bootstrap, stale, events(0x100, 3))
+    bounds = await asyncio.to_thread(topic_bounds, options, stale)
+    assert (bounds.confirmed, bounds.beat_ms) == (0x90, now_ms - 120_000)
+    assert await asyncio.to_thread(read.commit_cut, options, stale, dict(bounds.earliest), bounds) == {0: 3}

@@ -918,3 +918,38 @@ def test_a_box_array_is_split_at_its_semicolons(spark: Any) -> None:
     assert got == [(["(1,1),(0,0)", "(3,3),(2,2)"], True), (None, False)]
     value, exact = convert(F.col("t"), "_int4", ArrayType(StringType()))
     assert [r["v"] for r in spark.createDataFrame([("{1,2}",)], "t string").select(value.alias("v")).collect()] == [["1", "2"]]
+
+
+def test_a_load_leaves_a_transaction_still_being_written_for_the_next_one(
+    spark: Any, kafka_bootstrap: str, unique_name: str, tmp_path: Path
+) -> None:
+    # A transfer of one transaction (two rows) that the producer had written half of when the
+    # load started: the current table showed the debit without the credit until the next load.
+    # The load now ends after the last commit the producer's heartbeats confirmed.
+    import asyncio
+    import time
+
+    from tests.support.kafka import create_topic, produce
+    from walbus.contract import Heartbeat, heartbeat_topic
+
+    first = Txn(0x1000, xid=1).insert(TX, TX_PK, tx_row(1, 7, 100)).insert(TX, TX_PK, tx_row(2, 8, 100)).events
+    transfer = Txn(0x2000, xid=2).update(TX, TX_PK, tx_row(1, 7, 50)).update(TX, TX_PK, tx_row(2, 8, 150)).events
+    produce_events(kafka_bootstrap, unique_name, first + transfer[:1])
+    beats = heartbeat_topic(unique_name)
+
+    def beat(confirmed: int) -> None:
+        async def send() -> None:
+            await create_topic(kafka_bootstrap, beats, compact=True)
+            await produce(kafka_bootstrap, beats, [(b"s", Heartbeat("s", confirmed, confirmed, int(time.time() * 1000)).to_json())])
+        asyncio.run(send())
+
+    beat(0x1008)  # the first transaction is confirmed, the transfer is not
+    load(spark, kafka_bootstrap, unique_name, tmp_path)
+    amounts = lambda: sorted((r["transaction_id"], r["amount"]) for r in current(spark, tmp_path, unique_name))  # noqa: E731
+    assert amounts() == [(1, 100), (2, 100)], "a part of the transfer was loaded"
+    assert len(history(spark, tmp_path, unique_name)) == 2
+    produce_events(kafka_bootstrap, unique_name, transfer[1:])
+    beat(0x2008)
+    load(spark, kafka_bootstrap, unique_name, tmp_path)
+    assert amounts() == [(1, 50), (2, 150)]
+    assert [int(r["pg_commit_lsn"]) for r in history(spark, tmp_path, unique_name)] == [0x1000, 0x1000, 0x2000, 0x2000]
