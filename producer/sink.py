@@ -5,9 +5,14 @@ this kind of machine, while ``create_batch()``/``send_batch()`` moves several
 hundred thousand records a second. Idempotence still holds: batches go through
 the same accumulator and get producer-id sequence numbers when drained.
 
-Backpressure: aiokafka queues one batch per partition (``send_batch`` waits for
-the previous one to drain) and we keep at most ``max_in_flight`` unacknowledged
-batches, so memory does not grow when Kafka is slower than the database.
+Backpressure: we keep at most ``max_in_flight`` unacknowledged batches, so memory
+does not grow when Kafka is slower than the database.
+
+Order: a partition's next batch goes to aiokafka only once the one before it was
+acknowledged. aiokafka sends one batch per partition at a time anyway, but a batch
+queued behind a refused one (a record above a ``max.message.bytes`` lowered while
+running) was sent after the refusal: its later positions reached the topic before the
+refused batch's re-send, and consumers that skip re-sent positions dropped that one.
 """
 
 from __future__ import annotations
@@ -90,7 +95,12 @@ class KafkaSink:
         self._open: list[OutputBatch | None] = [None] * partitions  # the open batch per partition
         self._open_count = [0] * partitions
         self._inflight: list[deque[tuple[asyncio.Future[Any], int, float]]] = [deque() for _ in range(partitions)]
-        self._inflight_total = 0
+        # Batches waiting for the partition's batch in flight to be acknowledged (see the
+        # module's docstring), and whether one is being handed to aiokafka.
+        self._held: list[deque[tuple[Any, int]]] = [deque() for _ in range(partitions)]
+        self._handing = [False] * partitions
+        self._hand_tasks: set[asyncio.Task[None]] = set()
+        self._inflight_total = 0  # batches in flight or held
         self._error: BaseException | None = None
         self._on_ack = on_ack  # callback(seconds_since_send, records)
         self._side: list[asyncio.Future[Any]] = []
@@ -101,6 +111,10 @@ class KafkaSink:
         await self._producer.start()
 
     async def stop(self) -> None:
+        for task in list(self._hand_tasks):
+            task.cancel()
+        if self._hand_tasks:
+            await asyncio.wait(self._hand_tasks)
         await self._producer.stop()
 
     def fits(self, ev: EncodedEvent) -> bool:
@@ -191,8 +205,12 @@ class KafkaSink:
         batch is in flight the next one keeps filling, so a backlog makes full batches and
         a trickle goes out at once)."""
         for p in range(self.partitions):
-            if self._open_count[p] and not self._inflight[p]:
+            if self._open_count[p] and not self._busy(p):
                 await self._send(p)
+
+    def _busy(self, p: int) -> bool:
+        """A batch of partition ``p`` is in flight, held, or being handed over."""
+        return bool(self._inflight[p] or self._held[p] or self._handing[p])
 
     async def flush(self) -> None:
         """Send every open batch (it is acknowledged later; see :meth:`wait_acked`)."""
@@ -212,11 +230,32 @@ class KafkaSink:
             self._drained.clear()
             await self._drained.wait()
             self.raise_if_failed()
-        fut = await self._producer.send_batch(batch.for_send(), self.topic, partition=p)
         upto = self.progress.appended[p]
-        self._inflight[p].append((fut, upto, time.perf_counter()))
         self._inflight_total += 1
+        if self._busy(p):
+            self._held[p].append((batch.for_send(), upto))  # sent once the one before is acknowledged
+            return
+        self._handing[p] = True
+        await self._hand(p, batch.for_send(), upto)
+
+    async def _hand(self, p: int, batch: Any, upto: int) -> None:
+        """Give aiokafka one batch of ``p`` (its caller set ``_handing[p]``)."""
+        try:
+            fut = await self._producer.send_batch(batch, self.topic, partition=p)
+        finally:
+            self._handing[p] = False
+        self._inflight[p].append((fut, upto, time.perf_counter()))
         fut.add_done_callback(lambda _f, p=p: self._acked(p))
+
+    async def _hand_held(self, p: int, batch: Any, upto: int) -> None:
+        try:
+            await self._hand(p, batch, upto)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:  # the stream sees it at its next send or check
+            self._error = self._error or SinkError(f"Kafka did not take a batch: {e!r}")
+            self._drop_held()
+            self._drained.set()
 
     def _acked(self, p: int) -> None:
         q = self._inflight[p]
@@ -232,8 +271,23 @@ class KafkaSink:
                 self.progress.ack(p, upto)
                 if self._on_ack is not None:
                     self._on_ack(time.perf_counter() - sent, upto - before)
+        if self._error is not None:
+            # Nothing behind a refused batch may reach the topic: the stream restarts from
+            # the slot's confirmed position and writes it all again, in order.
+            self._drop_held()
+        elif not q and self._held[p] and not self._handing[p]:
+            batch, upto = self._held[p].popleft()
+            self._handing[p] = True  # before the task runs: a _send meanwhile holds its batch
+            task = asyncio.ensure_future(self._hand_held(p, batch, upto))
+            self._hand_tasks.add(task)
+            task.add_done_callback(self._hand_tasks.discard)
         if self._inflight_total < self._max_in_flight or self._error is not None:
             self._drained.set()
+
+    def _drop_held(self) -> None:
+        for held in self._held:
+            self._inflight_total -= len(held)
+            held.clear()
 
     def raise_if_failed(self) -> None:
         if self._error is not None:
@@ -242,9 +296,15 @@ class KafkaSink:
     async def wait_acked(self, timeout: float | None = None) -> None:
         """Flush and wait until Kafka acknowledged everything appended so far."""
         await self.flush()
-        futs = [f for q in self._inflight for f, _, _ in q] + [f for f in self._side if not f.done()]
-        if futs:
-            await asyncio.wait_for(asyncio.gather(*futs, return_exceptions=True), timeout)
-        for p in range(self.partitions):
-            self._acked(p)
+        async with asyncio.timeout(timeout):
+            while True:
+                futs = [f for q in self._inflight for f, _, _ in q] + [f for f in self._side if not f.done()]
+                if futs:
+                    await asyncio.gather(*futs, return_exceptions=True)
+                elif any(self._held) or any(self._handing):
+                    await asyncio.sleep(0.001)  # a held batch is being handed over
+                for p in range(self.partitions):
+                    self._acked(p)
+                if self._error is not None or not (futs or any(self._held) or any(self._handing)):
+                    break
         self.raise_if_failed()

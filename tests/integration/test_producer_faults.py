@@ -156,3 +156,53 @@ async def test_dropped_replication_connection_reconnects_and_loses_nothing(
             records = await read_topic(kafka_bootstrap, unique_name, min_count=1000, timeout=90)
         assert producer.metrics.reconnects._value.get() >= 1
     assert set(inserted_ids(records)) == set(range(1000))
+
+
+async def test_a_refused_batch_keeps_the_batches_behind_it_out_of_the_topic(
+    pg_dsn: str, kafka_bootstrap: str, unique_name: str,
+) -> None:
+    # An operator lowered the topic's max.message.bytes while the producer ran: Kafka refused
+    # the batch of a large row, and aiokafka then sent the batches queued behind it. Their later
+    # positions reached the topic before the refused batch's re-send, which every consumer that
+    # skips re-sent positions (demux, Feed, Table) then dropped: a row lost (an ops fuzz).
+    from aiokafka.admin import AIOKafkaAdminClient
+    from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
+
+    from walbus.contract import decode_event
+
+    async def set_limit(value: int) -> None:
+        admin = AIOKafkaAdminClient(bootstrap_servers=kafka_bootstrap)
+        await admin.start()
+        try:
+            await admin.alter_configs([ConfigResource(ConfigResourceType.TOPIC, unique_name, {"max.message.bytes": str(value)})])
+        finally:
+            await admin.close()
+
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute("CREATE TABLE t (id int PRIMARY KEY, v text)")
+        conn.execute("INSERT INTO t VALUES (0, 'first')")
+    async with running_producer(pg_dsn, kafka_bootstrap, topic=unique_name, retry_max_delay=1.0):
+        await read_topic(kafka_bootstrap, unique_name, min_count=1)
+        await set_limit(1 << 20)
+        await asyncio.sleep(1)  # the brokers apply it
+
+        def write() -> None:
+            with psycopg.connect(pg_dsn, autocommit=True) as conn:
+                conn.execute("INSERT INTO t VALUES (1, repeat('x', 3000000))")  # refused: above 1 MiB
+                for i in range(2, 42):
+                    conn.execute("INSERT INTO t VALUES (%s, 'small')", (i,))
+
+        await asyncio.to_thread(write)
+        await asyncio.sleep(6)  # the producer fails and retries meanwhile
+        await set_limit(16 << 20)
+        records = await read_topic(kafka_bootstrap, unique_name, min_count=42)
+    events = [decode_event(v or b"") for _, v in records]
+    positions = [(e.commit_lsn, e.seq) for e in events]
+    seen: set[tuple[int, int]] = set()
+    high = (-1, -1)
+    for pos in positions:
+        # Below the highest position read so far only a re-send (a position read before) may come.
+        assert pos > high or pos in seen, "a first event behind a later position: consumers skip it"
+        seen.add(pos)
+        high = max(high, pos)
+    assert {e.new.as_dict()["id"] for e in events if e.new is not None} == set(range(42))
