@@ -404,6 +404,10 @@ def parse_dsn(dsn: str, flag: str) -> dict[str, Any]:
     # then shows up in every connection error.
     if "@" in str(params.get("host", "")):
         raise ConfigError(f"{flag}: an '@' in a URI's user name or password must be written %40")
+    # "postgresql://user:password/db" (no '@host') is read as host "user", port "password":
+    # libpq's error would name that port (a fuzz). A port is a number (one per host, or empty).
+    if any(p and not (p.isascii() and p.isdigit()) for p in str(params.get("port") or "").split(",")):
+        raise ConfigError(f"{flag}: a port that is not a number (a URI's password goes in user:password@host)")
     return params
 
 

@@ -12,11 +12,22 @@ import orjson
 
 # key=value (and a URI's query string): a quoted value (backslash escapes) with what follows
 # it up to whitespace (libpq quotes with ' only: "x"rest is one value), or up to whitespace.
-_PASSWORD_KV = re.compile(r"""(password\s*=\s*)('(?:[^'\\]|\\.)*'?\S*|"(?:[^"\\]|\\.)*"?\S*|\S+)""", re.IGNORECASE)
+# Unquoted, libpq reads a backslash-escaped space as part of the value: password=a\ b is "a b"
+# (a fuzz); more than one backslash: the same DSN in a repr().
+_UNQUOTED = r"(?:\\+.|\S)"
+_PASSWORD_KV = re.compile(
+    rf"""(password\s*=\s*)('(?:[^'\\]|\\.)*'?{_UNQUOTED}*|"(?:[^"\\]|\\.)*"?{_UNQUOTED}*|{_UNQUOTED}+)""",
+    re.IGNORECASE,
+)
 # URI: the userinfo's password runs to the *last* '@' of the line (an '@', ':', tab or space
 # inside a password need not be encoded for libpq to be asked, and stopping at the first one
 # would print the rest).
 _PASSWORD_URI = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*://[^\s:/?#@]*:)([^\n]*)(@)")
+# URI without an '@': libpq reads "postgresql://user:password/db" as host "user", port
+# "password" (a fuzz), so a port that is no port hides the rest of the URI. The host list
+# ends at '/' or '?' for libpq ('#' is no delimiter to it); an IPv6 host is in brackets.
+_URI_HOSTS = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*://)([^\s/?]*)(\S*)")
+_HOST_PORT = re.compile(r"(\[[^\]]*\]|[^:\[\]]*)(?::(.*))?", re.DOTALL)
 _SECRET_KEYS = ("password", "passwd", "secret", "sasl_plain_password", "token")
 # aiokafka's DEBUG dump of a SaslAuthenticate request or response: a PLAIN login's bytes are
 # user NUL user NUL password. The bytes literal (either quote) to its end, else the rest of the line.
@@ -30,7 +41,21 @@ def redact_dsn(text: str) -> str:
     # "host:" would end at that '@' and print the rest (a fuzz).
     text = _PASSWORD_KV.sub(r"\1***", text)
     text = _SASL_BYTES.sub(r"\1***", text)
-    return _PASSWORD_URI.sub(r"\1***\3", text)
+    text = _PASSWORD_URI.sub(r"\1***\3", text)
+    return _URI_HOSTS.sub(_hide_bad_port, text)
+
+
+def _hide_bad_port(m: re.Match[str]) -> str:
+    hosts = m[2]
+    if "@" in hosts:  # a userinfo: its password is hidden above
+        return m[0]
+    for host in hosts.split(","):
+        parsed = _HOST_PORT.fullmatch(host)
+        port = parsed[2] if parsed else "?"
+        if port is not None and port != "" and not (len(port) <= 5 and port.isascii() and port.isdigit() and int(port) <= 65535):
+            first = _HOST_PORT.match(hosts)
+            return f"{m[1]}{first[1] if first else ''}:***"
+    return m[0]
 
 
 def _clean(key: str, value: Any) -> Any:

@@ -37,6 +37,11 @@ def test_every_password_is_redacted(text: str, secrets: list[str]) -> None:
 
 def test_redaction_keeps_what_is_not_a_password() -> None:
     assert redact_dsn("postgresql://u:p@ss@h/db") == "postgresql://u:***@h/db"
+    assert redact_dsn("host=h password=a\\ b dbname=x") == "host=h password=*** dbname=x"
+    for uri in ("postgresql://h:5432/db", "postgresql://h1:5432,[::1]:5433,h3/db?sslmode=require", "postgresql:///db"):
+        assert redact_dsn(uri) == uri
+    # a password of digits only is no port either past 65535
+    assert redact_dsn("postgresql://walbus:123456/db") == "postgresql://walbus:***"
     assert redact_dsn("host=h password='a b' dbname=x") == "host=h password=*** dbname=x"
     assert redact_dsn("postgresql://u@h/db and user@example.com") == "postgresql://u@h/db and user@example.com"
 
@@ -75,6 +80,17 @@ def test_dsn_parse_errors_show_no_part_of_the_dsn(dsn: str) -> None:
     assert "sec" not in message and "cret" not in message and "zz" not in message
 
 
+@pytest.mark.parametrize("dsn", ["postgresql://walbus:SECRET/db", "host=h port=SECRET", "postgresql://h1:5432,h2:SECRET/db"])
+def test_a_port_that_is_no_number_is_a_config_error_that_does_not_show_it(dsn: str) -> None:
+    # user:password without '@host': libpq reads the password as the port, its errors print it
+    from walbus.config import parse_dsn
+
+    with pytest.raises(ConfigError, match="port that is not a number") as caught:
+        parse_dsn(dsn, "--pg-dsn")
+    assert "SECRET" not in str(caught.value)
+    assert parse_dsn("postgresql://h1:5432,h2/db", "--pg-dsn")["port"] == "5432,"
+
+
 def test_an_unencoded_at_in_a_uri_password_is_a_config_error() -> None:
     from walbus.config import parse_dsn
 
@@ -90,6 +106,17 @@ def test_an_unencoded_at_in_a_uri_password_is_a_config_error() -> None:
     "postgresql://127.0.0.1:1/db?user=u&password=a@SECRET",  # host:port read as user:, the query's '@'
     "host=h password=\"x\"SECRET dbname=d",  # libpq quotes with ' only
     "postgresql://u:pa\tSECRET@h/db",  # a tab in the password
+    # libpq reads an unquoted password's backslash-escaped spaces as its own: "a SECRET x"
+    "host=h password=a\\ SECRET\\ x dbname=d",
+    repr("host=h password=a\\ SECRET dbname=d"),  # the same in a repr()
+    "host=h password='a'\\ SECRET",
+    # user:password with no '@host': libpq takes the password for the port
+    "postgresql://walbus:Hunter2SECRET/fd_1",
+    "postgresql://walbus:Hunter2SECRET",
+    "cannot connect to PostgreSQL at postgresql://walbus:pw#SECRET/db: failed",
+    "postgresql://h1:5432,walbus:SECRET/db",
+    "postgresql://[::1]:SECRET/db",
+    "postgresql://walbus:123456/db".replace("123456", "SECRET"),
 ])
 def test_passwords_the_redaction_missed(text: str) -> None:
     # A configuration fuzz found each printed, in the producer's start line and its connection errors.
