@@ -96,6 +96,25 @@ def test_kafka_restart_keeps_data() -> None:
         shutil.rmtree(state, ignore_errors=True)
 
 
+def test_a_brokers_files_are_closed_to_other_users() -> None:
+    """Kafka's home was 0755 and its segments 0644 under a 0711 state directory: any local
+    user read every CDC record by path. A home an older walbus made (0755) is closed at start."""
+    state = Path(tempfile.mkdtemp(prefix="walbus-private-"))
+    state.chmod(0o711)  # as when PostgreSQL runs as another user
+    broker = KafkaInstance(state, free_port(), free_port())
+    broker.home.mkdir(mode=0o755)
+    broker.home.chmod(0o755)
+    umask = os.umask(0o022)
+    try:
+        broker.start()
+        assert broker.home.stat().st_mode & 0o777 == 0o700
+        assert sorted(p.name for p in state.iterdir()) == [broker.home.name]  # nothing of Kafka's beside it
+    finally:
+        os.umask(umask)
+        broker.stop()
+        shutil.rmtree(state, ignore_errors=True)
+
+
 async def test_log_compaction_keeps_latest_value_per_key(services: Services, unique_name: str) -> None:
     configs = (
         ("cleanup.policy", "compact"),

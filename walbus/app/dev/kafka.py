@@ -211,7 +211,10 @@ class KafkaInstance:
         return [java, "-cp", f"{libs}/*", logging]
 
     def write_config(self) -> None:
-        self.home.mkdir(parents=True, exist_ok=True)
+        # Its data is every CDC record: no other user's (the state dir is 0711 when PostgreSQL
+        # runs as another user, and the segments are 0644). A home an older walbus made is closed too.
+        self.home.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self.home.chmod(0o700)
         # Kafka's internal topics (group offsets, transaction state) replicated like walbus's own.
         internal_rf = "3" if self.cluster_size >= 3 else "1"
         internal_min_isr = "2" if self.cluster_size >= 3 else "1"
