@@ -27,7 +27,10 @@ on the hot path, and loading a table is a plain copy of its topic.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import logging
+import os
 import sqlite3
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -37,6 +40,8 @@ import orjson
 
 from demux.rekey import strip_meta
 
+log = logging.getLogger("walbus.demux")
+
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS rows (tbl TEXT NOT NULL, k BLOB NOT NULL, v BLOB NOT NULL, PRIMARY KEY (tbl, k)) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -45,6 +50,39 @@ CREATE TABLE IF NOT EXISTS tracked (tbl TEXT PRIMARY KEY);
 
 
 STORE_NAME_BYTES: Final = 200  # of a store's file name (a file system's limit is 255 bytes)
+# A store's file and SQLite's beside it (which take the store's mode when SQLite makes them).
+_STORE_SUFFIXES: Final = ("", "-wal", "-shm", "-journal")
+_open_dirs_checked: set[Path] = set()
+
+
+def make_private_dir(path: Path) -> None:
+    """The state directory, closed to other users when the demux makes it: its stores hold the
+    current rows of the tables. One that exists keeps its mode (it may be the operator's), with
+    a warning, once, when other users may enter it."""
+    try:
+        path.mkdir(parents=True, mode=0o700)
+    except FileExistsError:
+        if not path.is_dir():
+            raise
+        if path in _open_dirs_checked:
+            return
+        _open_dirs_checked.add(path)
+        mode = path.stat().st_mode & 0o777
+        if mode & 0o077:
+            log.warning(
+                f"the state directory {path} is open to other users (mode {mode:o}): its stores are 0600, but "
+                "their names show groups and topics; chmod 700 it",
+                extra={"state_dir": str(path), "mode": f"{mode:o}"},
+            )
+
+
+def create_private_file(path: Path) -> None:
+    """A store file (and SQLite's journal files of an earlier run) readable by this user only,
+    whatever the umask: an older demux made them with it (0644)."""
+    os.close(os.open(path, os.O_WRONLY | os.O_CREAT, 0o600))
+    for suffix in _STORE_SUFFIXES:
+        with contextlib.suppress(FileNotFoundError):
+            os.chmod(f"{path}{suffix}", 0o600)
 
 
 def store_file_name(group: str, topic: str, partition: int) -> str:
@@ -66,7 +104,8 @@ class StateStore:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        path.parent.mkdir(parents=True, exist_ok=True)
+        make_private_dir(path.parent)
+        create_private_file(path)
         self._db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
         # WAL + NORMAL: a power loss may drop the last commit (then the checkpoint is
         # behind and the store is rebuilt) but never corrupts the file.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import orjson
@@ -139,3 +140,39 @@ def test_store_file_names_stay_within_a_file_systems_limit(tmp_path: Path) -> No
     assert len(names) == 4 and all(len(n.encode()) <= 255 for n in names)
     for name in names:
         StateStore(tmp_path / name).close()  # opens
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o000])
+def test_the_state_directory_and_its_stores_are_private(tmp_path: Path, umask: int) -> None:
+    # They hold the current rows of the tables: 0755/0644 under the default umask (777 under 000).
+    old = os.umask(umask)
+    try:
+        store = StateStore(tmp_path / "new" / "state" / "s.sqlite")
+        store.track("public.t", [])
+        store.apply([("public.t", b"k1", ROW)])
+        store.commit("g|src|0|1")
+        made = sorted(p.name for p in (tmp_path / "new" / "state").iterdir())
+        modes = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "new" / "state").iterdir()}
+        store.close()
+    finally:
+        os.umask(old)
+    assert (tmp_path / "new" / "state").stat().st_mode & 0o777 == 0o700
+    assert "s.sqlite-wal" in made and set(modes.values()) == {0o600}, modes
+
+
+def test_an_open_state_directory_is_warned_of_and_an_old_store_closed(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture,
+) -> None:
+    state = tmp_path / "mine"
+    state.mkdir(mode=0o755)
+    state.chmod(0o755)
+    (state / "s.sqlite").touch(mode=0o644)
+    (state / "s.sqlite").chmod(0o644)  # as an older demux left it
+    (state / "s.sqlite-wal").touch()
+    (state / "s.sqlite-wal").chmod(0o644)
+    with caplog.at_level("WARNING"):
+        StateStore(state / "s.sqlite").close()
+        StateStore(state / "s.sqlite").close()
+    assert state.stat().st_mode & 0o777 == 0o755  # the operator's directory keeps its mode
+    assert len([r for r in caplog.records if "open to other users" in r.getMessage()]) == 1  # once
+    assert {p.stat().st_mode & 0o777 for p in state.iterdir()} == {0o600}
