@@ -12,6 +12,7 @@ import asyncio
 import datetime as dt
 import logging
 import re
+import threading
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -20,11 +21,13 @@ from typing import Any
 import orjson
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
+from aiokafka.errors import KafkaConnectionError
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from walbus.client.groups import GroupLag, group_lags
 from walbus.contract import SIDE_TOPIC_SUFFIXES
+from walbus.kafka import broker_refusal
 
 log = logging.getLogger("walbus.status")
 
@@ -93,6 +96,9 @@ class Status:
     # part -> what was asked for and is not there (a --slot of that name, the database topic):
     # read fine, but a script asking "is it there?" must not get the answer of an empty success.
     missing: dict[str, str] = field(default_factory=dict)
+    # parts of ``errors`` that refuse this client (a login, a certificate, a security protocol):
+    # a configuration fault, no retry mends it (exit 2, as every command)
+    refused: list[str] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -217,7 +223,13 @@ async def gather(sources: StatusSources) -> Status:
                 kafka_status(sources.kafka_client_kwargs, sources.topic), 60
             )
         except Exception as e:
-            status.errors["kafka"] = _reason(e)
+            # aiokafka says only "Unable to bootstrap" for a broker that refuses this client
+            refusal = await broker_refusal(sources.kafka_client_kwargs) if isinstance(e, KafkaConnectionError) else None
+            if refusal:
+                status.errors["kafka"] = f"Kafka at {refusal}"
+                status.refused.append("kafka")
+            else:
+                status.errors["kafka"] = _reason(e)
         else:
             if not any(t.kind == "database" for t in status.topics):
                 status.missing["topic"] = f"no topic named {sources.topic!r}"
@@ -245,6 +257,8 @@ def _reason(e: BaseException) -> str:
     from walbus.logs import redact_dsn
 
     text = redact_dsn(str(e).strip())
+    if text.startswith(type(e).__name__):  # aiokafka's errors name their type already
+        return text
     return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
@@ -256,13 +270,27 @@ class StatusCollector(Collector):
 
     def __init__(self, sources: StatusSources) -> None:
         self.sources = sources
+        # What each part's last read failed with: its reason is logged when it changes, not on
+        # every scrape (walbus_status_read_errors alone did not say why).
+        self._errors: dict[str, str] = {}
+        self._lock = threading.Lock()
 
     def describe(self) -> list[Any]:
         return []  # collected on demand: nothing is read at registration
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         status = asyncio.run(gather(self.sources))
+        self._log_changes(status.errors)
         yield from status_metrics(status)
+
+    def _log_changes(self, errors: dict[str, str]) -> None:
+        with self._lock:
+            for part, why in errors.items():
+                if self._errors.get(part) != why:
+                    log.warning(f"could not read {part}: {why}", extra={"part": part})
+            for part in self._errors.keys() - errors.keys():
+                log.warning(f"{part} can be read again", extra={"part": part})
+            self._errors = dict(errors)
 
 
 def status_metrics(status: Status) -> Iterator[GaugeMetricFamily]:

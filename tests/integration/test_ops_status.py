@@ -168,4 +168,29 @@ def test_an_unreachable_kafka_is_one_message(scene: dict[str, str]) -> None:
     done = run_status(["--kafka-bootstrap", f"127.0.0.1:{free_port()}", "--topic", scene["topic"]])
     assert done.returncode == 1, done.stdout + done.stderr
     assert "could not read kafka: KafkaConnectionError" in done.stdout
+    assert "KafkaConnectionError: KafkaConnectionError" not in done.stdout  # the type said once
     assert "Unclosed" not in done.stderr, done.stderr
+
+
+def test_a_broker_that_refuses_status_is_said_why(kafka_bootstrap: str, scene: dict[str, str], tmp_path: Path) -> None:
+    """A wrong --kafka-security-protocol: every other command exits 2 with the reason; status
+    said "KafkaConnectionError: KafkaConnectionError: Unable to bootstrap" (exit 1), and its
+    exporter only set walbus_status_read_errors."""
+    wrong = ["--kafka-bootstrap", kafka_bootstrap, "--topic", scene["topic"], "--kafka-security-protocol", "SSL"]
+    done = run_status(wrong)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "could not read kafka: Kafka at " in done.stdout and "speaks Kafka without TLS" in done.stdout, done.stdout
+    port = free_port()
+    log = tmp_path / "status.log"
+    proc = walbus_process(["status", *wrong, "--metrics-port", str(port)], log=log)
+    try:
+        from tests.integration.test_ops_prometheus import wait_http
+
+        wait_http(f"http://127.0.0.1:{port}/healthz", proc, log)
+        for _ in range(2):
+            assert scrape(port)["walbus_status_read_errors{part=kafka}"] == 1
+    finally:
+        proc.terminate()
+        assert proc.wait(30) == 0
+    said = [json.loads(line)["msg"] for line in log.read_text().splitlines() if "could not read" in line]
+    assert len(said) == 1 and "speaks Kafka without TLS" in said[0], said  # once, not every scrape

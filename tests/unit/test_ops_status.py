@@ -106,3 +106,8 @@ def test_a_warehouse_directory_that_is_not_there_is_said(tmp_path: Path) -> None
     assert missing.missing == {"warehouse": f"no warehouse directory {str(tmp_path / 'nope')!r}"}
     there = asyncio.run(gather(StatusSources(warehouse_loads_dir=tmp_path / "walbus~2Eshop" / "_walbus_loads")))
     assert there.missing == {} and there.warehouse is None  # a warehouse with nothing loaded yet
+
+
+def test_a_refusing_part_exits_2() -> None:
+    status = Status(errors={"kafka": "Kafka at h:1 refuses the login: …"}, refused=["kafka"], missing={"slot": "x"})
+    assert exit_code(status) == 2

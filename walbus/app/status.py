@@ -118,8 +118,11 @@ def main(argv: Sequence[str]) -> int:
 
 
 def exit_code(status: Status) -> int:
-    """1: a part could not be read; 3: read, but the named slot or the database topic is not
-    there (a producer that never ran, a typo); 0: all of it was read and is there."""
+    """2: a part refuses this client (a configuration fault, as for every command); 1: a part
+    could not be read; 3: read, but the named slot or the database topic is not there (a
+    producer that never ran, a typo); 0: all of it was read and is there."""
+    if status.refused:
+        return 2
     if status.errors:
         return 1
     return 3 if status.missing else 0
