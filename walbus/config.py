@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import importlib
 import logging
 import os
 import re
@@ -44,6 +45,31 @@ T = TypeVar("T")
 PORT_MAX: Final = 65535
 INT32_MAX: Final = 2**31 - 1  # Kafka's int settings (timeouts in ms, partitions)
 INT64_MAX: Final = 2**63 - 1  # any other count
+
+
+# Every command's [table] of a config file and its config classes ("module:Class"), imported
+# only to judge a top-level key this command does not take: one no command takes is a typo.
+# A unit test checks that it names every class load_config reads.
+COMMAND_CONFIGS: Final = {
+    "produce": ("producer.config:ProducerConfig",),
+    "demux": ("demux.config:DemuxConfig",),
+    "warehouse": ("warehouse.cli:LoadConfig", "warehouse.cli:StreamConfig", "warehouse.cli:SqlConfig",
+                  "warehouse.cli:PrepareConfig"),
+    "status": ("walbus.app.status:StatusConfig",),
+    "tail": ("walbus.app.tail:TailConfig",),
+    "groups": ("walbus.app.groups:GroupsConfig",),
+    "dead-letters": ("walbus.app.deadletters:DeadLettersConfig",),
+}
+
+
+def every_option_name() -> set[str]:
+    """The option names of every command (underscored)."""
+    names: set[str] = set()
+    for specs in COMMAND_CONFIGS.values():
+        for spec in specs:
+            module, _, name = spec.partition(":")
+            names |= {f.name for f in dataclasses.fields(getattr(importlib.import_module(module), name))}
+    return names
 
 
 class ConfigError(Exception):
@@ -288,9 +314,15 @@ def load_config(
     if config_path:
         doc = load_toml(Path(config_path))
         scopes = {f.name: f.metadata.get("env", "shared") for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+        strangers: list[str] = []  # top-level keys and tables this command does not take
         for key, value in doc.items():
             name = key.replace("-", "_")
             if isinstance(value, dict):
+                if key not in COMMAND_CONFIGS:
+                    strangers.append(f"[{key}]")
+                continue
+            if name not in scopes:
+                strangers.append(key)
                 continue
             if scopes.get(name) == "command":
                 # As its shared env var: its meaning differs between commands (tail's group_id
@@ -299,6 +331,8 @@ def load_config(
                             extra={"ignored_key": key})
                 continue
             file_values[name] = value
+        if strangers:
+            _warn_of_typos(strangers, config_path)
         if section and isinstance(doc.get(section), dict):
             # Several commands may share a section ([warehouse]: load, stream, sql), so a key
             # another one takes is no error here; but a typo must not pass without a word.
@@ -344,6 +378,25 @@ def load_config(
         return cls(**values)
     except (TypeError, ValueError) as e:
         raise ConfigError(str(e)) from None
+
+
+def _warn_of_typos(strangers: list[str], config_path: str) -> None:
+    """Top-level keys no command takes and tables no command reads: typos (`kafka-boostrap`
+    was ignored without a word, and so the default used). Another command's key is no typo."""
+    tables = [f"[{t}]" for t in COMMAND_CONFIGS]
+    options = {n.replace("_", "-") for n in every_option_name()}
+    typos: dict[str, str] = {}  # key -> how it is named in the warning
+    for key in strangers:
+        if key.startswith("["):
+            close = difflib.get_close_matches(key, tables, n=1, cutoff=0.6)
+        elif key.replace("_", "-") in options:
+            continue
+        else:
+            close = difflib.get_close_matches(key.replace("_", "-"), sorted(options), n=1, cutoff=0.8)
+        typos[key] = f"{key} (did you mean {close[0]}?)" if close else key
+    if typos:
+        log.warning(f"{config_path}: no walbus command takes {', '.join(typos.values())}: ignored",
+                    extra={"ignored_keys": list(typos)})
 
 
 def _check_number(name: str, value: Any, minimum: float | None, maximum: float | None) -> None:

@@ -325,3 +325,48 @@ def test_any_empty_setting_is_refused_not_taken_for_the_default() -> None:
     with pytest.raises(ConfigError, match="--group-id is empty"):
         load_config(DemuxConfig, ["--kafka-bootstrap", "k:1", "--source-topic", "walbus.x"], prog="d",
                     env={"WALBUS_DEMUX_GROUP_ID": " "}, section="demux")
+
+
+def test_keys_and_tables_no_command_takes_are_warned_of(tmp_path: Any, caplog: pytest.LogCaptureFixture) -> None:
+    # `kafka-boostrap` at the top of a shared file was ignored without a word (the default used).
+    path = tmp_path / "walbus.toml"
+    path.write_text('kafka-boostrap = "k:1"\nstate-dir = "d"\ntables = ["a"]\n[producer]\ntopic = "x"\n[demux]\ngroup-id = "g"\n')
+    with caplog.at_level(logging.WARNING):
+        load_config(TailConfig, ["--topic", "t", "--kafka-bootstrap", "k:1", "--config", str(path)],
+                    prog="walbus tail", env={}, section="tail")
+    (warning,) = [r for r in caplog.records if r.name == "walbus.config"]
+    assert "kafka-boostrap (did you mean kafka-bootstrap?), [producer] (did you mean [produce]?)" in warning.getMessage()
+    assert warning.ignored_keys == ["kafka-boostrap", "[producer]"]  # other commands' keys and tables are no typos
+
+
+def test_every_config_class_is_known_to_the_typo_check() -> None:
+    import re
+    from pathlib import Path
+
+    from walbus.config import COMMAND_CONFIGS
+
+    root = Path(__file__).resolve().parents[2]
+    read = {m for d in ("walbus", "producer", "demux", "warehouse") for p in (root / d).rglob("*.py")
+            for m in re.findall(r"load_config\(\s*(\w+Config)\b", p.read_text())}
+    listed = {spec.partition(":")[2] for specs in COMMAND_CONFIGS.values() for spec in specs}
+    assert read == listed
+
+
+def test_configuration_warnings_are_json_lines(tmp_path: Any) -> None:
+    # Logged before the command set up its logging, they came out as plain text.
+    import json
+    import subprocess
+    import sys
+
+    path = tmp_path / "walbus.toml"
+    path.write_text('kafka-boostrap = "k:1"\n[tail]\ntopik = "x"\n')
+    done = subprocess.run(
+        [sys.executable, "-m", "walbus.app.cli", "tail", "--config", str(path), "--kafka-bootstrap", "k:1", "--topic", "t",
+         "--max-events", "-1"],
+        capture_output=True, text=True, timeout=60, env={**__import__("os").environ, "WALBUS_GROUP_ID": "g"},
+    )
+    assert done.returncode == 2, done.stderr
+    *lines, error = done.stderr.splitlines()
+    assert error.startswith("walbus tail: error: --max-events"), done.stderr
+    msgs = [json.loads(line)["msg"] for line in lines]
+    assert len(msgs) == 3 and all(m for m in msgs), msgs

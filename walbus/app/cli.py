@@ -79,8 +79,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         exit_on_sigterm()
     from walbus.app.dev.processes import StackError
     from walbus.config import ConfigError
-    from walbus.logs import redact_dsn
+    from walbus.logs import redact_dsn, setup_logging
 
+    # JSON lines from the start: the configuration's own warnings (an unknown key, a deprecated
+    # env var) come before the command sets its --log-level, and were plain text.
+    setup_logging("warning")
     try:
         return _load(args[0])(args[1:])
     except (ConfigError, StackError) as e:
