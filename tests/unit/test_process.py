@@ -24,6 +24,31 @@ def test_sigterm_before_the_event_loop_exits_0() -> None:
     assert subprocess.run([sys.executable, "-c", CHILD], timeout=30).returncode == 0
 
 
+def test_sighup_is_a_sigterm_unless_ignored() -> None:
+    # A SIGHUP (a closed terminal or ssh session) killed a service at once (-1).
+    hup = CHILD.replace("signal.SIGTERM)", "signal.SIGHUP)")
+    assert subprocess.run([sys.executable, "-c", hup], timeout=30).returncode == 0
+    # under nohup it stays ignored: the service runs on
+    nohup = hup.replace("exit_on_sigterm()", "signal.signal(signal.SIGHUP, signal.SIG_IGN); exit_on_sigterm()").replace("sleep(5)", "sleep(0.5)")
+    assert subprocess.run([sys.executable, "-c", nohup], timeout=30).returncode == 3
+
+
+def test_ctrl_c_while_the_cli_sets_up_is_exit_130(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A SIGINT in a command's first moments (its imports ran outside the try) printed a
+    # KeyboardInterrupt traceback and exited -2.
+    from walbus.app import cli
+
+    def interrupted() -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "exit_on_sigterm", interrupted)
+    try:
+        code = cli.main(["produce"])
+    except KeyboardInterrupt:
+        pytest.fail("the interrupt escaped main(): a traceback and exit -2")
+    assert code == 130
+
+
 @pytest.mark.parametrize("service", ["producer.service", "demux.service"])
 def test_both_services_exit_cleanly_until_their_loop_runs(service: str) -> None:
     main = inspect.getsource(importlib.import_module(service).main)

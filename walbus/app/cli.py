@@ -63,7 +63,13 @@ def version() -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = list(sys.argv[1:] if argv is None else argv)
+    try:
+        return _main(list(sys.argv[1:] if argv is None else argv))
+    except KeyboardInterrupt:  # Ctrl-C while a command is imported or set up: no traceback
+        return 130
+
+
+def _main(args: list[str]) -> int:
     if not args or args[0] in ("-h", "--help", "help"):
         print(USAGE)
         return 0 if args else 2
