@@ -21,14 +21,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
-import importlib
 import logging
 import os
 import re
 import tomllib
 import types
 import typing
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Final, NoReturn, TypeVar
 
@@ -47,29 +46,17 @@ INT32_MAX: Final = 2**31 - 1  # Kafka's int settings (timeouts in ms, partitions
 INT64_MAX: Final = 2**63 - 1  # any other count
 
 
-# Every command's [table] of a config file and its config classes ("module:Class"), imported
-# only to judge a top-level key this command does not take: one no command takes is a typo.
-# A unit test checks that it names every class load_config reads.
-COMMAND_CONFIGS: Final = {
-    "produce": ("producer.config:ProducerConfig",),
-    "demux": ("demux.config:DemuxConfig",),
-    "warehouse": ("warehouse.cli:LoadConfig", "warehouse.cli:StreamConfig", "warehouse.cli:SqlConfig",
-                  "warehouse.cli:PrepareConfig"),
-    "status": ("walbus.app.status:StatusConfig",),
-    "tail": ("walbus.app.tail:TailConfig",),
-    "groups": ("walbus.app.groups:GroupsConfig",),
-    "dead-letters": ("walbus.app.deadletters:DeadLettersConfig",),
-}
+# The tables of a config file the commands read, and every option name any command takes:
+# set by the application layer (walbus.app.commands: the core imports no service), to judge
+# a top-level key this command does not take (one no command takes is a typo). Unset (a
+# service started without the CLI), such keys are not judged.
+_catalog: tuple[frozenset[str], Callable[[], set[str]]] | None = None
 
 
-def every_option_name() -> set[str]:
-    """The option names of every command (underscored)."""
-    names: set[str] = set()
-    for specs in COMMAND_CONFIGS.values():
-        for spec in specs:
-            module, _, name = spec.partition(":")
-            names |= {f.name for f in dataclasses.fields(getattr(importlib.import_module(module), name))}
-    return names
+def set_command_catalog(tables: Iterable[str], option_names: Callable[[], set[str]]) -> None:
+    """Tell :func:`load_config` the commands' tables and (lazily) their option names."""
+    global _catalog
+    _catalog = (frozenset(tables), option_names)
 
 
 class ConfigError(Exception):
@@ -318,7 +305,7 @@ def load_config(
         for key, value in doc.items():
             name = key.replace("-", "_")
             if isinstance(value, dict):
-                if key not in COMMAND_CONFIGS:
+                if _catalog is not None and key not in _catalog[0]:
                     strangers.append(f"[{key}]")
                 continue
             if name not in scopes:
@@ -331,8 +318,8 @@ def load_config(
                             extra={"ignored_key": key})
                 continue
             file_values[name] = value
-        if strangers:
-            _warn_of_typos(strangers, config_path)
+        if strangers and _catalog is not None:
+            _warn_of_typos(strangers, config_path, *_catalog)
         if section and isinstance(doc.get(section), dict):
             # Several commands may share a section ([warehouse]: load, stream, sql), so a key
             # another one takes is no error here; but a typo must not pass without a word.
@@ -380,11 +367,13 @@ def load_config(
         raise ConfigError(str(e)) from None
 
 
-def _warn_of_typos(strangers: list[str], config_path: str) -> None:
+def _warn_of_typos(
+    strangers: list[str], config_path: str, commands: frozenset[str], option_names: Callable[[], set[str]],
+) -> None:
     """Top-level keys no command takes and tables no command reads: typos (`kafka-boostrap`
     was ignored without a word, and so the default used). Another command's key is no typo."""
-    tables = [f"[{t}]" for t in COMMAND_CONFIGS]
-    options = {n.replace("_", "-") for n in every_option_name()}
+    tables = [f"[{t}]" for t in sorted(commands)]
+    options = {n.replace("_", "-") for n in option_names()}
     typos: dict[str, str] = {}  # key -> how it is named in the warning
     for key in strangers:
         if key.startswith("["):

@@ -327,8 +327,15 @@ def test_any_empty_setting_is_refused_not_taken_for_the_default() -> None:
                     env={"WALBUS_DEMUX_GROUP_ID": " "}, section="demux")
 
 
-def test_keys_and_tables_no_command_takes_are_warned_of(tmp_path: Any, caplog: pytest.LogCaptureFixture) -> None:
+def test_keys_and_tables_no_command_takes_are_warned_of(
+    tmp_path: Any, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch,
+) -> None:
     # `kafka-boostrap` at the top of a shared file was ignored without a word (the default used).
+    from walbus import config
+    from walbus.app import commands
+
+    monkeypatch.setattr(config, "_catalog", None)
+    commands.register()  # as the CLI does
     path = tmp_path / "walbus.toml"
     path.write_text('kafka-boostrap = "k:1"\nstate-dir = "d"\ntables = ["a"]\n[producer]\ntopic = "x"\n[demux]\ngroup-id = "g"\n')
     with caplog.at_level(logging.WARNING):
@@ -343,7 +350,7 @@ def test_every_config_class_is_known_to_the_typo_check() -> None:
     import re
     from pathlib import Path
 
-    from walbus.config import COMMAND_CONFIGS
+    from walbus.app.commands import COMMAND_CONFIGS
 
     root = Path(__file__).resolve().parents[2]
     read = {m for d in ("walbus", "producer", "demux", "warehouse") for p in (root / d).rglob("*.py")

@@ -83,6 +83,7 @@ def _main(args: list[str]) -> int:
         # First, before any import: a SIGTERM while a service starts is a clean stop (exit 0),
         # not a crash (-15); importing a service alone takes ~0.2 s, more on a loaded machine.
         exit_on_sigterm()
+    from walbus.app.commands import register as register_commands
     from walbus.app.dev.processes import StackError
     from walbus.config import ConfigError
     from walbus.logs import redact_dsn, setup_logging
@@ -90,6 +91,7 @@ def _main(args: list[str]) -> int:
     # JSON lines from the start: the configuration's own warnings (an unknown key, a deprecated
     # env var) come before the command sets its --log-level, and were plain text.
     setup_logging("warning")
+    register_commands()  # the configuration's typo check knows every command's options
     try:
         return _load(args[0])(args[1:])
     except (ConfigError, StackError) as e:
