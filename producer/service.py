@@ -188,7 +188,6 @@ class Producer:
         return tables, state
 
     async def _prepare_kafka(self, client_kwargs: dict[str, Any]) -> None:
-        await require_broker(client_kwargs)
         try:
             await self._ensure_topics(client_kwargs)
         except InvalidTopicError as e:
@@ -359,8 +358,14 @@ class Producer:
         cfg = self.config
         log.info("producer starting", extra={"config": describe(cfg)})
         client_kwargs = self._client_kwargs = cfg.kafka_client_kwargs()
-        await self._prepare_kafka(client_kwargs)
+        # The broker answers (nothing created), then the database is checked and set up, then
+        # the topics: a refusal by the database (a mistyped name, a missing privilege) left its
+        # topics behind (a fuzz). A topic Kafka refuses leaves at most the publication, which
+        # the next start takes as it is. The database's set-up needs nothing of Kafka; what
+        # needs both (the topic's claims and partition count, the progress records) comes after.
+        await require_broker(client_kwargs)
         tables, slot = await asyncio.to_thread(self._prepare_database)
+        await self._prepare_kafka(client_kwargs)
         signal_table = self.capture.signal_table
         if signal_table and split_table(signal_table) not in tables:
             raise ConfigError(
