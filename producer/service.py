@@ -407,12 +407,7 @@ class Producer:
                 if self._stopping.is_set():
                     return
                 slot = await asyncio.to_thread(self._slot_state)
-            try:
-                if not await initial.prepare(slot):
-                    log.info("initial snapshot done, exiting (--snapshot-mode initial_only)")
-                    return
-            except SnapshotAborted:
-                log.warning("stopped during the initial snapshot: the next start redoes it")
+            if not await self._initial_snapshot(initial, slot):
                 return
             await self._stream(backoff)
         finally:
@@ -427,6 +422,42 @@ class Producer:
                 self.incremental.close()
             if cfg.drop_slot_on_exit:
                 await asyncio.to_thread(setup.drop_slot, cfg.pg_dsn, cfg.slot_name)
+
+    async def _initial_snapshot(self, initial: InitialSnapshot, slot: setup.SlotState) -> bool:
+        """The slot and snapshot as the mode says; False when the producer should stop now.
+
+        A transient fault (Kafka rejecting a batch, a lost connection) is retried as in
+        streaming (--retry-attempts, --retry-max-delay): here it ended the producer with exit 1
+        (a fuzz). A retry redoes the snapshot as the next start would: its progress record says
+        it was interrupted, and the slot a failed attempt created is dropped again."""
+        cfg = self.config
+        backoff = Backoff(maximum=cfg.retry_max_delay, attempts=cfg.retry_attempts)
+        while True:
+            try:
+                if not await initial.prepare(slot):
+                    log.info("initial snapshot done, exiting (--snapshot-mode initial_only)")
+                    return False
+                return True
+            except SnapshotAborted:
+                log.warning("stopped during the initial snapshot: the next start redoes it")
+                return False
+            except TRANSIENT as e:
+                if self._stopping.is_set():
+                    log.warning("stopped during the initial snapshot: the next start redoes it", extra={"error": describe_error(e)})
+                    return False
+                log.warning("initial snapshot failed", extra={"error": describe_error(e)})
+                try:
+                    await backoff.wait(log, "initial snapshot", e, stop=self._stopping)
+                except type(e):
+                    log.error(
+                        "giving up: the initial snapshot failed as often as --retry-attempts allows",
+                        extra={"attempts": backoff.failures, "error": describe_error(e)},
+                    )
+                    raise
+                if self._stopping.is_set():
+                    log.warning("stopped during the initial snapshot: the next start redoes it")
+                    return False
+                slot = await asyncio.to_thread(self._slot_state)
 
     async def _watch_publication(self) -> None:
         """A table-list publication does not publish a table created later that the capture

@@ -55,6 +55,32 @@ def check_server(conn: psycopg.Connection[tuple[object, ...]]) -> None:
         raise ConfigError("the PostgreSQL user lacks the REPLICATION privilege: ALTER ROLE … WITH REPLICATION")
 
 
+def check_select(conn: psycopg.Connection[tuple[object, ...]], tables: list[TableName], *, partitioned: bool) -> None:
+    """ConfigError naming the GRANT when the role may not read every column the initial
+    snapshot copies of ``tables`` (a partitioned table counts only with ``partitioned``: read
+    as itself). Checked before the slot is created: the COPY failed with a traceback and left
+    a new slot holding WAL, at every restart (a fuzz). pgoutput needs no SELECT right to stream."""
+    if not tables:
+        return
+    rows = conn.execute(
+        "SELECT n.nspname, c.relname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
+        "WHERE c.oid = ANY(%s::regclass[]) AND (c.relkind = 'r' OR %s) AND NOT has_table_privilege(c.oid, 'SELECT') "
+        "AND (NOT has_any_column_privilege(c.oid, 'SELECT') OR EXISTS (SELECT 1 FROM pg_attribute a WHERE a.attrelid = c.oid "
+        "AND a.attnum > 0 AND NOT a.attisdropped AND a.attgenerated = '' AND NOT has_column_privilege(c.oid, a.attnum, 'SELECT'))) "
+        "ORDER BY 1, 2",
+        ([sql_table(t) for t in tables], partitioned),
+    ).fetchall()
+    if rows:
+        unreadable = [(str(r[0]), str(r[1])) for r in rows]
+        user = conn.execute("SELECT current_user::text").fetchone()
+        role = quote_ident(str(user[0])) if user else "…"
+        raise ConfigError(
+            f"the PostgreSQL user may not read {', '.join(qualify_table(*t) for t in unreadable)}, which the initial snapshot "
+            f"reads: GRANT SELECT ON {', '.join(sql_table(t) for t in unreadable)} TO {role} (or leave the tables out with "
+            "--exclude-tables, or stream without reading the tables: --snapshot-mode no_data)"
+        )
+
+
 def table_pattern(pattern: str, flag: str, *, exact: bool = True) -> str:
     """A ``--tables``-style entry (walbus's table patterns, docs/contract.md). With ``exact``
     (an include list, the signal table) an entry without wildcards names one existing table:

@@ -256,6 +256,7 @@ class InitialSnapshot:
     async def run(self, *, existing_slot: bool, previous: dict[str, Any] | None) -> SnapshotResult:
         cfg = self.config
         started = time.monotonic()
+        await asyncio.to_thread(self._check_readable)
         if previous is not None and previous.get("from_offsets"):
             from_offsets = [int(o) for o in previous["from_offsets"]]
         else:
@@ -270,14 +271,22 @@ class InitialSnapshot:
 
         export = await asyncio.to_thread(_Export.open, cfg, existing_slot)
         try:
-            # A new slot sends the commits from its consistent point on (a transaction running
-            # when the slot became consistent may commit exactly there, outside the snapshot):
-            # its reads go below that point too, as an existing slot's below its position.
-            replay_from = export.replay_from if export.replay_from is not None else export.consistent_point
-            reads_at = await self._reads_before_the_replay(replay_from)
-            result = await self._read(export, earlier, reads_at)
-        finally:
-            await asyncio.to_thread(export.close)
+            try:
+                # A new slot sends the commits from its consistent point on (a transaction running
+                # when the slot became consistent may commit exactly there, outside the snapshot):
+                # its reads go below that point too, as an existing slot's below its position.
+                replay_from = export.replay_from if export.replay_from is not None else export.consistent_point
+                reads_at = await self._reads_before_the_replay(replay_from)
+                result = await self._read(export, earlier, reads_at)
+            finally:
+                await asyncio.to_thread(export.close)
+        except Exception:
+            if not existing_slot:
+                # The slot this attempt created would hold WAL until the next start drops it
+                # (nothing was streamed from it): dropped now, a refusal (exit 2) or a crash
+                # loop holds no WAL meanwhile.
+                await asyncio.to_thread(_drop_new_slot, cfg)
+            raise
         result.seconds = time.monotonic() - started
         self.offsets.doc["initial"] = {
             "status": "completed", "attempt": attempt, "consistent_point": result.consistent_point,
@@ -430,20 +439,30 @@ class InitialSnapshot:
         """The captured tables as the snapshot sees them (listed inside the snapshot, so a table
         created after the consistent point is left to the stream)."""
         out: list[ScanTable] = []
-        # Read under the names the stream gives the changes: pgoutput's publication lists them
-        # (a partitioned table's leaves, or the table itself under publish_via_partition_root);
-        # wal2json names the leaves.
-        published = setup.published_tables(conn, self.config.publication_name) if self.config.plugin == "pgoutput" else None
-        for relid, (schema, table) in enumerate(setup.list_tables(conn), start=1):
-            name = qualify_table(schema, table)
-            if not self.capture.captures(name) or name == self.capture.signal_table:
-                continue
-            if published is not None and (schema, table) not in published:
-                continue
+        read_as_itself = self.config.plugin == "pgoutput"  # else (wal2json) a partitioned table is read as its leaves
+        for relid, (schema, table) in enumerate(self._names(conn), start=1):
             scan = describe_table(conn, schema, table, self.capture, relid)
-            if scan is not None and (scan.kind == "r" or published is not None):
+            if scan is not None and (scan.kind == "r" or read_as_itself):
                 out.append(scan)
         return out
+
+    def _names(self, conn: psycopg.Connection[tuple[object, ...]]) -> list[setup.TableName]:
+        """The captured tables the snapshot reads (partitioned ones too; see :meth:`_tables`):
+        under the names the stream gives their changes. pgoutput's publication lists them (a
+        partitioned table's leaves, or the table itself under publish_via_partition_root);
+        wal2json names the leaves."""
+        published = setup.published_tables(conn, self.config.publication_name) if self.config.plugin == "pgoutput" else None
+        return [
+            (schema, table) for schema, table in setup.list_tables(conn)
+            if self.capture.captures(name := qualify_table(schema, table)) and name != self.capture.signal_table
+            and (published is None or (schema, table) in published)
+        ]
+
+    def _check_readable(self) -> None:
+        """ConfigError before anything is created when the role may not read a table the
+        snapshot reads (see setup.check_select)."""
+        with setup.connect(self.config.pg_dsn) as conn:
+            setup.check_select(conn, self._names(conn), partitioned=self.config.plugin == "pgoutput")
 
     async def _emitted_keys(self, from_offsets: list[int]) -> dict[str, set[bytes]]:
         """Primary keys of the ``read`` events already in the topic from ``from_offsets`` on."""
@@ -570,6 +589,15 @@ def _worker(
         errors.append(e)
     finally:
         put(None)
+
+
+def _drop_new_slot(cfg: ProducerConfig) -> None:
+    """Drop the slot a failed snapshot created (not if something streams from it: a slot in
+    use cannot be dropped)."""
+    try:
+        setup.drop_slot(cfg.pg_dsn, cfg.slot_name)
+    except Exception as e:  # the database away, the slot in use: the next start sees to it
+        log.warning("the slot the failed snapshot created could not be dropped", extra={"slot": cfg.slot_name, "error": str(e)})
 
 
 class _Export:
