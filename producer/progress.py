@@ -19,9 +19,11 @@ class Progress:
         self.read_lsn = confirmed_lsn  # end of the last transaction read from the slot
         self.confirmed_lsn = confirmed_lsn  # end of the last transaction Kafka fully acknowledged
 
-    @property
-    def in_flight(self) -> int:
-        return sum(self.appended) - sum(self.acked)
+    def in_flight_of(self, counters: int) -> int:
+        """What the first ``counters`` counters appended and Kafka did not acknowledge yet: the
+        database topic's partitions, not the side records' counter after them (see
+        KafkaSink.send_side_record; a heartbeat is in flight right after each beat)."""
+        return sum(self.appended[:counters]) - sum(self.acked[:counters])
 
     def idle(self) -> bool:
         return not self._checkpoints and self.appended == self.acked

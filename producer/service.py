@@ -68,6 +68,7 @@ from walbus.retry import Backoff
 log = logging.getLogger("walbus.producer")
 
 PUBLICATION_CHECK_S = 10.0  # how often a table-list publication is checked for new captured tables
+SLOT_LAG_CHECK_S = 10.0  # how often walbus_producer_slot_lag_bytes is read from the server
 
 TRANSIENT = (ReplicationError, SinkError, KafkaError, psycopg.OperationalError, OSError, TimeoutError)
 
@@ -376,6 +377,7 @@ class Producer:
         await offsets.start()
         backoff = Backoff(maximum=cfg.retry_max_delay, attempts=cfg.retry_attempts)
         watch: asyncio.Task[None] | None = None
+        lag_watch: asyncio.Task[None] | None = None
         try:
             await self._claim_topic(offsets)
             # Snapshot hook: creates the slot (with an exported snapshot when one is due) and reads it.
@@ -393,6 +395,7 @@ class Producer:
                 await self.signal_channel.start(self.incremental.signal_offset)
             if cfg.plugin == "pgoutput":
                 watch = asyncio.create_task(self._watch_publication(), name="walbus-publication-watch")
+            lag_watch = asyncio.create_task(self._watch_slot_lag(), name="walbus-slot-lag")
             target = await initial.open_transaction_position(slot)
             if target is not None:
                 # The topic's last transaction may be only partly in it (stopped in the middle):
@@ -411,8 +414,9 @@ class Producer:
                 return
             await self._stream(backoff)
         finally:
-            if watch is not None:
-                watch.cancel()
+            for task in (watch, lag_watch):
+                if task is not None:
+                    task.cancel()
             self.metrics.connected.set(0)
             await self.heartbeats.close()
             if self.signal_channel is not None:
@@ -488,6 +492,28 @@ class Producer:
                         f"ADD TABLE {setup.sql_table(table)}, then read it with an incremental snapshot (execute-snapshot)",
                         extra={"table": qualify_table(*table), "publication": cfg.publication_name},
                     )
+
+    async def _watch_slot_lag(self) -> None:
+        """walbus_producer_slot_lag_bytes as pg_replication_slots has it: the server's WAL
+        position minus the slot's confirmed one, one small query every SLOT_LAG_CHECK_S (on a
+        connection of its own, as the publication check: nothing shared with a thread that a
+        stop may leave running). From the stream's positions it read 0 while the slot held
+        megabytes (the keepalive's wal_end is how far the walsender has read, not the server's
+        WAL end, and it was sampled just as the producer had confirmed it; a fuzz); the
+        server's own view is right also during the snapshot and while the stream reconnects."""
+        while True:
+            try:
+                lag = await asyncio.to_thread(self._slot_lag)
+            except Exception as e:  # the database away (setup.connect's ConfigError too): read again later
+                log.debug("the slot's lag could not be read", extra={"error": describe_error(e)})
+            else:
+                if lag is not None:
+                    self.metrics.slot_lag_bytes.set(lag)
+            await asyncio.sleep(SLOT_LAG_CHECK_S)
+
+    def _slot_lag(self) -> int | None:
+        with setup.connect(self.config.pg_dsn, "walbus-slot-lag") as conn:
+            return setup.slot_lag_bytes(conn, self.config.slot_name)
 
     def _publish_new_tables(self) -> tuple[list[setup.TableName], list[setup.TableName]]:
         with setup.connect(self.config.pg_dsn) as conn:
@@ -694,9 +720,7 @@ class Producer:
                 sent_lsn = confirmed
                 last_feedback = now
                 metrics.confirmed_lsn.set(confirmed)
-                metrics.in_flight.set(progress.in_flight)
-                if stream.position.wal_end:
-                    metrics.slot_lag_bytes.set(max(0, stream.position.wal_end - confirmed))
+                metrics.in_flight.set(progress.in_flight_of(self._partitions))  # events: not the beat just sent
         # Graceful stop: everything read is flushed and acknowledged, then confirmed.
         await sink.wait_acked(timeout=60)
         await stream.send_feedback(progress.confirmed_lsn)

@@ -36,9 +36,9 @@ class SlotState:
     lost: bool = False
 
 
-def connect(dsn: str) -> psycopg.Connection[tuple[object, ...]]:
+def connect(dsn: str, application_name: str = "walbus-setup") -> psycopg.Connection[tuple[object, ...]]:
     try:
-        return psycopg.connect(dsn, autocommit=True, connect_timeout=10, application_name="walbus-setup", options=session_options(dsn))
+        return psycopg.connect(dsn, autocommit=True, connect_timeout=10, application_name=application_name, options=session_options(dsn))
     except psycopg.OperationalError as e:
         raise ConfigError(f"cannot connect to PostgreSQL at {redact_dsn(dsn)}: {str(e).strip()}") from None
 
@@ -402,6 +402,17 @@ def slot_state(conn: psycopg.Connection[tuple[object, ...]], slot: str) -> SlotS
         return SlotState(False)
     pid = int(str(row[2])) if row[2] is not None else None
     return SlotState(True, str(row[0]), int(str(row[1] or 0)), pid, lost=row[3] == "lost")
+
+
+def slot_lag_bytes(conn: psycopg.Connection[tuple[object, ...]], slot: str) -> int | None:
+    """The server's WAL position minus the slot's confirmed one, as ``walbus status`` reads it;
+    None without the slot, or on a standby (no current WAL position there)."""
+    row = conn.execute(
+        "SELECT CASE WHEN pg_is_in_recovery() THEN NULL ELSE pg_wal_lsn_diff(pg_current_wal_lsn(), confirmed_flush_lsn)::int8 END "
+        "FROM pg_replication_slots WHERE slot_name = %s",
+        (slot,),
+    ).fetchone()
+    return None if row is None or row[0] is None else max(0, int(str(row[0])))
 
 
 def source_identity(conn: psycopg.Connection[tuple[object, ...]]) -> dict[str, Any]:

@@ -5,6 +5,7 @@ retries what streaming retries, and the idle producer's metrics say what the ser
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from typing import Any
@@ -14,10 +15,12 @@ import psycopg
 import pytest
 from psycopg.conninfo import make_conninfo
 
+from producer import service
 from producer.config import ProducerConfig
 from producer.service import Producer
 from tests.integration.test_ops_least_privilege import ROLE_PASSWORD, produce_once, role
 from tests.support.kafka import create_topic, list_topics, read_topic
+from tests.support.pipeline import running_producer
 from walbus.kafka import KafkaAdmin
 
 pytestmark = pytest.mark.integration
@@ -117,3 +120,50 @@ async def test_a_batch_kafka_rejects_during_the_initial_snapshot_is_retried(
     reads = {e["values"][0] for e in events if e["operation"] == "read"}
     assert reads == {*range(1, 21), 100}
     assert len(slots_of(pg_dsn, unique_name)) == 1
+
+
+async def test_an_idle_producer_with_heartbeats_has_no_events_in_flight(pg_dsn: str, kafka_bootstrap: str, unique_name: str) -> None:
+    """walbus_producer_in_flight_events read 1 on an idle producer: it was sampled just after
+    each heartbeat was sent, and counted it."""
+    sql_run(pg_dsn, "CREATE TABLE a (id int PRIMARY KEY)")
+    async with running_producer(pg_dsn, kafka_bootstrap, topic=unique_name, slot=unique_name, heartbeat_interval=0.3) as producer:
+        in_flight = []
+        for _ in range(40):  # idle for 2 s: several beats
+            in_flight.append(producer.registry.get_sample_value("walbus_producer_in_flight_events"))
+            await asyncio.sleep(0.05)
+    assert set(in_flight) == {0.0}, in_flight
+
+
+async def test_the_slot_lag_metric_is_the_servers(
+    pg_dsn: str, kafka_bootstrap: str, unique_name: str, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """walbus_producer_slot_lag_bytes read 0 on an idle producer while pg_replication_slots
+    showed megabytes: it was the stream's wal_end minus the position just confirmed from it."""
+    monkeypatch.setattr(service, "SLOT_LAG_CHECK_S", 0.2)
+    other = f"{unique_name}_w"  # WAL of another database: the slot holds it until the next confirmation
+    admin = make_conninfo(pg_dsn, dbname="postgres")
+    sql_run(admin, f'CREATE DATABASE "{other}"')
+    try:
+        sql_run(make_conninfo(pg_dsn, dbname=other), "CREATE TABLE w (v text)")
+        sql_run(pg_dsn, "CREATE TABLE a (id int PRIMARY KEY)")
+        # Without heartbeats an idle producer confirms the server's position every 10 s.
+        async with running_producer(pg_dsn, kafka_bootstrap, topic=unique_name, slot=unique_name, heartbeat_interval=0) as producer:
+            seen: list[tuple[float | None, int]] = []
+            for _ in range(10):
+                sql_run(make_conninfo(pg_dsn, dbname=other), "INSERT INTO w SELECT repeat('x', 1000) FROM generate_series(1, 4000)")
+                for _ in range(8):
+                    await asyncio.sleep(0.1)
+                    seen.append((producer.registry.get_sample_value("walbus_producer_slot_lag_bytes"), server_lag(pg_dsn, unique_name)))
+                if any(m is not None and m >= 2_000_000 for m, _ in seen):
+                    break
+            assert any(m is not None and m >= 2_000_000 for m, _ in seen), seen
+    finally:
+        with contextlib.suppress(psycopg.Error):
+            sql_run(admin, f'DROP DATABASE "{other}" WITH (FORCE)')
+
+
+def server_lag(pg_dsn: str, slot: str) -> int:
+    with psycopg.connect(pg_dsn) as conn:
+        row = conn.execute("SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), confirmed_flush_lsn)::int8 FROM pg_replication_slots "
+                           "WHERE slot_name = %s", (slot,)).fetchone()
+        return int(str(row[0])) if row else -1
