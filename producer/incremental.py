@@ -37,6 +37,7 @@ from producer.tablescan import (
     key_text,
     max_key_query,
     select_chunk,
+    table_identity,
 )
 from walbus.contract import ContractError, qualify_table, split_table
 from walbus.retry import Backoff
@@ -199,6 +200,17 @@ class Position:
     # Every execute-snapshot merged into this one after the first (signal_id): a replay of
     # one of them must not queue again a table this snapshot has finished.
     merged_signals: list[str] = field(default_factory=list)
+    # Of tables[0], when max_key was read: its pg_class oid and its key's columns and types
+    # (ScanTable.key_types). The keys above are text: they mean the same rows, in the same
+    # order, only while these hold (see IncrementalSnapshot._check_identity). None in a
+    # position saved before they existed: the table's are taken at its next chunk.
+    table_oid: int | None = None
+    key_types: list[str] | None = None
+
+    def forget_table(self) -> None:
+        """The progress of tables[0] goes: another table is first, or it is read again."""
+        self.last_key = self.max_key = None
+        self.table_oid = self.key_types = None
 
     def handled(self, sig_id: str) -> bool:
         return sig_id == self.signal_id or sig_id in self.merged_signals
@@ -226,6 +238,8 @@ class Chunk:
     failure: str | None = None  # the table's query failed (not the connection): given up, not retried
     invisible: frozenset[int] = frozenset()  # xids the chunk's snapshot saw in progress (32-bit)
     low_mark: int = 0  # RecentChanges.mark when the low watermark came
+    table_oid: int | None = None  # Position.table_oid, then the table's as read
+    key_types: list[str] | None = None  # Position.key_types, then the table's as read
 
 
 class IncrementalSnapshot:
@@ -562,7 +576,7 @@ class IncrementalSnapshot:
             if pos.tables and pos.tables[0] in tables:
                 self._chunk = None  # abandon the chunk in flight; its watermarks are ignored
                 self._recent = None
-                pos.last_key = pos.max_key = None
+                pos.forget_table()
                 self._cancel_reading()
             pos.tables = [t for t in pos.tables if t not in tables]
             pos.filters = {t: f for t, f in pos.filters.items() if t in pos.tables}
@@ -617,7 +631,10 @@ class IncrementalSnapshot:
             self._mark(eager=False)
             return
         table = pos.tables[0]
-        chunk = Chunk(uuid.uuid4().hex, table, pos.last_key, max_key=pos.max_key, where=pos.filters.get(table))
+        chunk = Chunk(
+            uuid.uuid4().hex, table, pos.last_key, max_key=pos.max_key, where=pos.filters.get(table),
+            table_oid=pos.table_oid, key_types=pos.key_types,
+        )
         self._chunk = chunk
         self._task = asyncio.create_task(asyncio.to_thread(self._read_chunk, chunk))
         self._task.add_done_callback(functools.partial(self._chunk_read, chunk=chunk))
@@ -690,7 +707,7 @@ class IncrementalSnapshot:
         if where is not None:
             pos.filters.update({t: where for t in added})
         self._recent = None
-        pos.last_key = pos.max_key = None
+        pos.forget_table()
         self.metrics.tables_remaining.labels(KIND).set(len(pos.tables))
         log.info("partitioned table: its partitions are read instead", extra={"table": chunk.table, "partitions": added})
         self._mark(eager=False)
@@ -715,6 +732,7 @@ class IncrementalSnapshot:
             return
         assert scan is not None
         chunk.scan = scan
+        self._check_identity(chunk, scan)
         role = self._role_for_filters(conn) if chunk.where is not None else ""
         if chunk.max_key is None:
             got = self._select(conn, chunk, role, max_key_query(scan, chunk.where))
@@ -731,6 +749,24 @@ class IncrementalSnapshot:
         chunk.exhausted = len(chunk.rows) < self.chunk_size or chunk.last_key == chunk.max_key
         # The rows are in place before the high watermark exists: the pump cannot see it earlier.
         self._watermark(conn, chunk, "high")
+
+    def _check_identity(self, chunk: Chunk, scan: ScanTable) -> None:
+        """A table read from a saved key on must be the one its keys were read from, with the
+        same key types: the keys are text, and under another type they mean other rows in
+        another order (integer keys '100' and '5000' as text: '501'…'999' lie beyond the
+        maximum key, and were never read: the table was done with rows missing). A table
+        dropped and created again, or whose key changed, is read again from its first key."""
+        now = (scan.oid, scan.key_types)
+        if chunk.max_key is not None and chunk.key_types is not None and (chunk.table_oid, chunk.key_types) != now:
+            log.warning(
+                "incremental snapshot of table read again from its first key: it was dropped and created again, "
+                "or its primary key changed, since its reading began",
+                extra={"table": chunk.table, "after_key": chunk.after, "key_was": chunk.key_types, "key_now": scan.key_types,
+                       "recreated": chunk.table_oid != scan.oid},
+            )
+            self.metrics.tables_restarted.labels(KIND, chunk.table).inc()
+            chunk.after = chunk.max_key = None
+        chunk.table_oid, chunk.key_types = now
 
     def _select_settled(
         self, conn: psycopg.Connection[tuple[object, ...]], chunk: Chunk, role: str, query: sql.Composed,
@@ -779,6 +815,7 @@ class IncrementalSnapshot:
         timeout = self.config.incremental_filter_timeout if chunk.where is not None else 0.0
         try:
             with self._read_only(conn, role, timeout):
+                self._lock(conn, chunk)
                 rows = fetch_fields(conn, query)
                 # Repeatable read: the query's own snapshot, taken after it locked the table.
                 snap = conn.execute("SELECT pg_current_snapshot()::text").fetchone()
@@ -795,6 +832,19 @@ class IncrementalSnapshot:
             text = str(e).strip()
             chunk.failure = f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
             return None
+
+    @staticmethod
+    def _lock(conn: psycopg.Connection[tuple[object, ...]], chunk: Chunk) -> None:
+        """Lock the chunk's table before the transaction's snapshot is taken, and check that
+        it is still the table described. A query's snapshot is taken before it waits for its
+        table's lock: a rewrite (ALTER TABLE … TYPE, which also changes a key's type) that
+        commits during that wait leaves the table empty to the snapshot, and the chunk read
+        no rows, so the table was done with all its remaining rows missing."""
+        scan = chunk.scan
+        assert scan is not None
+        conn.execute(sql.SQL("LOCK TABLE {} IN ACCESS SHARE MODE").format(scan.ident))
+        if table_identity(conn, scan.relation.schema, scan.relation.name) != (scan.oid, scan.key_types):
+            raise ChunkDeferred("the table was dropped, or its primary key changed, while the chunk was read")
 
     @staticmethod
     def _keep_rows(chunk: Chunk, scan: ScanTable, rows: Sequence[Sequence[bytes | None]]) -> None:
@@ -905,6 +955,7 @@ class IncrementalSnapshot:
             self._next_table()
         else:
             pos.last_key, pos.max_key = chunk.last_key, chunk.max_key
+            pos.table_oid, pos.key_types = chunk.table_oid, chunk.key_types
         if pos.tables:
             self._mark(eager=False)
         else:
@@ -942,7 +993,7 @@ class IncrementalSnapshot:
         pos.filters.pop(pos.tables[0], None)
         pos.tables = pos.tables[1:]
         self._recent = None
-        pos.last_key = pos.max_key = None
+        pos.forget_table()
         self.metrics.tables_remaining.labels(KIND).set(len(pos.tables))
 
     def _finish(self, *, aborted: bool) -> None:

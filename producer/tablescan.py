@@ -19,7 +19,7 @@ import select
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, NoReturn
+from typing import Any, NoReturn, cast
 
 import psycopg
 from psycopg import pq, sql
@@ -57,6 +57,12 @@ class ScanTable:
     sql_types: list[str]  # format_type(): with its modifier (a bare "character" is char(1)), for key literals
     estimated_rows: int = 0
     pages: int = 0  # heap pages when described
+    oid: int = 0  # pg_class oid when described
+
+    @property
+    def key_types(self) -> list[str]:
+        """The primary key's columns with their types (``id integer``): the order of its values."""
+        return [f"{c} {self.sql_types[i]}" for c, i in zip(self.relation.pk, self.relation.pk_index, strict=True)]
 
     @property
     def qualified(self) -> str:
@@ -116,7 +122,21 @@ def describe_table(conn: Conn, schema: str, name: str, capture: CaptureFilter, r
         relid, schema, name, columns, types, identity, pk, replident,
         not_null=[c[4] is True for c in cols], modifiers=[type_modifiers(t, int(str(c[3]))) for t, c in zip(types, cols, strict=True)],
     ).prepare(capture)
-    return ScanTable(rel, kind, [str(c[2]) for c in cols], estimate, pages)
+    return ScanTable(rel, kind, [str(c[2]) for c in cols], estimate, pages, oid)
+
+
+def table_identity(conn: Conn, schema: str, name: str) -> tuple[int, list[str]] | None:
+    """The table's pg_class oid and its primary key's columns with their types, as
+    :attr:`ScanTable.key_types` gives them; None when it does not exist. Takes no lock."""
+    row = conn.execute(
+        "SELECT c.oid::int8, array(SELECT format('%%s %%s', a.attname, format_type(a.atttypid, a.atttypmod)) "
+        "FROM pg_index i JOIN LATERAL unnest(i.indkey::int2[]) WITH ORDINALITY AS k(attnum, ord) ON true "
+        "JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = k.attnum "
+        "WHERE i.indrelid = c.oid AND i.indisprimary ORDER BY k.ord) "
+        "FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace WHERE n.nspname = %s AND c.relname = %s",
+        (schema, name),
+    ).fetchone()
+    return None if row is None else (int(str(row[0])), [str(t) for t in cast("list[object]", row[1])])
 
 
 def _str_float(text: str) -> float | str:

@@ -11,7 +11,7 @@ from prometheus_client import CollectorRegistry
 
 from producer.codec import CaptureFilter, Relation
 from producer.config import ProducerConfig, load
-from producer.incremental import IncrementalSnapshot, Position
+from producer.incremental import Chunk, IncrementalSnapshot, Position
 from producer.metrics import SnapshotMetrics
 from producer.offsets import OffsetStore
 from producer.signal_topic import read_signal
@@ -278,3 +278,28 @@ def test_a_change_without_its_key_in_the_window_reads_the_chunk_again(caplog: py
     for _ in range(CHUNK_REREADS + 1):
         chunk_with("unknown key")
     assert pos.tables == [] and registry.get_sample_value("walbus_snapshot_tables_failed_total", {"kind": "incremental", "table": "public.orders"}) == 1
+
+
+def test_a_saved_key_of_another_key_type_or_table_reads_the_table_again() -> None:
+    """Saved keys are text: under another key type (or in a table created again) they mean
+    other rows, so the table is read again from its first key; a position saved before the
+    key's identity was kept (no table_oid, no key_types) resumes as it is."""
+    old = {"signal_id": "s1", "tables": ["public.orders"], "last_key": ["100"], "max_key": ["5000"], "total_tables": 1}
+    inc, registry = _snapshot({"incremental": old})
+    pos = inc.position
+    assert pos is not None and pos.table_oid is None and pos.key_types is None
+    scan = _scan()
+    scan.oid = 42
+    assert scan.key_types == ["id integer"]
+    chunk = Chunk("c", "public.orders", pos.last_key, max_key=pos.max_key, table_oid=pos.table_oid, key_types=pos.key_types)
+    inc._check_identity(chunk, scan)
+    assert (chunk.after, chunk.max_key, chunk.table_oid, chunk.key_types) == (["100"], ["5000"], 42, ["id integer"])
+    labels = {"kind": "incremental", "table": "public.orders"}
+    for oid, types in ((42, ["id text"]), (43, ["id integer"])):
+        changed = ScanTable(scan.relation, "r", [types[0].split(" ", 1)[1], "text"], oid=oid)
+        chunk = Chunk("c", "public.orders", ["100"], max_key=["5000"], table_oid=42, key_types=["id integer"])
+        inc._check_identity(chunk, changed)
+        assert (chunk.after, chunk.max_key, chunk.table_oid, chunk.key_types) == (None, None, oid, types)
+    assert registry.get_sample_value("walbus_snapshot_tables_restarted_total", labels) == 2
+    pos.table_oid, pos.key_types = 42, ["id integer"]
+    assert Position.load(asdict(pos)) == pos
