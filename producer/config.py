@@ -90,6 +90,11 @@ class ProducerConfig(KafkaOptions):
     incremental_filter_timeout: float = option(
         300.0, minimum=0, maximum=INT32_MAX, help="seconds one query of a table with an additional-conditions filter may run; longer fails the table (0: no limit)",
     )
+    incremental_lock_timeout: float = option(
+        10.0, minimum=0.001, maximum=INT32_MAX, help="seconds an incremental-snapshot query may wait for its table's lock "
+        "(held by another session); then the table is retried later, behind the tables queued after it when its reading "
+        "has not begun",
+    )
     log_level: str = option("info", help="log level", choices=["debug", "info", "warning", "error"])
 
     @property

@@ -239,6 +239,9 @@ class Chunk:
     invisible: frozenset[int] = frozenset()  # xids the chunk's snapshot saw in progress (32-bit)
     low_mark: int = 0  # RecentChanges.mark when the low watermark came
     table_oid: int | None = None  # Position.table_oid, then the table's as read
+    # The table's lock was not granted within --incremental-lock-timeout: the sessions holding
+    # or awaiting an ACCESS EXCLUSIVE lock on it (pid, user, application, granted).
+    locked: list[dict[str, Any]] | None = None
     key_types: list[str] | None = None  # Position.key_types, then the table's as read
 
 
@@ -262,6 +265,7 @@ class IncrementalSnapshot:
         self._retry_at = 0.0
         self._rereads = 0  # the chunk read again in a row (see _read_again)
         self._backoff = Backoff(initial=2.0, maximum=60.0)  # a lost connection or a failover: retried forever
+        self._lock_backoff = Backoff(initial=1.0, maximum=60.0)  # a table locked by another session
         self._pending: list[list[Any]] = []  # [end_lsn | None, position doc | None], in order
         self._eager = False  # a signal changed the position in the transaction being decoded
         self._save_task: asyncio.Task[None] | None = None
@@ -660,6 +664,8 @@ class IncrementalSnapshot:
                 )
                 self.metrics.tables_failed.labels(KIND, chunk.table).inc()
                 self._give_up_table(chunk)
+            elif chunk.locked is not None:
+                self._locked_out(chunk, chunk.locked)
             return
         self.close()
         self._conn = None
@@ -675,8 +681,58 @@ class IncrementalSnapshot:
     def _connection(self) -> psycopg.Connection[tuple[object, ...]]:
         if self._conn is None or self._conn.closed:
             dsn = self.config.pg_dsn
-            self._conn = psycopg.connect(dsn, autocommit=True, application_name="walbus-incremental", options=session_options(dsn))
+            conn = psycopg.connect(dsn, autocommit=True, application_name="walbus-incremental", options=session_options(dsn))
+            # A table's lock held by another session (LOCK TABLE, a long ALTER) must not hold
+            # this connection, and every table queued after it, for as long as it lasts.
+            lock_ms = max(1, round(self.config.incremental_lock_timeout * 1000))
+            conn.execute(sql.SQL("SET lock_timeout = {}").format(sql.Literal(lock_ms)))
+            self._conn = conn
         return self._conn
+
+    def _locked_out(self, chunk: Chunk, holders: list[dict[str, Any]]) -> None:
+        """The chunk's table stayed locked longer than --incremental-lock-timeout: retried with
+        backoff; a table whose reading has not begun goes behind the tables queued after it,
+        so they are read meanwhile (one being read keeps its place: its progress is that of
+        the queue's first table)."""
+        self._chunk = None
+        pos = self.position
+        if pos is None or not pos.tables or pos.tables[0] != chunk.table:
+            return  # stopped meanwhile
+        self.metrics.lock_timeouts.labels(KIND, chunk.table).inc()
+        self._lock_backoff.failures += 1
+        delay = self._lock_backoff.next_delay()
+        self._retry_at = time.monotonic() + delay
+        requeued = pos.last_key is None and len(pos.tables) > 1
+        if requeued:
+            pos.tables = [*pos.tables[1:], chunk.table]
+            pos.forget_table()
+            self._recent = None
+            self._mark(eager=False)
+        log.warning(
+            "incremental snapshot of table waits for its lock, held by another session: retried later",
+            extra={"table": chunk.table, "lock_timeout_s": self.config.incremental_lock_timeout, "blocked_by": holders,
+                   "after_key": pos.last_key if not requeued else None, "queued_last": requeued,
+                   "attempt": self._lock_backoff.failures, "retry_in_s": round(delay, 3)},
+        )
+
+    @staticmethod
+    def _lock_holders(conn: psycopg.Connection[tuple[object, ...]], table: str) -> list[dict[str, Any]]:
+        """Who holds or awaits an ACCESS EXCLUSIVE lock on ``table`` (the only mode that
+        blocks a read), for the log line; takes no lock itself."""
+        schema, name = split_table(table)
+        try:
+            rows = conn.execute(
+                "SELECT l.pid, a.usename::text, a.application_name, l.granted FROM pg_locks l "
+                "LEFT JOIN pg_stat_activity a ON a.pid = l.pid "
+                "WHERE l.locktype = 'relation' AND l.mode = 'AccessExclusiveLock' AND l.pid <> pg_backend_pid() "
+                "AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database()) "
+                "AND l.relation = (SELECT c.oid FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
+                "WHERE n.nspname = %s AND c.relname = %s) ORDER BY l.granted DESC, l.pid LIMIT 5",
+                (schema, name),
+            ).fetchall()
+        except psycopg.Error:
+            return []  # only for the log line
+        return [{"pid": r[0], "user": r[1], "application": r[2], "granted": r[3]} for r in rows]
 
     def _give_up_table(self, chunk: Chunk) -> None:
         """The chunk's table is not read (further); the next one is."""
@@ -715,6 +771,12 @@ class IncrementalSnapshot:
     def _read_chunk(self, chunk: Chunk) -> None:
         """In a thread: low watermark, the chunk's rows, high watermark."""
         conn = self._connection()
+        try:
+            self._read_chunk_on(conn, chunk)
+        except psycopg.errors.LockNotAvailable:
+            chunk.locked = self._lock_holders(conn, chunk.table)
+
+    def _read_chunk_on(self, conn: psycopg.Connection[tuple[object, ...]], chunk: Chunk) -> None:
         schema, name = split_table(chunk.table)
         self._relids += 1
         scan = describe_table(conn, schema, name, self.capture, self._relids)
@@ -933,6 +995,7 @@ class IncrementalSnapshot:
         if chunk.window.blind or UNKNOWN_KEY in unseen:
             return self._read_again(chunk)
         self._rereads = 0
+        self._lock_backoff.reset()
         rows = chunk.window.high(chunk.rows, unseen)
         # The watermark's transaction holds nothing but the message (we wrote it), so these
         # keys follow its events (none) and precede everything committed after it.

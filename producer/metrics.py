@@ -54,6 +54,10 @@ class SnapshotMetrics:
             "walbus_snapshot_tables_restarted", "Tables read again from their first key: dropped and created again, or their "
             "primary key changed, while an incremental snapshot read them", ["kind", "table"], registry=registry,
         )
+        self.lock_timeouts = Counter(
+            "walbus_snapshot_lock_timeouts", "Incremental snapshot chunks that waited longer than --incremental-lock-timeout "
+            "for their table's lock (another session holds it), by table", ["kind", "table"], registry=registry,
+        )
         self.paused = Gauge("walbus_snapshot_paused", "1 while a snapshot is paused (pause-snapshot signal)", ["kind"], registry=registry)
         self.ignored = Counter(
             "walbus_snapshot_ignored_signals", "Signal rows and watermark messages ignored as malformed or over the limits, by kind",

@@ -490,3 +490,45 @@ async def test_a_table_rewritten_while_a_chunk_waits_for_its_lock(pg_dsn: str, k
     read = {e["values"][0] for e in events if e["operation"] == "read"}
     assert len(read) == rows, f"{rows - len(read)} rows never read"
     assert rewrites > 20  # the rewrites went on during the snapshot
+
+
+async def test_a_locked_table_does_not_hold_the_queue(
+    pg_dsn: str, kafka_bootstrap: str, unique_name: str, caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Another session holds LOCK TABLE … IN ACCESS EXCLUSIVE MODE on the first table queued:
+    # the chunk's queries waited for it without end, without a word, and every table queued
+    # after it waited too. Now a lock wait ends after --incremental-lock-timeout (a warning
+    # naming the table and who holds the lock, a metric) and the table goes behind the others.
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute("CREATE TABLE walbus_signal (id varchar(64) PRIMARY KEY, type varchar(32) NOT NULL, data text)")
+        conn.execute("CREATE TABLE hx (id int PRIMARY KEY)")
+        conn.execute("CREATE TABLE free (id int PRIMARY KEY)")
+        conn.execute("INSERT INTO hx SELECT generate_series(1, 30)")
+        conn.execute("INSERT INTO free SELECT generate_series(1, 40)")
+    locker = psycopg.connect(pg_dsn)
+    try:
+        async with running_producer(
+            pg_dsn, kafka_bootstrap, topic=unique_name, slot=unique_name, snapshot_mode="never",
+            signal_table=SIGNAL, incremental_chunk_size=10, heartbeat_interval=0.5, incremental_lock_timeout=0.5,
+        ) as producer:
+            # Once the slot exists: its creation waits for transactions holding an xid, as this one does.
+            locker.execute("LOCK TABLE hx IN ACCESS EXCLUSIVE MODE")
+            locker_pid = locker.info.backend_pid
+            signal(pg_dsn, "sig-1", "execute-snapshot", ["public.hx", "public.free"])
+            await _sample_at_least(producer, "walbus_snapshot_rows_scanned_total", {"kind": "incremental", "table": "public.free"}, 40, within=30)
+            assert (producer.registry.get_sample_value(
+                "walbus_snapshot_lock_timeouts_total", {"kind": "incremental", "table": "public.hx"}) or 0) >= 1
+            with psycopg.connect(pg_dsn, autocommit=True) as conn:
+                conn.execute("INSERT INTO free VALUES (100)")  # the stream goes on meanwhile
+            await wait_slot_caught_up(pg_dsn, unique_name)
+            locker.rollback()
+            await snapshot_completed(producer)
+    finally:
+        locker.close()
+    warned = [r for r in caplog.records if r.getMessage().startswith("incremental snapshot of table waits for its lock")]
+    assert warned and getattr(warned[0], "table", None) == "public.hx"
+    assert [h["pid"] for h in getattr(warned[0], "blocked_by", [])] == [locker_pid]
+    events = [orjson.loads(v) for _, v in await read_topic(kafka_bootstrap, unique_name) if v]
+    reads = sorted((e["table"], e["values"][0]) for e in events if e["operation"] == "read")
+    assert reads == [("public.free", i) for i in range(1, 41)] + [("public.hx", i) for i in range(1, 31)]
+    assert [e["values"] for e in events if e["operation"] == "insert" and e["table"] == "public.free"] == [[100]]
