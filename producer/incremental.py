@@ -45,6 +45,7 @@ from walbus.retry import Backoff
 log = logging.getLogger("walbus.producer.incremental")
 
 WATERMARK_PREFIX = "walbus-watermark"
+WATERMARK_LOG_EVERY_S = 60.0  # malformed watermark messages: one log line a minute at most
 MAX_SIGNAL_TABLES = 1000  # tables one execute-snapshot signal may list (docs/contract.md)
 MAX_FILTER_CHARS = 64 * 1024  # all additional-conditions filters of one signal: they are kept in the progress record
 KIND = "incremental"
@@ -54,6 +55,25 @@ SYNC_REP_WAIT_S = 5.0  # a chunk waits this long for transactions awaiting synch
 CHUNK_REREADS = 20
 # Stands for a key the stream did not carry, in ChunkWindow and RecentChanges.
 UNKNOWN_KEY: Final[Key] = (object(),)
+
+
+class LogLimit:
+    """At most one log line per ``every_s`` seconds; the lines held back are counted and the
+    next line says how many. Pure: the clock is injected."""
+
+    def __init__(self, every_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.every_s, self._clock = every_s, clock
+        self._last: float | None = None
+        self._held = 0
+
+    def allow(self) -> int | None:
+        """None: hold this line back; else the number of lines held back before it."""
+        now = self._clock()
+        if self._last is not None and now - self._last < self.every_s:
+            self._held += 1
+            return None
+        held, self._held, self._last = self._held, 0, now
+        return held
 
 
 class ChunkDeferred(RuntimeError):
@@ -266,6 +286,7 @@ class IncrementalSnapshot:
         self._rereads = 0  # the chunk read again in a row (see _read_again)
         self._backoff = Backoff(initial=2.0, maximum=60.0)  # a lost connection or a failover: retried forever
         self._lock_backoff = Backoff(initial=1.0, maximum=60.0)  # a table locked by another session
+        self._watermark_log = LogLimit(WATERMARK_LOG_EVERY_S)
         self._pending: list[list[Any]] = []  # [end_lsn | None, position doc | None], in order
         self._eager = False  # a signal changed the position in the transaction being decoded
         self._save_task: asyncio.Task[None] | None = None
@@ -428,8 +449,16 @@ class IncrementalSnapshot:
     # -- signals -----------------------------------------------------------------------------
 
     def _ignore(self, kind: str, reason: str, **details: Any) -> None:
-        log.error(f"{kind} ignored: {reason}", extra={"reason": reason, **details})
         self.metrics.ignored.labels(kind).inc()
+        if kind == "watermark":
+            # Any login role may emit a logical message with our prefix, as often as it likes:
+            # not an error of ours, and it must not flood the log (550 error lines in a fuzz run).
+            held = self._watermark_log.allow()
+            if held is not None:
+                log.warning(f"{kind} ignored: {reason}", extra={"reason": reason, **details, "suppressed": held,
+                                                                "log_every_s": WATERMARK_LOG_EVERY_S})
+            return
+        log.error(f"{kind} ignored: {reason}", extra={"reason": reason, **details})
 
     def _signal_tables(self, sig_id: str, payload: dict[str, Any]) -> list[str] | None:
         """The signal's ``data-collections`` as event table names; None (logged) when malformed."""

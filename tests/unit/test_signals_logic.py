@@ -11,7 +11,8 @@ from prometheus_client import CollectorRegistry
 
 from producer.codec import CaptureFilter, Relation
 from producer.config import ProducerConfig, load
-from producer.incremental import Chunk, IncrementalSnapshot, Position
+from producer.decoders import LogicalMessage
+from producer.incremental import WATERMARK_PREFIX, Chunk, IncrementalSnapshot, LogLimit, Position
 from producer.metrics import SnapshotMetrics
 from producer.offsets import OffsetStore
 from producer.signal_topic import read_signal
@@ -303,3 +304,22 @@ def test_a_saved_key_of_another_key_type_or_table_reads_the_table_again() -> Non
     assert registry.get_sample_value("walbus_snapshot_tables_restarted_total", labels) == 2
     pos.table_oid, pos.key_types = 42, ["id integer"]
     assert Position.load(asdict(pos)) == pos
+
+
+def test_malformed_watermarks_are_a_warning_a_minute_and_all_counted(caplog: pytest.LogCaptureFixture) -> None:
+    """Any login role may emit logical messages with the watermark prefix: they were an error
+    line each (550 in one fuzz run). Now a warning, at most one a minute, saying how many
+    were held back; the counter counts them all."""
+    now = [1000.0]
+    inc, registry = _snapshot()
+    inc._watermark_log = LogLimit(60.0, clock=lambda: now[0])
+    bad = LogicalMessage(1, WATERMARK_PREFIX, b"not json", True)
+    with caplog.at_level("INFO", logger="walbus.producer.incremental"):
+        for _ in range(550):
+            assert inc.on_message(bad, False) == []
+            now[0] += 0.1  # 55 s in all
+        now[0] += 10
+        inc.on_message(bad, False)
+    lines = [r for r in caplog.records if r.getMessage().startswith("watermark ignored")]
+    assert [(r.levelname, getattr(r, "suppressed", None)) for r in lines] == [("WARNING", 0), ("WARNING", 549)]
+    assert _ignored(registry, "watermark") == 551
