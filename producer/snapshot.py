@@ -41,6 +41,7 @@ from producer.tablescan import (
 )
 from walbus.config import ConfigError
 from walbus.contract import MASK, Lsn, decode_event, qualify_table
+from walbus.retry import Backoff
 
 log = logging.getLogger("walbus.producer.snapshot")
 
@@ -50,6 +51,11 @@ _COPY_RUN = 512  # lines the native path encodes per call: one Kafka batch's wor
 
 class SnapshotAborted(Exception):
     """The producer was asked to stop mid-snapshot; the next start redoes it."""
+
+
+class SnapshotOutdated(Exception):
+    """A table to read changed in a way the exported snapshot cannot read (rewritten, dropped,
+    renamed) after its consistent point, or could not be locked: the export is taken again."""
 
 
 # A table of at least this many heap pages (8 MB) is read by several connections at once,
@@ -269,17 +275,30 @@ class InitialSnapshot:
         }
         await self.offsets.save()  # before the slot exists: a crash from here on is seen as "interrupted"
 
-        export = await asyncio.to_thread(_Export.open, cfg, existing_slot)
+        backoff = Backoff(initial=0.5, maximum=30.0)
         try:
-            try:
-                # A new slot sends the commits from its consistent point on (a transaction running
-                # when the slot became consistent may commit exactly there, outside the snapshot):
-                # its reads go below that point too, as an existing slot's below its position.
-                replay_from = export.replay_from if export.replay_from is not None else export.consistent_point
-                reads_at = await self._reads_before_the_replay(replay_from)
-                result = await self._read(export, earlier, reads_at)
-            finally:
-                await asyncio.to_thread(export.close)
+            while True:
+                export = await asyncio.to_thread(_Export.open, cfg, existing_slot)
+                try:
+                    # A new slot sends the commits from its consistent point on (a transaction running
+                    # when the slot became consistent may commit exactly there, outside the snapshot):
+                    # its reads go below that point too, as an existing slot's below its position.
+                    replay_from = export.replay_from if export.replay_from is not None else export.consistent_point
+                    reads_at = await self._reads_before_the_replay(replay_from)
+                    result = await self._read(export, earlier, reads_at)
+                    break
+                except SnapshotOutdated as e:
+                    outdated = e
+                finally:
+                    await asyncio.to_thread(export.close)
+                # Nothing was read yet, and nothing streamed from a slot this attempt created: a new
+                # slot (and export) lose nothing. An existing slot keeps its position; only the
+                # export is taken again.
+                if not existing_slot:
+                    await asyncio.to_thread(setup.drop_slot, cfg.pg_dsn, cfg.slot_name)
+                await backoff.wait(log, "the initial snapshot's export", outdated, stop=self.stopping)
+                if self.stopping.is_set():
+                    raise SnapshotAborted("stop requested during the initial snapshot")
         except Exception:
             if not existing_slot:
                 # The slot this attempt created would hold WAL until the next start drops it
@@ -324,7 +343,13 @@ class InitialSnapshot:
         loop = asyncio.get_running_loop()
         workers = max(1, cfg.snapshot_workers)
         conns = await asyncio.to_thread(export.import_into, workers)
-        tables = await asyncio.to_thread(self._tables, conns[0])
+        try:
+            tables = await asyncio.to_thread(self._tables, conns[0])
+        except BaseException:
+            for c in conns:
+                with contextlib.suppress(Exception):
+                    c.close()
+            raise
         result = SnapshotResult(export.consistent_point, reads_at=reads_at[0], first_seq=reads_at[1])
         self.metrics.begin(KIND, len(tables))
         log.info(
@@ -437,13 +462,17 @@ class InitialSnapshot:
 
     def _tables(self, conn: psycopg.Connection[tuple[object, ...]]) -> list[ScanTable]:
         """The captured tables as the snapshot sees them (listed inside the snapshot, so a table
-        created after the consistent point is left to the stream)."""
+        created after the consistent point is left to the stream), locked until the snapshot
+        ends and checked to be readable by it (:func:`lock_tables`)."""
+        names = self._names(conn)
+        lock_tables(conn, names)
         out: list[ScanTable] = []
         read_as_itself = self.config.plugin == "pgoutput"  # else (wal2json) a partitioned table is read as its leaves
-        for relid, (schema, table) in enumerate(self._names(conn), start=1):
+        for relid, (schema, table) in enumerate(names, start=1):
             scan = describe_table(conn, schema, table, self.capture, relid)
             if scan is not None and (scan.kind == "r" or read_as_itself):
                 out.append(scan)
+        check_unchanged(conn, [(t.relation.schema, t.relation.name) for t in out])
         return out
 
     def _names(self, conn: psycopg.Connection[tuple[object, ...]]) -> list[setup.TableName]:
@@ -598,6 +627,87 @@ def _drop_new_slot(cfg: ProducerConfig) -> None:
         setup.drop_slot(cfg.pg_dsn, cfg.slot_name)
     except Exception as e:  # the database away, the slot in use: the next start sees to it
         log.warning("the slot the failed snapshot created could not be dropped", extra={"slot": cfg.slot_name, "error": str(e)})
+
+
+# How long the snapshot waits for one table's lock before it gives the export up and takes it
+# again (a session holding ACCESS EXCLUSIVE is about to rewrite or drop the table, most often;
+# waiting on without a limit could also deadlock with DDL that holds one table and waits for
+# another this snapshot already locked).
+LOCK_WAIT = "5s"
+
+
+def lock_tables(conn: psycopg.Connection[tuple[object, ...]], tables: list[setup.TableName]) -> None:
+    """Lock ``tables`` in ACCESS SHARE mode inside the snapshot's transaction, until it ends.
+
+    PostgreSQL's table rewrites (TRUNCATE, ALTER TABLE … TYPE, VACUUM FULL, CLUSTER) are not
+    MVCC-safe: the table gets a new heap whose rows a snapshot taken before them does not see.
+    Without the locks, a table rewritten while the snapshot read other tables was read as
+    empty, and its rows were lost for good (an ALTER … TYPE streams no row change; found by a
+    fuzz). With them (as pg_dump takes them) such DDL waits until the snapshot ends; one that
+    committed between the consistent point and the lock is caught by :func:`check_unchanged`.
+    A table dropped or renamed since (not found under its name) or still locked after
+    ``LOCK_WAIT`` raises SnapshotOutdated: the export is taken again."""
+    conn.execute(sql.SQL("SET LOCAL lock_timeout = {}").format(sql.Literal(LOCK_WAIT)))
+    for schema, table in tables:
+        ident = sql.Identifier(schema, table)
+        try:
+            # One round trip; the savepoint keeps the transaction (and its snapshot) usable when the lock fails.
+            conn.execute(sql.SQL("SAVEPOINT walbus_lock; LOCK TABLE {} IN ACCESS SHARE MODE; RELEASE SAVEPOINT walbus_lock").format(ident))
+        except (psycopg.errors.LockNotAvailable, psycopg.errors.UndefinedTable) as e:
+            conn.execute("ROLLBACK TO SAVEPOINT walbus_lock")
+            name = qualify_table(schema, table)
+            if isinstance(e, psycopg.errors.UndefinedTable):
+                raise SnapshotOutdated(f"table {name} was dropped or renamed after the snapshot's consistent point") from e
+            holders = conn.execute(
+                "SELECT l.pid, l.mode, a.state, left(a.query, 200) FROM pg_locks l LEFT JOIN pg_stat_activity a ON a.pid = l.pid "
+                "WHERE l.locktype = 'relation' AND l.relation = to_regclass(%s) AND l.granted AND l.mode = 'AccessExclusiveLock' "
+                "AND l.pid <> pg_backend_pid()",
+                (ident.as_string(conn),),
+            ).fetchall()
+            log.warning(
+                "a table to snapshot is locked by another session: taking the snapshot again",
+                extra={"table": name, "waited": LOCK_WAIT,
+                       "blockers": [{"pid": h[0], "mode": h[1], "state": h[2], "query": h[3]} for h in holders]},
+            )
+            raise SnapshotOutdated(f"table {name} stayed locked by another session for {LOCK_WAIT}") from e
+    conn.execute("SET LOCAL lock_timeout TO DEFAULT")
+
+
+def check_unchanged(conn: psycopg.Connection[tuple[object, ...]], tables: list[setup.TableName]) -> None:
+    """SnapshotOutdated when one of ``tables`` (locked) was rewritten, dropped or replaced
+    after the snapshot's consistent point.
+
+    ``pg_class`` read by a query shows the table as the snapshot sees it; the catalog lookups
+    behind ``pg_relation_filenode`` and ``to_regclass`` show it as it is now. A different heap
+    (relfilenode; a partitioned table's: each partition's) means a rewrite the snapshot cannot
+    read; a different oid under the name, a table dropped or renamed and replaced.
+
+    Why the whole export is taken again rather than that table read anew: nothing was read
+    yet (the check comes before the first row), so that costs one new slot and export, and
+    the result is exact. A fresh read of just that table would see changes the stream also
+    sends from the consistent point on, and under the old column types."""
+    if not tables:
+        return
+    rows = conn.execute(
+        "WITH RECURSIVE rels(nsp, rel, oid, root) AS ("
+        " SELECT n.nspname, c.relname, c.oid, true FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace"
+        " JOIN unnest(%s::text[], %s::text[]) AS t(nsp, rel) ON n.nspname = t.nsp AND c.relname = t.rel"
+        " UNION ALL"
+        " SELECT rels.nsp, rels.rel, i.inhrelid, false FROM rels JOIN pg_class p ON p.oid = rels.oid AND p.relkind = 'p'"
+        " JOIN pg_inherits i ON i.inhparent = rels.oid)"
+        " SELECT DISTINCT rels.nsp, rels.rel FROM rels JOIN pg_class c ON c.oid = rels.oid"
+        " WHERE (rels.root AND to_regclass(format('%%I.%%I', rels.nsp, rels.rel)) IS DISTINCT FROM rels.oid)"
+        " OR (c.relkind <> 'p' AND c.relfilenode IS DISTINCT FROM pg_relation_filenode(c.oid))",
+        ([t[0] for t in tables], [t[1] for t in tables]),
+    ).fetchall()
+    if rows:
+        names = sorted(qualify_table(str(r[0]), str(r[1])) for r in rows)
+        log.warning(
+            "tables to snapshot were rewritten (TRUNCATE, ALTER TABLE … TYPE, VACUUM FULL, CLUSTER) or replaced after "
+            "the snapshot's consistent point, which cannot read them: taking the snapshot again",
+            extra={"tables": names},
+        )
+        raise SnapshotOutdated(f"tables rewritten or replaced after the snapshot's consistent point: {', '.join(names)}")
 
 
 class _Export:
