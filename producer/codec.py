@@ -478,11 +478,13 @@ class EventEncoder:
         absent: Sequence[int] = (),
         old: list[Any] | None = None,
         old_is_full: bool = False,
+        old_lacks: Sequence[int] = (),
     ) -> EncodedEvent:
         """One event. ``new``/``old`` hold a value per relation column (old: key columns at least).
 
         ``unchanged`` are indexes of ``new`` whose value was not sent (TOAST); they are
-        filled from a full old row when there is one, else left out and listed.
+        filled from a full old row when there is one, else left out and listed. ``old_lacks``:
+        columns a full old row did not hold (not filled from it: its None there is no value).
         ``absent`` are columns the change did not have at all (added later): left out.
         """
         seq = self.seq
@@ -501,7 +503,7 @@ class EventEncoder:
                 if unchanged and old is not None and old_is_full:
                     for i in unchanged:
                         new[i] = old[i]
-                    unchanged = ()
+                    unchanged = [i for i in unchanged if i in old_lacks] if old_lacks else ()
                 missing = set(unchanged) | set(absent)
                 idx = [i for i in rel.keep if i not in missing] if missing else rel.keep
                 unchanged_names = [rel.columns[i] for i in rel.keep if i in set(unchanged)]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from datetime import UTC, datetime
 from functools import partial
 from typing import Any, Final
@@ -97,6 +98,14 @@ def _without(cols: list[dict[str, Any]], names: frozenset[str]) -> list[dict[str
     return [c for c in cols if c["name"] not in names]
 
 
+def _identity_agrees(rel: Relation, names: list[str]) -> bool:
+    """Whether an identity of columns ``names`` is what ``rel``'s replica identity sends: every
+    column in order under FULL, else its key's columns."""
+    if rel.replident == "f":
+        return names == rel.columns
+    return set(names) == {c for c, flagged in zip(rel.columns, rel.identity, strict=True) if flagged}
+
+
 def _message_with_bytes(buf: bytes) -> Any:
     """A payload that is not valid UTF-8 JSON: wal2json prints a logical message's content as
     it is, and ``pg_logical_emit_message`` takes any bytes from any login role. Such a
@@ -125,6 +134,7 @@ class Wal2jsonDecoder:
         self._whole: dict[tuple[str, str], list[Signature]] = {}  # the last insert that matched
         self._captured: dict[tuple[str, str], bool] = {}  # the capture filter's answer per table
         self._generated: dict[tuple[str, str], frozenset[str]] = {}  # as the catalog last said
+        self._info: dict[tuple[str, str], TableInfo] = {}  # the catalog's table, as last read
         self._relid = 0
         self._counts: dict[tuple[str, str], int] = {}
         self._begin: TxnBegin | None = None
@@ -150,7 +160,7 @@ class Wal2jsonDecoder:
 
     def _relation(
         self, schema: str, table: str, cols: list[dict[str, Any]], *, whole: bool = False,
-        new_row: list[dict[str, Any]] | None = None,
+        new_row: list[dict[str, Any]] | None = None, fresh: bool = False,
     ) -> Entry:
         """The relation a change was written with. ``whole``: ``cols`` is the whole row (an
         insert, or an old row under REPLICA IDENTITY FULL), so its column list is the table's as
@@ -160,10 +170,11 @@ class Wal2jsonDecoder:
 
         The catalog says how a table is now, which may be a later version than the change's
         (a column added, dropped, renamed or retyped later in its transaction or since): when
-        the catalog does not match the change's own columns, those columns are the relation."""
+        the catalog does not match the change's own columns, those columns are the relation.
+        ``fresh``: read the catalog again even when the cached relation matches."""
         key = (schema, table)
         cached = self._relations.get(key)
-        if cached is not None:
+        if cached is not None and not fresh:
             if whole:
                 # An insert like the last one matched: one list compare, no per-column look-ups.
                 signature = _signatures(cols)
@@ -186,6 +197,7 @@ class Wal2jsonDecoder:
                 "table not in the catalog: described by the change's own columns, without a primary key",
                 extra={"table": f"{schema}.{table}"},
             )
+        self._info[key] = info
         generated = self._generated[key] = frozenset(info.generated)
         if generated:
             cols = [c for c in cols if c["name"] not in generated]
@@ -198,11 +210,75 @@ class Wal2jsonDecoder:
             # unchanged TOAST values (in the catalog's order)
             entry = self._from_change(schema, table, self._with_toastable(cols, info), info)
             log.debug("relation from the change's own columns", extra={"table": entry[0].qualified, "columns": entry[0].columns})
+        self._cache(key, entry)
+        return entry
+
+    def _cache(self, key: tuple[str, str], entry: Entry) -> None:
         self._relations[key] = entry
         self._hot = None  # its relation may be this table's old one
         self._known[key] = set()
         self._whole.pop(key, None)
-        return entry
+
+    def _with_identity(
+        self, schema: str, table: str, entry: Entry, new_row: list[dict[str, Any]] | None, ident_cols: list[dict[str, Any]],
+    ) -> tuple[Entry, list[dict[str, Any]], bool]:
+        """The relation with the replica identity an update or delete was written under, its
+        identity columns (without generated ones) and whether they are the whole old row.
+
+        wal2json prints a change's identity as the change's own catalog version has it: the
+        key's columns (the primary key's, or the index's under USING INDEX), or every column
+        under FULL. The catalog says how the table is now (or was when last read): after ALTER
+        TABLE … REPLICA IDENTITY the two differ, and the change's own identity decides (a
+        cached FULL made a key-only identity the old row, its unchanged TOAST values null)."""
+        key = (schema, table)
+        names = [c["name"] for c in ident_cols]
+        if _identity_agrees(entry[0], names):
+            return entry, ident_cols, entry[0].replident == "f"
+        # The catalog read may be stale (an ALTER TABLE since): read it again.
+        changed = (new_row or []) + ident_cols
+        entry = self._relation(schema, table, changed, new_row=new_row, fresh=True)
+        generated = self._generated[key]
+        if generated:
+            ident_cols = _without(ident_cols, generated)
+            new_row = None if new_row is None else _without(new_row, generated)
+            names = [c["name"] for c in ident_cols]
+        rel = entry[0]
+        if _identity_agrees(rel, names):
+            return entry, ident_cols, rel.replident == "f"
+        # Still not the catalog's: written under another replica identity than the table's now.
+        info = self._info[key]
+        ident = set(names)
+        pk = set(info.pk)
+        if names == rel.columns:
+            full = True
+        elif ident == pk or (info.replident == "i" and ident == set(info.identity)):
+            full = False
+        elif new_row is not None:
+            # the whole old row holds every column of the new one (an unchanged TOAST value is
+            # still in the old row); a key-only identity lacks the others
+            full = {c["name"] for c in new_row} <= ident
+        else:
+            full = ident > pk  # a delete: a key changed since has no more columns than the key
+        if full:
+            if names != rel.columns:
+                # its columns are the relation the change was written with (a column dropped,
+                # or added, since)
+                entry = self._relation(schema, table, ident_cols, whole=True)
+                rel = entry[0]
+            replident, identity = "f", tuple(rel.columns)
+        else:
+            replident, identity = ("d" if ident == pk else "i"), tuple(c for c in rel.columns if c in ident)
+        if rel.replident != replident or set(identity) != {c for c, f in zip(rel.columns, rel.identity, strict=True) if f}:
+            log.info(
+                "change written under another replica identity than the catalog's",
+                extra={"table": rel.qualified, "replica_identity": replident, "identity": list(identity)},
+            )
+            entry = self._build(
+                schema, table, rel.columns, rel.types, replace(info, replident=replident, identity=identity),
+                rel.modifiers, rel.not_null,
+            )
+            self._cache(key, entry)
+        return entry, ident_cols, full
 
     def _lacks_only_toast(self, rel: Relation, new_row: list[dict[str, Any]] | None) -> bool:
         """Whether every column of ``rel`` that an update's ``new_row`` lacks may be an
@@ -366,21 +442,20 @@ class Wal2jsonDecoder:
                     # the catalog was read for this change: a generated column it named is left out
                     generated = self._generated[(schema, table)]
                     cols, ident_cols = _without(cols, generated), None if ident_cols is None else _without(ident_cols, generated)
-                if (action != "I" and rel.replident == "f" and ident_cols and [c["name"] for c in ident_cols] != rel.columns
-                        and {c["name"] for c in cols} <= {c["name"] for c in ident_cols}):
-                    # Under REPLICA IDENTITY FULL the identity is the whole old row: its
-                    # columns are the relation the change was written with. (Not when it lacks
-                    # some of the new row's: written under DEFAULT before an ALTER TABLE … FULL,
-                    # whose key-only identity lost every other column; a re-fuzz.)
-                    rel, index, convs = self._relation(schema, table, ident_cols, whole=True)
+                old_full = False
+                if action != "I" and ident_cols:
+                    (rel, index, convs), ident_cols, old_full = self._with_identity(
+                        schema, table, (rel, index, convs), cols if action == "U" else None, ident_cols
+                    )
                 if not rel.captured:
                     continue
                 n = len(rel.columns)
                 old = None
-                old_full = False
+                old_lacks: list[int] = []
                 if ident_cols is not None:
-                    old, _ = self._row(ident_cols, index, convs, n)
-                    old_full = rel.replident == "f"
+                    old, old_present = self._row(ident_cols, index, convs, n)
+                    if old_full and len(old_present) < n:
+                        old_lacks = [i for i in range(n) if i not in old_present]
                 if action == "I":
                     # The relation matched the insert's columns exactly, in order: one value each.
                     new = [conv(c["value"]) for conv, c in zip(convs, cols, strict=True)]
@@ -392,7 +467,9 @@ class Wal2jsonDecoder:
                     unchanged = [i for i in range(n) if i not in present]
                     if not unchanged and [c["name"] for c in cols] == rel.columns:
                         self._make_hot(schema, table, cols, rel)  # a transaction of updates: the next ones natively
-                    yield self.encoder.encode(rel, "update", lsn, new, unchanged=unchanged, old=old, old_is_full=old_full)
+                    yield self.encoder.encode(
+                        rel, "update", lsn, new, unchanged=unchanged, old=old, old_is_full=old_full, old_lacks=old_lacks
+                    )
                     op = "update"
                 else:
                     yield self.encoder.encode(rel, "delete", lsn, None, old=old, old_is_full=old_full)
