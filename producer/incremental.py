@@ -24,7 +24,7 @@ from psycopg import sql
 from producer import setup
 from producer.codec import CaptureFilter, EncodedEvent, EventEncoder, Key, Relation
 from producer.config import ProducerConfig
-from producer.decoders import LogicalMessage
+from producer.decoders import WATERMARK_PREFIX, LogicalMessage
 from producer.metrics import SnapshotMetrics
 from producer.offsets import OffsetStore
 from producer.session import session_options
@@ -44,7 +44,6 @@ from walbus.retry import Backoff
 
 log = logging.getLogger("walbus.producer.incremental")
 
-WATERMARK_PREFIX = "walbus-watermark"
 WATERMARK_LOG_EVERY_S = 60.0  # malformed watermark messages: one log line a minute at most
 MAX_SIGNAL_TABLES = 1000  # tables one execute-snapshot signal may list (docs/contract.md)
 MAX_FILTER_CHARS = 64 * 1024  # all additional-conditions filters of one signal: they are kept in the progress record

@@ -30,6 +30,11 @@ class TxnEnd:
     counts: dict[tuple[str, str], int] = field(default_factory=dict)
 
 
+# The prefix of the logical messages walbus writes (incremental snapshots' watermarks): the only
+# ones a decoder needs (wal2json is asked for these only).
+WATERMARK_PREFIX = "walbus-watermark"
+
+
 @dataclass(slots=True)
 class LogicalMessage:
     """A ``pg_logical_emit_message`` record (snapshot watermarks use these)."""

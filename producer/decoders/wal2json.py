@@ -27,7 +27,7 @@ from producer.catalog import (
     type_modifiers,
 )
 from producer.codec import CaptureFilter, EventEncoder, Relation, iso_from_pg_text
-from producer.decoders import Item, LogicalMessage, TxnBegin, TxnEnd, WalMessages
+from producer.decoders import WATERMARK_PREFIX, Item, LogicalMessage, TxnBegin, TxnEnd, WalMessages
 from producer.decoders.pgoutput import DecodeError
 from producer.native import EncodeWal2jsonChanges, LoadsExact, encode_wal2json_changes, loads_exact
 from walbus.contract import BOOL_TYPES, FLOAT_SPECIALS, FLOAT_TYPES, INT_TYPES, qualify_table
@@ -156,6 +156,10 @@ class Wal2jsonDecoder:
             "include-typmod": "1",  # "type": "numeric(12,2)"
             "include-not-null": "1",  # "optional": false
             "include-transaction": "1",
+            # Only walbus's own logical messages: wal2json escapes a message's every byte (up
+            # to six), so anybody's pg_logical_emit_message of 180 MB passed PostgreSQL's
+            # 1 GB string limit and failed the slot at that record on every reconnect.
+            "add-msg-prefixes": WATERMARK_PREFIX,
         }
 
     def _relation(
