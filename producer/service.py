@@ -177,6 +177,7 @@ class Producer:
         cfg = self.config
         with setup.connect(cfg.pg_dsn) as conn:
             setup.check_server(conn)
+            setup.check_encoding(conn, cfg.plugin)
             self._source = setup.source_identity(conn)
             tables = setup.resolve_tables(conn, self.capture)
             setup.check_key_columns(conn, self.capture, tables)

@@ -21,6 +21,9 @@ OUTPUT_SETTINGS: Final = (
     ("IntervalStyle", "postgres"),
     ("extra_float_digits", "1"),
     ("bytea_output", "hex"),
+    # Text is read as UTF-8: a LATIN1 database's snapshot rows and pgoutput's values (which the
+    # server converts to the client's encoding) stopped the producer with UnicodeDecodeError.
+    ("client_encoding", "UTF8"),
 )
 
 

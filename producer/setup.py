@@ -81,6 +81,22 @@ def check_select(conn: psycopg.Connection[tuple[object, ...]], tables: list[Tabl
         )
 
 
+def check_encoding(conn: psycopg.Connection[tuple[object, ...]], plugin: str) -> None:
+    """The producer reads text as UTF-8: the server converts it for the client (the snapshots,
+    pgoutput), but wal2json writes the database's own encoding whatever the client asks."""
+    row = conn.execute("SELECT current_setting('client_encoding'), current_setting('server_encoding')").fetchone()
+    client, server = (str(row[0]), str(row[1])) if row else ("?", "?")
+    if client != "UTF8":
+        raise ConfigError(
+            f"client_encoding is {client} (the DSN's client_encoding or PGCLIENTENCODING): the producer reads UTF8, "
+            "leave the setting out"
+        )
+    if plugin == "wal2json" and server not in ("UTF8", "SQL_ASCII"):
+        raise ConfigError(
+            f"the database's encoding is {server}: wal2json writes its changes in it, not in UTF8; use --plugin pgoutput"
+        )
+
+
 def table_pattern(pattern: str, flag: str, *, exact: bool = True) -> str:
     """A ``--tables``-style entry (walbus's table patterns, docs/contract.md). With ``exact``
     (an include list, the signal table) an entry without wildcards names one existing table:
