@@ -34,6 +34,7 @@ class TableInfo:
     # Generated (STORED) columns: not among ``columns``. pgoutput and the snapshots leave them
     # out; wal2json sends them, and its decoder drops them (a types fuzz).
     generated: tuple[str, ...] = ()
+    kind: str = "r"  # pg_class.relkind: p(artitioned) tables have no rows of their own
 
 
 # The types whose modifier an event carries (``typmods``, docs/contract.md), as SQL writes it.
@@ -196,22 +197,23 @@ class Catalog:
             self._tables[(schema, name)] = info
         return info
 
-    def _find_table(self, schema: str, name: str, relid: int | None) -> tuple[int, str] | None:
-        """(oid, relreplident) of the table, by oid when given, else by name."""
+    def _find_table(self, schema: str, name: str, relid: int | None) -> tuple[int, str, str] | None:
+        """(oid, relreplident, relkind) of the table, by oid when given, else by name."""
         conn = self._connection()
         if relid is not None:
             found = conn.execute(
-                "SELECT oid::int8, relreplident::text FROM pg_class WHERE oid = %s::int8::oid", (relid,)
+                "SELECT oid::int8, relreplident::text, relkind::text FROM pg_class WHERE oid = %s::int8::oid", (relid,)
             ).fetchone()
         else:
             found = conn.execute(
-                "SELECT c.oid::int8, c.relreplident::text FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
+                "SELECT c.oid::int8, c.relreplident::text, c.relkind::text FROM pg_class c "
+                "JOIN pg_namespace n ON n.oid = c.relnamespace "
                 "WHERE n.nspname = %s AND c.relname = %s",
                 (schema, name),
             ).fetchone()
-        return None if found is None else (int(str(found[0])), str(found[1]))
+        return None if found is None else (int(str(found[0])), str(found[1]), str(found[2]))
 
-    def _query_table(self, schema: str, name: str, relid: int, replident: str) -> TableInfo:
+    def _query_table(self, schema: str, name: str, relid: int, replident: str, kind: str) -> TableInfo:
         conn = self._connection()
         every = conn.execute(
             "SELECT attname, atttypid::int8, atttypmod, attnotnull, attgenerated <> '' FROM pg_attribute "
@@ -231,7 +233,7 @@ class Catalog:
         return TableInfo(
             schema, name, tuple(str(c[0]) for c in cols), tuple(int(str(c[1])) for c in cols), pk, replident, identity,
             tuple(int(str(c[2])) for c in cols), tuple(str(c[0]) for c in cols if c[3] is True),
-            tuple(str(c[0]) for c in every if c[4] is True),
+            tuple(str(c[0]) for c in every if c[4] is True), kind,
         )
 
     @staticmethod
