@@ -489,7 +489,9 @@ async def test_a_table_rewritten_while_a_chunk_waits_for_its_lock(pg_dsn: str, k
     events = [orjson.loads(v) for _, v in await read_topic(kafka_bootstrap, unique_name) if v]
     read = {e["values"][0] for e in events if e["operation"] == "read"}
     assert len(read) == rows, f"{rows - len(read)} rows never read"
-    assert rewrites > 20  # the rewrites went on during the snapshot
+    # The rewrites went on during the snapshot. Not "more than 20": each waits for the chunks'
+    # locks, and a fast snapshot saw 16 (a flaky run under load); a few suffice to meet chunks.
+    assert rewrites >= 3
 
 
 async def test_a_locked_table_does_not_hold_the_queue(
