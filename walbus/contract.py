@@ -127,6 +127,19 @@ def parse_event_key(key: bytes) -> tuple[int, int]:
     return int(key[:16], 16), int(key[17:], 16)
 
 
+def key_metadata(prefix: str, key: bytes | None) -> str:
+    """Offset-commit metadata naming the last event key a consumer group finished with (empty: none)."""
+    return "" if key is None else prefix + key.decode("ascii")
+
+
+def metadata_key(text: str | None, prefix: str) -> bytes | None:
+    """The event key in metadata :func:`key_metadata` wrote with ``prefix``; None for another's or a malformed one."""
+    if not text or not text.startswith(prefix):
+        return None
+    key = text[len(prefix) :].encode("ascii", "replace")
+    return key if _KEY_TEXT.fullmatch(key) is not None else None
+
+
 @dataclass(frozen=True, slots=True)
 class RowImage:
     """Column names, ``pg_type.typname`` type names and JSON values of one row."""

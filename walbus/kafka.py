@@ -266,6 +266,11 @@ class KafkaAdmin:
     async def list_topics(self) -> set[str]:
         return set(await self._admin.list_topics())
 
+    async def committed(self, group: str, tp: TopicPartition) -> tuple[int, str] | None:
+        """The group's committed offset of ``tp`` and its metadata (consumer.committed() drops it); None: none."""
+        om = (await self._admin.list_consumer_group_offsets(group, partitions=[tp])).get(tp)
+        return None if om is None or om.offset < 0 else (om.offset, om.metadata)
+
     async def ensure_topic(self, spec: TopicSpec) -> bool:
         """Create the topic if it is missing; True when this call created it.
 

@@ -20,6 +20,8 @@ from walbus.contract import (
     ContractError,
     decode_keyed_event_as,
     event_key,
+    key_metadata,
+    metadata_key,
     parse_event_key,
 )
 
@@ -55,15 +57,11 @@ def position_of_key(key: bytes | None) -> Position | None:
 
 def encode_metadata(position: Position | None) -> str:
     """Offset-commit metadata for a position (empty when nothing was read yet)."""
-    if position is None:
-        return ""
-    return _METADATA_PREFIX + event_key(*position).decode("ascii")
+    return key_metadata(_METADATA_PREFIX, None if position is None else event_key(*position))
 
 
 def _decode(text: str | None, prefix: str) -> Position | None:
-    if not text or not text.startswith(prefix):
-        return None
-    return position_of_key(text[len(prefix) :].encode("ascii", "replace"))
+    return position_of_key(metadata_key(text, prefix))
 
 
 def decode_metadata(text: str | None) -> Position | None:
