@@ -1,9 +1,12 @@
 """Where one source partition stands: its committed offset, the next record to process, the last event.
 
 The committed offset is read only after the partition's producer fenced the previous
-owner (demux.transaction), so it is final. The consumer starts LOOK_BACK records
-before it: those records are not processed again, but the highest event key among
-them tells where processing stood (replay detection: the producer is at-least-once).
+owner (demux.transaction), so it is final. The highest event key processed (replay
+detection: the producer is at-least-once) is committed with it, as the offset's
+metadata, in the same transaction. A group committed by a demux that did not write it
+is started LOOK_BACK records before its offset instead: those records are not processed
+again, but the highest event key among them tells where processing stood (unless a
+re-send longer than that was in progress).
 """
 
 from __future__ import annotations
@@ -11,10 +14,19 @@ from __future__ import annotations
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
 from walbus.aiokafka_shortcuts import SourceRecord
-from walbus.contract import ContractError, check_key, decode_event, parse_event_key
+from walbus.contract import (
+    ContractError,
+    check_key,
+    decode_event,
+    key_metadata,
+    metadata_key,
+    parse_event_key,
+)
 
-# Source records read again before the committed offset on open, to learn the last position.
+# Source records read again before a committed offset without metadata, to learn the last position.
 LOOK_BACK = 1000
+# Offset-commit metadata: the highest event key processed (walbus.contract.key_metadata).
+METADATA_PREFIX = "walbus-demux/1:"
 
 
 def checkpoint_text(group: str, tp: TopicPartition, offset: int | None) -> str:
@@ -32,21 +44,35 @@ class Positions:
         # Below it: already processed (the look-back after a seek, or fetched before a seek).
         self.next_offset: int | None = None
         self.last_key: bytes | None = None
-        self.probing = False  # looking for the last record before the committed offset (resumed_in)
+        # Looking back for the last record before the committed offset (resumed_in): an old group.
+        self.probing = False
         self._before: bytes | None = None
 
-    async def start(self, consumer: AIOKafkaConsumer) -> int | None:
-        """Read the group's committed offset and seek the consumer a little before it."""
-        committed: int | None = await consumer.committed(self.tp)
-        if committed is None:
-            await consumer.seek_to_beginning(self.tp)
-        else:
-            consumer.seek(self.tp, max(0, committed - LOOK_BACK))
-        self.committed = self.next_offset = committed
-        self.last_key = None
-        self.probing = bool(committed)
+    async def start(self, consumer: AIOKafkaConsumer, committed: tuple[int, str] | None) -> int | None:
+        """Seek the consumer to the group's committed (offset, metadata); a little before it
+        when the metadata does not say the last position (committed by an older demux)."""
+        offset, metadata = committed or (None, None)
+        self.committed = self.next_offset = offset
+        self.last_key = None if offset is None else metadata_key(metadata, METADATA_PREFIX)
         self._before = None
-        return committed
+        self.probing = bool(offset) and self.last_key is None
+        if offset is None:
+            await consumer.seek_to_beginning(self.tp)
+        elif self.probing:
+            consumer.seek(self.tp, max(0, offset - LOOK_BACK))
+        else:
+            consumer.seek(self.tp, offset)
+        return offset
+
+    def resumed_at(self) -> int | None:
+        """The commit LSN of the last event processed, when the metadata told it: the partition
+        resumes inside that transaction when its next event has the same commit LSN."""
+        return None if self.probing or self.last_key is None else parse_event_key(self.last_key)[0]
+
+    def metadata(self) -> str:
+        """The committed offset's metadata: the last position, once known (not while the
+        look-back that learns it is incomplete: then the next start looks back again)."""
+        return "" if self.probing else key_metadata(METADATA_PREFIX, self.last_key)
 
     def resumed_in(self, messages: list[SourceRecord]) -> int | None:
         """While :attr:`probing`: the commit LSN of the last record before the committed offset,

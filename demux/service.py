@@ -112,13 +112,14 @@ class Demux:
         self.metrics.assigned_partitions.set(len(self.workers))
 
     def _new_worker(self, tp: TopicPartition) -> PartitionWorker:
-        assert self._topics is not None
+        assert self._topics is not None and self._admin is not None
         return PartitionWorker(
             tp=tp,
             config=self.config,
             client_kwargs=self.client_kwargs,
             rekeyer=self.rekeyer,
             topics=self._topics,
+            admin=self._admin,
             metrics=self.metrics,
         )
 

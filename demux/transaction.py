@@ -131,8 +131,8 @@ class PartitionTransaction:
         self._serial += 1
         self._open_records.set(0)
 
-    async def commit(self, next_offset: int | None) -> None:
-        """Send the last batches and the consumed offset, then commit."""
+    async def commit(self, next_offset: int | None, metadata: str = "") -> None:
+        """Send the last batches and the consumed offset (with its metadata), then commit."""
         producer = self.producer
         assert producer is not None and self.is_open
         await self.send_batches()
@@ -151,7 +151,7 @@ class PartitionTransaction:
                     f"records of the transaction not acknowledged in {self._timeout_ms} ms (an output topic deleted?)"
                 ) from None
         if next_offset is not None:
-            await producer.send_offsets_to_transaction({self.tp: next_offset}, self.group)
+            await producer.send_offsets_to_transaction({self.tp: (next_offset, metadata)}, self.group)
         await producer.commit_transaction()
         self.is_open = False
         self._metrics.txn_commit_seconds.observe(time.monotonic() - started)

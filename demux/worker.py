@@ -31,7 +31,7 @@ from demux.topics import TopicInfo, TopicManager
 from demux.transaction import PartitionTransaction
 from walbus.aiokafka_shortcuts import NO_HEADERS, SHORTCUTS, SourceRecord
 from walbus.contract import ChangeEvent, ContractError
-from walbus.kafka import partition_for, record_fits
+from walbus.kafka import KafkaAdmin, partition_for, record_fits
 
 log = logging.getLogger("walbus.demux")
 
@@ -60,6 +60,7 @@ class PartitionWorker:
         client_kwargs: dict[str, Any],
         rekeyer: Rekeyer,
         topics: TopicManager,
+        admin: KafkaAdmin,
         metrics: DemuxMetrics,
     ) -> None:
         self.tp = tp
@@ -67,6 +68,7 @@ class PartitionWorker:
         self.client_kwargs = client_kwargs
         self.rekeyer = rekeyer
         self.topics = topics
+        self.admin = admin  # reads the committed offset with its metadata (the last position)
         self.metrics = metrics
         self.lock = asyncio.Lock()
         self.ready = False
@@ -93,7 +95,10 @@ class PartitionWorker:
         await self.txn.start()
         # Only now is the committed offset final (the previous owner's last commit,
         # if any, is complete; its open transaction, if any, is aborted).
-        committed = await self.positions.start(consumer)
+        committed = await self.positions.start(consumer, await self.admin.committed(self.config.group, self.tp))
+        resumed = self.positions.resumed_at()
+        if resumed is not None:
+            self.rekeyer.resumed_inside(resumed)
         self.store = StateStore(self.store_path)
         expected = checkpoint_text(self.config.group, self.tp, committed)
         have = self.store.checkpoint()
@@ -110,7 +115,9 @@ class PartitionWorker:
         self.ready = True
         log.info(
             "partition opened",
-            extra={"partition": self.tp.partition, "committed_offset": committed, "transactional_id": self.txn.txn_id},
+            extra={"partition": self.tp.partition, "committed_offset": committed, "transactional_id": self.txn.txn_id,
+                   "last_position": None if self.positions.last_key is None else self.positions.last_key.decode(),
+                   "looking_back": self.positions.probing},
         )
 
     async def _commit_boundary(self) -> None:
@@ -285,11 +292,13 @@ class PartitionWorker:
             self.counts.replayed += 1  # see _fast_run
             self._advance(offset)
             return
-        self.positions.last_key = key
         if failure is None:
             failure = await self._produce(out, event, offset)
         if failure is not None:
             await self._dead_letter(m, *failure)
+        # Only now: _produce may commit the transaction so far, whose offset's metadata must not
+        # claim this event yet (a failure after that commit would then skip it as a replay).
+        self.positions.last_key = key
         self._advance(offset)
 
     async def _produce(self, out: Rekeyed, event: ChangeEvent | None, offset: int) -> tuple[str, str] | None:
@@ -484,7 +493,7 @@ class PartitionWorker:
         assert store is not None
         if not self.txn.is_open:
             return
-        await self.txn.commit(self.positions.next_offset)
+        await self.txn.commit(self.positions.next_offset, self.positions.metadata())
         # Kafka first, the store second: the store may lag behind (then it is rebuilt
         # on the next open) but never run ahead of what readers can see.
         store.commit(self.positions.checkpoint())

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import orjson
 import pytest
+from aiokafka import TopicPartition
 
 from demux.rekey import Rekeyer
 from tests.support.demux import (
@@ -21,6 +22,7 @@ from tests.support.demux import (
     ev,
 )
 from tests.support.kafka import (
+    commit_offset,
     create_topic,
     produce,
     read_ktable,
@@ -28,6 +30,8 @@ from tests.support.kafka import (
     topic_config,
     wait_caught_up,
 )
+from walbus.contract import event_key
+from walbus.kafka import KafkaAdmin
 
 pytestmark = pytest.mark.integration
 
@@ -218,7 +222,8 @@ def test_config_errors_exit_2(tmp_path: Path) -> None:
         assert needle in res.stderr.decode()
 
 
-async def test_producer_replays_are_skipped(kafka_bootstrap: str, unique_name: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("old_group", [False, True])
+async def test_producer_replays_are_skipped(kafka_bootstrap: str, unique_name: str, tmp_path: Path, old_group: bool) -> None:
     """The producer is at-least-once: a restart sends the unconfirmed transactions again."""
     source = f"walbus.{unique_name}"
     await create_topic(kafka_bootstrap, source)
@@ -231,7 +236,14 @@ async def test_producer_replays_are_skipped(kafka_bootstrap: str, unique_name: s
         await wait_caught_up(kafka_bootstrap, group, source, procs=[proc])
     finally:
         assert proc.stop() == 0, proc.log_tail()
-    # After a restart, the look-back before the committed offset still knows the last position.
+    tp = TopicPartition(source, 0)
+    async with KafkaAdmin(client_kwargs=_kw(kafka_bootstrap)) as admin:
+        committed = await admin.committed(group, tp)
+    assert committed == (5, "walbus-demux/1:" + event_key(0x300, 0).decode())
+    if old_group:
+        # Committed by a demux that did not store the last position: the look-back before the
+        # committed offset learns it.
+        await commit_offset(kafka_bootstrap, group, tp, 5, "")
     await produce(kafka_bootstrap, source, evs[2:4], partition=0)
     proc = DemuxProc(demux_args(kafka_bootstrap, source, tmp_path / "state"), tmp_path / "demux2.log").start()
     try:
@@ -242,6 +254,47 @@ async def test_producer_replays_are_skipped(kafka_bootstrap: str, unique_name: s
     recs = await read_records(kafka_bootstrap, f"{source}.public.nums")
     assert [r.key for r in recs] == [b'{"id":%d}' % i for i in range(4)]
     assert metrics["walbus_demux_replayed_skipped_total"] == 1
+
+
+async def test_a_resend_longer_than_the_look_back_across_a_restart(
+    kafka_bootstrap: str, unique_name: str, tmp_path: Path
+) -> None:
+    # The producer's re-send can be long (all it sent after its last confirmed commit). A demux
+    # stopped more than LOOK_BACK (1000) records into it learned the last position only from
+    # the records before its committed offset: all re-sent, lower positions. The rest of the
+    # re-send was output again (a fault-injection fuzz: 59,106 duplicates in a 90k re-send,
+    # keys going back in time). Now the position is committed with the offset. Two source
+    # partitions, one table each: each partition's transaction carries its own position.
+    source = f"walbus.{unique_name}"
+    await create_topic(kafka_bootstrap, source, partitions=2)
+    n, cut = 1500, 1200
+    evs = {p: [ev(0x1000 * (p + 1) + i // 100 * 0x10, i % 100, "insert", f"public.t{p}", ["id"],
+                  new={"id": i, "n": i}, types=INTS) for i in range(n)] for p in (0, 1)}
+    group = f"walbus-demux.{source}"
+    args = demux_args(kafka_bootstrap, source, tmp_path / "state", "--txn-max-records", "500")
+
+    async def run(label: str) -> dict[str, float]:
+        proc = DemuxProc(args, tmp_path / f"demux-{label}.log").start()
+        try:
+            await wait_caught_up(kafka_bootstrap, group, source, procs=[proc])
+            return proc.metrics()
+        finally:
+            assert proc.stop() == 0, proc.log_tail()
+
+    for p in (0, 1):
+        await produce(kafka_bootstrap, source, evs[p], partition=p)
+    await run("originals")
+    for p in (0, 1):  # the re-send's first part; the demux stops in it, offsets committed
+        await produce(kafka_bootstrap, source, evs[p][:cut], partition=p)
+    await run("resend-1")
+    new = {p: ev(0x9000 * (p + 1), 0, "insert", f"public.t{p}", ["id"], new={"id": n, "n": n}, types=INTS) for p in (0, 1)}
+    for p in (0, 1):  # the rest of the re-send, then a new transaction
+        await produce(kafka_bootstrap, source, [*evs[p][cut:], new[p]], partition=p)
+    metrics = await run("resend-2")
+    for p in (0, 1):
+        recs = await read_records(kafka_bootstrap, f"{source}.public.t{p}")
+        assert [r.key for r in recs] == [b'{"id":%d}' % i for i in range(n + 1)], f"partition {p}: {len(recs)} outputs"
+    assert sum(v for k, v in metrics.items() if k.startswith("walbus_demux_replayed_skipped_total")) == 2 * (n - cut)
 
 
 @pytest.mark.parametrize("hashed", [False, True])

@@ -77,6 +77,17 @@ async def committed_offsets(bootstrap: str, group: str) -> dict[int, int]:
         await admin.close()
 
 
+async def commit_offset(bootstrap: str, group: str, tp: TopicPartition, offset: int, metadata: str = "") -> None:
+    """Commit ``group``'s offset of ``tp`` as another client would (the group has no member now)."""
+    committer = AIOKafkaConsumer(**_kw(bootstrap), group_id=group, enable_auto_commit=False)
+    await committer.start()
+    try:
+        committer.assign([tp])
+        await committer.commit({tp: (offset, metadata)})
+    finally:
+        await committer.stop()
+
+
 async def wait_caught_up(bootstrap: str, group: str, topic: str, *, within: float = 90, procs: Iterable[Any] = ()) -> None:
     """Until ``group``'s committed offsets reach ``topic``'s end (``procs``: checked alive meanwhile)."""
     target = await end_offsets(bootstrap, topic)

@@ -27,28 +27,51 @@ def test_positions_replay_and_checkpoint() -> None:
     assert pos.next_offset == 42 and pos.checkpoint() == "g|walbus.shop|2|42"
 
 
+class _Consumer:
+    def __init__(self) -> None:
+        self.seeks: list[int] = []
+
+    def seek(self, tp: TopicPartition, offset: int) -> None:
+        self.seeks.append(offset)
+
+
+@dataclass
+class _Record:
+    offset: int
+    key: bytes | None
+    value: bytes | None = None
+
+
 def test_positions_tell_the_transaction_a_partition_resumes_in() -> None:
-    class Consumer:
-        async def committed(self, tp: TopicPartition) -> int:
-            return 10
-
-        def seek(self, tp: TopicPartition, offset: int) -> None:
-            pass
-
-    @dataclass
-    class Record:
-        offset: int
-        key: bytes | None
-        value: bytes | None = None
-
-    pos = Positions("g", TP)
-    asyncio.run(pos.start(Consumer()))
-    assert pos.probing
+    # A group committed without the last position (an older demux): look back before it.
+    pos, consumer = Positions("g", TP), _Consumer()
+    asyncio.run(pos.start(consumer, (1010, "")))
+    assert pos.probing and consumer.seeks == [10] and pos.resumed_at() is None
     # The look-back comes in batches: the record before the committed offset decides.
-    assert pos.resumed_in([Record(8, event_key(0x100, 0)), Record(9, event_key(0x200, 4))]) is None and pos.probing
-    assert pos.resumed_in([Record(10, event_key(0x200, 5))]) == 0x200 and not pos.probing
-    asyncio.run(pos.start(Consumer()))
-    assert pos.resumed_in([Record(9, b"not a position"), Record(10, event_key(0x200, 5))]) is None and not pos.probing
+    assert pos.resumed_in([_Record(1008, event_key(0x100, 0)), _Record(1009, event_key(0x200, 4))]) is None and pos.probing
+    assert pos.resumed_in([_Record(1010, event_key(0x200, 5))]) == 0x200 and not pos.probing
+    asyncio.run(pos.start(consumer, (10, "someone else's")))
+    assert pos.resumed_in([_Record(9, b"not a position"), _Record(10, event_key(0x200, 5))]) is None and not pos.probing
+
+
+def test_positions_travel_with_the_committed_offset() -> None:
+    # The last position is the offset's metadata: no look-back, however long a re-send was.
+    pos, consumer = Positions("g", TP), _Consumer()
+    asyncio.run(pos.start(consumer, (5000, "walbus-demux/1:" + event_key(0x300, 7).decode())))
+    assert not pos.probing and consumer.seeks == [5000] and pos.last_key == event_key(0x300, 7)
+    assert pos.resumed_at() == 0x300 and pos.is_replay(event_key(0x300, 7)) and not pos.is_replay(event_key(0x300, 8))
+    pos.last_key = event_key(0x400, 0)
+    assert pos.metadata() == "walbus-demux/1:" + event_key(0x400, 0).decode()
+    # Learned by a look-back: committed only once the look-back is complete.
+    asyncio.run(pos.start(consumer, (5000, "walbus-feed/2:" + event_key(0x300, 7).decode())))
+    assert pos.probing and pos.last_key is None and consumer.seeks[-1] == 4000
+    pos.last_key = event_key(0x200, 0)
+    assert pos.metadata() == ""
+    pos.resumed_in([_Record(5000, event_key(0x500, 0))])
+    assert pos.metadata() == "walbus-demux/1:" + event_key(0x200, 0).decode()
+    # Nothing processed yet: nothing to say.
+    asyncio.run(pos.start(consumer, (0, "")))
+    assert not pos.probing and pos.metadata() == "" and consumer.seeks[-1] == 0
 
 
 def test_at_position_needs_an_event_at_its_own_key() -> None:
