@@ -248,11 +248,16 @@ def warn_lost_changes(conn: psycopg.Connection[tuple[object, ...]], plugin: str,
         )
 
 
-def list_tables(conn: psycopg.Connection[tuple[object, ...]]) -> list[TableName]:
+def list_tables(conn: psycopg.Connection[tuple[object, ...]], *, persistence: str = "p") -> list[TableName]:
+    """The database's tables (plain and partitioned) of ``persistence``: by default permanent
+    ones only. PostgreSQL neither publishes nor decodes UNLOGGED and TEMP tables: counted, one
+    made the publication check refuse every restart (naming an ALTER PUBLICATION that cannot
+    work), and a session's temp table did the same (a warehouse fuzz)."""
     rows = conn.execute(
         "SELECT n.nspname, c.relname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
         "WHERE c.relkind IN ('r', 'p') AND n.nspname NOT IN ('pg_catalog', 'information_schema') "
-        "AND n.nspname NOT LIKE 'pg_toast%' ORDER BY 1, 2"
+        "AND n.nspname NOT LIKE 'pg_toast%%' AND c.relpersistence = ANY(%s) ORDER BY 1, 2",
+        (list(persistence),),
     ).fetchall()
     return [(str(r[0]), str(r[1])) for r in rows]
 
@@ -263,6 +268,11 @@ def resolve_tables(conn: psycopg.Connection[tuple[object, ...]], capture: Captur
     names = {qualify_table(*t) for t in existing}
     for pattern in capture.tables:
         if not any(ch in pattern for ch in WILDCARDS) and pattern not in names:
+            if pattern in {qualify_table(*t) for t in list_tables(conn, persistence="ut")}:
+                raise ConfigError(
+                    f"table {pattern!r} in --tables is UNLOGGED (or TEMP): PostgreSQL does not decode its changes; "
+                    "ALTER TABLE … SET LOGGED to capture it"
+                )
             raise ConfigError(f"table {pattern!r} in --tables does not exist in this database")
     return [t for t in existing if capture.captures(qualify_table(*t))]
 

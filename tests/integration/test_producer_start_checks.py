@@ -167,3 +167,25 @@ def server_lag(pg_dsn: str, slot: str) -> int:
         row = conn.execute("SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), confirmed_flush_lsn)::int8 FROM pg_replication_slots "
                            "WHERE slot_name = %s", (slot,)).fetchone()
         return int(str(row[0])) if row else -1
+
+
+async def test_unlogged_and_temp_tables_do_not_stop_a_restart(pg_dsn: str, kafka_bootstrap: str, unique_name: str) -> None:
+    """PostgreSQL neither publishes nor decodes UNLOGGED and TEMP tables: the publication check
+    counted them, and every restart stopped with exit 2 naming an ALTER PUBLICATION that cannot
+    work (a warehouse fuzz: an UNLOGGED table, or another session's TEMP table)."""
+    from walbus.config import ConfigError
+
+    sql_run(pg_dsn, "CREATE TABLE t (id int PRIMARY KEY)", "CREATE UNLOGGED TABLE scratch (x int)")
+    async with running_producer(pg_dsn, kafka_bootstrap, topic=unique_name, tables=["public.*"]):
+        sql_run(pg_dsn, "INSERT INTO t VALUES (1)", "INSERT INTO scratch VALUES (1)")
+        await read_topic(kafka_bootstrap, unique_name, min_count=1)
+    with psycopg.connect(pg_dsn) as other:
+        other.execute("CREATE TEMP TABLE tmp (x int)")  # another session's: pg_temp_N.tmp
+        async with running_producer(pg_dsn, kafka_bootstrap, topic=unique_name, tables=["public.*"]):
+            sql_run(pg_dsn, "INSERT INTO t VALUES (2)")
+            records = await read_topic(kafka_bootstrap, unique_name, min_count=2)
+    assert sorted(orjson.loads(v or b"")["table"] for _, v in records) == ["public.t", "public.t"]
+    with pytest.raises(ConfigError, match="UNLOGGED"):
+        async with running_producer(pg_dsn, kafka_bootstrap, topic=unique_name, slot=f"{unique_name}_2",
+                                    tables=["public.scratch"]):
+            pass
