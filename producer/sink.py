@@ -24,11 +24,11 @@ import time
 from collections import deque
 from typing import Any
 
-from aiokafka import AIOKafkaProducer
+from aiokafka import AIOKafkaProducer, TopicPartition
 
 from producer.codec import ChangeRun, EncodedEvent
 from producer.progress import Progress
-from walbus.aiokafka_shortcuts import OutputBatch, native_batch
+from walbus.aiokafka_shortcuts import OutputBatch, enqueue_batch, native_batch
 from walbus.config import ConfigError
 from walbus.kafka import (
     DEFAULT_MAX_MESSAGE_BYTES,
@@ -100,6 +100,8 @@ class KafkaSink:
         self._held: list[deque[tuple[Any, int]]] = [deque() for _ in range(partitions)]
         self._handing = [False] * partitions
         self._hand_tasks: set[asyncio.Task[None]] = set()
+        self._tps = [TopicPartition(topic, p) for p in range(partitions)]
+        self._sent_to = [False] * partitions  # a batch went through send_batch: the metadata is known
         self._inflight_total = 0  # batches in flight or held
         self._error: BaseException | None = None
         self._on_ack = on_ack  # callback(seconds_since_send, records)
@@ -235,8 +237,20 @@ class KafkaSink:
         if self._busy(p):
             self._held[p].append((batch.for_send(), upto))  # sent once the one before is acknowledged
             return
-        self._handing[p] = True
-        await self._hand(p, batch.for_send(), upto)
+        if not self._enqueue(p, batch.for_send(), upto):
+            self._handing[p] = True
+            await self._hand(p, batch.for_send(), upto)
+
+    def _enqueue(self, p: int, batch: Any, upto: int) -> bool:
+        """Give aiokafka one batch of ``p`` without an await (see enqueue_batch): from the
+        acknowledgement of the batch before it, aiokafka's sender finds it queued as it would
+        have found it waiting behind that batch. False when the shortcut cannot: then
+        :meth:`_hand`."""
+        fut = enqueue_batch(self._producer, batch, self._tps[p]) if self._sent_to[p] else None
+        if fut is None:
+            return False
+        self._track(p, fut, upto)
+        return True
 
     async def _hand(self, p: int, batch: Any, upto: int) -> None:
         """Give aiokafka one batch of ``p`` (its caller set ``_handing[p]``)."""
@@ -244,8 +258,15 @@ class KafkaSink:
             fut = await self._producer.send_batch(batch, self.topic, partition=p)
         finally:
             self._handing[p] = False
+        self._sent_to[p] = True
+        self._track(p, fut, upto)
+
+    def _track(self, p: int, fut: asyncio.Future[Any], upto: int) -> None:
         self._inflight[p].append((fut, upto, time.perf_counter()))
-        fut.add_done_callback(lambda _f, p=p: self._acked(p))
+        fut.add_done_callback(functools.partial(self._acked_cb, p))
+
+    def _acked_cb(self, p: int, _fut: asyncio.Future[Any]) -> None:
+        self._acked(p)
 
     async def _hand_held(self, p: int, batch: Any, upto: int) -> None:
         try:
@@ -277,10 +298,11 @@ class KafkaSink:
             self._drop_held()
         elif not q and self._held[p] and not self._handing[p]:
             batch, upto = self._held[p].popleft()
-            self._handing[p] = True  # before the task runs: a _send meanwhile holds its batch
-            task = asyncio.ensure_future(self._hand_held(p, batch, upto))
-            self._hand_tasks.add(task)
-            task.add_done_callback(self._hand_tasks.discard)
+            if not self._enqueue(p, batch, upto):
+                self._handing[p] = True  # before the task runs: a _send meanwhile holds its batch
+                task = asyncio.ensure_future(self._hand_held(p, batch, upto))
+                self._hand_tasks.add(task)
+                task.add_done_callback(self._hand_tasks.discard)
         if self._inflight_total < self._max_in_flight or self._error is not None:
             self._drained.set()
 

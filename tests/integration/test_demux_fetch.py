@@ -38,8 +38,9 @@ Row = tuple[int, bytes | None, bytes | None]
 def test_the_installed_aiokafka_is_checked_and_every_shortcut_fits() -> None:
     """Fails on an aiokafka upgrade until its internals are checked again (then CHECKED_VERSIONS grows)."""
     assert adapter.version_checked(aiokafka.__version__), aiokafka.__version__
-    assert adapter.Shortcuts(aiokafka.__version__, runs=True, direct_append=True, fenced=True, flat_produce=True) == adapter.SHORTCUTS
-    assert adapter._probe_runs() and adapter._probe_direct_append() and adapter._probe_fenced()
+    assert adapter.Shortcuts(aiokafka.__version__, runs=True, direct_append=True, fenced=True, flat_produce=True,
+                             enqueue=True) == adapter.SHORTCUTS
+    assert adapter._probe_runs() and adapter._probe_direct_append() and adapter._probe_fenced() and adapter._probe_enqueue()
     assert adapter._sender.ProduceRequest is adapter.FlatProduceRequest  # installed: every producer sends flat requests
 
 
