@@ -70,7 +70,7 @@ class ProducerConfig(KafkaOptions):
     max_in_flight: int = option(8, minimum=1, maximum=1000, help="unacknowledged Kafka batches before reading pauses (backpressure)")
     compression: str = option("none", help="Kafka batch compression (lz4, zstd, snappy and gzip; all but gzip need the cramjam package; lz4 batches are built natively, at a fraction of the cost)", choices=["none", "gzip", "lz4", "zstd", "snappy"])
     kafka_request_timeout_ms: int = option(30000, minimum=1, maximum=INT32_MAX, help="how long a Kafka batch may wait for its acknowledgement before the stream restarts")
-    retry_attempts: int = option(0, minimum=0, help="reconnect attempts after a transient fault (0: forever)")
+    retry_attempts: int = option(0, minimum=0, help="give up after this many consecutive failures at one position (N-1 reconnects; 0: never give up)")
     retry_max_delay: float = option(60.0, minimum=0.001, maximum=86400, help="longest backoff between reconnects, seconds")
     snapshot_mode: str = option(
         "initial", help="when to read the tables at start (Debezium's snapshot.mode; docs/operations.md)",
