@@ -46,15 +46,20 @@ from warehouse.frame import (
 from warehouse.history import write_history
 from warehouse.read import Offsets, check_no_gap, commit_cut, read_slice, topic_bounds
 from warehouse.schema import (
+    KEY_CHANGES_PROPERTY,
     PRIMARY_KEY_PROPERTY,
+    KeyChange,
     SchemaChangeError,
     SchemaPlan,
     ensure_table,
     existing_columns,
+    key_changes_of,
+    key_changes_property,
     plan,
     primary_key_of,
     primary_key_property,
     table_properties,
+    with_key_changes,
 )
 from warehouse.spark import on_this_host
 from warehouse.toast import resolve_unchanged
@@ -211,6 +216,8 @@ def _table_meta(summary: SliceSummary) -> list[dict[str, Any]]:
             "pk": list(tally.pk),
             # the last event under another primary key than the latest (a key change in the load)
             "key_cut": max((last for key, last in tally.key_last.items() if key != tally.pk), default=None),
+            # the last event under each key (the history notes the key changes: schema.with_key_changes)
+            "key_last": [(list(key), list(last)) for key, last in tally.key_last.items()],
             "latest_columns": list(tally.columns) if tally.columns_at is not None else None,
             "truncate": None if tally.truncate is None else {"commit_lsn": tally.truncate[0], "seq": tally.truncate[1]},
             # Decimal: pg_commit_lsn's type (an LSN past 2**63 has no bigint literal)
@@ -454,10 +461,13 @@ def _load_table(
     summary.events += int(meta["events"])
     summary.history_only = not pk
     existing = None
+    history_props: dict[str, str] = {}
     if is_delta_table(spark, paths.history):
         fields = spark.read.format("delta").load(paths.history).schema.fields
+        history_props = table_properties(spark, paths.history)
         meta_names = {*META_NAMES, *(prev_name(k) for k in pk)}
-        existing = existing_columns(fields, table_properties(spark, paths.history), meta_names)
+        existing = existing_columns(fields, history_props, meta_names)
+    key_changes = _key_changes(spark, paths, history_props, meta) if pk else []
     reserved = {*META_NAMES, DELETED, *(prev_name(k) for k in pk)}
     schema_plan: SchemaPlan = plan(
         table, existing, _incoming_pairs(meta), reserved=reserved, numeric_scale=spec.numeric_scale,
@@ -470,7 +480,9 @@ def _load_table(
             raise SchemaChangeError(f"{table}: primary-key column(s) {missing} missing from the events")
     history_meta = [*META_FIELDS, *prev_fields(schema_plan.columns, pk)]
     # a table that does not exist yet is created by its first write (one commit, not two)
-    new_history = ensure_table(spark, paths.history, history_meta, schema_plan, HISTORY_PROPERTIES)
+    # the key changes are noted before the rows are written: a replay notes the same ones again
+    history_properties = {**HISTORY_PROPERTIES, **({KEY_CHANGES_PROPERTY: key_changes_property(key_changes)} if key_changes else {})}
+    new_history = ensure_table(spark, paths.history, history_meta, schema_plan, history_properties)
     new_current = None
     if pk:
         new_current = ensure_table(
@@ -526,6 +538,16 @@ def _load_table(
             summary.already_loaded = summary.already_loaded and current.skipped
     finally:
         rows.unpersist()
+
+
+def _key_changes(spark: SparkSession, paths: layout.TablePaths, history: dict[str, str], meta: Any) -> list[KeyChange]:
+    """The history's key changes after this load (:data:`warehouse.schema.KEY_CHANGES_PROPERTY`)."""
+    noted = key_changes_of(history)
+    known: list[str] = []
+    if not noted and history and is_delta_table(spark, paths.current):
+        known = primary_key_of(table_properties(spark, paths.current))  # a history of an older walbus
+    last_under = {tuple(key): (int(last[0]), int(last[1])) for key, last in meta.get("key_last") or []}
+    return with_key_changes(noted, last_under, int(meta["lsn_lo"]), known)
 
 
 def _check_primary_key(spark: SparkSession, table: str, path: str, pk: list[str]) -> None:

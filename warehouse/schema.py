@@ -16,7 +16,7 @@ so the rules are unit-tested without Spark:
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import orjson
@@ -142,6 +142,51 @@ def primary_key_of(properties: Mapping[str, str]) -> list[str]:
         if isinstance(names, list) and all(isinstance(n, str) for n in names):
             return names
     return [n for n in text.split(",") if n]
+
+
+# The history table's primary keys over time: [[lsn, seq, [key…]], …] in position order, each
+# the key of the events after position (lsn, seq) ([-1, -1, …]: from the first event). A
+# point-in-time view rebuilds the rows under the key they were written with (the current
+# table's key applied to events of an earlier one turned a delete, whose identity lacked a
+# key column, into nothing: the deleted row was live again; a fuzz).
+KEY_CHANGES_PROPERTY = "walbus.primaryKeys"
+KeyChange = tuple[tuple[int, int], tuple[str, ...]]  # (after this position, the key)
+
+
+def key_changes_of(properties: Mapping[str, str]) -> list[KeyChange]:
+    """The history table's key changes (:data:`KEY_CHANGES_PROPERTY`; none noted: [])."""
+    try:
+        entries = orjson.loads(properties.get(KEY_CHANGES_PROPERTY, "[]"))
+    except orjson.JSONDecodeError:
+        return []
+    return [((int(lsn), int(seq)), tuple(pk)) for lsn, seq, pk in entries]
+
+
+def key_changes_property(changes: Iterable[KeyChange]) -> str:
+    return orjson.dumps([[lsn, seq, list(pk)] for (lsn, seq), pk in changes]).decode()
+
+
+def with_key_changes(
+    noted: Sequence[KeyChange], last_under: Mapping[tuple[str, ...], tuple[int, int]], first_lsn: int,
+    known: Sequence[str] = (),
+) -> list[KeyChange]:
+    """``noted`` and the key changes of a load whose events under each key end at
+    ``last_under`` (the tally's key_last) and start at commit LSN ``first_lsn``. ``known``:
+    the key the table had so far when nothing is noted (a table of an older walbus).
+
+    Each key after another rules the events after the earlier one's last; a key other than
+    the table's when the load starts (a change between loads) rules from the load's first
+    event on. A load written again adds nothing."""
+    changes = list(noted) or ([((-1, -1), tuple(known))] if known else [])
+    segments = sorted((last, pk) for pk, last in last_under.items())
+    after: tuple[int, int] = (first_lsn, -1)
+    for last, pk in segments:
+        if not changes:
+            changes.append(((-1, -1), pk))
+        elif changes[-1][1] != pk and after > changes[-1][0]:
+            changes.append((after, pk))
+        after = last
+    return changes
 
 
 def existing_columns(fields: Iterable[StructField], properties: Mapping[str, str], meta: set[str]) -> list[SourceColumn]:

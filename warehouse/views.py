@@ -11,13 +11,20 @@ from __future__ import annotations
 
 from typing import Final
 
-from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
 
 from warehouse import layout
 from warehouse.current import latest_actions
 from warehouse.frame import DELETED, META_NAMES, prev_name, transient
-from warehouse.schema import existing_columns, primary_key_of, quote, table_properties
+from warehouse.schema import (
+    existing_columns,
+    key_changes_of,
+    primary_key_of,
+    qcol,
+    quote,
+    table_properties,
+)
 from warehouse.txn import hadoop_path, is_delta_table
 
 
@@ -40,7 +47,11 @@ LONG_MAX: Final = (1 << 63) - 1
 
 def as_of(spark: SparkSession, paths: layout.TablePaths, lsn: int) -> tuple[DataFrame, DataFrame | None]:
     """(history up to commit LSN ``lsn``, the table's rows then with tombstones, or None
-    when the table has no primary key)."""
+    when the table has no primary key).
+
+    Each row is keyed by the primary key its event was written under (the history's
+    :data:`~warehouse.schema.KEY_CHANGES_PROPERTY`). As the current table after a key change,
+    the rows then are those the events since the last change before ``lsn`` made."""
     history_path = paths.history
     # int(): an Lsn (an int whose text is X/Y) would reach Spark's lit() as that text. LSNs are
     # stored as Spark longs: one from 8000000/0 on is past every stored one, and as a literal
@@ -51,17 +62,43 @@ def as_of(spark: SparkSession, paths: layout.TablePaths, lsn: int) -> tuple[Data
     pk = primary_key_of(table_properties(spark, paths.current)) if keyed else []
     if not pk:
         return history, None
-    meta = {*META_NAMES, *(prev_name(k) for k in pk)}
-    columns = existing_columns(history.schema.fields, table_properties(spark, history_path), meta)
+    properties = table_properties(spark, history_path)
+    changes = key_changes_of(properties) or [((-1, -1), tuple(pk))]
+    meta = {*META_NAMES, *(prev_name(k) for _, key in changes for k in key), *(prev_name(k) for k in pk)}
+    columns = existing_columns(history.schema.fields, properties, meta)
     # (a name no source column has: a column named "t" made the reference ambiguous)
-    last = transient("last_truncate")
-    truncated = history.where(F.col("pg_operation") == "truncate").agg(
-        F.max(F.struct(F.col("pg_commit_lsn").alias("l"), F.col("pg_seq").alias("s"))).alias(last)
+    last, top = transient("last_truncate"), transient("top")
+    position = F.struct(F.col("pg_commit_lsn").alias("l"), F.col("pg_seq").alias("s"))
+    bounds = history.agg(
+        F.max(F.when(F.col("pg_operation") == "truncate", position)).alias(last), F.max(position).alias(top)
     )
-    after = history.crossJoin(truncated).where(
-        F.col(last).isNull() | (F.struct(F.col("pg_commit_lsn").alias("l"), F.col("pg_seq").alias("s")) > F.col(last))
+    # The key change in force: the last one some row up to the bound lies past.
+    since: Column = F.lit(0)
+    for i, (at, _) in enumerate(changes[1:], 1):
+        since = F.when(F.col(top) > _position(at), F.lit(i)).otherwise(since)
+    epoch = transient("epoch")
+    after = history.crossJoin(bounds.select(last, since.alias(epoch))).where(
+        F.col(last).isNull() | (position > F.col(last))
     ).drop(last)
-    return history, latest_actions(after, pk, columns)
+    states = []
+    for i, (at, key) in enumerate(changes):
+        rows = after.where(F.col(epoch) == i)
+        if i:
+            rows = rows.where(position > _position(at))
+        rows = rows.drop(epoch)
+        for k in key:
+            # an event written under another key has no old value of this one: unchanged
+            old = F.coalesce(qcol(prev_name(k)), qcol(k)) if prev_name(k) in rows.columns else qcol(k)
+            rows = rows.withColumn(prev_name(k), old)
+        states.append(latest_actions(rows, list(key), columns))
+    state = states[0]
+    for other in states[1:]:
+        state = state.unionByName(other)
+    return history, state
+
+
+def _position(at: tuple[int, int]) -> Column:
+    return F.struct(F.lit(at[0]).cast("decimal(20,0)").alias("l"), F.lit(at[1]).alias("s"))
 
 
 def register_views(
@@ -116,3 +153,4 @@ def _as_of_views(spark: SparkSession, paths: layout.TablePaths, lsn: int) -> lis
 def _view(frame: DataFrame, name: str) -> None:
     # the name is parsed as an identifier: quoted, any table's name is one part
     frame.createOrReplaceTempView(quote(name))
+

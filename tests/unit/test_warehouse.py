@@ -216,3 +216,19 @@ def test_a_driver_on_this_host_keeps_the_session_catalog_out_of_the_cwd(
 def test_under_spark_submit_the_session_catalog_is_the_submitters(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PYSPARK_GATEWAY_PORT", "12345")
     assert sql_warehouse_conf(None) == {}
+
+
+def test_the_history_notes_each_key_change_once() -> None:
+    from warehouse.schema import key_changes_of, key_changes_property, with_key_changes
+
+    first = with_key_changes([], {("id",): (0x100, 3)}, 0x100)
+    assert first == [((-1, -1), ("id",))]
+    # a change inside a load: the new key rules after the old one's last event
+    inside = with_key_changes(first, {("id",): (0x200, 1), ("id", "k"): (0x300, 0)}, 0x200)
+    assert inside == [((-1, -1), ("id",)), ((0x200, 1), ("id", "k"))]
+    assert with_key_changes(inside, {("id",): (0x200, 1), ("id", "k"): (0x300, 0)}, 0x200) == inside  # written again
+    # a change between loads: from the load's first event on
+    between = with_key_changes(inside, {("id",): (0x500, 0)}, 0x400)
+    assert between[-1] == ((0x400, -1), ("id",))
+    assert with_key_changes([], {}, 0x100, ["id"]) == [((-1, -1), ("id",))]  # an older walbus' history
+    assert key_changes_of({"walbus.primaryKeys": key_changes_property(between)}) == between
