@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import logging
 import os
@@ -143,7 +144,7 @@ class StreamConfig(LoadConfig):
 class SqlConfig(CatalogOptions, SparkOptions):
     warehouse: str = option(help="warehouse root: a directory or a Hadoop filesystem URI")
     topic: str | None = option(None, help="the topic whose tables to expose (needed if the warehouse has several)")
-    query: str | None = option(None, help="the SQL query (or give it as the first argument)")
+    query: str | None = option(None, help="the SQL query (or give it as the one argument that is no option's value)")
     format: str = option("table", help="output format", choices=["table", "json"])
     limit: int = option(1000, minimum=0, maximum=INT32_MAX, help="print at most this many rows")
     as_of_lsn: str | None = option(
@@ -279,27 +280,55 @@ def stream_main(argv: Sequence[str]) -> int:
 
 def run_sql(
     spark: Any, warehouse: str, topic: str | None, query: str, limit: int, as_of_lsn: int | None = None,
-    catalog_database: str | None = None,
+    catalog_database: str | None = None, *, text_times: bool = False,
 ) -> tuple[list[str], list[Any]]:
     """Register the warehouse's views (as of ``as_of_lsn``) and run ``query``: (column names,
-    rows). With ``catalog_database`` the other names are those of that catalog database."""
+    rows). With ``catalog_database`` the other names are those of that catalog database.
+    ``text_times``: timestamps as ISO 8601 text (:func:`warehouse.views.times_as_text`)."""
     from warehouse.schema import quote
-    from warehouse.views import register_views
+    from warehouse.views import register_views, times_as_text
 
     names = register_views(spark, warehouse, topic, as_of_lsn)
     log.info("views", extra={"views": names})
     if catalog_database is not None:
         spark.sql(f"USE {quote(catalog_database)}")
     df = spark.sql(query)
-    return list(df.columns), df.limit(limit).collect()
+    columns = list(df.columns)
+    df = df.limit(limit)
+    return columns, (times_as_text(df) if text_times else df).collect()
+
+
+_SQL_PROG = "walbus warehouse sql"
+
+
+def _query_argument(argv: Sequence[str]) -> tuple[str | None, list[str]]:
+    """(the query given as the one argument that is no option's value, wherever it is; the
+    other arguments). Only the first argument was taken so: a query after the options was
+    counted word by word as "10 argument(s) this command does not take" (a fuzz)."""
+    from walbus.config import build_parser
+
+    parser = build_parser(SqlConfig, _SQL_PROG, command="warehouse")
+    parser.add_argument("words", nargs="*", help=argparse.SUPPRESS)
+    words: list[str] = getattr(parser.parse_intermixed_args(argv), "words", [])
+    if not words:
+        return None, list(argv)
+    if len(words) > 1:
+        raise ConfigError(
+            f"{len(words)} arguments that are no option's value: the query is one argument, "
+            'in quotes (walbus warehouse sql "SELECT …" --warehouse …)'
+        )
+    for i, token in enumerate(argv):
+        rest = [*argv[:i], *argv[i + 1:]]
+        if token == words[0] and not getattr(parser.parse_intermixed_args(rest), "words", []):
+            return token, rest
+    raise AssertionError("the query argument is one of the arguments")
 
 
 def sql_main(argv: Sequence[str]) -> int:
-    args = list(argv)
-    positional = None
-    if args and not args[0].startswith("-"):
-        positional = args.pop(0)
-    config = load_config(SqlConfig, args, prog="walbus warehouse sql", section="warehouse")
+    positional, args = _query_argument(argv)
+    config = load_config(SqlConfig, args, prog=_SQL_PROG, section="warehouse")
+    if config.query is not None and positional is not None:
+        raise ConfigError("a query both as --query and as an argument: give one")
     query = config.query or positional
     if not query:
         raise ConfigError('a query is needed: walbus warehouse sql "SELECT …" --warehouse …')
@@ -308,7 +337,7 @@ def sql_main(argv: Sequence[str]) -> int:
     try:
         as_of = Lsn.parse(config.as_of_lsn) if config.as_of_lsn is not None else None
         columns, rows = run_sql(
-            spark, config.warehouse, config.topic, query, config.limit, as_of, config.catalog_database
+            spark, config.warehouse, config.topic, query, config.limit, as_of, config.catalog_database, text_times=True
         )
     except Exception as e:
         return _failed("sql", e)

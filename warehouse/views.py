@@ -13,6 +13,14 @@ from typing import Final
 
 from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
+from pyspark.sql.types import (
+    ArrayType,
+    DataType,
+    MapType,
+    StructType,
+    TimestampNTZType,
+    TimestampType,
+)
 
 from warehouse import layout
 from warehouse.current import latest_actions
@@ -154,3 +162,42 @@ def _view(frame: DataFrame, name: str) -> None:
     # the name is parsed as an identifier: quoted, any table's name is one part
     frame.createOrReplaceTempView(quote(name))
 
+
+def times_as_text(frame: DataFrame) -> DataFrame:
+    """``frame`` with its timestamps (in arrays, maps and structs too) as ISO 8601 text in the
+    session's time zone, with its offset (walbus' sessions: UTC, ``2024-06-01T12:00:00Z``).
+    Collected as they are, PySpark turns them into naive datetimes of the process's local
+    zone (17:30 for 12:00 UTC under TZ=Asia/Kolkata), and year 1 into "year 0 is out of
+    range" west of Greenwich; Spark writes the text, so neither happens."""
+    return frame.select(*[_time_text(qcol(f.name), f.dataType).alias(f.name) for f in frame.schema.fields])
+
+
+def _time_text(column: Column, data_type: DataType) -> Column:
+    if isinstance(data_type, TimestampType):
+        fraction = F.regexp_replace(F.date_format(column, ".SSSSSS"), r"\.?0+$", "")
+        return F.concat(F.date_format(column, "yyyy-MM-dd'T'HH:mm:ss"), fraction, F.date_format(column, "XXX"))
+    if isinstance(data_type, TimestampNTZType):
+        return F.regexp_replace(column.cast("string"), " ", "T")
+    if not _holds_time(data_type):
+        return column
+    if isinstance(data_type, ArrayType):
+        return F.transform(column, lambda x: _time_text(x, data_type.elementType))
+    if isinstance(data_type, MapType):
+        values = F.transform_values(column, lambda _, v: _time_text(v, data_type.valueType))
+        return F.transform_keys(values, lambda k, _: _time_text(k, data_type.keyType))
+    assert isinstance(data_type, StructType)
+    return F.when(column.isNotNull(), F.struct(*[
+        _time_text(column[f.name], f.dataType).alias(f.name) for f in data_type.fields
+    ]))
+
+
+def _holds_time(data_type: DataType) -> bool:
+    if isinstance(data_type, (TimestampType, TimestampNTZType)):
+        return True
+    if isinstance(data_type, ArrayType):
+        return _holds_time(data_type.elementType)
+    if isinstance(data_type, MapType):
+        return _holds_time(data_type.keyType) or _holds_time(data_type.valueType)
+    if isinstance(data_type, StructType):
+        return any(_holds_time(f.dataType) for f in data_type.fields)
+    return False

@@ -168,6 +168,39 @@ def test_cli_reports_failures_clearly(tmp_path: Path, kafka_bootstrap: str, uniq
     assert workers.returncode == 2 and b"--slice-reader workers: stream reads with Spark's Kafka source" in workers.stderr
 
 
+def test_sql_prints_timestamps_in_utc_in_any_local_zone_and_takes_the_query_anywhere(
+    spark: Any, kafka_bootstrap: str, unique_name: str, tmp_path: Path
+) -> None:
+    # The values were collected as PySpark's naive datetimes of the process's zone: 12:00 UTC
+    # printed 08:00 under America/New_York, year 1 failed the command ("year 0 is out of
+    # range"); and a query after the options was counted word by word as arguments the
+    # command does not take (fuzzes).
+    import orjson
+
+    from tests.support.warehouse import kafka_options
+    from warehouse.job import LoadSpec, run_load
+
+    table = "public.t"
+    rows = Txn(0x1000)
+    for key, ts in ((1, "2024-06-01 12:00:00.5+00"), (2, "0001-01-01 00:00:00+00")):
+        rows.insert(table, ["id"], {"id": ("int4", key), "ts": ("timestamptz", ts), "tsa": ("_timestamptz", f'{{"{ts}"}}'),
+                                    "amount": ("numeric", "12345678901234567890.123")})
+    produce_events(kafka_bootstrap, unique_name, rows.events)
+    run_load(spark, LoadSpec(kafka_options(kafka_bootstrap), unique_name, str(tmp_path)))
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TZ": "America/New_York"}
+    done = subprocess.run(
+        _cli("sql", "--warehouse", str(tmp_path), "--format", "json", "SELECT id, ts, tsa, amount FROM public_t ORDER BY id"),
+        capture_output=True, timeout=300, env=env,
+    )
+    assert done.returncode == 0, done.stderr.decode()[-3000:]
+    assert [orjson.loads(line) for line in done.stdout.decode().splitlines()] == [
+        {"id": 1, "ts": "2024-06-01T12:00:00.5Z", "tsa": ["2024-06-01T12:00:00.5Z"], "amount": "12345678901234567890.1230000000"},
+        {"id": 2, "ts": "0001-01-01T00:00:00Z", "tsa": ["0001-01-01T00:00:00Z"], "amount": "12345678901234567890.1230000000"},
+    ]
+    two = subprocess.run(_cli("sql", "--warehouse", str(tmp_path), "SELECT", "1"), capture_output=True, timeout=60, env=env)
+    assert two.returncode == 2 and b"the query is one argument, in quotes" in two.stderr, two.stderr
+
+
 def test_stream_command_serves_health_and_writes_its_metrics(
     tmp_path: Path, kafka_bootstrap: str, unique_name: str
 ) -> None:
