@@ -6,15 +6,21 @@ so the rules are unit-tested without Spark:
 * a new source column is added, nullable, at the end of both tables;
 * a column missing from the new events (dropped at the source) stays; its value is null from
   then on;
-* a column whose PostgreSQL type maps to another Spark type fails the load of that table
-  with a message saying which column changed from what to what. Nothing is written to the
-  table then. Types that map to the same Spark type (varchar -> text) are fine, and so are
-  decimals of another precision or scale (numeric(12,2) -> numeric(14,4)): a new column takes
-  a decimal that holds every version in the load, an existing one keeps its type.
+* a column whose type widens (int -> bigint, real -> double, a decimal with more digits on
+  either side of the point, an array's elements so) is widened in both tables with Delta's
+  type widening (:func:`warehouse.types.delta_widens`);
+* a column whose PostgreSQL type maps to another Spark type Delta cannot widen to fails the
+  load of that table with a message saying which column changed from what to what. Nothing
+  is written to the table then. Types that map to the same Spark type (varchar -> text) are
+  fine, and so are narrower ones (bigint -> int) and decimals that would need fewer digits
+  than the column has on one side (the column keeps its type; values it cannot hold are null
+  with their text in pg_raw_values). A new column takes a type that holds every version in
+  the load.
 """
 
 from __future__ import annotations
 
+import logging
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -22,10 +28,16 @@ from dataclasses import dataclass
 import orjson
 from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
-from pyspark.sql.types import DataType, StructField, StructType
+from pyspark.sql.types import ArrayType, DataType, StructField, StructType
 
 from warehouse.txn import Txn, hadoop_path, is_delta_table, table_configuration
-from warehouse.types import compatible, describe, spark_type, widest
+from warehouse.types import compatible, delta_widens, describe, spark_type, widest
+
+log = logging.getLogger("walbus.warehouse")
+
+# Delta's type widening table feature: ensure_table turns it on when it first widens a column
+# (the table's protocol goes to reader 3 / writer 7, which Delta readers from 3.2 on take).
+TYPE_WIDENING_PROPERTY = "delta.enableTypeWidening"
 
 
 class SchemaChangeError(Exception):
@@ -43,6 +55,7 @@ class SourceColumn:
 class SchemaPlan:
     columns: tuple[SourceColumn, ...]  # every source column of the table after this load
     added: tuple[SourceColumn, ...]  # those that the tables lack so far
+    widened: tuple[SourceColumn, ...] = ()  # existing columns whose type this load widens
 
 
 def plan(
@@ -95,6 +108,7 @@ def plan(
     changes: list[str] = []
     columns = dict(existing_cols)
     added: list[SourceColumn] = []
+    widened: list[SourceColumn] = []
     for name in order:
         pg_type = seen[name]
         incoming_type = seen_types[name]
@@ -103,6 +117,12 @@ def plan(
             col = SourceColumn(name, pg_type, incoming_type)
             columns[name] = col
             added.append(col)
+        elif (wider := widest(old.spark, incoming_type)) is not None and delta_widens(old.spark, wider):
+            # int -> bigint, real -> double, more decimal digits: the tables' column is widened
+            # (Delta's type widening, ensure_table). Before, the table failed, on every load.
+            col = SourceColumn(name, pg_type, wider)
+            columns[name] = col
+            widened.append(col)
         elif not compatible(old.spark, incoming_type):
             changes.append(
                 f"column {name!r} changed type from {describe(old.pg_type, old.spark)} "
@@ -112,10 +132,12 @@ def plan(
             columns[name] = SourceColumn(name, pg_type, old.spark)
     if changes:
         raise SchemaChangeError(
-            f"{table}: incompatible schema change: {'; '.join(changes)}. The table was not "
-            "loaded; its history and current tables are unchanged."
+            f"{table}: incompatible schema change: {'; '.join(changes)}, which Delta's type widening "
+            "cannot make of the column. The table was not loaded; its history and current tables are "
+            "unchanged. Move its directory away (the next load creates it from the events since) or "
+            "leave it out with --tables."
         )
-    return SchemaPlan(tuple(columns.values()), tuple(added))
+    return SchemaPlan(tuple(columns.values()), tuple(added), tuple(widened))
 
 
 PG_TYPES_PROPERTY = "walbus.pgTypes"
@@ -243,13 +265,27 @@ def ensure_table(
     wanted = [*meta_fields, *(StructField(c.name, c.spark, True) for c in schema_plan.columns)]
     if not is_delta_table(spark, path):
         return NewTable(StructType(wanted), props)
-    current = {f.name for f in spark.read.format("delta").load(path).schema.fields}
+    current = {f.name: f.dataType for f in spark.read.format("delta").load(path).schema.fields}
     # metadata fields too: a table written by an older walbus lacks the newer ones
     missing = [f for f in wanted if f.name not in current]
     if missing:
         cols = ", ".join(f"{quote(f.name)} {f.dataType.simpleString()}" for f in missing)
         spark.sql(f"ALTER TABLE delta.{quote(path)} ADD COLUMNS ({cols})")
+    # a widened source column, and its key's _walbus_prev_ column (each its own commit: a
+    # crash between two leaves the rest to the next load, which finds them narrower still)
+    widen = [f for f in wanted if f.name in current and delta_widens(current[f.name], f.dataType)]
     old = table_properties(spark, path)
+    if widen and old.get(TYPE_WIDENING_PROPERTY) != "true":
+        _set_properties(spark, path, {TYPE_WIDENING_PROPERTY: "true"})
+    for f in widen:
+        column, data_type = quote(f.name), f.dataType
+        while isinstance(data_type, ArrayType):  # an array's elements are widened by their path
+            column, data_type = f"{column}.element", data_type.elementType
+        spark.sql(f"ALTER TABLE delta.{quote(path)} ALTER COLUMN {column} TYPE {data_type.simpleString()}")
+        log.warning("column type widened", extra={
+            "table": path, "column": f.name, "from": current[f.name].simpleString(), "to": f.dataType.simpleString(),
+        })
+    old = table_properties(spark, path) if widen else old
     if any(not _property_holds(k, old.get(k), v) for k, v in props.items()):
         _set_properties(spark, path, props)
     return None

@@ -110,6 +110,19 @@ def widest(a: DataType, b: DataType) -> DataType | None:
     return a if a == b else _wider(a, b)
 
 
+def delta_widens(old: DataType, new: DataType) -> bool:
+    """Whether Delta's type widening changes a column of type ``old`` into ``new`` (walbus'
+    widenings: a bigger integer, real to double, a decimal with no fewer digits on either side
+    of the point, an array's elements so), keeping every value."""
+    if isinstance(old, ArrayType) and isinstance(new, ArrayType):
+        return delta_widens(old.elementType, new.elementType)
+    if isinstance(old, DecimalType) and isinstance(new, DecimalType):
+        return (
+            old != new and new.scale >= old.scale and new.precision - new.scale >= old.precision - old.scale
+        )
+    return old != new and _wider(old, new) == new
+
+
 def compatible(existing: DataType, incoming: DataType) -> bool:
     """Whether values of ``incoming`` type can be stored in a column of ``existing`` type.
 

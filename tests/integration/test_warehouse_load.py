@@ -166,6 +166,42 @@ def test_schema_evolution_no_pk_table_and_incompatible_change(
     assert t not in r4.tables
 
 
+def test_a_column_widened_in_postgresql_is_widened_in_the_tables(
+    spark: Any, kafka_bootstrap: str, unique_name: str, tmp_path: Path
+) -> None:
+    # int -> bigint (the key too), real -> double, numeric(12,2) -> numeric(16,4) across loads
+    # failed the table, and every load after replayed and failed until someone fixed it (a fuzz).
+    from decimal import Decimal
+
+    t, pk = "public.w", ["id"]
+
+    def row(key: tuple[str, int], a: tuple[str, int], r: tuple[str, float], d: tuple[str, str]) -> dict[str, tuple[str, Any]]:
+        return {"id": key, "a": a, "r": r, "d": d}
+
+    produce_events(kafka_bootstrap, unique_name, Txn(0x1000).insert(t, pk, row(("int4", 1), ("int4", 10), ("float4", 1.5),
+                                                                                ("numeric(12,2)", "1.25"))).events)
+    load(spark, kafka_bootstrap, unique_name, tmp_path)
+    big = 9_000_000_000
+    produce_events(kafka_bootstrap, unique_name, Txn(0x2000).insert(t, pk, row(("int8", big), ("int8", big), ("float8", 0.1),
+                                                                                ("numeric(16,4)", "123456789012.3456")))
+                   .update(t, pk, row(("int8", 1), ("int8", 11), ("float8", 2.5), ("numeric(16,4)", "1.2345"))).events)
+    second = load(spark, kafka_bootstrap, unique_name, tmp_path)
+    assert second.tables[t].error is None
+    paths = table_paths(tmp_path, unique_name, t)
+    for path in (paths.history, paths.current):
+        types = {f.name: f.dataType.simpleString() for f in spark.read.format("delta").load(path).schema.fields}
+        assert {k: types[k] for k in ("id", "a", "r", "d")} == {"id": "bigint", "a": "bigint", "r": "double", "d": "decimal(16,4)"}
+    assert types["_walbus_deleted"] == "boolean"
+    hist_types = {f.name: f.dataType.simpleString() for f in spark.read.format("delta").load(paths.history).schema.fields}
+    assert hist_types["_walbus_prev_id"] == "bigint"
+    live = {r["id"]: (r["a"], r["r"], r["d"], r["pg_raw_values"]) for r in current(spark, tmp_path, unique_name, t)}
+    assert live == {1: (11, 2.5, Decimal("1.2345"), {}), big: (big, 0.1, Decimal("123456789012.3456"), {})}
+    # and the loads after go on
+    produce_events(kafka_bootstrap, unique_name, Txn(0x3000).delete(t, pk, {"id": ("int8", big)}).events)
+    load(spark, kafka_bootstrap, unique_name, tmp_path)
+    assert [r["id"] for r in current(spark, tmp_path, unique_name, t)] == [1]
+
+
 @pytest.mark.parametrize("generated_code", [False, True], ids=["interpreted", "generated-code"])
 def test_types(
     spark: Any, kafka_bootstrap: str, unique_name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,

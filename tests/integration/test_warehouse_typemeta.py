@@ -51,8 +51,8 @@ async def test_numeric_columns_take_their_precision_and_scale(
     assert rows[1]["wide"] is None and rows[1]["pg_raw_values"] == {"wide": "5" + "0" * 37 + ".00"}
     assert rows[2]["wide"] == Decimal("12.5")
 
-    # A wider numeric later: the table keeps decimal(12,2); a value needing the new digits is
-    # kept exactly in pg_raw_values, one that still fits loads as before.
+    # A wider numeric later: the tables' column is widened to decimal(16,4) (Delta's type
+    # widening); before, it kept decimal(12,2) and a value needing the new digits was null.
     async with running_producer(pg_dsn, kafka_bootstrap, topic=unique_name, slot=unique_name):
         sql(
             pg_dsn,
@@ -62,8 +62,9 @@ async def test_numeric_columns_take_their_precision_and_scale(
         await read_topic(kafka_bootstrap, unique_name, min_count=6)
     run_load(spark, spec)
     df = spark.read.format("delta").load(paths.current)
-    assert {f.name: f.dataType for f in df.schema.fields}["amount"] == DecimalType(12, 2)
+    assert {f.name: f.dataType for f in df.schema.fields}["amount"] == DecimalType(16, 4)
     rows = {r["id"]: r for r in df.collect()}
-    assert rows[4]["amount"] is None and rows[4]["pg_raw_values"] == {"amount": "12345678901.2345"}
-    assert rows[5]["amount"] == Decimal("7.50") and rows[5]["pg_raw_values"] == {}
-    assert rows[6]["amount"] is None and rows[6]["pg_raw_values"] == {"amount": "1.2345"}
+    assert rows[4]["amount"] == Decimal("12345678901.2345") and rows[4]["pg_raw_values"] == {}
+    assert rows[5]["amount"] == Decimal("7.5") and rows[5]["pg_raw_values"] == {}
+    assert rows[6]["amount"] == Decimal("1.2345") and rows[6]["pg_raw_values"] == {}
+    assert rows[1]["amount"] == Decimal("9999999999.99")  # written before, as it was

@@ -114,6 +114,22 @@ def test_plan_incompatible_type_change_says_what_changed() -> None:
         plan("s.t", existing, [("id", "int4"), ("amount", "text")], numeric_scale=10)
 
 
+def test_plan_widens_what_delta_can_widen() -> None:
+    # int -> bigint across loads failed the table, on every load after (a fuzz)
+    existing = _cols(("id", "int4"), ("a", "int4"), ("r", "float4"), ("d", "numeric(12,2)"), ("arr", "_int4"), ("s", "int8"))
+    p = plan("s.t", existing, [("id", "int4"), ("a", "int8"), ("r", "float8"), ("d", "numeric(14,4)"), ("arr", "_int8"),
+                               ("s", "int4")], numeric_scale=10)
+    assert {c.name: c.spark.simpleString() for c in p.columns} == {
+        "id": "int", "a": "bigint", "r": "double", "d": "decimal(14,4)", "arr": "array<bigint>", "s": "bigint",
+    }
+    assert [c.name for c in p.widened] == ["a", "r", "d", "arr"] and p.added == ()
+    # past 38 digits no decimal holds both: the column keeps its type (values: pg_raw_values)
+    wide = plan("s.t", _cols(("d", "numeric")), [("d", "numeric(30,20)")], numeric_scale=10)
+    assert wide.widened == () and wide.columns[0].spark.simpleString() == "decimal(38,10)"
+    with pytest.raises(SchemaChangeError, match=r"cannot make of the column.*Move its directory away"):
+        plan("s.t", _cols(("a", "int4")), [("a", "float8")], numeric_scale=10)
+
+
 def test_plan_two_types_in_one_load() -> None:
     with pytest.raises(SchemaChangeError, match="within this load"):
         plan("s.t", None, [("a", "int4"), ("a", "text")], numeric_scale=10)

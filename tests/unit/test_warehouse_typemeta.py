@@ -70,7 +70,11 @@ def test_a_precision_change_within_a_load_takes_a_decimal_for_both() -> None:
     assert p.columns[0].spark == DecimalType(14, 4)
 
 
-def test_an_existing_column_keeps_its_decimal() -> None:
+def test_an_existing_decimal_is_widened_when_delta_can_and_kept_otherwise() -> None:
     existing = [SourceColumn("amount", "numeric(12,2)", DecimalType(12, 2))]
     p = plan("s.t", existing, [("amount", "numeric(14,4)")], numeric_scale=10)
-    assert p.added == () and p.columns[0].spark == DecimalType(12, 2) and p.columns[0].pg_type == "numeric(14,4)"
+    assert p.added == () and p.columns[0].spark == DecimalType(14, 4) and p.columns[0].pg_type == "numeric(14,4)"
+    assert p.widened == p.columns
+    # fewer digits on either side: the column holds them, and keeps its type
+    p = plan("s.t", existing, [("amount", "numeric(10,1)")], numeric_scale=10)
+    assert p.columns[0].spark == DecimalType(12, 2) and p.widened == ()
