@@ -58,6 +58,7 @@ from warehouse.schema import (
     plan,
     primary_key_of,
     primary_key_property,
+    quote,
     table_properties,
     with_key_changes,
 )
@@ -389,14 +390,27 @@ def _load_tables(
 
 
 def _register(spark: SparkSession, spec: LoadSpec, metas: list[dict[str, Any]]) -> None:
-    """Name the slice's tables in the catalog, one after the other (the metastore client is
-    one connection)."""
-    assert spec.catalog_database is not None
-    for meta in metas:
-        paths = layout.table_paths(spec.warehouse, spec.topic, *split_table(meta["table"]))
-        kinds = tuple(k for k, p in (("history", paths.history), ("current", paths.current)) if is_delta_table(spark, p))
+    """Name the topic's tables in the catalog, one after the other (the metastore client is
+    one connection): the slice's (checked, as they may be new), and any other without its
+    names (one listing of the topic's directory and one of the database: a table quiet in the
+    loads since the catalog was turned on had none; a fuzz)."""
+    from warehouse.views import tables
+
+    database = spec.catalog_database
+    assert database is not None
+    spark.sql(f"CREATE DATABASE IF NOT EXISTS {quote(database)}")
+    named = {str(r["tableName"]) for r in spark.sql(f"SHOW TABLES IN {quote(database)}").collect()}
+    loaded = {split_table(m["table"]) for m in metas}
+    for pair in sorted(loaded | set(tables(spark, spec.warehouse, spec.topic))):
+        paths = layout.table_paths(spec.warehouse, spec.topic, *pair)
+        kinds = tuple(
+            k for k, p in (("history", paths.history), ("current", paths.current))
+            if (pair in loaded or catalog.table_name(*pair, k) not in named) and is_delta_table(spark, p)
+        )
+        if not kinds:
+            continue
         try:
-            catalog.register(spark, spec.catalog_database, paths, kinds)
+            catalog.register(spark, database, paths, kinds)
         except catalog.CatalogError as e:
             raise LoadError(str(e)) from None
 

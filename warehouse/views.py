@@ -45,6 +45,12 @@ def _list_dirs(spark: SparkSession, path: str) -> list[str]:
     return sorted(s.getPath().getName() for s in fs.listStatus(hpath) if s.isDirectory())
 
 
+def tables(spark: SparkSession, warehouse: str, topic: str) -> list[tuple[str, str]]:
+    """(schema, table) of each table directory of ``topic`` in ``warehouse`` (one listing)."""
+    found = (layout.table_from_dir_name(d) for d in _list_dirs(spark, layout.topic_root(warehouse, topic)))
+    return [pair for pair in found if pair is not None]  # None: _walbus_loads, _walbus_quarantine
+
+
 def topics(spark: SparkSession, warehouse: str) -> list[str]:
     # an escaped topic holds no ".": a directory with one is walbus' own (the catalog's)
     return [layout.unescape_segment(d) for d in _list_dirs(spark, warehouse) if "." not in d]
@@ -121,16 +127,12 @@ def register_views(
         if len(found) != 1:
             raise ValueError(f"{warehouse} holds {len(found)} topics {found}: choose one with --topic")
         topic = found[0]
-    root = layout.topic_root(warehouse, topic)
     names: list[str] = []
     quarantine = layout.quarantine_path(warehouse, topic)
     if is_delta_table(spark, quarantine):
         spark.read.format("delta").load(quarantine).createOrReplaceTempView(layout.QUARANTINE_VIEW)
         names.append(layout.QUARANTINE_VIEW)
-    for segment in _list_dirs(spark, root):
-        pair = layout.table_from_dir_name(segment)
-        if pair is None:  # _walbus_loads, _walbus_quarantine
-            continue
+    for pair in tables(spark, warehouse, topic):
         paths = layout.table_paths(warehouse, topic, *pair)
         if as_of_lsn is not None:
             names += _as_of_views(spark, paths, as_of_lsn)
