@@ -144,8 +144,9 @@ def commit_cut(options: KafkaOptions, topic: str, start: Offsets, bounds: TopicB
     """Where a load of ``start`` to ``bounds.latest`` ends, so that it holds no part of a
     transaction the producer is still writing (a large one goes over several batches, and a
     load that took its first ones left current tables in a state the database never had until
-    the next load). Per partition: after the last record of a commit at or before the position
-    the producers' heartbeats confirmed (a record that is no event counts as one). Without
+    the next load). Per partition: after the last record of a commit before the position the
+    producers' heartbeats confirmed (that position is where an acknowledged commit ended, and
+    where the next one may start) (a record that is no event counts as one). Without
     heartbeats, or with the newest sent :data:`BEAT_STALE_MS` ago or longer (the producers
     beat no more: a load cut there would wait for ever), the end offsets themselves (with a
     warning when that takes in records past the confirmed position)."""
@@ -186,7 +187,8 @@ async def _cut(client_kwargs: dict[str, Any], topic: str, start: Offsets, latest
             done_at = None
             for offset, key, _value, _ts in reversed(records):
                 try:
-                    whole = parse_event_key(key or b"")[0] <= confirmed
+                    # Before, not at: a commit may start where the confirmed one ended (a re-fuzz).
+                    whole = parse_event_key(key or b"")[0] < confirmed
                 except ContractError:
                     whole = True  # no event: no part of a transaction
                 if whole:
