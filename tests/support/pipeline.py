@@ -40,6 +40,23 @@ async def running_producer(pg_dsn: str, kafka_bootstrap: str, **options: Any) ->
         await asyncio.wait_for(task, 90)
 
 
+async def confirmed_past(bootstrap: str, topic: str, lsn: int, timeout: float = 60.0) -> None:
+    """Wait until a heartbeat of ``topic``'s producers confirms a position past ``lsn``: a
+    warehouse load ends after the last commit one confirmed (the producer beats once a
+    transaction is acknowledged and its stream is quiet)."""
+    from tests.support.kafka import read_topic
+    from walbus.contract import decode_heartbeat, heartbeat_topic
+
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while True:
+        beats = await read_topic(bootstrap, heartbeat_topic(topic))
+        if any(decode_heartbeat(v).confirmed_lsn > lsn for _, v in beats if v is not None):
+            return
+        assert loop.time() < deadline, f"no heartbeat of {topic} past {lsn:X} within {timeout} s"
+        await asyncio.sleep(0.2)
+
+
 def walbus_process(args: Sequence[str], *, env: dict[str, str] | None = None, log: Path | None = None) -> subprocess.Popen[bytes]:
     """``walbus …`` as a child process (same interpreter, this checkout on the path). A
     ``--pg-dsn`` goes to the child as WALBUS_PG_DSN: a DSN's password in argv is visible to
