@@ -49,10 +49,15 @@ class HeartbeatWatch:
         it, or go on looking for it, in the background."""
         try:
             tps = await topic_partitions(self._kwargs, self.topic, wait=False)
+            await self._open(tps)
         except LookupError:
             self._task = asyncio.create_task(self._follow(None))
             return
-        await self._open(tps)
+        except Exception as e:  # a reader goes on as without heartbeats, and looks again
+            log.warning("could not follow the producers' heartbeats yet", extra={"topic": self.topic, "error": repr(e)})
+            await self._close_consumer()
+            self._task = asyncio.create_task(self._follow(None))
+            return
         self._task = asyncio.create_task(self._follow(tps))
 
     async def _open(self, tps: list[TopicPartition]) -> None:
@@ -71,6 +76,9 @@ class HeartbeatWatch:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
+        await self._close_consumer()
+
+    async def _close_consumer(self) -> None:
         consumer, self._consumer = self._consumer, None
         if consumer is not None:
             with contextlib.suppress(Exception):
@@ -92,8 +100,14 @@ class HeartbeatWatch:
 
     async def _follow(self, tps: list[TopicPartition] | None) -> None:
         try:
-            if tps is None:
-                await self._open(await self._find())
+            while tps is None:
+                try:
+                    tps = await self._find()
+                    await self._open(tps)
+                except Exception:  # the broker away: as without heartbeats meanwhile
+                    tps = None
+                    await self._close_consumer()
+                    await asyncio.sleep(LOOK_AGAIN_S)
             consumer = self._consumer
             assert consumer is not None
             while True:
