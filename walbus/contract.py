@@ -16,7 +16,7 @@ from __future__ import annotations
 import hashlib
 import re
 import sys
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, fields
 from fnmatch import fnmatchcase
 from typing import Annotated, Any, Final, Literal, TypeVar
@@ -1024,3 +1024,17 @@ def decode_heartbeat(value: bytes | str) -> Heartbeat:
             raise ContractError(f"heartbeat field {name} must be a non-negative integer")
         ints.append(n)
     return Heartbeat(obj["slot"], *ints)
+
+
+def heartbeats(values: Iterable[bytes | None]) -> Iterator[Heartbeat]:
+    """The heartbeats among a heartbeat topic's record values, in their order. A tombstone (a
+    slot's heartbeats deleted) and a value that is no heartbeat tell nothing about how far the
+    producers confirmed and are passed over: every reader of the topic (the client's
+    ``HeartbeatWatch``, the warehouse load's cut) takes the same records as heartbeats."""
+    for value in values:
+        if value is None:
+            continue
+        try:
+            yield decode_heartbeat(value)
+        except ContractError:
+            continue

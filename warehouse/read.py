@@ -21,7 +21,7 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 from pyspark.sql import DataFrame, SparkSession
 
 from walbus.config import ConfigError
-from walbus.contract import ContractError, decode_heartbeat, heartbeat_topic, parse_event_key
+from walbus.contract import ContractError, heartbeat_topic, heartbeats, parse_event_key
 from walbus.kafka import METADATA_WAIT_S, KafkaAdmin, KafkaOptions, retry_retriable, topic_offsets
 
 Offsets = dict[int, int]  # partition -> offset
@@ -77,14 +77,9 @@ async def _newest_beats(client_kwargs: dict[str, Any], topic: str) -> tuple[int 
     confirmed: int | None = None
     beat_ms: int | None = None
     for records in (await _read_tails(client_kwargs, topic, None, BEATS_READ)).values():
-        for _offset, _key, value, _ts in records:
-            try:
-                beat = decode_heartbeat(value) if value is not None else None
-            except ContractError:
-                beat = None  # not a heartbeat: it tells nothing
-            if beat is not None:
-                confirmed = max(confirmed or 0, beat.confirmed_lsn)
-                beat_ms = max(beat_ms or 0, beat.ts_ms)
+        for beat in heartbeats(value for _offset, _key, value, _ts in records):
+            confirmed = max(confirmed or 0, beat.confirmed_lsn)
+            beat_ms = max(beat_ms or 0, beat.ts_ms)
     return confirmed, beat_ms
 
 

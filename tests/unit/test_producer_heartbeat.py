@@ -7,7 +7,7 @@ import pytest
 from producer.config import load
 from producer.heartbeat import IDLE_CONFIRM_S, action_timeout, confirm_interval
 from walbus.config import ConfigError
-from walbus.contract import ContractError, Heartbeat, decode_heartbeat, heartbeat_topic
+from walbus.contract import ContractError, Heartbeat, decode_heartbeat, heartbeat_topic, heartbeats
 
 BASE = ["--pg-dsn", "dbname=x", "--kafka-bootstrap", "k:1"]
 
@@ -29,6 +29,12 @@ def test_heartbeat_round_trips_and_is_keyed_by_slot() -> None:
 def test_a_bad_heartbeat_is_a_contract_error(value: bytes) -> None:
     with pytest.raises(ContractError):
         decode_heartbeat(value)
+
+
+def test_the_readers_pass_over_tombstones_and_values_that_are_no_heartbeat() -> None:
+    a, b = Heartbeat("a", 10, 12, 1), Heartbeat("b", 7, 9, 2)
+    values = [a.to_json(), None, b"not json", b'{"v":2,"slot":"s"}', b.to_json()]
+    assert list(heartbeats(values)) == [a, b]
 
 
 def test_the_idle_position_is_confirmed_even_with_heartbeats_off() -> None:

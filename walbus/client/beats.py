@@ -20,7 +20,7 @@ from typing import Any
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
 from walbus.client._connect import topic_partitions
-from walbus.contract import ContractError, decode_heartbeat, heartbeat_topic
+from walbus.contract import heartbeat_topic, heartbeats
 
 log = logging.getLogger("walbus.client.beats")
 
@@ -128,14 +128,9 @@ class HeartbeatWatch:
                 await asyncio.sleep(LOOK_AGAIN_S)  # heartbeats off, or a producer not started yet
 
     def _note(self, value: bytes | None) -> None:
-        if value is None:
-            return  # a slot's heartbeats deleted (a tombstone): nothing to note
-        try:
-            beat = decode_heartbeat(value)
-        except ContractError:
-            return  # not a heartbeat: it tells nothing (the producers write only valid ones)
-        self.beats += 1
-        self._last_at = time.monotonic()
-        if beat.confirmed_lsn > self.confirmed:
-            self.confirmed = beat.confirmed_lsn
-            self.advanced.set()
+        for beat in heartbeats((value,)):
+            self.beats += 1
+            self._last_at = time.monotonic()
+            if beat.confirmed_lsn > self.confirmed:
+                self.confirmed = beat.confirmed_lsn
+                self.advanced.set()
