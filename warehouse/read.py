@@ -140,8 +140,8 @@ def commit_cut(options: KafkaOptions, topic: str, start: Offsets, bounds: TopicB
     transaction the producer is still writing (a large one goes over several batches, and a
     load that took its first ones left current tables in a state the database never had until
     the next load). Per partition: after the last record of a commit before the position the
-    producers' heartbeats confirmed (that position is where an acknowledged commit ended, and
-    where the next one may start) (a record that is no event counts as one). Without
+    producers' heartbeats confirmed, which is where an acknowledged commit ended and where the
+    next one may start; a record that is no event belongs to no transaction. Without
     heartbeats, or with the newest sent :data:`BEAT_STALE_MS` ago or longer (the producers
     beat no more: a load cut there would wait for ever), the end offsets themselves (with a
     warning when that takes in records past the confirmed position)."""
