@@ -372,3 +372,23 @@ async def test_wait_until_waits_for_the_rest_of_a_commit_written_over_several_ba
     monkeypatch.setattr(beats_module, "BEAT_WAIT_S", 0.5)  # heartbeats stopped: the first event again
     await produce(kafka_bootstrap, source, [Change(0x400, 0, 3, "public.a", "insert", {"id": 9, "v": 9}).record()])
     assert await step_2(0x400, 10.0)
+
+
+async def test_wait_until_fails_fast_when_the_source_topic_does_not_exist(kafka_bootstrap: str, unique_name: str) -> None:
+    # The default source topic is the table topic without `.<schema>.<table>`. A producer
+    # started with its own --topic (`orders`, read by a demux writing `walbus.orders.…`)
+    # leaves no topic of that name, and wait_until waited for it to appear, for good, with
+    # one info line ("waiting for topic to exist"); a configuration error must say so.
+    changes = workload(random.Random(15), 10, ["public.t"])
+    topic = f"walbus.{unique_name}.public.t"
+    await create_topic(kafka_bootstrap, topic, compact=True)
+    await produce(kafka_bootstrap, topic, table_records(changes, "public.t"))
+    async with Table(topic, bootstrap_servers=kafka_bootstrap) as table:
+        assert table.source_topic == f"walbus.{unique_name}"
+        async with asyncio.timeout(20):
+            with pytest.raises(LookupError, match=rf"walbus\.{unique_name}.*source_topic="):
+                await table.wait_until(changes[-1].commit_lsn + 1)
+            # Asked again (the topic may have been created meanwhile): the same clear error.
+            with pytest.raises(LookupError, match="source_topic="):
+                await table.wait_until(changes[-1].commit_lsn + 1)
+        assert dict(table) == final_state(changes, "public.t")  # the table itself still serves its rows

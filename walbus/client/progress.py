@@ -105,7 +105,16 @@ class SourceProgress:
                 if consumer is None or beats is None:
                     raise ProgressStopped("SourceProgress not started or stopped")
                 if not self._tps:
-                    tps = await topic_partitions(self._kwargs, self.topic)
+                    # Not waited for: the demux read this topic to write the table's, so a
+                    # missing one is a wrong name (a producer's own --topic), and waiting for
+                    # it stalled wait_until for good with one info line.
+                    try:
+                        tps = await topic_partitions(self._kwargs, self.topic, wait=False)
+                    except LookupError:
+                        raise LookupError(
+                            f"the database topic {self.topic!r} does not exist: pass Table(source_topic=...), "
+                            "the topic the demux reads"
+                        ) from None
                     consumer.assign(tps)
                     ends = await consumer.end_offsets(tps)
                     for tp in tps:

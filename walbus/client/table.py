@@ -397,7 +397,8 @@ class Table(Mapping[Any, Row]):
            high watermark already counts that output. (A demux transaction open on this topic
            at that moment delays the return until it commits or aborts.)
 
-        Bound the wait with ``async with asyncio.timeout(seconds):``.
+        Bound the wait with ``async with asyncio.timeout(seconds):``. A ``source_topic`` that
+        does not exist raises :class:`LookupError` (pass the topic the demux reads).
         """
         if self._consumer is None:
             raise RuntimeError("Table not started")
