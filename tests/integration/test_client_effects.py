@@ -9,9 +9,10 @@ from typing import Any
 
 import psycopg
 import pytest
+from aiokafka import TopicPartition
 
 from tests.support.cdc_data import workload
-from tests.support.kafka import create_topic, produce
+from tests.support.kafka import commit_offset, create_topic, produce
 from walbus.client import AlreadyApplied, Feed, FeedEvent, PgPositions
 
 pytestmark = pytest.mark.integration
@@ -97,3 +98,54 @@ def test_an_event_not_from_a_feed_has_no_position_to_keep() -> None:
     assert event.topic is None and event.partition is None
     with pytest.raises(ValueError, match="not delivered by a Feed"):
         asyncio.run(PgPositions("dbname=unused", consumer="c").mark(None, event))  # type: ignore[arg-type]
+
+
+async def test_a_dead_letter_replayed_twice_is_applied(pg_dsn: str, kafka_bootstrap: str, unique_name: str) -> None:
+    """Replayed events are not in position order (a letter that failed again comes back after
+    later ones): PgPositions kept the replay topic's row by position, so the second replay of
+    an event older than one applied from the first replay was taken for a repeat and dropped."""
+    from walbus.client import RetryPolicy, replay_dead_letters
+    from walbus.client.deadletters import replay_topic
+
+    changes = workload(random.Random(5), 8, ["public.t"])
+    await create_topic(kafka_bootstrap, unique_name)
+    await produce(kafka_bootstrap, unique_name, [c.record() for c in changes])
+    older, newer = changes[2].position, changes[5].position
+    group = unique_name + "-g"
+    positions = PgPositions(pg_dsn, consumer=group, table="positions_replay")
+    await positions.create_table()
+    fast = RetryPolicy(attempts=2, initial=0.01, maximum=0.02)
+    kafka = {"bootstrap_servers": kafka_bootstrap}
+    async with await psycopg.AsyncConnection.connect(pg_dsn) as conn:
+        await conn.execute("CREATE TABLE effects_replay (commit_lsn bigint, seq bigint)")
+        await conn.commit()
+
+        async def effect(conn: psycopg.AsyncConnection[Any], event: FeedEvent) -> None:
+            await conn.execute("INSERT INTO effects_replay VALUES (%s, %s)", event.position)
+
+        async def round_(failing: set[tuple[int, int]]) -> list[bool]:
+            applied: list[bool] = []
+
+            async def handler(event: FeedEvent) -> None:
+                if event.position in failing:
+                    raise RuntimeError("still broken")
+                applied.append(await positions.apply(conn, event, effect))
+
+            feed = Feed(unique_name, group_id=group, start="earliest", retry=fast, bootstrap_servers=kafka_bootstrap, until_end=True)
+            async with feed, asyncio.timeout(60):
+                await feed.run(handler)
+            return applied
+
+        assert await round_({older, newer}) == [True] * (len(changes) - 2)  # both dead-lettered
+        assert len(await replay_dead_letters(kafka, unique_name, group)) == 2
+        assert await round_({older}) == [True]  # newer applied; older dead-lettered again
+        assert len(await replay_dead_letters(kafka, unique_name, group)) == 1
+        assert await round_(set()) == [True]  # older, at last
+        cur = await conn.execute("SELECT commit_lsn, seq FROM effects_replay ORDER BY 1, 2")
+        assert [tuple(r) for r in await cur.fetchall()] == sorted(c.position for c in changes)
+        await conn.commit()
+        # Delivered again (a crash before the broker commit): no replayed event is applied twice.
+        await commit_offset(kafka_bootstrap, group, TopicPartition(replay_topic(unique_name, group), 0), 0)
+        assert await round_(set()) == [False, False, False]
+        cur = await conn.execute("SELECT count(*) FROM effects_replay")
+        assert await cur.fetchone() == (len(changes),)

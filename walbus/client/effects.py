@@ -13,6 +13,10 @@ that pattern, written once::
 ``apply`` runs ``await effect(conn, event)`` and ``mark`` in one transaction of ``conn``;
 ``mark`` alone is for a transaction of your own (it raises AlreadyApplied, roll back then).
 
+An event of the group's replay topic (a dead letter sent back) is kept by its offset there
+instead, in the row of topic ``<replay topic>:offset``: replayed events are not in position
+order (one that failed again comes back after later ones).
+
 ``mark`` moves the stored position forward or raises, so a member that lost its partition
 in a rebalance and still finishes a handler (a zombie) rolls back instead of applying the
 effect a second time. Positions grow within a partition only in delivery order: use it with
@@ -85,8 +89,15 @@ class PgPositions:
     async def mark(self, conn: psycopg.AsyncConnection[Any], event: FeedEvent) -> None:
         """Store ``event``'s position in ``conn``'s open transaction; raises AlreadyApplied (roll
         the transaction back) when the stored position is not behind it."""
-        if event.topic is None or event.partition is None:
+        if event.topic is None or event.partition is None or event.offset is None:
             raise ValueError("the event was not delivered by a Feed: no topic and partition to keep its position for")
+        topic, position = event.topic, (event.commit_lsn, event.seq)
+        if event.replayed:
+            # Dead letters come back in the order they died, not by position (one that failed
+            # again follows later ones): kept by the replay topic's offset, which grows in
+            # delivery order, in a row of its own (':' is in no topic name). By position, the
+            # second replay of an event older than one applied was dropped as a repeat.
+            topic, position = replay_row_topic(event.topic), (event.offset, 0)
         cur = await conn.execute(
             sql.SQL(
                 "INSERT INTO {t} AS p (consumer, topic, partition, commit_lsn, seq) VALUES (%s, %s, %s, %s, %s)"
@@ -94,9 +105,15 @@ class PgPositions:
                 " SET commit_lsn = EXCLUDED.commit_lsn, seq = EXCLUDED.seq, updated_at = now()"
                 " WHERE (p.commit_lsn, p.seq) < (EXCLUDED.commit_lsn, EXCLUDED.seq)"
             ).format(t=self.table),
-            (self.consumer, event.topic, event.partition, event.commit_lsn, event.seq),
+            (self.consumer, topic, event.partition, *position),
         )
         if cur.rowcount != 1:
             raise AlreadyApplied(
-                f"{event.topic}[{event.partition}] is already past {event.commit_lsn}/{event.seq} for consumer {self.consumer!r}"
+                f"{topic}[{event.partition}] is already past {position[0]}/{position[1]} for consumer {self.consumer!r}"
             )
+
+
+def replay_row_topic(replay_topic: str) -> str:
+    """The ``topic`` of the positions row that keeps a replay topic's offsets (replayed events
+    are applied in the replay topic's order, not by position)."""
+    return f"{replay_topic}:offset"

@@ -23,6 +23,12 @@ class _Settler(Protocol):
     @property
     def settled(self) -> bool: ...
 
+    @property
+    def offset(self) -> int: ...
+
+    @property
+    def replayed(self) -> bool: ...
+
 
 @dataclass(frozen=True, slots=True)
 class FeedEvent(ChangeEvent):
@@ -59,6 +65,16 @@ class FeedEvent(ChangeEvent):
     def partition(self) -> int | None:
         """The partition it was read from: positions are kept per partition."""
         return self._settler.tp.partition if self._settler is not None else None
+
+    @property
+    def offset(self) -> int | None:
+        """Its offset in that partition (None for an event built by hand)."""
+        return self._settler.offset if self._settler is not None else None
+
+    @property
+    def replayed(self) -> bool:
+        """Read from the group's replay topic (a dead letter sent back): not in position order."""
+        return self._settler is not None and self._settler.replayed
 
     def typed_row(self) -> dict[str, Any] | None:
         """The new row with Python values (Decimal, datetime, UUID, lists…; see walbus.client.typed)."""

@@ -150,6 +150,10 @@ class _Record:
     def settled(self) -> bool:
         return self.outcome != "pending"
 
+    @property
+    def replayed(self) -> bool:
+        return self.state.replay
+
     def ack(self) -> None:
         if self.outcome == "pending":
             self.state.feed._acked(self)
