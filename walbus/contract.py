@@ -1026,15 +1026,20 @@ def decode_heartbeat(value: bytes | str) -> Heartbeat:
     return Heartbeat(obj["slot"], *ints)
 
 
-def heartbeats(values: Iterable[bytes | None]) -> Iterator[Heartbeat]:
+def heartbeats(
+    values: Iterable[bytes | None], on_invalid: Callable[[bytes, ContractError], None] | None = None
+) -> Iterator[Heartbeat]:
     """The heartbeats among a heartbeat topic's record values, in their order. A tombstone (a
     slot's heartbeats deleted) and a value that is no heartbeat tell nothing about how far the
     producers confirmed and are passed over: every reader of the topic (the client's
-    ``HeartbeatWatch``, the warehouse load's cut) takes the same records as heartbeats."""
+    ``HeartbeatWatch``, the warehouse load's cut) takes the same records as heartbeats.
+    ``on_invalid(value, error)`` is told of each value that is no heartbeat (a tombstone is
+    legal), so that a reader can log and count it rather than pass it over in silence."""
     for value in values:
         if value is None:
             continue
         try:
             yield decode_heartbeat(value)
-        except ContractError:
-            continue
+        except ContractError as e:
+            if on_invalid is not None:
+                on_invalid(value, e)

@@ -341,3 +341,39 @@ async def test_transactions_waits_for_the_rest_of_a_commit_while_the_producer_be
         reader.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await reader
+
+
+async def test_a_heartbeat_topic_record_that_is_no_heartbeat_is_logged_and_counted(
+    kafka_bootstrap: str, unique_name: str, caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Junk on the heartbeat topic (another tool's record, a heartbeat of a later version) was
+    # passed over in silence: transactions() and wait_until then waited out BEAT_WAIT_S as if
+    # the producer did not beat, with nothing saying why. Contained like the feed's records now.
+    from prometheus_client import CollectorRegistry
+
+    from walbus.client.beats import HeartbeatWatch
+    from walbus.client.metrics import client_metrics
+    from walbus.contract import Heartbeat, heartbeat_topic
+
+    beats_topic = heartbeat_topic(unique_name)
+    await create_topic(kafka_bootstrap, beats_topic, compact=True)
+    await produce(kafka_bootstrap, beats_topic, [(b"s", Heartbeat("s", 0x10, 0x10, 1).to_json())])
+    registry = CollectorRegistry()
+    watch = HeartbeatWatch({"bootstrap_servers": kafka_bootstrap}, unique_name, metrics=client_metrics(registry))
+    await watch.start()
+    try:
+        async with asyncio.timeout(30):
+            while watch.confirmed != 0x10:
+                await watch.advanced.wait()
+                watch.advanced.clear()
+            caplog.clear()
+            await produce(kafka_bootstrap, beats_topic, [(b"s", b'{"v":2,"slot":"s"}'), (b"x", b"\xff junk"),
+                                                         (b"s", Heartbeat("s", 0x20, 0x20, 2).to_json())])
+            while watch.confirmed != 0x20:  # read after the two records before it
+                await watch.advanced.wait()
+                watch.advanced.clear()
+    finally:
+        await watch.stop()
+    assert registry.get_sample_value("walbus_client_invalid_records_total", {"reader": "heartbeat", "topic": beats_topic}) == 2
+    lines = [r for r in caplog.records if r.name == "walbus.client.beats" and r.levelname == "ERROR"]
+    assert len(lines) == 2 and all(getattr(r, "topic", None) == beats_topic for r in lines)

@@ -20,7 +20,8 @@ from typing import Any
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
 from walbus.client._connect import topic_partitions
-from walbus.contract import heartbeat_topic, heartbeats
+from walbus.client.metrics import ClientMetrics, client_metrics
+from walbus.contract import ContractError, heartbeat_topic, heartbeats
 
 log = logging.getLogger("walbus.client.beats")
 
@@ -34,9 +35,10 @@ LOOK_AGAIN_S = 10.0
 class HeartbeatWatch:
     """Follows ``<topic>.heartbeat`` from its last record on, in the background."""
 
-    def __init__(self, client_kwargs: Mapping[str, Any], source_topic: str) -> None:
+    def __init__(self, client_kwargs: Mapping[str, Any], source_topic: str, *, metrics: ClientMetrics | None = None) -> None:
         self.topic = heartbeat_topic(source_topic)
         self._kwargs = dict(client_kwargs)
+        self._metrics = metrics or client_metrics()
         self.confirmed = -1  # the highest confirmed position a heartbeat reported
         self.beats = 0  # heartbeats read
         self.advanced = asyncio.Event()  # set when ``confirmed`` rises; a waiter clears it
@@ -114,7 +116,7 @@ class HeartbeatWatch:
                 batches = await consumer.getmany(timeout_ms=1000)
                 for msgs in batches.values():
                     for m in msgs:
-                        self._note(m.value)
+                        self._note(m.value, m.partition, m.offset)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # the readers go on without heartbeats, as with none
@@ -127,8 +129,17 @@ class HeartbeatWatch:
             except LookupError:
                 await asyncio.sleep(LOOK_AGAIN_S)  # heartbeats off, or a producer not started yet
 
-    def _note(self, value: bytes | None) -> None:
-        for beat in heartbeats((value,)):
+    def _note(self, value: bytes | None, partition: int = 0, offset: int = -1) -> None:
+        def invalid(value: bytes, error: ContractError) -> None:
+            # Passed over (it tells nothing of the producers), but never in silence: a topic of
+            # nothing else makes readers wait out BEAT_WAIT_S as if no producer beat.
+            self._metrics.invalid_records.labels("heartbeat", self.topic).inc()
+            log.error(
+                "skipping a heartbeat topic record that is no walbus heartbeat",
+                extra={"topic": self.topic, "partition": partition, "offset": offset, "value": repr(value[:80]), "error": str(error)},
+            )
+
+        for beat in heartbeats((value,), invalid):
             self.beats += 1
             self._last_at = time.monotonic()
             if beat.confirmed_lsn > self.confirmed:

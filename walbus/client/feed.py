@@ -736,7 +736,7 @@ class Feed:
         self._finish_current()
         await self._maybe_commit()
         if self._beats is None and not self._until_end:
-            beats = self._beats = HeartbeatWatch(self._kwargs, self.topic)
+            beats = self._beats = HeartbeatWatch(self._kwargs, self.topic, metrics=self._metrics)
             await beats.start()
         group: list[_Record] = []
         marks: _Marks = {}

@@ -70,7 +70,7 @@ class SourceProgress:
         )
         self._consumer = consumer
         await consumer.start()
-        self._beats = HeartbeatWatch(self._kwargs, self.topic)
+        self._beats = HeartbeatWatch(self._kwargs, self.topic, metrics=self._metrics)
         await self._beats.start()
         if self.group is not None:
             self._admin = AIOKafkaAdminClient(**self._kwargs)
