@@ -71,3 +71,25 @@ def test_tail_merges_repeated_list_flags() -> None:
     argv = ["--topic", "t", "--table", "a", "--table=b", "--operation", "insert", "--max-events", "2"]
     config = load_config(TailConfig, [*argv, "--kafka-bootstrap", "k:9092"], prog="t", env={}, section="tail")
     assert (config.table, config.operation, config.max_events) == (["a", "b"], ["insert"], 2)
+
+
+@pytest.mark.parametrize(
+    ("option", "hint"),
+    [("auto_offset_reset", "start="), ("enable_auto_commit", "commit"), ("isolation_level", "read_committed"),
+     ("group_id", "group_id="), ("bootstrap_servers", "client_kwargs")],
+)
+def test_a_consumer_option_the_feed_sets_itself_is_a_clear_error_when_made(option: str, hint: str) -> None:
+    # consumer_options={"auto_offset_reset": "earliest"} (a Kafka user's habit) was a TypeError
+    # from inside aiokafka at start(): "got multiple values for keyword argument".
+    from walbus.client import Feed, Table
+
+    with pytest.raises(ValueError, match=rf"consumer_options: {option} .*{hint}"):
+        Feed("walbus.d", bootstrap_servers="localhost:9092", consumer_options={option: "x"})
+    if option in ("enable_auto_commit", "isolation_level", "bootstrap_servers"):
+        with pytest.raises(ValueError, match=rf"consumer_options: {option} "):
+            Table("walbus.d.public.t", bootstrap_servers="localhost:9092", consumer_options={option: "x"})
+    else:  # the Table has no group and always reads from the beginning: not its options
+        Table("walbus.d.public.t", bootstrap_servers="localhost:9092", consumer_options={option: "x"} if option != "group_id" else {})
+    # Options the readers leave to the caller are taken as before.
+    Feed("walbus.d", bootstrap_servers="localhost:9092", consumer_options={"session_timeout_ms": 30000})
+    Table("walbus.d.public.t", bootstrap_servers="localhost:9092", consumer_options={"fetch_max_wait_ms": 10})

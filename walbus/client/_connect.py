@@ -25,6 +25,21 @@ def client_kwargs(bootstrap_servers: str | None, extra: Mapping[str, Any] | None
     return kw
 
 
+def consumer_options(
+    given: Mapping[str, Any] | None, client: Mapping[str, Any], reserved: Mapping[str, str]
+) -> dict[str, Any]:
+    """The caller's extra consumer options, checked when the reader is made: an option the reader
+    sets itself (``reserved``: option -> what to use instead) or one already in ``client`` was a
+    TypeError from inside aiokafka at start() ("got multiple values for keyword argument")."""
+    options = dict(given or {})
+    for name in options:
+        if name in reserved:
+            raise ValueError(f"consumer_options: {name} is set by the reader itself; {reserved[name]}")
+        if name in client:
+            raise ValueError(f"consumer_options: {name} is given in client_kwargs (or bootstrap_servers) already")
+    return options
+
+
 async def read_records(kwargs: Mapping[str, Any], tp: TopicPartition, start: int, end: int) -> list[Any]:
     """The committed records of ``tp`` at offsets ``start <= offset < end`` (those still there)."""
     consumer = AIOKafkaConsumer(**kwargs, enable_auto_commit=False, isolation_level="read_committed")

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from itertools import islice
 from types import TracebackType
-from typing import Any, Literal
+from typing import Any, Final, Literal
 
 from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
@@ -38,6 +38,7 @@ from prometheus_client import CollectorRegistry
 
 from walbus.aiokafka_shortcuts import read_in_runs, send_next_fetch
 from walbus.client._connect import client_kwargs as _client_kwargs
+from walbus.client._connect import consumer_options as _consumer_options
 from walbus.client._connect import read_records, topic_partitions
 from walbus.client._race import until_set
 from walbus.client.acks import acked_prefix
@@ -90,6 +91,14 @@ LINGER_CATCH_UP_S = 10.0
 REFILL_RECORDS = 64
 # How far back from its committed offset a version-1 group position is looked for.
 LEGACY_MARK_WINDOW = 10_000
+
+# The consumer options a Feed sets itself, and what to use instead (consumer_options= is checked).
+FEED_OWN_OPTIONS: Final = {
+    "group_id": "use Feed(group_id=...)",
+    "enable_auto_commit": "the Feed commits what your code finished with (commit_interval=, feed.commit())",
+    "auto_offset_reset": "use start= ('earliest', 'latest', a commit LSN or a time)",
+    "isolation_level": "the Feed reads read_committed",
+}
 
 ResumeAfter = Callable[[str, int], Awaitable[Position | None]]
 """``async (topic, partition) -> position | None``: the last position your handler durably applied."""
@@ -248,7 +257,8 @@ class Feed:
             they were assigned (for tools and tests).
         strict: raise :class:`~walbus.contract.ContractError` on a record that is not a valid
             v1 event keyed by its own position, instead of logging and skipping it.
-        consumer_options: extra ``AIOKafkaConsumer`` options (e.g. ``session_timeout_ms``).
+        consumer_options: extra ``AIOKafkaConsumer`` options (e.g. ``session_timeout_ms``); one
+            the Feed sets itself (:data:`FEED_OWN_OPTIONS`) is a ``ValueError`` naming what to use.
         auto_ack: ack an event the caller did not settle when it asks for the next one (or
             leaves the loop with ``break``). With ``False`` every event needs ``event.ack()``
             or ``event.nack()``; offsets commit up to the highest contiguous acked position.
@@ -298,7 +308,7 @@ class Feed:
         self._linger = transaction_linger
         self._until_end = until_end
         self._strict = strict
-        self._consumer_options = dict(consumer_options or {})
+        self._consumer_options = _consumer_options(consumer_options, self._kwargs, FEED_OWN_OPTIONS)
         self._metrics = client_metrics(metrics_registry)
         self._consumer: AIOKafkaConsumer | None = None
         self._admin: AIOKafkaAdminClient | None = None

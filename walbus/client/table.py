@@ -28,6 +28,7 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 from prometheus_client import CollectorRegistry
 
 from walbus.client._connect import client_kwargs as _client_kwargs
+from walbus.client._connect import consumer_options as _consumer_options
 from walbus.client._connect import topic_partitions
 from walbus.client._race import until_set
 from walbus.client.metrics import client_metrics
@@ -148,7 +149,8 @@ class Table(Mapping[Any, Row]):
         source_group: the demux's consumer group (default ``walbus-demux.<source_topic>``, the
             demux's own default), which makes :meth:`wait_until` exact (see there).
         follow_demux: False: :meth:`wait_until` does not consult the demux group (step 3).
-        consumer_options: extra ``AIOKafkaConsumer`` options.
+        consumer_options: extra ``AIOKafkaConsumer`` options (not ``enable_auto_commit`` nor
+            ``isolation_level``, which the Table sets: a ``ValueError``).
         metrics_registry: where the client's Prometheus counters live (default: the global one).
     """
 
@@ -172,7 +174,10 @@ class Table(Mapping[Any, Row]):
         self.source_topic = source_topic or topic.rsplit(".", 2)[0]
         self.source_group = (source_group or demux_group(self.source_topic)) if follow_demux else None
         self._kwargs = _client_kwargs(bootstrap_servers, client_kwargs)
-        self._consumer_options = dict(consumer_options or {})
+        self._consumer_options = _consumer_options(consumer_options, self._kwargs, {
+            "enable_auto_commit": "a Table commits nothing (it reads the whole topic at each start)",
+            "isolation_level": "a Table reads read_committed (the demux writes in Kafka transactions)",
+        })
         self._metrics_registry = metrics_registry
         self._metrics = client_metrics(metrics_registry)
         self.invalid_skipped = 0
