@@ -55,3 +55,36 @@ async def test_the_pipeline_leaves_no_topic_behind(services: Services) -> None:
                 break
             await asyncio.sleep(0.2)
     assert left == []
+
+
+async def test_the_pipeline_leaves_no_dead_letter_topic_behind(services: Services) -> None:
+    """A subscriber test whose group dead-letters an event (or replays) made the group's
+    `<topic>.group--<group>.dlq` / `.replay` topics, which the fixture left on the broker."""
+    from walbus.client import FeedEvent, RetryPolicy, replay_dead_letters
+    from walbus.client.deadletters import dead_letter_topic, replay_topic
+    from walbus.client.testing import pipeline
+    from walbus.kafka import KafkaAdmin
+
+    kafka = {"bootstrap_servers": services.kafka_bootstrap}
+    async def poison(event: FeedEvent) -> None:
+        raise ValueError("poison")
+
+    async with pipeline() as p:
+        p.execute("CREATE TABLE t (id int PRIMARY KEY)", "INSERT INTO t VALUES (1)")
+        async with p.feed() as feed:
+            await p.events(feed, 1)  # in the topic: until_end below reads it
+        async with p.feed(group_id="billing", retry=RetryPolicy(attempts=1), until_end=True) as feed:
+            async with asyncio.timeout(60):
+                await feed.run(poison)
+        assert feed.stats.dead_letters == 1
+        assert len(await replay_dead_letters(kafka, p.topic, "billing")) == 1
+        topic = p.topic
+        async with KafkaAdmin(client_kwargs=kafka) as admin:
+            assert {dead_letter_topic(topic, "billing"), replay_topic(topic, "billing")} <= set(await admin.list_topics())
+    async with KafkaAdmin(client_kwargs=kafka) as admin:
+        for _ in range(100):  # a deletion reaches the metadata a moment later
+            left = sorted(t for t in await admin.list_topics() if t == topic or t.startswith(f"{topic}."))
+            if not left:
+                break
+            await asyncio.sleep(0.2)
+    assert left == []

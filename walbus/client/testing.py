@@ -18,8 +18,9 @@ It needs a PostgreSQL server with ``wal_level=logical`` and Kafka: ``WALBUS_PG_D
 ``WALBUS_KAFKA_BOOTSTRAP`` (``eval "$(walbus dev env)"`` after ``walbus dev up``) or the
 arguments. Each pipeline creates its own database (``walbus_test_<random>``) on that server and
 runs ``walbus produce`` for it as a child process (this interpreter, so your installed walbus);
-at the end it stops the producer, drops the database, its slot, its topic and the topic's side
-topics (``.progress``, ``.heartbeat``, …). The fixture is async: the tests that use it need
+at the end it stops the producer, drops the database, its slot, its topic, the topic's side
+topics (``.progress``, ``.heartbeat``, …) and its groups' dead-letter and replay topics. The
+fixture is async: the tests that use it need
 pytest-asyncio (``@pytest.mark.asyncio`` on each, or ``asyncio_mode = "auto"``).
 """
 
@@ -42,6 +43,7 @@ from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from walbus.client._connect import topic_partitions
+from walbus.client.deadletters import GROUP_TOPIC_MARK
 from walbus.client.event import FeedEvent
 from walbus.client.feed import Feed
 from walbus.contract import SIDE_TOPIC_SUFFIXES, database_topic, side_topic
@@ -118,12 +120,14 @@ async def pipeline(pg_dsn: str | None = None, kafka_bootstrap: str | None = None
 
 
 async def _delete_topic(bootstrap: str, topic: str) -> None:
-    """The database topic and the side topics the producer made beside it (one per test: left,
-    they pile up on a shared broker)."""
+    """The database topic, the side topics the producer made beside it and the dead-letter and
+    replay topics of the test's consumer groups (one per test: left, they pile up on a shared
+    broker; the groups' were left before)."""
     mine = {topic, *(side_topic(topic, suffix) for suffix in SIDE_TOPIC_SUFFIXES)}
+    groups = f"{topic}.{GROUP_TOPIC_MARK}"  # <topic>.group--<group>.dlq / .replay
     with contextlib.suppress(Exception):  # cleanup only: a leftover topic harms no later test
         async with KafkaAdmin(client_kwargs={"bootstrap_servers": bootstrap}) as admin:
-            await admin.delete_topics([t for t in await admin.list_topics() if t in mine])
+            await admin.delete_topics([t for t in await admin.list_topics() if t in mine or t.startswith(groups)])
 
 
 async def _until_streaming(producer: asyncio.subprocess.Process, log: IO[bytes], dsn: str, bootstrap: str, topic: str) -> None:
