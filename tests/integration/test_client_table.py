@@ -392,3 +392,21 @@ async def test_wait_until_fails_fast_when_the_source_topic_does_not_exist(kafka_
             with pytest.raises(LookupError, match="source_topic="):
                 await table.wait_until(changes[-1].commit_lsn + 1)
         assert dict(table) == final_state(changes, "public.t")  # the table itself still serves its rows
+
+
+async def test_wait_until_takes_an_lsn_as_postgresql_writes_it(kafka_bootstrap: str, unique_name: str) -> None:
+    # psycopg returns pg_lsn values (SELECT pg_current_wal_lsn()) as text, "0/52F29150": given
+    # to wait_until it was a TypeError from comparing it with the table's integer positions.
+    from walbus.contract import Lsn
+
+    changes = workload(random.Random(16), 10, ["public.t"])
+    topic = f"walbus.{unique_name}.public.t"
+    await create_topic(kafka_bootstrap, topic, compact=True)
+    await produce(kafka_bootstrap, topic, table_records(changes, "public.t"))
+    async with Table(topic, bootstrap_servers=kafka_bootstrap) as table, asyncio.timeout(20):
+        applied = max(c.commit_lsn for c in changes)
+        earlier = str(Lsn(applied - 1))  # "X/Y": reflected already, at once
+        assert table.reflects(earlier)
+        await table.wait_until(earlier)
+        with pytest.raises(ValueError, match="not an LSN"):
+            await table.wait_until("yesterday")

@@ -33,7 +33,7 @@ from walbus.client._connect import topic_partitions
 from walbus.client._race import until_set
 from walbus.client.metrics import client_metrics
 from walbus.client.progress import SourceProgress
-from walbus.contract import ContractError, demux_group, pop_table_meta
+from walbus.contract import ContractError, Lsn, demux_group, pop_table_meta
 
 log = logging.getLogger("walbus.client.table")
 
@@ -107,6 +107,12 @@ def _decode_record(key: bytes, value: bytes | None) -> tuple[tuple[str, ...], An
     if clash:
         raise InvalidTableRecord(f"the row's key column(s) {clash} differ from the record key")
     return columns, mapping_key, (None if op == "d" else row), meta
+
+
+def _lsn(lsn: int | str) -> int:
+    """An LSN as an int: PostgreSQL's text too (psycopg returns ``pg_lsn`` values as text, which
+    compared with the table's positions was a TypeError); ValueError for other text."""
+    return Lsn.parse(lsn) if isinstance(lsn, str) else lsn
 
 
 @dataclass(frozen=True, slots=True)
@@ -369,16 +375,18 @@ class Table(Mapping[Any, Row]):
 
     # -- read-your-writes --------------------------------------------------------------------
 
-    def reflects(self, lsn: int) -> bool:
+    def reflects(self, lsn: int | str) -> bool:
         """True when every partition has applied a record committed after ``lsn``."""
         self._check()
+        lsn = _lsn(lsn)
         return bool(self._tps) and all(self._max_commit.get(tp, -1) > lsn for tp in self._tps)
 
-    async def wait_until(self, lsn: int) -> None:
+    async def wait_until(self, lsn: int | str) -> None:
         """Return once the table reflects every transaction with ``commit_lsn <= lsn``.
 
         ``lsn`` is a commit LSN (``ChangeEvent.commit_lsn``, ``TableChange.commit_lsn``) or any
-        LSN at or before one that reaches the database topic. How it decides:
+        LSN at or before one that reaches the database topic; an int or PostgreSQL's text
+        (``"16/B374D848"``, as psycopg returns a ``pg_lsn``). How it decides:
 
         1. this table has already applied, in every partition, a record committed after
            ``lsn`` (per-partition order is commit order): done;
@@ -407,6 +415,7 @@ class Table(Mapping[Any, Row]):
         """
         if self._consumer is None:
             raise RuntimeError("Table not started")
+        lsn = _lsn(lsn)
         if self.reflects(lsn):
             return
         steps = await until_set(self._reach(lsn), self._stopped)
