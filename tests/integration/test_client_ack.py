@@ -164,3 +164,27 @@ async def test_a_large_event_is_dead_lettered_whole_and_a_long_group_is_refused(
     assert [d.value for d in await replay_dead_letters({"bootstrap_servers": kafka_bootstrap}, unique_name, group)] == [value]
     with pytest.raises(ValueError, match="shorter group_id"):
         Feed(unique_name, group_id="g" * 250, bootstrap_servers=kafka_bootstrap)
+
+
+async def test_a_replay_the_replay_topic_refuses_fails_and_marks_nothing_replayed(kafka_bootstrap: str, unique_name: str) -> None:
+    # replay_dead_letters sent the copies without looking at the sends' results: a copy the
+    # broker refused (here a replay topic made earlier with a 100 kB limit, for a 300 kB event)
+    # was dropped, the letter counted as replayed, and the group never saw the event again.
+    from walbus.client import DeadLetterError
+    from walbus.client.deadletters import replay_topic
+
+    await create_topic(kafka_bootstrap, unique_name)
+    big = Change(0x100, 0, 1, "public.transactions", "insert", {"id": 1, "v": "x" * 300_000})
+    await produce(kafka_bootstrap, unique_name, [big.record()])
+    group = unique_name + "-g"
+    await create_topic(kafka_bootstrap, replay_topic(unique_name, group), configs={"max.message.bytes": "100000"})
+    async with Feed(unique_name, group_id=group, start="earliest", retry=RetryPolicy(attempts=1), bootstrap_servers=kafka_bootstrap,
+                    until_end=True) as feed, asyncio.timeout(60):
+        async for event in feed:
+            event.nack(error="poison")
+    assert feed.stats.dead_letters == 1
+    kafka = {"bootstrap_servers": kafka_bootstrap}
+    for _ in range(2):  # refused again: it was not marked replayed
+        with pytest.raises(DeadLetterError, match="replay"):
+            await replay_dead_letters(kafka, unique_name, group)
+    assert len(await list_dead_letters(kafka, unique_name, group)) == 1

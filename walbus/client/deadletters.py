@@ -352,8 +352,15 @@ async def _copy(client_kwargs: Mapping[str, Any], replay: str, msgs: Sequence[An
     producer = AIOKafkaProducer(**client_kwargs, acks="all", enable_idempotence=True, max_request_size=DEFAULT_MAX_MESSAGE_BYTES)
     await producer.start()
     try:
-        for m in msgs:
-            await producer.send(replay, key=m.key, value=m.value, headers=list(m.headers or ()))
-        await producer.flush()
+        # Each send's result is awaited: flush() only waits, and a copy the broker refused (a
+        # replay topic made with a smaller limit, no write access) was dropped while the caller
+        # committed the letter as replayed. Failing here commits nothing: run the replay again.
+        sent = [await producer.send(replay, key=m.key, value=m.value, headers=list(m.headers or ())) for m in msgs]
+        await asyncio.gather(*sent)
+    except KafkaError as e:
+        raise DeadLetterError(
+            f"cannot replay dead letters to {replay}: {type(e).__name__}: {e}; none was marked replayed "
+            "(those copied already come again with the next replay)"
+        ) from e
     finally:
         await producer.stop()
