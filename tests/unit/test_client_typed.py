@@ -187,3 +187,14 @@ def test_a_box_array_is_split_at_its_semicolons() -> None:
     assert typed_value("_box", "{(1,1),(0,0);(3,3),(2,2)}") == ["(1,1),(0,0)", "(3,3),(2,2)"]
     assert typed_value("_box", '{{"(1,1),(0,0)";NULL}}') == [["(1,1),(0,0)", None]]
     assert typed_value("_point", '{"(1,2)","(3,4)"}') == ["(1,2)", "(3,4)"]  # quoted: commas inside
+
+
+def test_a_type_whose_own_name_starts_with_an_underscore_is_no_array() -> None:
+    # PostgreSQL takes `CREATE TYPE _mood AS ENUM (...)` (its array type is then `__mood`): the
+    # event's type `_mood` named a scalar, and typed_row() raised "not an array" on its value.
+    assert typed_value("_mood", "happy") == "happy"
+    with pytest.raises(TypedValueError):
+        typed_value("_int4", "5")  # a built-in array type's text always starts with '{' or '['
+    assert typed_value("__mood", "{happy,sad}") == ["happy", "sad"]  # its array
+    assert typed_value("_int4", "{1,2}") == [1, 2]
+    assert typed_value("_int4", "[0:1]={1,2}") == [1, 2]

@@ -13,7 +13,8 @@
 ``uuid``                       ``UUID``
 ``bytea``                      ``bytes``
 ``json`` ``jsonb``             the parsed JSON (dict, list, str, int, float, bool, None)
-``_<type>`` (arrays)           nested ``list`` of the element type, ``None`` for NULL
+``_<type>`` (arrays)           nested ``list`` of the element type, ``None`` for NULL (a
+                               type whose own name starts with ``_``, not array text: ``str``)
 anything else                  ``str`` as PostgreSQL wrote it (text, varchar, enums, inet, interval…)
 =============================  ==========================================================
 
@@ -127,6 +128,10 @@ def typed_value(type_name: str, value: Any, modifiers: Sequence[int] = ()) -> An
     if element == "numeric" and len(modifiers) == 2 and modifiers[1] > 0:
         parse = functools.partial(_numeric_with_scale, modifiers[1])
     if type_name.startswith("_"):
+        if element not in _FROM_TEXT and not value.startswith(("{", "[")):
+            # Not array text: a type named with a leading underscore itself (PostgreSQL takes
+            # CREATE TYPE _mood AS ENUM ...; its array is __mood). Text, as any unknown type.
+            return value
         return parse_array(value, parse, delimiter=array_delimiter(element))
     return parse(value)
 
