@@ -126,6 +126,9 @@ class StateView(Protocol):
 
     def keys(self, table: str) -> Iterable[bytes]: ...
 
+    def find(self, table: str, identity: dict[str, Any]) -> bytes | None:
+        """The key of the row holding every value of ``identity`` (None: none known)."""
+
 
 @dataclass(slots=True)  # not frozen: a frozen dataclass' __init__ costs ~1 µs more per record
 class OutRecord:
@@ -486,6 +489,8 @@ class Rekeyer:
             raise RekeyError(f"primary-key column(s) {list(event.pk)} missing from the row of {event.table}")
         _refuse_lost_key_values(event, new.as_dict())
         old_key = _key_of(event.identity, event.pk)
+        if old_key is None and event.identity is not None:
+            old_key = self._key_by_identity(event, state, out)
         key_changed = old_key is not None and old_key != new_key
         if unchanged:
             prior = state.get(event.table, old_key if key_changed and old_key is not None else new_key)
@@ -559,6 +564,10 @@ class Rekeyer:
             out.records.append(OutRecord(topic, None, orjson.dumps(row), event.table, compact=False))
             return out
         key = _key_of(old, event.pk)
+        if key is None and event.identity is not None:
+            key = self._key_by_identity(event, state, out)
+            if key is None:
+                return out  # no row of the table has it: nothing to tombstone
         if key is None:
             raise RekeyError(f"delete on {event.table} without the primary-key column(s) {list(event.pk)}")
         if old is not None:
@@ -574,6 +583,16 @@ class Rekeyer:
         out.records.append(OutRecord(topic, key, None, event.table))
         out.changes.append((event.table, key, None))
         return out
+
+    @staticmethod
+    def _key_by_identity(event: ChangeEvent, state: StateView, out: Rekeyed) -> bytes | None:
+        """The old row's key when the event's identity lacks a key column: under REPLICA IDENTITY
+        USING INDEX on a unique index that is not the primary key, the identity is the index's
+        columns. The store finds the row by them (so the table must be in it): a delete went to
+        the DLQ and left the row in its topic, an update moving the key left the old key's row."""
+        assert event.identity is not None
+        out.needs_state = True
+        return state.find(event.table, event.identity.as_dict())
 
     def _truncate(self, event: ChangeEvent, state: StateView) -> Rekeyed:
         out = Rekeyed()

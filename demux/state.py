@@ -114,6 +114,12 @@ class StateStore:
         self._db.executescript(_SCHEMA)
         self.pending: dict[tuple[str, bytes], bytes | None] = {}
         self.tracked: set[str] = {str(r[0]) for r in self._db.execute("SELECT tbl FROM tracked")}
+        # (table, identity columns) -> _Finder: keys by the values of an identity that lacks the
+        # key (see find). Built on first need, kept up to date by apply, dropped on rollback.
+        self._finders: dict[tuple[str, tuple[str, ...]], _Finder] = {}
+        # The tables that have one: their changes must come through apply (not the worker's
+        # fast path, which writes ``pending`` directly).
+        self.indexed: set[str] = set()
 
     def close(self) -> None:
         self._db.close()
@@ -150,6 +156,29 @@ class StateStore:
                 live.add(key)
         return live
 
+    def find(self, table: str, identity: dict[str, Any]) -> bytes | None:
+        """The key of the row holding every value of ``identity`` (None: no such row).
+
+        An update's or delete's identity lacks the key columns under REPLICA IDENTITY USING
+        INDEX on a unique index that is not the primary key: such a row is found by the
+        index's values, through an in-memory index of the table built once (one read of its
+        rows) and kept up to date by :meth:`apply`."""
+        cols = tuple(identity)
+        finder = self._finders.get((table, cols))
+        if finder is None:
+            finder = self._finders[(table, cols)] = _Finder(cols)
+            self.indexed.add(table)
+            rows = {bytes(k): bytes(v) for k, v in self._db.execute("SELECT k, v FROM rows WHERE tbl = ?", (table,))}
+            for (tbl, key), value in self.pending.items():
+                if tbl == table:
+                    if value is None:
+                        rows.pop(key, None)
+                    else:
+                        rows[key] = value
+            for key, value in rows.items():
+                finder.put(key, value)
+        return finder.by_values.get(_Finder.values_key(identity, cols))
+
     def items(self) -> Iterator[tuple[str, bytes, bytes]]:
         for tbl, k, v in self._db.execute("SELECT tbl, k, v FROM rows ORDER BY tbl, k"):
             yield str(tbl), bytes(k), bytes(v)
@@ -162,14 +191,19 @@ class StateStore:
 
     def apply(self, changes: Iterable[tuple[str, bytes, bytes | None]]) -> None:
         """Record changes of the open transaction; those of untracked tables are not kept."""
-        pending, tracked = self.pending, self.tracked
+        pending, tracked, finders = self.pending, self.tracked, self._finders
         for table, key, value in changes:
             if table in tracked:
                 pending[(table, key)] = value
+                if finders:
+                    for (tbl, _), finder in finders.items():
+                        if tbl == table:
+                            finder.put(key, value)
 
     def rollback(self) -> None:
         """Forget the changes of an aborted transaction."""
         self.pending.clear()
+        self._drop_finders()  # they hold the aborted changes: built again when needed
 
     def commit(self, checkpoint: str) -> None:
         """Write the pending changes and the new checkpoint atomically."""
@@ -206,12 +240,20 @@ class StateStore:
             db.execute("ROLLBACK")
             raise
         self.tracked.add(table)
+        self._drop_finders(table)
         return max(count, 0)
+
+    def _drop_finders(self, table: str | None = None) -> None:
+        for entry in [e for e in self._finders if table is None or e[0] == table]:
+            del self._finders[entry]
+        self.indexed.clear()  # in place: the worker holds the set
+        self.indexed.update(e[0] for e in self._finders)
 
     def reset(self, checkpoint: str) -> None:
         """Forget everything (a stale or missing store): tables are loaded again when needed."""
         db = self._db
         self.pending.clear()
+        self._drop_finders()
         db.execute("BEGIN")
         try:
             db.execute("DELETE FROM rows")
@@ -222,3 +264,35 @@ class StateStore:
             db.execute("ROLLBACK")
             raise
         self.tracked.clear()
+
+
+_ABSENT: Final = object()
+
+
+class _Finder:
+    """One table's keys by the values of some of its columns (an identity without the key)."""
+
+    __slots__ = ("by_values", "columns", "of_key")
+
+    def __init__(self, columns: tuple[str, ...]) -> None:
+        self.columns = columns
+        self.by_values: dict[bytes, bytes] = {}
+        self.of_key: dict[bytes, bytes] = {}  # key -> its entry in by_values
+
+    @staticmethod
+    def values_key(row: dict[str, Any], columns: tuple[str, ...]) -> bytes:
+        return orjson.dumps([row[c] for c in columns])
+
+    def put(self, key: bytes, value: bytes | None) -> None:
+        """The key now holds ``value`` (None: no row)."""
+        old = self.of_key.pop(key, None)
+        if old is not None and self.by_values.get(old) == key:
+            del self.by_values[old]
+        if value is None:
+            return
+        row = orjson.loads(value)
+        # A row without one of the columns (an unknown row, a value left out) is not findable by them.
+        if isinstance(row, dict) and all(row.get(c, _ABSENT) is not _ABSENT for c in self.columns):
+            entry = self.values_key(row, self.columns)
+            self.by_values[entry] = key
+            self.of_key[key] = entry

@@ -180,7 +180,7 @@ class PartitionWorker:
         """
         store = self.store
         assert store is not None
-        tracked, pending = store.tracked, store.pending
+        tracked, pending, indexed = store.tracked, store.pending, store.indexed
         counts, positions = self.counts, self.positions
         produced, tombstones = counts.produced, counts.tombstones
         fast, fast_parts, batches = self.rekeyer.fast, self._fast_parts, self.txn.batches
@@ -229,8 +229,8 @@ class PartitionWorker:
                     batch, keep = cur_batch, cur_keep
                 else:
                     parts = fast_parts.get(topic)
-                    if parts is None or (needs_state and table not in tracked):
-                        return i, hit
+                    if parts is None or (needs_state and table not in tracked) or table in indexed:
+                        return i, hit  # (indexed: the store must see its changes, StateStore.find)
                     batch = batches.get((topic, 0 if parts == 1 else partition_for(out_key, parts)))
                     if batch is None:
                         return i, hit
@@ -537,3 +537,6 @@ class _KeysView:
 
     def keys(self, table: str) -> Iterable[bytes]:
         return self._keys if table == self._table else self._store.keys(table)
+
+    def find(self, table: str, identity: dict[str, Any]) -> bytes | None:
+        return self._store.find(table, identity)

@@ -187,11 +187,13 @@ def check_key_columns(conn: psycopg.Connection[tuple[object, ...]], capture: Cap
         hidden = [c for c in key if capture.excluded_columns.matches(schema, name, c) or capture.masked_columns.matches(schema, name, c)]
         if hidden:
             raise ConfigError(f"--key-columns: key column(s) {hidden} of {qualified} are excluded or masked: a key must be in the event")
-        if not set(key) <= set(identity_columns(conn, (schema, name))):
+        # An identity of other columns is enough: the demux finds the old row's key by its values
+        # (demux.rekey, REPLICA IDENTITY USING INDEX). Without any, nothing names the old row.
+        if not identity_columns(conn, (schema, name)):
             log.warning(
-                "the replica identity of a --key-columns table does not hold its key columns: updates that change the key "
-                "leave the old key in per-table topics and deletes go to the demux's dead-letter topic; "
-                f"ALTER TABLE {sql_table((schema, name))} REPLICA IDENTITY FULL (or USING INDEX on the key columns)",
+                "a --key-columns table without a replica identity: updates that change the key "
+                "leave the old key in per-table topics and deletes cannot be keyed; "
+                f"ALTER TABLE {sql_table((schema, name))} REPLICA IDENTITY FULL (or USING INDEX on a unique index)",
                 extra={"table": qualified, "key_columns": list(key)},
             )
     names = {qualify_table(*t) for t in tables}

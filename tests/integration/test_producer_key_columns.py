@@ -13,7 +13,7 @@ import orjson
 import psycopg
 import pytest
 
-from tests.support.kafka import read_topic
+from tests.support.kafka import list_topics, read_topic
 from tests.support.pipeline import ROOT, running_demux, running_producer
 from walbus.client import Table
 from walbus.contract import table_topic
@@ -71,10 +71,10 @@ async def test_keyless_tables_get_their_key_through_the_demux(
             async with asyncio.timeout(120), Table(table_topic("walbus", unique_name, "public", "audit"), bootstrap_servers=kafka_bootstrap) as kt:
                 await kt.wait_until(last_commit)
                 audit = {k: strip_meta(v) for k, v in kt.items()}
-            # the delete of 'y' could not be keyed: it is in the dead-letter topic, not silently dropped
-            assert audit == {"x": {"id": 1, "code": "x"}, "y": {"id": 2, "code": "y"}}
-            dead = await read_topic(kafka_bootstrap, f"{source}.dlq", min_count=1, timeout=120, isolation_level="read_committed")
-            assert len(dead) == 1 and b"audit" in (dead[0][1] or b"")
+            # the delete of 'y' names its row by the index's column only: the demux finds its key in
+            # its last-row store (it went to the dead-letter topic before, the row left in the topic)
+            assert audit == {"x": {"id": 1, "code": "x"}}
+            assert f"{source}.dlq" not in await list_topics(kafka_bootstrap)
 
 
 def test_an_unknown_key_column_is_a_configuration_error(pg_dsn: str, kafka_bootstrap: str, unique_name: str) -> None:

@@ -164,6 +164,13 @@ class DictState:
     def keys(self, table: str) -> Iterable[bytes]:
         return [k for (t, k) in self.rows if t == table]
 
+    def find(self, table: str, identity: dict[str, Any]) -> bytes | None:
+        for (t, k), raw in self.rows.items():
+            row = orjson.loads(raw)
+            if t == table and all(c in row and row[c] == v for c, v in identity.items()):
+                return k
+        return None
+
     def apply(self, changes: list[tuple[str, bytes, bytes | None]]) -> None:
         for t, k, v in changes:
             if v is None:

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import orjson
 import pytest
 
-from demux.rekey import META_FIELDS, OutRecord, Rekeyer, RekeyError
+from demux.rekey import META_FIELDS, OutRecord, Rekeyer, RekeyError, strip_meta
 from tests.support.demux import DictState
 from walbus.contract import ChangeEvent, RowImage, decode_event, encode_event
 
@@ -269,8 +270,8 @@ def test_truncate_tombstones_every_known_key_of_the_table(rk: Rekeyer) -> None:
 def test_missing_key_columns_is_a_rekey_error(rk: Rekeyer) -> None:
     with pytest.raises(RekeyError):
         rk.rekey(event("insert", new=image(amount=1)), DictState())
-    with pytest.raises(RekeyError):
-        rk.rekey(event("delete", identity=image(amount=1)), DictState())
+    with pytest.raises(RekeyError):  # no identity at all (an identity without the key: the store finds it)
+        rk.rekey(event("delete"), DictState())
 
 
 def test_same_row_same_key_bytes(rk: Rekeyer) -> None:
@@ -561,3 +562,50 @@ def test_a_null_in_a_not_null_key_column_is_refused(rk: Rekeyer) -> None:
     out = rk.rekey_value(raw("insert", [None, "x"], []), state)  # a nullable key column
     assert [r.key for r in out.records] == [b'{"id":null}']
     assert rk.rekey_value(raw("insert", [1.5, "x"], ["id"]), state).records[0].key == b'{"id":1.5}'
+
+
+def test_an_identity_of_another_unique_index_finds_the_rows_key(tmp_path: Path) -> None:
+    """REPLICA IDENTITY USING INDEX on a unique index that is not the primary key: an update's
+    or delete's identity holds the index's columns only (docs/contract.md). The old row's key
+    must be found from the last-row store: a delete went to the DLQ and left the row in the
+    compacted topic, and an update that moved the key left the old key's row there for good."""
+    from demux.state import StateStore
+
+    store = StateStore(tmp_path / "s.sqlite")
+    store.track("public.idx_t", [])
+    rk = Rekeyer(prefix="walbus", database="shop")
+    topic = "walbus.shop.public.idx_t"
+
+    def step(ev: ChangeEvent) -> list[tuple[bytes | None, dict[str, Any] | None]]:
+        out = rk.rekey(ev, store)
+        store.apply(out.changes)
+        return [(r.key, None if r.value is None else strip_meta(val(r))) for r in out.records if r.topic == topic]
+
+    def e(op: str, seq: int, new: dict[str, list[Any]] | None, identity: dict[str, list[Any]] | None) -> ChangeEvent:
+        return event(op, seq=seq, table="public.idx_t", pk=["id"], new=new, identity=identity)
+
+    assert step(e("insert", 0, image(id=1, code="c1", a="x"), None)) == [(b'{"id":1}', {"id": 1, "code": "c1", "a": "x"})]
+    assert step(e("insert", 1, image(id=2, code="c2", a="y"), None)) == [(b'{"id":2}', {"id": 2, "code": "c2", "a": "y"})]
+    store.commit("1")
+    # the key moves: 1 -> 10, identity {"code": "c1"}
+    assert step(e("update", 2, image(id=10, code="c1", a="x"), image(code="c1"))) == [
+        (b'{"id":1}', None), (b'{"id":10}', {"id": 10, "code": "c1", "a": "x"})]
+    # a plain update keeps its key; the code changes (the identity is the old code)
+    assert step(e("update", 3, image(id=2, code="c3", a="y"), image(code="c2"))) == [
+        (b'{"id":2}', {"id": 2, "code": "c3", "a": "y"})]
+    # deletes by the index's columns, in the open transaction and after its commit
+    assert step(e("delete", 4, None, image(code="c3"))) == [(b'{"id":2}', None)]
+    store.commit("2")
+    assert step(e("delete", 5, None, image(code="c1"))) == [(b'{"id":10}', None)]
+    # a row the demux never saw: nothing to tombstone, and no error
+    assert step(e("delete", 6, None, image(code="zz"))) == []
+    assert list(store.keys("public.idx_t")) == []
+
+
+def test_an_identity_without_the_key_needs_the_store(rk: Rekeyer) -> None:
+    """Without the table in the store the result cannot be trusted: the worker must load it."""
+    state = DictState()
+    out = rk.rekey(event("delete", pk=["id"], identity=image(code="c1")), state)
+    assert out.needs_state
+    out = rk.rekey(event("update", pk=["id"], new=image(id=1, code="c1"), identity=image(code="c1")), state)
+    assert out.needs_state

@@ -41,6 +41,31 @@ def test_pending_changes_are_visible_then_committed(tmp_path: Path) -> None:
     again.close()
 
 
+def test_find_a_key_by_other_columns_follows_changes_aborts_and_reloads(tmp_path: Path) -> None:
+    """StateStore.find (an identity without the key, REPLICA IDENTITY USING INDEX): its index
+    follows the open transaction, forgets an aborted one, and is rebuilt when the table is loaded."""
+    def row(i: int, code: str) -> bytes:
+        return orjson.dumps({"id": i, "code": code, "__op": "c"})
+
+    store = StateStore(tmp_path / "s.sqlite")
+    assert store.find("public.t", {"code": "a"}) is None  # not tracked: nothing known
+    store.track("public.t", [(b"1", row(1, "a"))])
+    assert store.indexed == set()
+    assert store.find("public.t", {"code": "a"}) == b"1"
+    assert store.indexed == {"public.t"}  # its changes must come through apply now
+    store.apply([("public.t", b"1", row(1, "b")), ("public.t", b"2", row(2, "a"))])
+    assert (store.find("public.t", {"code": "a"}), store.find("public.t", {"code": "b"})) == (b"2", b"1")
+    store.rollback()
+    assert (store.find("public.t", {"code": "a"}), store.find("public.t", {"code": "b"})) == (b"1", None)
+    store.apply([("public.t", b"1", None)])
+    store.commit("c")
+    assert store.find("public.t", {"code": "a"}) is None
+    store.track("public.t", [(b"3", row(3, "a"))])  # loaded again from the topic
+    assert store.find("public.t", {"code": "a"}) == b"3"
+    assert store.find("public.t", {"code": "a", "id": 4}) is None
+    store.close()
+
+
 def test_only_tracked_tables_are_kept(tmp_path: Path) -> None:
     path = tmp_path / "s.sqlite"
     store = StateStore(path)
