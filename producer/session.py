@@ -24,6 +24,10 @@ OUTPUT_SETTINGS: Final = (
     # Text is read as UTF-8: a LATIN1 database's snapshot rows and pgoutput's values (which the
     # server converts to the client's encoding) stopped the producer with UnicodeDecodeError.
     ("client_encoding", "UTF8"),
+    # timestamptz is written in the session's time zone: a database, role or server whose zone
+    # changed gave one instant two texts, so a timestamptz key two keys (the demux's tombstone
+    # missed the row, an update left its old version live). UTC: one text per instant.
+    ("TimeZone", "UTC"),
 )
 
 

@@ -412,3 +412,42 @@ async def test_a_replica_identity_using_another_index_keeps_the_table(
     assert sorted(expected) == [b'{"id":2}', b'{"id":5}', b'{"id":8}']
     assert table == expected, proc.log_tail()
     assert f"{source}.dlq" not in await list_topics(kafka_bootstrap)
+
+
+async def test_a_timestamptz_key_keeps_its_key_when_the_databases_time_zone_changes(
+    pg_dsn: str, kafka_bootstrap: str, unique_name: str, tmp_path: Path
+) -> None:
+    """A timestamptz primary key is text in the session's TimeZone: a database (or role, or
+    server) whose time zone changes between a row's insert and its delete must not give the
+    row another key, or the tombstone misses it and the deleted row stays in the table's topic."""
+    import psycopg
+    from psycopg import sql
+
+    from tests.support.pipeline import running_producer
+
+    source, slot = f"walbus.{unique_name}", f"{unique_name}_s"
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute(sql.SQL("ALTER DATABASE {} SET timezone = 'UTC'").format(sql.Identifier(unique_name)))
+        conn.execute("CREATE TABLE tz (at timestamptz PRIMARY KEY, n int4)")
+        conn.execute("CREATE TABLE done (id int4 PRIMARY KEY)")
+    options: dict[str, Any] = {"topic": source, "slot": slot, "snapshot_mode": "never"}
+    async with running_producer(pg_dsn, kafka_bootstrap, **options):
+        with psycopg.connect(pg_dsn, autocommit=True) as conn:
+            conn.execute("INSERT INTO tz VALUES ('2024-01-02 01:04:05.5+00', 1), ('2024-06-01 00:00:00+00', 1)")
+        await read_records(kafka_bootstrap, source, min_count=2)
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute(sql.SQL("ALTER DATABASE {} SET timezone = 'Asia/Tokyo'").format(sql.Identifier(unique_name)))
+    async with running_producer(pg_dsn, kafka_bootstrap, **options):
+        with psycopg.connect(pg_dsn, autocommit=True) as conn:
+            conn.execute("UPDATE tz SET n = 2 WHERE at = '2024-06-01 00:00:00+00'")
+            conn.execute("DELETE FROM tz WHERE at = '2024-01-02 01:04:05.5+00'")
+            conn.execute("INSERT INTO done VALUES (1)")
+        await read_records(kafka_bootstrap, source, min_count=5)
+    _, proc = await _run_demux(kafka_bootstrap, source, tmp_path, "demux")
+    table: dict[bytes | None, int] = {}  # the topic read as a KTable
+    for m in await read_records(kafka_bootstrap, table_topic("walbus", unique_name, "public", "tz"), "read_committed"):
+        if m.value is None:
+            table.pop(m.key, None)
+        else:
+            table[m.key] = orjson.loads(m.value)["n"]
+    assert table == {b'{"at":"2024-06-01 00:00:00+00"}': 2}, proc.log_tail()

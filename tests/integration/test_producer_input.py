@@ -374,17 +374,18 @@ async def test_database_settings_do_not_change_the_values(
     with database(pg_dsn, f"{unique_name}_{plugin}") as dsn:
         with psycopg.connect(pg_dsn, autocommit=True) as conn:
             for setting in ("extra_float_digits = 0", "bytea_output = escape", "DateStyle = 'German, DMY'",
-                            "IntervalStyle = iso_8601"):
+                            "IntervalStyle = iso_8601", "timezone = 'Asia/Tokyo'"):
                 conn.execute(pgsql.SQL("ALTER DATABASE {} SET " + setting).format(pgsql.Identifier(f"{unique_name}_{plugin}")))
-        sql(dsn, "CREATE TABLE t (id int PRIMARY KEY, f float8, b bytea, d date, i interval)",
-            "INSERT INTO t VALUES (1, 1.7976931348623157e308, '\\x41ff', '2026-11-28', '1 day 02:03:04')")
+        sql(dsn, "CREATE TABLE t (id int PRIMARY KEY, f float8, b bytea, d date, i interval, tz timestamptz)",
+            "INSERT INTO t VALUES (1, 1.7976931348623157e308, '\\x41ff', '2026-11-28', '1 day 02:03:04', '2026-11-28 12:00+00')")
         async with running_producer(dsn, kafka_bootstrap, topic=unique_name + plugin, plugin=plugin):
-            sql(dsn, "INSERT INTO t VALUES (2, 0.1, '\\x41ff', '2026-11-28', '1 day 02:03:04')")
+            sql(dsn, "INSERT INTO t VALUES (2, 0.1, '\\x41ff', '2026-11-28', '1 day 02:03:04', '2026-11-28 12:00+00')")
             records = await read_topic(kafka_bootstrap, unique_name + plugin, min_count=2, timeout=30)
     expected = ["1.7976931348623157e+308", "0.1"]
     for e, f in zip(events(records), expected, strict=True):  # the snapshot's read, then the insert
         values = dict(zip(e["columns"], e["values"], strict=True))
-        assert (repr(values["f"]), values["b"], values["d"], values["i"]) == (f, "\\x41ff", "2026-11-28", "1 day 02:03:04"), e
+        assert (repr(values["f"]), values["b"], values["d"], values["i"], values["tz"]) == (
+            f, "\\x41ff", "2026-11-28", "1 day 02:03:04", "2026-11-28 12:00:00+00"), e
 
 
 async def test_a_topic_name_kafka_refuses_is_a_configuration_error(pg_dsn: str, kafka_bootstrap: str, unique_name: str) -> None:
