@@ -334,12 +334,21 @@ class PartitionWorker:
             self._unwritten(out, error, "size")
             return error, "size"
         produced, tombstones = counts.produced, counts.tombstones
-        for rec in records:
+        # One event's records beyond a transaction's size (a truncate's tombstones, one per key)
+        # go out in transactions of txn_max_records each, with the source offset still at this
+        # event, so that a crash redoes it (tombstones again: idempotent). In one transaction a
+        # large table's truncate outlived the transaction timeout, the broker aborted it, and
+        # the worker reopened on it and failed the same way, for good.
+        part = self.config.txn_max_records
+        for n, rec in enumerate(records, 1):
             await self._append(rec)
             if rec.value is None:
                 tombstones[table] = tombstones.get(table, 0) + 1
             else:
                 produced[table] = produced.get(table, 0) + 1
+            if n % part == 0 and n < len(records):
+                await self.commit()
+                await self.txn.begin()
         if out.changes:
             store.apply(out.changes)
         if out.unfilled:

@@ -451,3 +451,36 @@ async def test_a_timestamptz_key_keeps_its_key_when_the_databases_time_zone_chan
         else:
             table[m.key] = orjson.loads(m.value)["n"]
     assert table == {b'{"at":"2024-06-01 00:00:00+00"}': 2}, proc.log_tail()
+
+
+async def test_a_truncate_of_more_keys_than_a_transaction_takes_is_committed_in_parts(
+    kafka_bootstrap: str, unique_name: str, tmp_path: Path
+) -> None:
+    """A truncate's tombstones (one per key) go out in Kafka transactions of --txn-max-records:
+    in one transaction, a large table's truncate outlived the transaction timeout, the broker
+    aborted it and the worker reopened on it and failed again, for good. Each transaction that
+    wrote to a partition leaves one marker there (an offset of its own): 200 tombstones in
+    parts of 50 are 4 transactions."""
+    source = f"walbus.{unique_name}"
+    topic = table_topic("walbus", unique_name, "public", "t")
+    await create_topic(kafka_bootstrap, source)
+    await produce(kafka_bootstrap, source, [ev(0x100, i, "insert", "public.t", ["id"], new={"id": i, "n": i}, types=INTS)
+                                            for i in range(200)], partition=0)
+    proc = DemuxProc(demux_args(kafka_bootstrap, source, tmp_path / "state", "--txn-max-records", "50"),
+                     tmp_path / "demux.log").start()
+    try:
+        await wait_caught_up(kafka_bootstrap, demux_group(source), source, procs=[proc])
+        before = (await end_offsets(kafka_bootstrap, topic))[0]
+        await produce(kafka_bootstrap, source, [ev(0x200, 0, "truncate", "public.t", ["id"])], partition=0)
+        await wait_caught_up(kafka_bootstrap, demux_group(source), source, procs=[proc])
+        records = [r for r in await read_records(kafka_bootstrap, topic) if r.offset >= before]
+        markers = 0
+        for _ in range(100):  # a commit's markers are written just after it returns
+            markers = (await end_offsets(kafka_bootstrap, topic))[0] - before - len(records)
+            if markers >= 4:
+                break
+            await asyncio.sleep(0.1)
+    finally:
+        assert proc.stop() == 0, proc.log_tail()
+    assert sorted(r.key for r in records if r.value is None) == sorted(b'{"id":%d}' % i for i in range(200))
+    assert markers == 4, proc.log_tail()
