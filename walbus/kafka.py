@@ -594,3 +594,29 @@ async def _topic_offsets(client_kwargs: dict[str, Any], topic: str) -> tuple[Off
         return ({tp.partition: int(o) for tp, o in earliest.items()}, {tp.partition: int(o) for tp, o in latest.items()})
     finally:
         await consumer.stop()
+
+
+async def stop_consumer(consumer: AIOKafkaConsumer) -> None:
+    """``consumer.stop()``, finished even when aiokafka lets a CancelledError out of it.
+
+    A fetch that failed (its broker away, or just back) sleeps out its retry back-off
+    unguarded; cancelled there by the fetcher's close, its CancelledError leaves ``stop()``
+    (aiokafka issue #647) before the other fetches are cancelled and the connections closed.
+    The caller's task was not cancelled, so it must not end as if it were (a Feed's ``async
+    with`` raised CancelledError after a broker outage): the rest of the close is done here."""
+    try:
+        await consumer.stop()
+        return
+    except asyncio.CancelledError:
+        task = asyncio.current_task()
+        if task is not None and task.cancelling():
+            raise  # the caller's own cancellation
+    log.debug("aiokafka's consumer stop raised CancelledError (a fetch in back-off): closing the rest")
+    fetcher = getattr(consumer, "_fetcher", None)
+    pending = list(getattr(fetcher, "_pending_tasks", ()))
+    for fetch in pending:
+        fetch.cancel()
+    await asyncio.gather(*pending, return_exceptions=True)
+    client = getattr(consumer, "_client", None)
+    if client is not None:
+        await client.close()

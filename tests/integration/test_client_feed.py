@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import random
+import signal
 import threading
+from collections.abc import Iterator
 
 import orjson
 import pytest
@@ -18,6 +21,8 @@ from tests.support.cdc_data import (
 )
 from tests.support.kafka import create_topic, produce
 from walbus.aiokafka_shortcuts import read_in_runs
+from walbus.app.dev.kafka import KafkaInstance
+from walbus.app.dev.processes import free_port
 from walbus.client import Feed, Transaction
 from walbus.client.feed import REFILL_RECORDS
 from walbus.contract import ChangeEvent, event_key
@@ -377,3 +382,103 @@ async def test_a_heartbeat_topic_record_that_is_no_heartbeat_is_logged_and_count
     assert registry.get_sample_value("walbus_client_invalid_records_total", {"reader": "heartbeat", "topic": beats_topic}) == 2
     lines = [r for r in caplog.records if r.name == "walbus.client.beats" and r.levelname == "ERROR"]
     assert len(lines) == 2 and all(getattr(r, "topic", None) == beats_topic for r in lines)
+
+
+
+@pytest.fixture(scope="module")
+def own_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KafkaInstance]:
+    """A broker of this module's own, which its tests pause (SIGSTOP) and resume."""
+    broker = KafkaInstance(tmp_path_factory.mktemp("kafka"), free_port(), free_port())
+    broker.start()
+    try:
+        yield broker
+    finally:
+        broker.stop()
+
+
+@contextlib.contextmanager
+def paused(broker: KafkaInstance) -> Iterator[None]:
+    pid = broker.pid
+    assert pid is not None
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
+async def test_transactions_rides_out_a_broker_that_stops_answering_while_it_checks_a_commit(
+    own_broker: KafkaInstance, unique_name: str, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Once a heartbeat confirmed past a held commit, transactions() looks the topic's end
+    # offsets up. A broker that did not answer within the request timeout (a GC pause, a
+    # leader election, a restart) raised KafkaTimeoutError out of the caller's loop, where
+    # the Feed otherwise waits out such faults: a transient fault ended the subscriber.
+    from walbus.client.beats import HeartbeatWatch
+    from walbus.contract import Heartbeat, heartbeat_topic
+
+    bootstrap = own_broker.bootstrap
+    beats = heartbeat_topic(unique_name)
+    await create_topic(bootstrap, unique_name)
+    await create_topic(bootstrap, beats, compact=True)
+    await produce(bootstrap, beats, [(b"s", Heartbeat("s", 0x108, 0x108, 1).to_json())])
+    txn = [Change(0x100, seq, 7, "public.users", "insert", {"id": seq, "a": "x"}) for seq in range(3)]
+    await produce(bootstrap, unique_name, [c.record() for c in txn])
+    # The heartbeat past the commit counts only once the broker is paused, so that the
+    # end-offsets look-up meets the paused broker (the outage is real; only its moment is set).
+    asked, gate = asyncio.Event(), asyncio.Event()
+    past = HeartbeatWatch.past
+
+    def gated_past(self: HeartbeatWatch, lsn: int) -> bool:
+        asked.set()
+        return gate.is_set() and past(self, lsn)
+
+    monkeypatch.setattr(HeartbeatWatch, "past", gated_past)
+    got: asyncio.Queue[Transaction] = asyncio.Queue()
+
+    async def read(feed: Feed) -> None:
+        async for t in feed.transactions():
+            got.put_nowait(t)
+
+    async with Feed(unique_name, start="earliest", bootstrap_servers=bootstrap, transaction_linger=0.2,
+                    consumer_options={"request_timeout_ms": 2000}) as feed:
+        reader = asyncio.create_task(read(feed))
+        await asyncio.wait_for(asked.wait(), 60)  # the commit is read and held
+        with paused(own_broker):
+            gate.set()
+            await asyncio.sleep(6)  # three request timeouts
+            assert not reader.done(), reader.exception()
+            assert got.empty()
+        first = await asyncio.wait_for(got.get(), 60)
+        assert [e.seq for e in first.events] == [0, 1, 2] and first.commit_lsn == 0x100
+        reader.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await reader
+
+
+async def test_a_consumer_stopped_while_a_fetch_backs_off_stops_without_cancelling_its_caller(
+    own_broker: KafkaInstance, unique_name: str,
+) -> None:
+    # aiokafka sleeps out a failed fetch's retry back-off unguarded: stopped then, the consumer
+    # let a CancelledError out of stop() (aiokafka issue #647), and a Feed's or Table's close
+    # ended its caller's task as if cancelled, its connections left open.
+    from walbus.kafka import stop_consumer
+
+    bootstrap = own_broker.bootstrap
+    await create_topic(bootstrap, unique_name)
+    raw = AIOKafkaConsumer(bootstrap_servers=bootstrap, request_timeout_ms=1000, retry_backoff_ms=20_000)
+    ours = AIOKafkaConsumer(bootstrap_servers=bootstrap, request_timeout_ms=1000, retry_backoff_ms=20_000)
+    for consumer in (raw, ours):
+        await consumer.start()
+        consumer.assign([TopicPartition(unique_name, 0)])
+        assert await consumer.getmany(timeout_ms=500) == {}  # its fetches started
+    with paused(own_broker):
+        await asyncio.sleep(4)  # each fetch timed out (1 s) and sleeps its 20 s back-off
+        with pytest.raises(asyncio.CancelledError):
+            await raw.stop()  # the defect, as aiokafka has it
+        started = asyncio.get_running_loop().time()
+        await stop_consumer(ours)
+        assert asyncio.get_running_loop().time() - started < 10  # not the back-off
+    assert ours._client._conns == {}  # its connections closed
+    with contextlib.suppress(BaseException):
+        await raw._client.close()

@@ -22,6 +22,7 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 from walbus.client._connect import topic_partitions
 from walbus.client.metrics import ClientMetrics, client_metrics
 from walbus.contract import ContractError, heartbeat_topic, heartbeats
+from walbus.kafka import stop_consumer
 
 log = logging.getLogger("walbus.client.beats")
 
@@ -84,7 +85,7 @@ class HeartbeatWatch:
         consumer, self._consumer = self._consumer, None
         if consumer is not None:
             with contextlib.suppress(Exception):
-                await consumer.stop()
+                await stop_consumer(consumer)
 
     @property
     def enabled(self) -> bool:

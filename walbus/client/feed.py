@@ -74,6 +74,7 @@ from walbus.contract import (
     event_key,
     try_decode_keyed_event,
 )
+from walbus.kafka import stop_consumer
 
 log = logging.getLogger("walbus.client.feed")
 _try_decode = try_decode_keyed_event
@@ -416,7 +417,7 @@ class Feed:
             if beats is not None:
                 await beats.stop()
             if consumer is not None:
-                await consumer.stop()
+                await stop_consumer(consumer)
             if admin is not None:
                 await admin.close()
         finally:
@@ -801,7 +802,16 @@ class Feed:
         if not beats.past(commit_lsn):
             return not beats.alive()
         tps = [tp for tp in self._parts if tp.topic == self.topic]  # the producers' own writes
-        ends = await consumer.end_offsets(tps)
+        try:
+            ends = await consumer.end_offsets(tps)
+        except KafkaError as e:
+            # A broker that did not answer in time (a pause, an election, a restart): not all
+            # there yet; asked again after the next silence. Raised, it ended the caller's loop.
+            log.warning(
+                "cannot look up the topic's end offsets to finish a transaction; trying again",
+                extra={"topic": self.topic, "commit_lsn": commit_lsn, "error": f"{type(e).__name__}: {e}"},
+            )
+            return False
         for tp in tps:
             state = self._parts.get(tp)
             if state is None:

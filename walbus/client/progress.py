@@ -28,6 +28,7 @@ from walbus.client.beats import BEAT_WAIT_S, HeartbeatWatch
 from walbus.client.metrics import client_metrics
 from walbus.client.positions import Position, newest, valid_event
 from walbus.contract import ContractError
+from walbus.kafka import stop_consumer
 
 log = logging.getLogger("walbus.client.progress")
 
@@ -83,7 +84,7 @@ class SourceProgress:
             await beats.stop()
         for c in (consumer, probe):
             if c is not None:
-                await c.stop()
+                await stop_consumer(c)
         if admin is not None:
             await admin.close()
 

@@ -34,6 +34,7 @@ from walbus.client._race import until_set
 from walbus.client.metrics import client_metrics
 from walbus.client.progress import SourceProgress
 from walbus.contract import ContractError, Lsn, demux_group, pop_table_meta
+from walbus.kafka import stop_consumer
 
 log = logging.getLogger("walbus.client.table")
 
@@ -279,13 +280,13 @@ class Table(Mapping[Any, Row]):
         self._task = self._consumer = self._progress = None
         hw, self._hw_consumer = self._hw_consumer, None
         if hw is not None:
-            await hw.stop()
+            await stop_consumer(hw)
         if task is not None:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         if consumer is not None:
-            await consumer.stop()
+            await stop_consumer(consumer)
         if progress is not None:
             await progress.stop()
 
