@@ -16,7 +16,7 @@ from typing import Any
 from aiokafka import AIOKafkaConsumer
 from aiokafka.errors import KafkaTimeoutError
 
-from walbus.kafka import topic_partitions
+from walbus.kafka import stop_consumer, topic_partitions
 
 
 class KTableTimeout(TimeoutError):
@@ -115,4 +115,4 @@ async def read_ktable_raw(
                     consumer.pause(tp)
         return table
     finally:
-        await asyncio.shield(consumer.stop())
+        await asyncio.shield(stop_consumer(consumer))

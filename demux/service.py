@@ -28,7 +28,7 @@ from demux.worker import PartitionWorker
 from walbus.aiokafka_shortcuts import SHORTCUTS, flatten, read_in_runs
 from walbus.allocator import tune_collector, tune_for_large_buffers
 from walbus.config import describe
-from walbus.kafka import KafkaAdmin, wait_for_broker
+from walbus.kafka import KafkaAdmin, stop_consumer, wait_for_broker
 from walbus.logs import setup_logging
 from walbus.metrics import new_registry, sample, serve_metrics
 from walbus.process import exit_on_sigterm
@@ -294,7 +294,7 @@ class Demux:
         self.pending.clear()
         try:
             # Workers are gone, so the revoke callback of the final leave has nothing to do.
-            await consumer.stop()
+            await stop_consumer(consumer)
         finally:
             if self._admin is not None:
                 await self._admin.close()
