@@ -38,23 +38,29 @@ async def test_a_subscriber_sees_typed_rows(walbus_pipeline: Pipeline) -> None:
     assert updated.typed_row() == {"id": 1, "total": Decimal("13.00"), "tags": ["a", "b c"]}
 
 
+async def _topics_left(bootstrap: str, topic: str) -> list[str]:
+    """``topic`` and the topics named under it still on the broker, once deletions settled."""
+    from walbus.kafka import KafkaAdmin
+
+    async with KafkaAdmin(client_kwargs={"bootstrap_servers": bootstrap}) as admin:
+        for _ in range(100):  # a deletion reaches the metadata a moment later
+            left = sorted(t for t in await admin.list_topics() if t == topic or t.startswith(f"{topic}."))
+            if not left:
+                break
+            await asyncio.sleep(0.2)
+    return left
+
+
 async def test_the_pipeline_leaves_no_topic_behind(services: Services) -> None:
     """The fixture deleted the database topic only: its .progress and .heartbeat topics stayed."""
     from walbus.client.testing import pipeline
-    from walbus.kafka import KafkaAdmin
 
     async with pipeline() as p:
         p.execute("CREATE TABLE t (id int PRIMARY KEY)", "INSERT INTO t VALUES (1)")
         async with p.feed() as feed:
             await p.events(feed, 1)
         topic = p.topic
-    async with KafkaAdmin(client_kwargs={"bootstrap_servers": services.kafka_bootstrap}) as admin:
-        for _ in range(100):  # a deletion reaches the metadata a moment later
-            left = sorted(t for t in await admin.list_topics() if t == topic or t.startswith(f"{topic}."))
-            if not left:
-                break
-            await asyncio.sleep(0.2)
-    assert left == []
+    assert await _topics_left(services.kafka_bootstrap, topic) == []
 
 
 async def test_the_pipeline_leaves_no_dead_letter_topic_behind(services: Services) -> None:
@@ -81,10 +87,4 @@ async def test_the_pipeline_leaves_no_dead_letter_topic_behind(services: Service
         topic = p.topic
         async with KafkaAdmin(client_kwargs=kafka) as admin:
             assert {dead_letter_topic(topic, "billing"), replay_topic(topic, "billing")} <= set(await admin.list_topics())
-    async with KafkaAdmin(client_kwargs=kafka) as admin:
-        for _ in range(100):  # a deletion reaches the metadata a moment later
-            left = sorted(t for t in await admin.list_topics() if t == topic or t.startswith(f"{topic}."))
-            if not left:
-                break
-            await asyncio.sleep(0.2)
-    assert left == []
+    assert await _topics_left(services.kafka_bootstrap, topic) == []
