@@ -471,7 +471,9 @@ async def test_a_consumer_stopped_while_a_fetch_backs_off_stops_without_cancelli
     for consumer in (raw, ours):
         await consumer.start()
         consumer.assign([TopicPartition(unique_name, 0)])
-        assert await consumer.getmany(timeout_ms=500) == {}  # its fetches started
+        # its position known (no offset look-up left to fail), its fetches under way
+        assert await consumer.position(TopicPartition(unique_name, 0)) == 0
+        assert await consumer.getmany(timeout_ms=500) == {}
     with paused(own_broker):
         await asyncio.sleep(4)  # each fetch timed out (1 s) and sleeps its 20 s back-off
         with pytest.raises(asyncio.CancelledError):
