@@ -4,6 +4,7 @@ first sight."""
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -31,8 +32,14 @@ class TxnEnd:
 
 
 # The prefix of the logical messages walbus writes (incremental snapshots' watermarks): the only
-# ones a decoder needs (wal2json is asked for these only).
-WATERMARK_PREFIX = "walbus-watermark"
+# ones a decoder needs (wal2json is asked for these only). Any login role may emit a message
+# with a prefix it knows, and wal2json renders every message its filter lets through (each byte
+# escaped, up to six): ~180 MB under a fixed prefix passed PostgreSQL's 1 GB string limit and
+# failed the slot at that record on every reconnect. So the prefix ends with a token of this
+# process's own, which no plain role can read (the walsender's command and the watermark's
+# bound parameter are hidden to it). A watermark is only ever awaited by the process that
+# wrote it (its chunk id is new each time), so earlier processes' ones are rightly left out.
+WATERMARK_PREFIX = f"walbus-watermark-{secrets.token_hex(16)}"
 
 
 @dataclass(slots=True)

@@ -15,6 +15,7 @@ import pytest
 from psycopg import sql as pgsql
 from psycopg.conninfo import make_conninfo
 
+from producer.decoders import WATERMARK_PREFIX
 from tests.support.kafka import read_topic
 from tests.support.pipeline import running_producer
 from walbus.config import ConfigError
@@ -452,8 +453,10 @@ async def test_malformed_signals_and_watermarks_are_skipped(
                 conn.execute("INSERT INTO walbus_signal VALUES (%s, 'execute-snapshot', %s)", (f"bad-{i}", data))
             for transactional in (True, False):
                 for content in ("not json", "[]", '"x"', "null", '{"id": [1]}'):
-                    conn.execute("SELECT pg_logical_emit_message(%s, 'walbus-watermark', %s::text)", (transactional, content))
-                conn.execute("SELECT pg_logical_emit_message(%s, 'walbus-watermark', '\\xff00'::bytea)", (transactional,))
+                    conn.execute("SELECT pg_logical_emit_message(%s, %s, %s::text)", (transactional, WATERMARK_PREFIX, content))
+                conn.execute("SELECT pg_logical_emit_message(%s, %s, '\\xff00'::bytea)", (transactional, WATERMARK_PREFIX))
+                # The prefix without this process's token: another prefix, not looked at.
+                conn.execute("SELECT pg_logical_emit_message(%s, 'walbus-watermark', 'not json')", (transactional,))
                 conn.execute("SELECT pg_logical_emit_message(%s, 'other', 'anything')", (transactional,))
             conn.execute("""INSERT INTO walbus_signal VALUES ('good', 'execute-snapshot', '{"data-collections": ["public.orders"]}')""")
         records = await read_topic(kafka_bootstrap, unique_name, min_count=len(malformed) + 1 + 5, timeout=60)

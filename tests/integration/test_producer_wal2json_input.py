@@ -39,6 +39,26 @@ async def test_a_huge_logical_message_of_another_prefix_does_not_stop_the_slot(
         assert producer.metrics.reconnects._value.get() == 0
 
 
+async def test_a_huge_logical_message_with_the_public_watermark_prefix_does_not_stop_the_slot(
+    pg_dsn: str, kafka_bootstrap: str, unique_name: str
+) -> None:
+    # The same junk under walbus's watermark prefix as it was documented ('walbus-watermark'):
+    # wal2json rendered it (the prefix filter let it through) and the slot failed at that
+    # record on every reconnect. Watermarks now carry a prefix of the producer process's own.
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute("CREATE TABLE acct (id int PRIMARY KEY, v text)")
+    async with running_producer(
+        pg_dsn, kafka_bootstrap, topic=unique_name, plugin="wal2json", snapshot_mode="never", retry_max_delay=1.0,
+    ) as producer:
+        with psycopg.connect(pg_dsn, autocommit=True) as conn:
+            conn.execute("SELECT pg_logical_emit_message(false, 'walbus-watermark', repeat(chr(1), 180 * 1024 * 1024))")
+            conn.execute("INSERT INTO acct VALUES (1, 'after')")
+        async with asyncio.timeout(90), Feed(unique_name, bootstrap_servers=kafka_bootstrap, start="earliest") as feed:
+            event = await anext(aiter(feed))
+        assert event.row() == {"id": 1, "v": "after"}
+        assert producer.metrics.reconnects._value.get() == 0
+
+
 @pytest.mark.parametrize("plugin", ["pgoutput", "wal2json"])
 async def test_a_truncate_of_a_partitioned_table_names_its_leaves_only(
     pg_dsn: str, kafka_bootstrap: str, unique_name: str, plugin: str

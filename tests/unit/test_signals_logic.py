@@ -260,12 +260,12 @@ def test_a_change_without_its_key_in_the_window_reads_the_chunk_again(caplog: py
         chunk = Chunk("c1", "public.orders", None, scan=scan, rows=[((1,), [1, "old"]), ((2,), [2, "b"])], last_key=["2"])
         inc._chunk = chunk
         inc._recent = inc._recent or RecentChanges("public.orders")
-        inc.on_message(LogicalMessage(0x400, "walbus-watermark", b'{"id":"c1","kind":"low"}', True), False)
+        inc.on_message(LogicalMessage(0x400, WATERMARK_PREFIX, b'{"id":"c1","kind":"low"}', True), False)
         if change == "unknown key":
             inc.observe(enc.encode(scan.relation, "update", 0x450, [None, "new"], unchanged=[0]), 7)
         elif change == "known key":
             inc.observe(enc.encode(scan.relation, "update", 0x450, [1, "new"]), 7)
-        high = LogicalMessage(0x600, "walbus-watermark", b'{"id":"c1","kind":"high"}', True, commit_lsn=0x600, xid=8)
+        high = LogicalMessage(0x600, WATERMARK_PREFIX, b'{"id":"c1","kind":"high"}', True, commit_lsn=0x600, xid=8)
         return list(inc.on_message(high, False))
 
     assert len(chunk_with("known key")) == 1  # row 1 dropped, row 2 read
