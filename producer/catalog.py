@@ -16,6 +16,7 @@ from typing import Final, Protocol
 import psycopg
 
 from producer.session import session_options
+from walbus.contract import qualify_table
 
 log = logging.getLogger("walbus.producer.catalog")
 
@@ -64,6 +65,27 @@ def type_names_cte(seed: str) -> str:
 # joins type_names n: the row of pg_type t that names n.oid
 TYPE_NAME_JOIN: Final = "JOIN pg_type t ON t.oid = n.base AND t.typtype <> 'd'"
 
+# The name walbus gives the type t (of TYPE_NAME_JOIN): its typname, or ``schema.name`` (parts
+# quoted as the event's ``table`` field quotes them: walbus.contract.qualify_table) for a type
+# outside pg_catalog that has a built-in type's name. Values are converted by type name (int4
+# → JSON integer…): an enum s.int4 went through int() and stopped the producer, and a consumer
+# could not tell it from the built-in either.
+_QUOTED_PART = "CASE WHEN {0} ~ '[.\"]' THEN '\"' || replace({0}, '\"', '\"\"') || '\"' ELSE {0}::text END"
+TYPE_NAME: Final = (
+    "CASE WHEN t.typnamespace <> 'pg_catalog'::regnamespace AND EXISTS (SELECT 1 FROM pg_type b "
+    "WHERE b.typnamespace = 'pg_catalog'::regnamespace AND b.typname = t.typname) THEN "
+    + _QUOTED_PART.format("(SELECT nspname FROM pg_namespace WHERE oid = t.typnamespace)")
+    + " || '.' || " + _QUOTED_PART.format("t.typname") + " ELSE t.typname::text END"
+)
+
+
+def qualified_type_name(schema: str, name: str, builtin_names: frozenset[str]) -> str:
+    """:data:`TYPE_NAME` of a type known by its schema and name (pgoutput's Type message,
+    which names pg_catalog by an empty string)."""
+    if schema in ("", "pg_catalog") or name not in builtin_names:
+        return name
+    return qualify_table(schema, name)
+
 
 def _base(typname: str) -> str:
     return typname[1:] if typname.startswith("_") else typname  # an array: its element's modifier
@@ -110,7 +132,7 @@ class CatalogLookup(Protocol):
         when given, else by name. :class:`TableGone` when it is not there."""
         ...
 
-    def remember_type(self, oid: int, name: str) -> None: ...
+    def remember_type(self, oid: int, schema: str, name: str) -> None: ...
 
 
 class UnknownTypeError(LookupError):
@@ -136,6 +158,7 @@ class Catalog:
         self._conn: psycopg.Connection[tuple[object, ...]] | None = None
         self._types: dict[int, str] = {}
         self._fixed: frozenset[str] | None = None
+        self._builtin_names: frozenset[str] | None = None
         self._tables: dict[tuple[str, str], TableInfo] = {}
 
     def _connection(self) -> psycopg.Connection[tuple[object, ...]]:
@@ -150,9 +173,12 @@ class Catalog:
     def load_types(self) -> None:
         rows = self._connection().execute(
             f"WITH RECURSIVE {type_names_cte('SELECT oid FROM pg_type')} "
-            f"SELECT n.oid::int8, t.typname FROM type_names n {TYPE_NAME_JOIN}"
+            f"SELECT n.oid::int8, {TYPE_NAME} FROM type_names n {TYPE_NAME_JOIN}"
         ).fetchall()
         self._types = {int(str(oid)): str(name) for oid, name in rows}
+        self._builtin_names = frozenset(str(r[0]) for r in self._connection().execute(
+            "SELECT typname FROM pg_type WHERE typnamespace = 'pg_catalog'::regnamespace"
+        ).fetchall())
         # (a name is fixed only when every type of that name is: one schema's may be varlena)
         fixed = self._connection().execute(
             "SELECT typname FROM pg_type WHERE typtype <> 'd' GROUP BY typname "
@@ -177,8 +203,11 @@ class Catalog:
                 raise UnknownTypeError(f"type oid {oid} is not in pg_type")
         return name
 
-    def remember_type(self, oid: int, name: str) -> None:
-        self._types[oid] = name
+    def remember_type(self, oid: int, schema: str, name: str) -> None:
+        if self._builtin_names is None:
+            self.load_types()
+        assert self._builtin_names is not None
+        self._types[oid] = qualified_type_name(schema, name, self._builtin_names)
 
     def invalidate(self, schema: str, name: str) -> None:
         self._tables.pop((schema, name), None)

@@ -24,7 +24,7 @@ from typing import Any, NoReturn, cast
 import psycopg
 from psycopg import pq, sql
 
-from producer.catalog import TYPE_NAME_JOIN, type_modifiers, type_names_cte
+from producer.catalog import TYPE_NAME, TYPE_NAME_JOIN, type_modifiers, type_names_cte
 from producer.codec import CaptureFilter, Relation
 from walbus.contract import FLOAT_SPECIALS, FLOAT_TYPES, INT_TYPES
 
@@ -100,7 +100,7 @@ def describe_table(conn: Conn, schema: str, name: str, capture: CaptureFilter, r
     oid, kind, replident, estimate, pages = int(str(row[0])), str(row[1]), str(row[2]), int(str(row[3])), int(str(row[4]))
     cols = conn.execute(
         f"WITH RECURSIVE {type_names_cte('SELECT DISTINCT atttypid FROM pg_attribute WHERE attrelid = %s')} "
-        "SELECT a.attname, t.typname, format_type(a.atttypid, a.atttypmod), a.atttypmod, a.attnotnull "
+        f"SELECT a.attname, {TYPE_NAME}, format_type(a.atttypid, a.atttypmod), a.atttypmod, a.attnotnull "
         f"FROM pg_attribute a JOIN type_names n ON n.oid = a.atttypid {TYPE_NAME_JOIN} "
         "WHERE a.attrelid = %s AND a.attnum > 0 AND NOT a.attisdropped AND a.attgenerated = '' ORDER BY a.attnum",
         (oid, oid),

@@ -144,9 +144,9 @@ class PgoutputDecoder:
                 yield from self._truncate(buf, lsn)
             elif kind == 0x59:  # Y: a non-built-in type's name
                 oid = _U32.unpack_from(buf, 1)[0]
-                _ns, pos = _cstring(buf, 5)
+                ns, pos = _cstring(buf, 5)
                 name, _ = _cstring(buf, pos)
-                self.catalog.remember_type(oid, name)
+                self.catalog.remember_type(oid, ns, name)
             elif kind == 0x4D:  # M: logical decoding message
                 flags, msg_lsn = _MSG.unpack_from(buf, 1)
                 prefix, pos = _cstring(buf, 10)

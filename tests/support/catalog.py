@@ -25,5 +25,5 @@ class StaticCatalog:
     def table(self, schema: str, name: str, relid: int | None = None) -> TableInfo:
         return self.tables(schema, name)
 
-    def remember_type(self, oid: int, name: str) -> None:
+    def remember_type(self, oid: int, schema: str, name: str) -> None:
         self.types[oid] = name
