@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 from datetime import UTC, datetime
@@ -104,6 +105,29 @@ def _identity_agrees(rel: Relation, names: list[str]) -> bool:
     if rel.replident == "f":
         return names == rel.columns
     return set(names) == {c for c, flagged in zip(rel.columns, rel.identity, strict=True) if flagged}
+
+
+# A column's declared type as wal2json prints it: up to the type oid that follows. A quote in
+# the type's text is doubled (SQL quoting), so ',"typeoid":' cannot occur inside it.
+_TYPE_FIELD: Final = re.compile(rb'"type":(.*?),"typeoid":', re.DOTALL)
+
+
+def _with_type_names_quoted(buf: bytes) -> bytes | None:
+    """``buf`` with each column type wal2json printed as bare text made a JSON string, or None
+    when there is none. wal2json quotes a type's name only when it does not start with a double
+    quote, so a type SQL must quote and qualify or decorate (``"my s".e``, ``"Mood"[]``) came
+    as invalid JSON, and the producer stopped at that change."""
+    def quoted(m: re.Match[bytes]) -> bytes:
+        raw = m.group(1)
+        try:
+            if isinstance(json.loads(raw), str):
+                return m.group(0)
+        except ValueError:
+            pass
+        return b'"type":' + orjson.dumps(raw.decode("utf-8", "replace")) + b',"typeoid":'
+
+    fixed = _TYPE_FIELD.sub(quoted, buf)
+    return None if fixed == buf else fixed
 
 
 def _message_with_bytes(buf: bytes) -> Any:
@@ -398,6 +422,16 @@ class Wal2jsonDecoder:
                 and not self._generated.get((schema, table))):  # its changes hold more columns than the relation
             self._hot = (schema, table, _signatures(cols), rel, rel.run_key())
 
+    def _loads_repaired(self, buf: bytes) -> Any:
+        """A payload that is not valid JSON: its type names quoted, else a logical message's bytes."""
+        fixed = _with_type_names_quoted(buf)
+        if fixed is not None:
+            try:
+                return _loads(fixed, self.native_loads)
+            except ValueError:
+                pass
+        return _message_with_bytes(buf)
+
     def decode(self, messages: WalMessages) -> Iterator[Item]:
         changes = self.native_changes
         # An index, not enumerate(): a native run takes hundreds of messages, passed over at once.
@@ -424,7 +458,7 @@ class Wal2jsonDecoder:
             try:
                 msg = _loads(buf, self.native_loads)
             except ValueError:
-                msg = _message_with_bytes(buf)
+                msg = self._loads_repaired(buf)
             action = msg["action"]
             if action in ("I", "U", "D"):
                 schema, table = msg["schema"], msg["table"]

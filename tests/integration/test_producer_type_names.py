@@ -69,3 +69,48 @@ async def test_a_type_named_like_a_builtin_one_keeps_its_text(
         assert event["values"] == [i + 1, *expected[1:]]
     assert events[2]["types"] == [*TYPES, "s.int8"]
     assert events[2]["values"] == [3, *expected[1:], "eight"]
+
+
+QUOTED_DDL = (
+    'CREATE SCHEMA "My S"',
+    "CREATE TYPE \"My S\".e AS ENUM ('b')",
+    "CREATE TYPE \"Mood\" AS ENUM ('ok', 'it''s')",
+    "CREATE TYPE \"a\"\"b\" AS ENUM ('q')",
+    'CREATE TABLE q (id int PRIMARY KEY, e "My S".e, m "Mood", ma "Mood"[], ab "a""b", n numeric(6,2))',
+)
+
+
+@pytest.mark.parametrize("plugin", ["pgoutput", "wal2json"])
+async def test_types_whose_names_sql_quotes(pg_dsn: str, kafka_bootstrap: str, unique_name: str, plugin: str, tmp_path: Path) -> None:
+    # wal2json quotes a column's type only when its text does not start with a double quote:
+    # '"type":"My S".e' and '"type":"Mood"[]' are no JSON, and the producer stopped at the
+    # first such change (fatal JSONDecodeError).
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        for statement in QUOTED_DDL:
+            conn.execute(statement)
+        conn.execute("INSERT INTO q VALUES (1, 'b', 'ok', '{ok,it''s,NULL}', 'q', 1.5)")
+    log = tmp_path / "producer.log"
+    proc = walbus_process(["produce", "--pg-dsn", pg_dsn, "--kafka-bootstrap", kafka_bootstrap, "--topic", unique_name,
+                           "--slot", unique_name, "--plugin", plugin, "--drop-slot-on-exit"], log=log)
+    try:
+        await read_topic(kafka_bootstrap, unique_name, min_count=1, timeout=60)  # the snapshot's row
+        with psycopg.connect(pg_dsn, autocommit=True) as conn:
+            conn.execute("INSERT INTO q VALUES (2, 'b', 'ok', '{ok,it''s,NULL}', 'q', 1.5)")
+            conn.execute("UPDATE q SET m = 'it''s' WHERE id = 2")
+        records = await read_topic(kafka_bootstrap, unique_name, min_count=3, timeout=60)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    events = [orjson.loads(v) for _, v in records]
+    assert [e["operation"] for e in events] == ["read", "insert", "update"], log.read_text()[-2000:]
+    for event in events:
+        assert event["types"] == ["int4", "e", "Mood", "_Mood", 'a"b', "numeric"]
+        assert event["typmods"] == {"n": [6, 2]}
+    assert [e["values"] for e in events] == [
+        [1, "b", "ok", "{ok,it's,NULL}", "q", "1.50"],
+        [2, "b", "ok", "{ok,it's,NULL}", "q", "1.50"],
+        [2, "b", "it's", "{ok,it's,NULL}", "q", "1.50"],
+    ]
