@@ -102,7 +102,11 @@ def plan(
         seen[name] = pg_type
         seen_types[name] = spark
         order.append(name)
-    clashes = sorted(n for n in seen if n in reserved_names)
+    # Delta Lake keeps column names case-insensitively (PostgreSQL does not): "PG_LSN" clashes
+    # with pg_lsn, and "A" with a, as Delta's DELTA_DUPLICATE_COLUMNS_FOUND, which failed the
+    # whole load with the other tables unwritten (a fuzz). Said here, the table fails alone.
+    folded_reserved = {n.lower() for n in reserved_names}
+    clashes = sorted(n for n in seen if n.lower() in folded_reserved)
     if clashes:
         raise SchemaChangeError(f"{table}: source column(s) {clashes} clash with walbus metadata columns")
     changes: list[str] = []
@@ -130,6 +134,16 @@ def plan(
             )
         else:
             columns[name] = SourceColumn(name, pg_type, old.spark)
+    by_folded: dict[str, list[str]] = {}
+    for name in columns:
+        by_folded.setdefault(name.lower(), []).append(name)
+    cased = [sorted(names) for names in by_folded.values() if len(names) > 1]
+    if cased:
+        raise SchemaChangeError(
+            f"{table}: columns {'; '.join(map(str, cased))} differ only in case, and Delta Lake keeps column "
+            "names case-insensitively: the table was not loaded; its history and current tables are unchanged. "
+            "Rename one of the columns and move the table's directory away, or leave it out with --tables."
+        )
     if changes:
         raise SchemaChangeError(
             f"{table}: incompatible schema change: {'; '.join(changes)}, which Delta's type widening "

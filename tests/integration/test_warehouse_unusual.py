@@ -434,3 +434,23 @@ def test_date_and_timestamp_keys_at_the_edges_of_the_calendar(
         (-62135596800000000, "year one"), (1704067200000000, "a"), (1730615400000000, "b2")]
     days = spark.read.format("delta").load(table_paths(tmp_path, unique_name, d).current).where("NOT _walbus_deleted")
     assert sorted((r["n"], r["v"]) for r in days.selectExpr("unix_date(day) AS n", "v").collect()) == [(-719162, "day one"), (19723, "x2")]
+
+
+def test_columns_whose_names_differ_only_in_case(spark: Any, kafka_bootstrap: str, unique_name: str, tmp_path: Path) -> None:
+    # PostgreSQL tells "A" from a, and "PG_LSN" from walbus' pg_lsn; Delta Lake keeps column
+    # names case-insensitively. Such a table failed the whole load with Delta's
+    # DELTA_DUPLICATE_COLUMNS_FOUND, the other tables unwritten, on every run (a fuzz).
+    pk = ["id"]
+    events = (
+        Txn(0x1000).insert("public.cased", pk, {"id": ("int4", 1), "a": ("text", "lower"), "A": ("text", "upper")})
+        .insert("public.meta", pk, {"id": ("int4", 1), "PG_LSN": ("text", "x")})
+        .insert("public.fine", pk, {"id": ("int4", 1), "v": ("text", "ok")}).events
+    )
+    produce_events(kafka_bootstrap, unique_name, events)
+    with pytest.raises(LoadError) as failed:
+        load(spark, kafka_bootstrap, unique_name, tmp_path)
+    message = str(failed.value)
+    assert "public.cased: columns ['A', 'a'] differ only in case" in message, message
+    assert "public.meta: source column(s) ['PG_LSN'] clash with walbus metadata columns" in message, message
+    (fine,) = rows(spark, table_paths(tmp_path, unique_name, "public.fine").current)
+    assert (fine["id"], fine["v"]) == (1, "ok")  # the other tables of the load are written

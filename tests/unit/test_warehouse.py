@@ -248,3 +248,14 @@ def test_the_history_notes_each_key_change_once() -> None:
     assert between[-1] == ((0x400, -1), ("id",))
     assert with_key_changes([], {}, 0x100, ["id"]) == [((-1, -1), ("id",))]  # an older walbus' history
     assert key_changes_of({"walbus.primaryKeys": key_changes_property(between)}) == between
+
+
+def test_plan_refuses_names_that_differ_only_in_case() -> None:
+    # Delta keeps column names case-insensitively: these failed the whole load inside Delta
+    with pytest.raises(SchemaChangeError, match=r"columns \['A', 'a'\] differ only in case"):
+        plan("s.t", None, [("a", "text"), ("A", "text")], numeric_scale=10)
+    existing = [SourceColumn("a", "text", spark_type("text"))]
+    with pytest.raises(SchemaChangeError, match="differ only in case"):
+        plan("s.t", existing, [("A", "text")], numeric_scale=10)
+    with pytest.raises(SchemaChangeError, match=r"\['PG_LSN'\] clash"):
+        plan("s.t", None, [("PG_LSN", "int4")], reserved={"pg_lsn"}, numeric_scale=10)
