@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import math
 import os
 import re
 import sys
@@ -345,7 +346,7 @@ def sql_main(argv: Sequence[str]) -> int:
         spark.stop()
     if config.format == "json":
         for row in rows:
-            print(orjson.dumps(row.asDict(recursive=True), default=str).decode())
+            print(json_line(row.asDict(recursive=True)))
     else:
         print_table(columns, [[row[i] for i in range(len(columns))] for row in rows])
     return 0
@@ -367,6 +368,26 @@ def prepare_main(argv: Sequence[str]) -> int:
     else:
         print(f"class archive: {done.archive} ({'written' if done.written else 'already there'})")
     return 0
+
+
+def _json_safe(value: Any) -> Any:
+    """A value as ``--format json`` writes it: JSON has no NaN or infinity (orjson wrote them as
+    null, a SQL NULL to the reader: a fuzz), so they are PostgreSQL's text, ``NaN``,
+    ``Infinity``, ``-Infinity``; binary is PostgreSQL's bytea text (``\\x00ff``), not Python's repr."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
+    if isinstance(value, (bytes, bytearray)):
+        return "\\x" + bytes(value).hex()
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    return value
+
+
+def json_line(row: dict[str, Any]) -> str:
+    """One row of ``walbus warehouse sql --format json`` (decimals as exact strings)."""
+    return orjson.dumps(_json_safe(row), default=str).decode()
 
 
 def print_table(columns: list[str], rows: list[list[Any]]) -> None:

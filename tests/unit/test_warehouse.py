@@ -259,3 +259,19 @@ def test_plan_refuses_names_that_differ_only_in_case() -> None:
         plan("s.t", existing, [("A", "text")], numeric_scale=10)
     with pytest.raises(SchemaChangeError, match=r"\['PG_LSN'\] clash"):
         plan("s.t", None, [("PG_LSN", "int4")], reserved={"pg_lsn"}, numeric_scale=10)
+
+
+def test_sql_json_lines_keep_nan_infinity_and_bytes_apart_from_null() -> None:
+    # orjson wrote NaN and ±Infinity as null (a SQL NULL to the reader) and bytea as Python's
+    # repr "bytearray(b'\\x00\\xff')"
+    from decimal import Decimal
+
+    import orjson
+
+    from warehouse.cli import json_line
+
+    row = {"f": float("nan"), "g": float("inf"), "h": [float("-inf"), 1.5, None], "b": bytearray(b"\x00\xff"),
+           "m": {"k": float("nan")}, "n": None, "d": Decimal("1.50")}
+    assert orjson.loads(json_line(row)) == {
+        "f": "NaN", "g": "Infinity", "h": ["-Infinity", 1.5, None], "b": "\\x00ff", "m": {"k": "NaN"}, "n": None, "d": "1.50",
+    }
