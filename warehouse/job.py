@@ -479,7 +479,10 @@ def _load_table(
     if is_delta_table(spark, paths.history):
         fields = spark.read.format("delta").load(paths.history).schema.fields
         history_props = table_properties(spark, paths.history)
-        meta_names = {*META_NAMES, *(prev_name(k) for k in pk)}
+        # the _walbus_prev_ columns of every key the table had too: read as source columns
+        # after a key change, an earlier key's went into the rebuilt current table (a fuzz)
+        earlier = {k for _, key in key_changes_of(history_props) for k in key}
+        meta_names = {*META_NAMES, *(prev_name(k) for k in (*pk, *earlier))}
         existing = existing_columns(fields, history_props, meta_names)
     key_changes = _key_changes(spark, paths, history_props, meta) if pk else []
     reserved = {*META_NAMES, DELETED, *(prev_name(k) for k in pk)}

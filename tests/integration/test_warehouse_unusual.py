@@ -454,3 +454,29 @@ def test_columns_whose_names_differ_only_in_case(spark: Any, kafka_bootstrap: st
     assert "public.meta: source column(s) ['PG_LSN'] clash with walbus metadata columns" in message, message
     (fine,) = rows(spark, table_paths(tmp_path, unique_name, "public.fine").current)
     assert (fine["id"], fine["v"]) == (1, "ok")  # the other tables of the load are written
+
+
+def test_a_current_table_rebuilt_after_a_key_change_has_no_column_of_the_old_key(
+    spark: Any, kafka_bootstrap: str, unique_name: str, tmp_path: Path
+) -> None:
+    # The history's _walbus_prev_id (of the earlier key id) was read as a source column once
+    # the key was k: the rebuilt current table (and its views) got a column _walbus_prev_id,
+    # null, of type "?" in walbus.pgTypes, that the source table never had (a fuzz).
+    t = "public.t"
+
+    def row(key: int, k: str) -> dict[str, tuple[str, Any]]:
+        return {"id": ("int4", key), "k": ("text", k)}
+
+    produce_events(kafka_bootstrap, unique_name, Txn(0x1000).insert(t, ["id"], row(1, "a")).events)
+    load(spark, kafka_bootstrap, unique_name, tmp_path)
+    produce_events(kafka_bootstrap, unique_name, Txn(0x2000).insert(t, ["k"], row(2, "b")).events)
+    with pytest.raises(LoadError, match="primary key changed"):
+        load(spark, kafka_bootstrap, unique_name, tmp_path)
+    paths = table_paths(tmp_path, unique_name, t)
+    Path(paths.current).rename(tmp_path / "moved-away")  # as the message advises
+    load(spark, kafka_bootstrap, unique_name, tmp_path)
+    current = spark.read.format("delta").load(paths.current)
+    assert [c for c in current.columns if c.startswith("_walbus")] == ["_walbus_deleted"]
+    assert [(r["id"], r["k"]) for r in current.collect()] == [(2, "b")]
+    history = rows(spark, paths.history)
+    assert [(r["id"], r["k"], r["_walbus_prev_id"], r["_walbus_prev_k"]) for r in history] == [(1, "a", 1, None), (2, "b", None, "b")]
