@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
+import socket
 import ssl
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
@@ -204,15 +206,31 @@ def _tls_reason(e: OSError) -> str:
 
 
 def check_bootstrap(servers: str) -> None:
-    """ConfigError unless ``servers`` is host[:port][,host[:port]…] with ports 1 to 65535 (a
-    host alone means port 9092, as aiokafka reads it)."""
+    """ConfigError unless ``servers`` is host[:port][,host[:port]…] with ports 1 to 65535, each
+    read as aiokafka reads it (a host alone means port 9092; an IPv6 address in brackets when a
+    port follows): '[::1' passed a looser check and failed in aiokafka's parse with a traceback,
+    and a host holding a space was looked up as a name until 'cannot reach Kafka'."""
     for server in servers.split(","):
-        server = server.strip()
-        host, colon, port = server.rpartition(":")
-        if not colon:
-            host, port = server, "9092"
-        if not host.strip("[]") or not port.isdigit() or not 0 < int(port) <= 65535:
-            raise ConfigError(f"--kafka-bootstrap {servers!r}: give host:port[,host:port], ports 1 to 65535")
+        if not _bootstrap_server_ok(server.strip()):
+            raise ConfigError(f"--kafka-bootstrap {servers!r}: give host:port[,host:port], ports 1 to 65535 "
+                              "(an IPv6 address as [address]:port)")
+
+
+def _bootstrap_server_ok(server: str) -> bool:
+    if server.startswith("["):
+        m = re.fullmatch(r"\[([^\[\]\s]+)\](?::(\d+))?", server)
+        host, port = (m[1], m[2] or "9092") if m else ("", "")
+    elif ":" not in server:
+        host, port = server, "9092"
+    else:
+        try:
+            socket.inet_pton(socket.AF_INET6, server)  # aiokafka takes a bare IPv6 address, port 9092
+            return True
+        except (OSError, ValueError):
+            host, _, port = server.rpartition(":")
+    # Neither whitespace nor a control character is in any host name; nor a bracket outside [].
+    plain_host = bool(host) and not any(ch.isspace() or not ch.isprintable() or ch in "[]" for ch in host)
+    return plain_host and port.isascii() and port.isdigit() and 0 < int(port) <= 65535
 
 
 # walbus's own topics on a cluster of this many brokers or more: replicated 3 times, and an

@@ -377,3 +377,21 @@ def test_configuration_warnings_are_json_lines(tmp_path: Any) -> None:
     assert error.startswith("walbus tail: error: --max-events"), done.stderr
     msgs = [json.loads(line)["msg"] for line in lines]
     assert len(msgs) == 3 and all(m for m in msgs), msgs
+
+
+def test_a_bootstrap_aiokafka_cannot_parse_or_resolve_is_a_configuration_error() -> None:
+    # '[::1' passed the check, then aiokafka's own parse raised ValueError: 'walbus tail: fatal:
+    # ValueError: not enough values to unpack', exit 1 with a traceback; 'host1 host2:9092' was
+    # looked up as one host name, three times, before 'cannot reach Kafka' (a configuration fuzz).
+    from aiokafka.conn import collect_hosts
+
+    from walbus.config import ConfigError
+    from walbus.kafka import check_bootstrap
+
+    for bad in ("[::1", "[::1]]:9092", "[a]b:9092", "[]:9092", "[::1]:", "[::1]:0", "host1 host2:9092",
+                "a:1,host\tb:2", "a\x00b:9092", "a:1 2"):
+        with pytest.raises(ConfigError, match="--kafka-bootstrap"):
+            check_bootstrap(bad)
+    for good in ("a:1,[::1]:9092,b", "[::1]", "::1", "[fe80::1%eth0]:9093", " broker-1.example.com:9092 , b:1"):
+        check_bootstrap(good)
+        assert all(1 <= port <= 65535 for _, port, _ in collect_hosts(good))
