@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import orjson
 
 from walbus.client.groups import GroupLag, group_lags
-from walbus.config import load_config, option
-from walbus.kafka import KafkaOptions, require_broker
+from walbus.config import ConfigError, load_config, option
+from walbus.kafka import KafkaAdmin, KafkaOptions, require_broker
 from walbus.logs import setup_logging
 
 
@@ -28,6 +28,14 @@ class GroupsConfig(KafkaOptions):
 async def _lags(config: GroupsConfig) -> list[GroupLag]:
     kwargs = config.kafka_client_kwargs()
     await require_broker(kwargs)
+    if config.topic:
+        # A named topic that is not there (a typo) printed an empty table and exit 0: no lag.
+        async with KafkaAdmin(client_kwargs=kwargs) as admin:
+            existing = set(await admin.list_topics())
+        missing = [t for t in config.topic if t not in existing]
+        if missing:
+            raise ConfigError(f"topic {', '.join(missing)} does not exist" if len(missing) == 1
+                              else f"topics {', '.join(missing)} do not exist")
     return await group_lags(kwargs, topics=config.topic, prefix=config.topic_prefix + ".")
 
 
