@@ -552,6 +552,17 @@ async def raise_refusal(client_kwargs: Mapping[str, Any], error: BaseException) 
             raise ConfigError(f"Kafka at {reason}")
 
 
+async def require_topics(client_kwargs: dict[str, Any], topics: list[str]) -> None:
+    """A ConfigError naming the ``topics`` Kafka does not have: a command reading a topic the
+    user named (a typo) printed an empty result and exit 0, as if there were nothing to see."""
+    async with KafkaAdmin(client_kwargs=client_kwargs) as admin:
+        existing = set(await admin.list_topics())
+    missing = [t for t in topics if t not in existing]
+    if missing:
+        raise ConfigError(f"topic {missing[0]} does not exist" if len(missing) == 1
+                          else f"topics {', '.join(missing)} do not exist")
+
+
 async def require_broker(client_kwargs: dict[str, Any]) -> None:
     """For commands that start by asking Kafka: brokers that do not answer after a few tries
     are a configuration error (exit 2, one line), not a traceback."""

@@ -22,7 +22,7 @@ from walbus.client.deadletters import (
 )
 from walbus.config import ConfigError, load_config, option
 from walbus.contract import side_topic
-from walbus.kafka import KafkaOptions, require_broker
+from walbus.kafka import KafkaOptions, require_broker, require_topics
 from walbus.logs import setup_logging
 
 ACTIONS = ("list", "replay")
@@ -31,6 +31,7 @@ ACTIONS = ("list", "replay")
 async def _letters(config: DeadLettersConfig, action: str) -> list[DeadLetter]:
     kwargs = config.kafka_client_kwargs()
     await require_broker(kwargs)
+    await require_topics(kwargs, [config.topic])
     run = list_dead_letters if action == "list" else replay_dead_letters
     assert config.group_id is not None  # main checked
     return await run(kwargs, config.topic, config.group_id)

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import orjson
 
 from walbus.client.groups import GroupLag, group_lags
-from walbus.config import ConfigError, load_config, option
-from walbus.kafka import KafkaAdmin, KafkaOptions, require_broker
+from walbus.config import load_config, option
+from walbus.kafka import KafkaOptions, require_broker, require_topics
 from walbus.logs import setup_logging
 
 
@@ -29,13 +29,7 @@ async def _lags(config: GroupsConfig) -> list[GroupLag]:
     kwargs = config.kafka_client_kwargs()
     await require_broker(kwargs)
     if config.topic:
-        # A named topic that is not there (a typo) printed an empty table and exit 0: no lag.
-        async with KafkaAdmin(client_kwargs=kwargs) as admin:
-            existing = set(await admin.list_topics())
-        missing = [t for t in config.topic if t not in existing]
-        if missing:
-            raise ConfigError(f"topic {', '.join(missing)} does not exist" if len(missing) == 1
-                              else f"topics {', '.join(missing)} do not exist")
+        await require_topics(kwargs, config.topic)
     return await group_lags(kwargs, topics=config.topic, prefix=config.topic_prefix + ".")
 
 
