@@ -146,8 +146,9 @@ def _convert(name: str, tp: Any, raw: Any, source: str, *, key_values: bool = Fa
         if typing.get_origin(base) is list:
             if isinstance(raw, str):
                 return split_list(raw, key_values=key_values)
-            if isinstance(raw, list):
-                return [str(p) for p in raw]
+            # Text items only: str() made [["public.t"]] the pattern "['public.t']" without a word.
+            if isinstance(raw, list) and all(isinstance(p, str) for p in raw):
+                return list(raw)
             raise TypeError
         if base is bool:
             if isinstance(raw, bool):
@@ -178,7 +179,8 @@ def _convert(name: str, tp: Any, raw: Any, source: str, *, key_values: bool = Fa
 
         # A secret's value is never echoed, whatever its type (a TOML list holding a password).
         given = f"a {type(raw).__name__}" if secret else redact_dsn(repr(raw))
-        raise ConfigError(f"{name}: {given} is not a valid {getattr(base, '__name__', base)} ({source})") from None
+        kind = "list of str" if typing.get_origin(base) is list else getattr(base, "__name__", base)
+        raise ConfigError(f"{name}: {given} is not a valid {kind} ({source})") from None
     raise ConfigError(f"{name}: unsupported option type {tp!r}")
 
 

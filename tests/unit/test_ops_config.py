@@ -216,6 +216,13 @@ def test_a_config_file_value_of_the_wrong_type_is_refused_not_coerced(tmp_path: 
         path.write_text(line + "\n")
         with pytest.raises(ConfigError, match=message):
             load_config(ProducerConfig, required, prog="walbus produce", env={}, section="produce")
+    # A list's items were made text whatever they were: [["public.t"]] the pattern "['public.t']"
+    # (an fnmatch class: it matched tables named p, u, b…), [1] the table pattern "1" (a fuzz).
+    for line in ('tables = [["public.t"]]', 'tables = ["public.a", 1]', "mask_columns = [true]",
+                 'exclude_tables = [{ a = "b" }]'):
+        path.write_text(line + "\n")
+        with pytest.raises(ConfigError, match=r"is not a valid list of str"):
+            load_config(ProducerConfig, required, prog="walbus produce", env={}, section="produce")
     path.write_text("partitions = 3.0\nheartbeat_interval = 2\n")
     cfg = load_config(ProducerConfig, required, prog="walbus produce", env={}, section="produce")
     assert (cfg.partitions, cfg.heartbeat_interval) == (3, 2.0)
