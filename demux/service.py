@@ -11,6 +11,7 @@ import logging
 import signal
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
@@ -23,6 +24,7 @@ from prometheus_client import CollectorRegistry
 from demux.config import DemuxConfig, parse_config
 from demux.metrics import DemuxMetrics
 from demux.rekey import Rekeyer
+from demux.state import check_state_dir
 from demux.topics import TopicManager
 from demux.worker import PartitionWorker
 from walbus.aiokafka_shortcuts import SHORTCUTS, flatten, read_in_runs
@@ -321,6 +323,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     tune_collector()  # see walbus.allocator
     registry = new_registry()
     config.kafka_client_kwargs()  # raises ConfigError on incomplete security options, before any I/O
+    check_state_dir(Path(config.state_dir))
     # Ready while it owns source partitions to consume.
     server = serve_metrics(
         config.metrics_port, registry, addr=config.metrics_addr,

@@ -39,6 +39,7 @@ from typing import Any, Final
 import orjson
 
 from demux.rekey import strip_meta
+from walbus.config import ConfigError
 
 log = logging.getLogger("walbus.demux")
 
@@ -74,6 +75,17 @@ def make_private_dir(path: Path) -> None:
                 "their names show groups and topics; chmod 700 it",
                 extra={"state_dir": str(path), "mode": f"{mode:o}"},
             )
+
+
+def check_state_dir(path: Path) -> None:
+    """The --state-dir made (or found) at start: one that is a file, under a file or cannot be
+    made is a ConfigError (exit 2). It failed in each partition worker, which retried forever
+    with backoff ('partition worker failed …: FileExistsError')."""
+    try:
+        make_private_dir(path)
+    except OSError as e:
+        reason = "it is not a directory" if isinstance(e, FileExistsError) else (e.strerror or str(e))
+        raise ConfigError(f"--state-dir {path}: {reason}") from None
 
 
 def create_private_file(path: Path) -> None:

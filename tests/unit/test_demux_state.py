@@ -201,3 +201,22 @@ def test_an_open_state_directory_is_warned_of_and_an_old_store_closed(
     assert state.stat().st_mode & 0o777 == 0o755  # the operator's directory keeps its mode
     assert len([r for r in caplog.records if "open to other users" in r.getMessage()]) == 1  # once
     assert {p.stat().st_mode & 0o777 for p in state.iterdir()} == {0o600}
+
+
+def test_a_state_dir_that_cannot_be_one_stops_the_demux_at_start(tmp_path: Path) -> None:
+    # A --state-dir that was a file (or under one) failed in each partition worker, which retried
+    # forever with backoff ('partition worker failed …: FileExistsError'), exit only by a signal.
+    import signal
+
+    from demux.service import main
+
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        for state_dir, reason in ((a_file, "it is not a directory"), (a_file / "sub", "Not a directory")):
+            with pytest.raises(ConfigError, match=f"--state-dir {state_dir}: {reason}"):
+                main(["--source-topic", "walbus.x", "--kafka-bootstrap", "127.0.0.1:1", "--state-dir", str(state_dir)])
+    finally:  # main takes SIGTERM and SIGHUP over until its event loop runs
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
