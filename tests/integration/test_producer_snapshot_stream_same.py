@@ -10,8 +10,6 @@ a documented limit of it.)"""
 
 from __future__ import annotations
 
-import signal
-import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +18,7 @@ import psycopg
 import pytest
 
 from tests.support.kafka import read_topic
-from tests.support.pipeline import walbus_process
+from tests.support.pipeline import stop_process, walbus_process
 
 pytestmark = pytest.mark.integration
 
@@ -112,11 +110,7 @@ async def test_snapshot_and_stream_give_the_same_json(pg_dsn: str, kafka_bootstr
             conn.execute(ROW.replace("VALUES (1,", "VALUES (3,"))
         events = await _events(kafka_bootstrap, unique_name, 3)
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_process(proc)
     snap = next(e for e in events if e["operation"] == "read")
     strm = [e for e in events if e["operation"] == "insert"]
     assert len(strm) == 2, log.read_text()[-3000:]

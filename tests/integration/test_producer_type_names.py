@@ -10,8 +10,6 @@ label but ``t``.
 
 from __future__ import annotations
 
-import signal
-import subprocess
 from pathlib import Path
 
 import orjson
@@ -19,7 +17,7 @@ import psycopg
 import pytest
 
 from tests.support.kafka import read_topic
-from tests.support.pipeline import walbus_process
+from tests.support.pipeline import stop_process, walbus_process
 
 pytestmark = pytest.mark.integration
 
@@ -56,11 +54,7 @@ async def test_a_type_named_like_a_builtin_one_keeps_its_text(
             conn.execute("INSERT INTO t VALUES " + ROW.format(3)[:-1] + ", 'eight')")
         records = await read_topic(kafka_bootstrap, unique_name, min_count=3, timeout=60)
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_process(proc)
     events = [orjson.loads(v) for _, v in records]
     assert [e["operation"] for e in events] == ["read", "insert", "insert"], log.read_text()[-2000:]
     expected = [1, "two", "yes", "(1,x)", "{one,two}", "ok", 7]
@@ -99,11 +93,7 @@ async def test_types_whose_names_sql_quotes(pg_dsn: str, kafka_bootstrap: str, u
             conn.execute("UPDATE q SET m = 'it''s' WHERE id = 2")
         records = await read_topic(kafka_bootstrap, unique_name, min_count=3, timeout=60)
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_process(proc)
     events = [orjson.loads(v) for _, v in records]
     assert [e["operation"] for e in events] == ["read", "insert", "update"], log.read_text()[-2000:]
     for event in events:

@@ -92,11 +92,16 @@ def running_demux(bootstrap: str, source: str, workdir: Path) -> Iterator[subpro
         print(log.read_text(errors="replace")[-5000:])
         raise
     finally:
-        demux.send_signal(signal.SIGTERM)
-        try:
-            demux.wait(60)
-        except subprocess.TimeoutExpired:
-            kill9(demux)
+        stop_process(demux)
+
+
+def stop_process(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM, and SIGKILL if it has not ended within a minute."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        kill9(proc)
 
 
 def kill9(proc: subprocess.Popen[bytes]) -> None:
