@@ -149,3 +149,78 @@ async def test_a_dead_letter_replayed_twice_is_applied(pg_dsn: str, kafka_bootst
         assert await round_(set()) == [False, False, False]
         cur = await conn.execute("SELECT count(*) FROM effects_replay")
         assert await cur.fetchone() == (len(changes),)
+
+
+async def test_a_dead_letter_replayed_through_a_re_created_replay_topic_is_applied(
+    pg_dsn: str, kafka_bootstrap: str, unique_name: str
+) -> None:
+    """The replay topic deleted (an operator's clean-up) and made again by the next replay
+    starts its offsets at 0 again: PgPositions kept replayed events by offset only, so every
+    event of the new replay topic up to the old one's last offset was taken for a repeat."""
+    from walbus.client import RetryPolicy, replay_dead_letters
+    from walbus.client.deadletters import replay_topic
+    from walbus.kafka import KafkaAdmin
+
+    changes = workload(random.Random(7), 9, ["public.t"])
+    first, middle, later = changes[:3], changes[3:6], changes[6:]
+    await create_topic(kafka_bootstrap, unique_name)
+    await produce(kafka_bootstrap, unique_name, [c.record() for c in first])
+    group = unique_name + "-g"
+    positions = PgPositions(pg_dsn, consumer=group, table="positions_recreated")
+    await positions.create_table()
+    fast = RetryPolicy(attempts=2, initial=0.01, maximum=0.02)
+    kafka = {"bootstrap_servers": kafka_bootstrap}
+    async with await psycopg.AsyncConnection.connect(pg_dsn) as conn:
+        await conn.execute("CREATE TABLE effects_recreated (commit_lsn bigint, seq bigint)")
+        await conn.commit()
+
+        async def effect(conn: psycopg.AsyncConnection[Any], event: FeedEvent) -> None:
+            await conn.execute("INSERT INTO effects_recreated VALUES (%s, %s)", event.position)
+
+        async def round_(failing: set[tuple[int, int]]) -> list[bool]:
+            applied: list[bool] = []
+
+            async def handler(event: FeedEvent) -> None:
+                if event.position in failing:
+                    raise RuntimeError("broken")
+                applied.append(await positions.apply(conn, event, effect))
+
+            feed = Feed(unique_name, group_id=group, start="earliest", retry=fast, bootstrap_servers=kafka_bootstrap, until_end=True)
+            async with feed, asyncio.timeout(60):
+                await feed.run(handler)
+            return applied
+
+        replay = replay_topic(unique_name, group)
+        # A row as PgPositions kept the replay topic before its ':offset' row (by position, far
+        # ahead): a database upgraded from then; it is not read for the replay topic.
+        await conn.execute(
+            "INSERT INTO positions_recreated (consumer, topic, partition, commit_lsn, seq) VALUES (%s, %s, 0, %s, %s)",
+            (group, replay, 2**62, 2**40),
+        )
+        await conn.commit()
+        assert await round_({first[0].position, first[1].position}) == [True]
+        assert len(await replay_dead_letters(kafka, unique_name, group)) == 2
+        assert await round_(set()) == [True, True]  # replay offsets 0 and 1
+        # The ':offset' row as the previous version kept it (seq 0, offset only), then both
+        # delivered again (a crash before the broker commit): still refused, not applied twice.
+        await conn.execute("UPDATE positions_recreated SET seq = 0 WHERE topic = %s", (replay + ":offset",))
+        await conn.commit()
+        await commit_offset(kafka_bootstrap, group, TopicPartition(replay, 0), 0)
+        assert await round_(set()) == [False, False]
+        await produce(kafka_bootstrap, unique_name, [c.record() for c in middle])
+        assert await round_({middle[0].position}) == [True] * (len(middle) - 1)
+        assert len(await replay_dead_letters(kafka, unique_name, group)) == 1
+        assert await round_(set()) == [True]  # replay offset 2
+        async with KafkaAdmin(client_kwargs=kafka) as admin:
+            await admin.delete_topics([replay])
+            async with asyncio.timeout(30):  # the broker has no event for a deletion done
+                while True:
+                    if replay not in await admin.list_topics():
+                        break
+                    await asyncio.sleep(0.1)
+        await produce(kafka_bootstrap, unique_name, [c.record() for c in later])
+        assert await round_({later[0].position}) == [True] * (len(later) - 1)
+        assert len(await replay_dead_letters(kafka, unique_name, group)) == 1  # a new replay topic, offset 0
+        assert await round_(set()) == [True]
+        cur = await conn.execute("SELECT commit_lsn, seq FROM effects_recreated ORDER BY 1, 2")
+        assert [tuple(r) for r in await cur.fetchall()] == sorted(c.position for c in changes)

@@ -15,7 +15,8 @@ that pattern, written once::
 
 An event of the group's replay topic (a dead letter sent back) is kept by its offset there
 instead, in the row of topic ``<replay topic>:offset``: replayed events are not in position
-order (one that failed again comes back after later ones).
+order (one that failed again comes back after later ones), with the newest record timestamp
+applied beside it (a replay topic made again starts over at offset 0).
 
 ``mark`` moves the stored position forward or raises, so a member that lost its partition
 in a rebalance and still finishes a handler (a zombie) rolls back instead of applying the
@@ -92,19 +93,29 @@ class PgPositions:
         if event.topic is None or event.partition is None or event.offset is None:
             raise ValueError("the event was not delivered by a Feed: no topic and partition to keep its position for")
         topic, position = event.topic, (event.commit_lsn, event.seq)
+        # Stored position < the event's: the event is new.
+        newer = sql.SQL("(p.commit_lsn, p.seq) < (EXCLUDED.commit_lsn, EXCLUDED.seq)")
+        seq = sql.SQL("EXCLUDED.seq")
         if event.replayed:
             # Dead letters come back in the order they died, not by position (one that failed
             # again follows later ones): kept by the replay topic's offset, which grows in
             # delivery order, in a row of its own (':' is in no topic name). By position, the
             # second replay of an event older than one applied was dropped as a repeat.
-            topic, position = replay_row_topic(event.topic), (event.offset, 0)
+            # Beside the offset (commit_lsn), seq keeps the newest record timestamp applied:
+            # a replay topic deleted and made again starts at offset 0, and by offset alone
+            # every event of it up to the old topic's last offset was dropped as a repeat. An
+            # event at or below the stored offset is new only if written after every applied
+            # one (a record delivered again is never). seq 0: a row kept by offset alone.
+            topic, position = replay_row_topic(event.topic), (event.offset, event.record_timestamp_ms or 0)
+            newer = sql.SQL("p.commit_lsn < EXCLUDED.commit_lsn OR (p.seq > 0 AND p.seq < EXCLUDED.seq)")
+            seq = sql.SQL("GREATEST(p.seq, EXCLUDED.seq)")
         cur = await conn.execute(
             sql.SQL(
                 "INSERT INTO {t} AS p (consumer, topic, partition, commit_lsn, seq) VALUES (%s, %s, %s, %s, %s)"
                 " ON CONFLICT (consumer, topic, partition) DO UPDATE"
-                " SET commit_lsn = EXCLUDED.commit_lsn, seq = EXCLUDED.seq, updated_at = now()"
-                " WHERE (p.commit_lsn, p.seq) < (EXCLUDED.commit_lsn, EXCLUDED.seq)"
-            ).format(t=self.table),
+                " SET commit_lsn = EXCLUDED.commit_lsn, seq = {seq}, updated_at = now()"
+                " WHERE {newer}"
+            ).format(t=self.table, seq=seq, newer=newer),
             (self.consumer, topic, event.partition, *position),
         )
         if cur.rowcount != 1:

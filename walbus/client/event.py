@@ -29,6 +29,9 @@ class _Settler(Protocol):
     @property
     def replayed(self) -> bool: ...
 
+    @property
+    def timestamp_ms(self) -> int | None: ...
+
 
 @dataclass(frozen=True, slots=True)
 class FeedEvent(ChangeEvent):
@@ -75,6 +78,12 @@ class FeedEvent(ChangeEvent):
     def replayed(self) -> bool:
         """Read from the group's replay topic (a dead letter sent back): not in position order."""
         return self._settler is not None and self._settler.replayed
+
+    @property
+    def record_timestamp_ms(self) -> int | None:
+        """The Kafka record's timestamp, in ms since the epoch (None for an event built by hand
+        or a record without one)."""
+        return self._settler.timestamp_ms if self._settler is not None else None
 
     def typed_row(self) -> dict[str, Any] | None:
         """The new row with Python values (Decimal, datetime, UUID, lists…; see walbus.client.typed)."""

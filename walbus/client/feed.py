@@ -164,6 +164,11 @@ class _Record:
     def replayed(self) -> bool:
         return self.state.replay
 
+    @property
+    def timestamp_ms(self) -> int | None:
+        ts = getattr(self.msg, "timestamp", None)
+        return ts if isinstance(ts, int) and ts >= 0 else None
+
     def ack(self) -> None:
         if self.outcome == "pending":
             self.state.feed._acked(self)
