@@ -224,3 +224,40 @@ async def test_a_dead_letter_replayed_through_a_re_created_replay_topic_is_appli
         assert await round_(set()) == [True]
         cur = await conn.execute("SELECT commit_lsn, seq FROM effects_recreated ORDER BY 1, 2")
         assert [tuple(r) for r in await cur.fetchall()] == sorted(c.position for c in changes)
+
+
+async def test_a_group_without_offsets_resumes_after_its_stored_position(
+    pg_dsn: str, kafka_bootstrap: str, unique_name: str
+) -> None:
+    """A group whose committed offsets are gone (expired after the broker's
+    offsets.retention.minutes of downtime, a group deleted, a new group id on the same
+    positions) started at ``start`` ("latest" by default) although resume_after knew where its
+    effects stopped: every event between that position and the topic's end was never applied."""
+    changes = workload(random.Random(11), 8, ["public.t"])
+    before, after = changes[:4], changes[4:]
+    await create_topic(kafka_bootstrap, unique_name)
+    await produce(kafka_bootstrap, unique_name, [c.record() for c in before])
+    positions = PgPositions(pg_dsn, consumer="billing", table="positions_regroup")
+    await positions.create_table()
+    async with await psycopg.AsyncConnection.connect(pg_dsn) as conn:
+        await conn.execute("CREATE TABLE effects_regroup (commit_lsn bigint, seq bigint)")
+        await conn.commit()
+
+        async def effect(conn: psycopg.AsyncConnection[Any], event: FeedEvent) -> None:
+            await conn.execute("INSERT INTO effects_regroup VALUES (%s, %s)", event.position)
+
+        async def round_(group: str, **start: Any) -> list[bool]:
+            applied: list[bool] = []
+            feed = Feed(unique_name, group_id=group, resume_after=positions.resume_after,
+                        bootstrap_servers=kafka_bootstrap, until_end=True, **start)
+            async with feed, asyncio.timeout(60):
+                async for event in feed:
+                    applied.append(await positions.apply(conn, event, effect))
+            return applied
+
+        assert await round_(unique_name + "-a", start="earliest") == [True] * len(before)
+        await produce(kafka_bootstrap, unique_name, [c.record() for c in after])
+        # The same consumer's positions under a group with no offsets: from its position on.
+        assert await round_(unique_name + "-b") == [True] * len(after)
+        cur = await conn.execute("SELECT commit_lsn, seq FROM effects_regroup ORDER BY 1, 2")
+        assert [tuple(r) for r in await cur.fetchall()] == sorted(c.position for c in changes)

@@ -1235,19 +1235,30 @@ class Feed:
                 return
             # The replay topic holds only what was sent back to this group: all of it is new.
             replays = [tp for tp in fresh if self._is_replay(tp)]
-            offsets = await self._start_offsets([tp for tp in fresh if tp not in replays])
-            if replays:
-                offsets.update(await consumer.beginning_offsets(replays))
+            # A group without offsets whose effects say how far they went (its offsets expired
+            # after the broker's offsets.retention.minutes, a new group id on the same
+            # positions): from there, not from start= ("latest" skipped every event between
+            # the stored position and the end). Read from the beginning: the resumed position
+            # is the partition's mark (_load_new_partitions), so what was applied is skipped.
+            resumed = [tp for tp in fresh if tp not in replays and await self._resumes(tp)]
+            offsets = await self._start_offsets([tp for tp in fresh if tp not in replays and tp not in resumed])
+            if replays or resumed:
+                offsets.update(await consumer.beginning_offsets(replays + resumed))
             for tp, offset in offsets.items():
                 consumer.seek(tp, offset)
             self._fresh.update(fresh)
             await consumer.commit({tp: (offset, encode_metadata(self._floor)) for tp, offset in offsets.items()})
             log.info(
                 "new group: starting partitions",
-                extra={"group": self.group_id, "topic": self.topic, "start": str(self._start), "offsets": {tp.partition: o for tp, o in offsets.items()}},
+                extra={"group": self.group_id, "topic": self.topic, "start": str(self._start),
+                       "resumed": [tp.partition for tp in resumed], "offsets": {tp.partition: o for tp, o in offsets.items()}},
             )
         except KafkaError as e:  # the listener must not fail the rebalance; auto_offset_reset still applies
             log.warning("could not set the group's start position", extra={"group": self.group_id, "error": str(e)})
+
+    async def _resumes(self, tp: TopicPartition) -> bool:
+        """Whether ``resume_after`` has a position for ``tp`` (its effects went that far)."""
+        return self._resume_after is not None and await self._resume_after(tp.topic, tp.partition) is not None
 
     def _on_assigned(self, assigned: list[TopicPartition]) -> None:
         self._unloaded = True
