@@ -261,3 +261,50 @@ async def test_a_group_without_offsets_resumes_after_its_stored_position(
         assert await round_(unique_name + "-b") == [True] * len(after)
         cur = await conn.execute("SELECT commit_lsn, seq FROM effects_regroup ORDER BY 1, 2")
         assert [tuple(r) for r in await cur.fetchall()] == sorted(c.position for c in changes)
+
+
+async def test_positions_are_refused_with_concurrent_handlers(pg_dsn: str, kafka_bootstrap: str, unique_name: str) -> None:
+    """PgPositions keeps one position per partition, which grows only in delivery order: under
+    run(concurrency=N) an event of one key finished after a later event of another key had its
+    mark refused, apply() returned False and its effect was never applied. Refused at run()."""
+    from tests.support.cdc_data import Change
+    from walbus.client.parallel import event_lane
+    from walbus.contract import decode_keyed_event_as
+
+    def change(seq: int, rid: int) -> Change:
+        return Change(0x2000_0000, seq, 900, "public.t", "insert", {"id": rid, "v": 0})
+
+    def lane(c: Change) -> int | None:
+        return event_lane(decode_keyed_event_as(*c.record(), FeedEvent), 2)
+
+    # Two keys in different lanes (a key's lane is its hash's: it differs between processes).
+    other = next(rid for rid in range(2, 100) if lane(change(1, rid)) != lane(change(0, 1)))
+    changes = [change(0, 1), change(1, other)]
+    await create_topic(kafka_bootstrap, unique_name)
+    await produce(kafka_bootstrap, unique_name, [c.record() for c in changes])
+    positions = PgPositions(pg_dsn, consumer=unique_name, table="positions_concurrent")
+    await positions.create_table()
+    applied: dict[tuple[int, int], bool] = {}
+    later_done = asyncio.Event()
+    async with await psycopg.AsyncConnection.connect(pg_dsn, autocommit=True) as first_conn, \
+            await psycopg.AsyncConnection.connect(pg_dsn, autocommit=True) as later_conn:
+
+        async def effect(conn: psycopg.AsyncConnection[Any], event: FeedEvent) -> None:
+            pass
+
+        async def handler(event: FeedEvent) -> None:
+            if event.seq == 0:  # finishes after the next event (another key, another lane)
+                await later_done.wait()
+                applied[event.position] = await positions.apply(first_conn, event, effect)
+            else:
+                applied[event.position] = await positions.apply(later_conn, event, effect)
+                later_done.set()
+
+        feed = Feed(unique_name, group_id=unique_name, start="earliest", resume_after=positions.resume_after,
+                    bootstrap_servers=kafka_bootstrap, until_end=True)
+        async with feed, asyncio.timeout(60):
+            with pytest.raises(ValueError, match="concurrency=1"):
+                await feed.run(handler, concurrency=2)
+            later_done.set()  # one after the other: the first event waits for nothing
+            await feed.run(handler)
+    assert applied == {c.position: True for c in changes}

@@ -608,6 +608,15 @@ class Feed:
         once, events of one key (table and primary key) one after the other, in order; see
         docs/client.md for the exact guarantee.
         """
+        if concurrency > 1 and self._resume_after is not None:
+            # The resumed position is the partition's mark: what is not past it is skipped. Lanes
+            # finish out of delivery order, so a stored "last applied" position can be past an
+            # event still in flight (PgPositions.mark then refused that event: apply() returned
+            # False and its effect was never applied; after a crash it was skipped).
+            raise ValueError(
+                "resume_after keeps one position per partition, which holds only when events finish in "
+                "delivery order: use run(concurrency=1) with resume_after (or PgPositions)"
+            )
         self._use_mode("events")
         dispatcher = Dispatcher(self, handler, concurrency)
         try:
