@@ -266,7 +266,9 @@ class KafkaAdmin:
     """A thin wrapper over aiokafka's admin client: create-if-missing and config checks."""
 
     def __init__(self, *, client_kwargs: dict[str, Any], request_timeout_ms: int = 30000) -> None:
-        self._admin = AIOKafkaAdminClient(**client_kwargs, request_timeout_ms=request_timeout_ms)
+        # Ours replaces a request_timeout_ms of the caller's connection options (a Feed's
+        # client_kwargs take any): passed besides it, the admin was never made (KeyError).
+        self._admin = AIOKafkaAdminClient(**{**client_kwargs, "request_timeout_ms": request_timeout_ms})
 
     async def start(self) -> None:
         await self._admin.start()

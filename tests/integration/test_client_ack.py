@@ -188,3 +188,22 @@ async def test_a_replay_the_replay_topic_refuses_fails_and_marks_nothing_replaye
         with pytest.raises(DeadLetterError, match="replay"):
             await replay_dead_letters(kafka, unique_name, group)
     assert len(await list_dead_letters(kafka, unique_name, group)) == 1
+
+
+async def test_a_feed_with_a_request_timeout_in_its_client_kwargs_dead_letters(kafka_bootstrap: str, unique_name: str) -> None:
+    # request_timeout_ms is a connection option of every aiokafka client (client_kwargs takes
+    # any), but KafkaAdmin passed its own besides: the first dead letter raised
+    # KeyError('request_timeout_ms') out of run().
+    changes = await _setup(kafka_bootstrap, unique_name, 33, n=3)
+    group = unique_name + "-g"
+    kwargs = {"bootstrap_servers": kafka_bootstrap, "request_timeout_ms": 15000}
+
+    async def handler(event: FeedEvent) -> None:
+        if event.position == changes[0].position:
+            raise RuntimeError("poison")
+
+    async with Feed(unique_name, group_id=group, start="earliest", retry=FAST, client_kwargs=kwargs, until_end=True) as feed:
+        await asyncio.wait_for(feed.run(handler), 60)
+        assert feed.stats.dead_letters == 1
+    letters = await list_dead_letters(kwargs, unique_name, group)
+    assert [letter.key for letter in letters] == [changes[0].record()[0]]
