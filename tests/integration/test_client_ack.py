@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import sys
 
@@ -207,3 +208,55 @@ async def test_a_feed_with_a_request_timeout_in_its_client_kwargs_dead_letters(k
         assert feed.stats.dead_letters == 1
     letters = await list_dead_letters(kwargs, unique_name, group)
     assert [letter.key for letter in letters] == [changes[0].record()[0]]
+
+
+async def test_a_dead_letter_topic_deleted_under_a_running_feed_is_made_again(kafka_bootstrap: str, unique_name: str) -> None:
+    # The dead-letter topic was made on first use and then taken for granted: deleted under a
+    # running feed (an operator's clean-up), each later dead letter was retried forever against
+    # a topic nobody made again, and the feed handled nothing more.
+    from walbus.kafka import KafkaAdmin
+
+    changes = workload(random.Random(31), 8, TABLES)
+    first, later = changes[:4], changes[4:]
+    poison = {first[0].position, later[0].position}
+    await create_topic(kafka_bootstrap, unique_name)
+    await produce(kafka_bootstrap, unique_name, [c.record() for c in first])
+    group = unique_name + "-g"
+    handled: set[tuple[int, int]] = set()
+    # One lane: an event after a poison one is handled only once that one is dead-lettered.
+    through_first, through_later = asyncio.Event(), asyncio.Event()
+
+    async def handler(event: FeedEvent) -> None:
+        if event.position in poison:
+            raise RuntimeError("poison")
+        handled.add(event.position)
+        if event.position == first[-1].position:
+            through_first.set()
+        if event.position == later[-1].position:
+            through_later.set()
+
+    # A short request timeout: a send to a deleted topic fails after it (40 s by default).
+    kwargs = {"bootstrap_servers": kafka_bootstrap, "request_timeout_ms": 12000}
+    dlq = dead_letter_topic(unique_name, group)
+    async with Feed(unique_name, group_id=group, start="earliest", retry=FAST, client_kwargs=kwargs) as feed:
+        task = asyncio.create_task(feed.run(handler))
+        try:
+            await asyncio.wait_for(through_first.wait(), 60)
+            assert feed.stats.dead_letters == 1
+            async with KafkaAdmin(client_kwargs={"bootstrap_servers": kafka_bootstrap}) as admin:
+                await admin.delete_topics([dlq])
+                async with asyncio.timeout(30):  # the broker has no event for a deletion done
+                    while True:
+                        if dlq not in await admin.list_topics():
+                            break
+                        await asyncio.sleep(0.1)
+            await produce(kafka_bootstrap, unique_name, [c.record() for c in later])
+            await asyncio.wait_for(through_later.wait(), 90)
+            assert feed.stats.dead_letters == 2
+            assert handled == {c.position for c in changes} - poison
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+    letters = await list_dead_letters({"bootstrap_servers": kafka_bootstrap}, unique_name, group)
+    assert [letter.key for letter in letters] == [later[0].record()[0]]  # the first went with its topic

@@ -198,13 +198,24 @@ class DeadLetterWriter:
         # Several run() lanes dead-letter at once: one producer for all (each started its own,
         # and all but one were never stopped; a client fuzz).
         self._starting = asyncio.Lock()
+        self._recheck = False  # a write failed: the topic may be gone (deleted under the feed)
+
+    async def _ensure_topic(self) -> None:
+        async with KafkaAdmin(client_kwargs=self._kwargs) as admin:
+            await admin.ensure_topic(TopicSpec(self.topic, configs=LARGE_TOPIC))
+            self._limit = await admin.max_message_bytes(self.topic, wait=METADATA_WAIT_S)
 
     async def _started(self) -> AIOKafkaProducer:
         async with self._starting:
+            if self._recheck and self._producer is not None:
+                # Made once, the topic was taken for granted: deleted under a running feed, each
+                # dead letter was retried forever against a topic nobody made again (the feed
+                # stalled; the broker does not create it). Made again here, as on first use.
+                await self._ensure_topic()
+                self._recheck = False
             if self._producer is None:
-                async with KafkaAdmin(client_kwargs=self._kwargs) as admin:
-                    await admin.ensure_topic(TopicSpec(self.topic, configs=LARGE_TOPIC))
-                    self._limit = await admin.max_message_bytes(self.topic, wait=METADATA_WAIT_S)
+                await self._ensure_topic()
+                self._recheck = False
                 producer = AIOKafkaProducer(**self._kwargs, acks="all", enable_idempotence=True,
                                             max_request_size=DEFAULT_MAX_MESSAGE_BYTES)
                 try:
@@ -229,6 +240,7 @@ class DeadLetterWriter:
             except KafkaError as e:
                 if not e.retriable and not isinstance(e, KafkaConnectionError | KafkaTimeoutError):
                     raise DeadLetterError(f"cannot write a dead letter to {self.topic}: {type(e).__name__}: {e}") from e
+                self._recheck = True
                 await backoff.wait(log, f"writing a dead letter to {self.topic}", e)
 
     async def close(self) -> None:
