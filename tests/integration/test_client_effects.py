@@ -246,7 +246,7 @@ async def test_a_group_without_offsets_resumes_after_its_stored_position(
         async def effect(conn: psycopg.AsyncConnection[Any], event: FeedEvent) -> None:
             await conn.execute("INSERT INTO effects_regroup VALUES (%s, %s)", event.position)
 
-        async def round_(group: str, **start: Any) -> list[bool]:
+        async def round_(group: str | None, **start: Any) -> list[bool]:
             applied: list[bool] = []
             feed = Feed(unique_name, group_id=group, resume_after=positions.resume_after,
                         bootstrap_servers=kafka_bootstrap, until_end=True, **start)
@@ -261,6 +261,13 @@ async def test_a_group_without_offsets_resumes_after_its_stored_position(
         assert await round_(unique_name + "-b") == [True] * len(after)
         cur = await conn.execute("SELECT commit_lsn, seq FROM effects_regroup ORDER BY 1, 2")
         assert [tuple(r) for r in await cur.fetchall()] == sorted(c.position for c in changes)
+        await conn.commit()
+        # A group-less feed on those positions: the same (it has no offsets at all).
+        more = workload(random.Random(12), 3, ["public.t"], start_lsn=changes[-1].commit_lsn + 1)
+        await produce(kafka_bootstrap, unique_name, [c.record() for c in more])
+        assert await round_(None) == [True] * len(more)
+        cur = await conn.execute("SELECT count(*) FROM effects_regroup")
+        assert await cur.fetchone() == (len(changes) + len(more),)
 
 
 async def test_positions_are_refused_with_concurrent_handlers(pg_dsn: str, kafka_bootstrap: str, unique_name: str) -> None:

@@ -388,7 +388,7 @@ class Feed:
                 await consumer.start()
                 tps = await topic_partitions(self._kwargs, self.topic)
                 consumer.assign(tps)
-                for tp, offset in (await self._start_offsets(tps)).items():
+                for tp, offset in (await self._start_or_resume(tps)).items():
                     consumer.seek(tp, offset)
                 self._fresh.update(tps)
         except BaseException:
@@ -1244,30 +1244,37 @@ class Feed:
                 return
             # The replay topic holds only what was sent back to this group: all of it is new.
             replays = [tp for tp in fresh if self._is_replay(tp)]
-            # A group without offsets whose effects say how far they went (its offsets expired
-            # after the broker's offsets.retention.minutes, a new group id on the same
-            # positions): from there, not from start= ("latest" skipped every event between
-            # the stored position and the end). Read from the beginning: the resumed position
-            # is the partition's mark (_load_new_partitions), so what was applied is skipped.
-            resumed = [tp for tp in fresh if tp not in replays and await self._resumes(tp)]
-            offsets = await self._start_offsets([tp for tp in fresh if tp not in replays and tp not in resumed])
-            if replays or resumed:
-                offsets.update(await consumer.beginning_offsets(replays + resumed))
+            offsets = await self._start_or_resume([tp for tp in fresh if tp not in replays])
+            if replays:
+                offsets.update(await consumer.beginning_offsets(replays))
             for tp, offset in offsets.items():
                 consumer.seek(tp, offset)
             self._fresh.update(fresh)
             await consumer.commit({tp: (offset, encode_metadata(self._floor)) for tp, offset in offsets.items()})
             log.info(
                 "new group: starting partitions",
-                extra={"group": self.group_id, "topic": self.topic, "start": str(self._start),
-                       "resumed": [tp.partition for tp in resumed], "offsets": {tp.partition: o for tp, o in offsets.items()}},
+                extra={"group": self.group_id, "topic": self.topic, "start": str(self._start), "offsets": {tp.partition: o for tp, o in offsets.items()}},
             )
         except KafkaError as e:  # the listener must not fail the rebalance; auto_offset_reset still applies
             log.warning("could not set the group's start position", extra={"group": self.group_id, "error": str(e)})
 
-    async def _resumes(self, tp: TopicPartition) -> bool:
-        """Whether ``resume_after`` has a position for ``tp`` (its effects went that far)."""
-        return self._resume_after is not None and await self._resume_after(tp.topic, tp.partition) is not None
+    async def _start_or_resume(self, tps: list[TopicPartition]) -> dict[TopicPartition, int]:
+        """Where partitions without a committed offset start: from ``start=``, except those
+        ``resume_after`` has a position for. Those (a group whose offsets expired after the
+        broker's offsets.retention.minutes, a new group id on the same positions, a group-less
+        feed) are read from the beginning, and the resumed position, the partition's mark
+        (_load_new_partitions), skips what was applied: from start= ("latest" by default)
+        every event between the stored position and the end was skipped."""
+        resumed: list[TopicPartition] = []
+        if self._resume_after is not None:
+            resumed = [tp for tp in tps if await self._resume_after(tp.topic, tp.partition) is not None]
+        offsets = await self._start_offsets([tp for tp in tps if tp not in resumed])
+        if resumed:
+            assert self._consumer is not None
+            offsets.update(await self._consumer.beginning_offsets(resumed))
+            log.info("partitions resumed after their stored positions, read from the beginning",
+                     extra={"topic": self.topic, "partitions": [tp.partition for tp in resumed]})
+        return offsets
 
     def _on_assigned(self, assigned: list[TopicPartition]) -> None:
         self._unloaded = True
