@@ -6,7 +6,8 @@ changes. The output's shape, case by case: docs/demux.md.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import heapq
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Final, Literal, Protocol
 
@@ -604,10 +605,23 @@ class Rekeyer:
             return out
         out.needs_state = out.truncate = True
         # Sorted: deterministic output, whatever order the store returns.
-        for key in sorted(state.keys(event.table)):
+        for key in _sorted_in_pieces(state.keys(event.table)):
             out.records.append(OutRecord(topic, key, None, event.table))
             out.changes.append((event.table, key, None))
         return out
+
+
+SORT_PIECE: Final = 50_000
+
+
+def _sorted_in_pieces(keys: Iterable[bytes]) -> Iterator[bytes]:
+    """``sorted(keys)``, sorted in pieces and merged: one sort of a large table's keys is one C
+    call that holds the GIL for seconds (2.6 s for 1M keys), when the demux runs it in a thread
+    so that the event loop goes on (a truncate: demux.worker.OFF_LOOP_ITEMS)."""
+    items = list(keys)
+    if len(items) <= SORT_PIECE:
+        return iter(sorted(items))
+    return heapq.merge(*(sorted(items[i:i + SORT_PIECE]) for i in range(0, len(items), SORT_PIECE)))
 
 
 def single(hit: FastRecord) -> Rekeyed:

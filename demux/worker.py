@@ -25,7 +25,16 @@ from demux.dead_letter import dead_letter_record
 from demux.ktable import read_ktable_raw
 from demux.metrics import DemuxMetrics, TransactionCounts
 from demux.positions import Positions, at_position, checkpoint_text
-from demux.rekey import FastRecord, OutRecord, Rekeyed, Rekeyer, RekeyError, single, unknown_row
+from demux.rekey import (
+    FastRecord,
+    OutRecord,
+    Rekeyed,
+    Rekeyer,
+    RekeyError,
+    StateView,
+    single,
+    unknown_row,
+)
 from demux.state import StateStore, store_file_name
 from demux.topics import TopicInfo, TopicManager
 from demux.transaction import PartitionTransaction
@@ -44,6 +53,12 @@ FAST_RECORD_BYTES = 1_000_000
 # ~16 to read a 4 MiB answer: with a turn every ~6 ms the next run arrives while this
 # one is re-keyed, instead of after it (with 4 MiB fetches: +17% events/s measured).
 YIELD_EVERY = 1000
+# Work over this many keys or rows in one go (a truncate's tombstones, a table loaded into the
+# store, the store's commit after them: seconds per million) runs in a thread, off the event
+# loop: the consumer's heartbeats, the other partitions' transactions and the metrics need the
+# loop. Inline, a truncate of 1M keys stalled it for 20 s: the broker evicted the member from
+# the group (past --session-timeout-ms) and the partition was revoked in the middle of it.
+OFF_LOOP_ITEMS = 10_000
 
 # (what, table) already warned about: once per process, not once per partition or transaction.
 _WARNED: set[tuple[str, str]] = set()
@@ -138,7 +153,7 @@ class PartitionWorker:
         await self._commit_boundary()
         started = time.monotonic()
         rows = await self._read_table(table)
-        count = self.store.track(table, rows.items())
+        count = await asyncio.to_thread(self.store.track, table, rows.items())  # see OFF_LOOP_ITEMS
         self.metrics.state_table_loads.labels(table).inc()
         log.info(
             "table loaded into the last-row store from its topic",
@@ -274,7 +289,7 @@ class PartitionWorker:
                 out = single(hit)
             else:
                 event = self.rekeyer.decode_record(key, value)
-                out = self.rekeyer.rekey(event, self.store)  # type: ignore[arg-type]
+                out = await self._rekey(event, self.store)  # type: ignore[arg-type]
         except ContractError as e:
             # Not an event, or not at the position its key says: it moves no position.
             await self._dead_letter(m, str(e), "contract")
@@ -327,7 +342,7 @@ class PartitionWorker:
         if out.no_pk:
             counts.other[("no_pk", table)] += 1
             self._warn_once("no_pk", table, offset)
-        error = self._too_large(records)
+        error = await self._too_large_off_loop(records)
         if error is not None and await self.topics.refresh({rec.topic for rec in records}):
             error = self._too_large(records)  # with the limits as they are now
         if error is not None:
@@ -349,7 +364,9 @@ class PartitionWorker:
             if n % part == 0 and n < len(records):
                 await self.commit()
                 await self.txn.begin()
-        if out.changes:
+        if len(out.changes) > OFF_LOOP_ITEMS:
+            await asyncio.to_thread(store.apply, out.changes)
+        elif out.changes:
             store.apply(out.changes)
         if out.unfilled:
             counts.other[("unfilled", table)] += len(out.unfilled)
@@ -385,6 +402,11 @@ class PartitionWorker:
                      "it uses its hash-suffixed name",
                      extra={"table": table, "topic": hashed, "colliding_topic": topic})
         return hashed, await self.topics.ensure(hashed, compact=compact)
+
+    async def _too_large_off_loop(self, records: list[OutRecord]) -> str | None:
+        if len(records) > OFF_LOOP_ITEMS:  # a truncate's tombstones: see OFF_LOOP_ITEMS
+            return await asyncio.to_thread(self._too_large, records)
+        return self._too_large(records)
 
     def _too_large(self, records: list[OutRecord]) -> str | None:
         """Why one of the records exceeds its topic's max.message.bytes (None: all fit)."""
@@ -428,13 +450,19 @@ class PartitionWorker:
             await self._commit_boundary()
             await self._table_topic(out.table, self.rekeyer.topic_for(out.table), compact=True)
             keys = await self._read_table(out.table)
-            out = self.rekeyer.rekey(event, _KeysView(self.store, out.table, set(keys)))
+            out = await self._rekey(event, _KeysView(self.store, out.table, keys.keys()))
         else:
             await self._track(out.table)
             if event is not None:
                 out = self.rekeyer.rekey(event, self.store)
         await self.txn.begin()
         return out
+
+    async def _rekey(self, event: ChangeEvent, state: StateView) -> Rekeyed:
+        """The event re-keyed; a truncate (a tombstone for each of the table's keys) in a thread."""
+        if event.operation == "truncate":
+            return await asyncio.to_thread(self.rekeyer.rekey, event, state)  # see OFF_LOOP_ITEMS
+        return self.rekeyer.rekey(event, state)
 
     def _warn_once(self, what: str, table: str, offset: int, columns: list[str] | None = None) -> None:
         if (what, table) in _WARNED:
@@ -505,7 +533,10 @@ class PartitionWorker:
         await self.txn.commit(self.positions.next_offset, self.positions.metadata())
         # Kafka first, the store second: the store may lag behind (then it is rebuilt
         # on the next open) but never run ahead of what readers can see.
-        store.commit(self.positions.checkpoint())
+        if len(store.pending) > OFF_LOOP_ITEMS:  # a truncate's deletes: see OFF_LOOP_ITEMS
+            await asyncio.to_thread(store.commit, self.positions.checkpoint())
+        else:
+            store.commit(self.positions.checkpoint())
         self.counts.flush()
 
     # -- closing -----------------------------------------------------------------
@@ -538,7 +569,7 @@ class PartitionWorker:
 class _KeysView:
     """The store, except that one untracked table's keys come from its topic (truncate)."""
 
-    def __init__(self, store: StateStore, table: str, keys: set[bytes]) -> None:
+    def __init__(self, store: StateStore, table: str, keys: Iterable[bytes]) -> None:
         self._store, self._table, self._keys = store, table, keys
 
     def get(self, table: str, key: bytes) -> dict[str, Any] | None:

@@ -6,13 +6,16 @@ from __future__ import annotations
 import asyncio
 import random
 import string
+import time
 from pathlib import Path
 from typing import Any
 
 import orjson
 import pytest
-from aiokafka import TopicPartition
+from aiokafka import AIOKafkaProducer, TopicPartition
 
+from demux.config import parse_config
+from demux.service import Demux
 from tests.support.demux import (
     DemuxProc,
     _reap_demux_processes,  # noqa: F401
@@ -25,6 +28,7 @@ from tests.support.kafka import (
     end_offsets,
     list_topics,
     produce,
+    read_ktable,
     read_records,
     topic_config,
     wait_caught_up,
@@ -484,3 +488,66 @@ async def test_a_truncate_of_more_keys_than_a_transaction_takes_is_committed_in_
         assert proc.stop() == 0, proc.log_tail()
     assert sorted(r.key for r in records if r.value is None) == sorted(b'{"id":%d}' % i for i in range(200))
     assert markers == 4, proc.log_tail()
+
+
+async def _fill_topic(bootstrap: str, topic: str, rows: int) -> None:
+    """``rows`` records ``{"id":i}`` -> ``{"id":i,"s":"x"}`` in whole batches (fast)."""
+    producer = AIOKafkaProducer(bootstrap_servers=bootstrap, max_batch_size=1_000_000, linger_ms=0)
+    await producer.start()
+    try:
+        futures, i = [], 0
+        while i < rows:
+            batch = producer.create_batch()
+            while i < rows and batch.append(key=b'{"id":%d}' % i, value=b'{"id":%d,"s":"x"}' % i, timestamp=None):
+                i += 1
+            futures.append(await producer.send_batch(batch, topic, partition=0))
+        await asyncio.gather(*futures)
+    finally:
+        await producer.stop()
+
+
+async def test_a_large_table_is_loaded_and_truncated_off_the_event_loop(
+    kafka_bootstrap: str, unique_name: str, tmp_path: Path
+) -> None:
+    """Loading a table into the last-row store, a truncate's tombstones (one per key) and the
+    store's commit after them are work over every key of the table: inline, they held the event
+    loop for seconds per 100,000 keys (a 1M-key truncate: 20 s), while the consumer's heartbeats,
+    the other partitions' transactions and their commits waited; past --session-timeout-ms the
+    broker evicted the member and revoked the partition in the middle of the truncate. The
+    event loop's own CPU time between two of its turns is measured (not wall time: a busy host
+    is not the demux' doing)."""
+    rows = 200_000
+    source = f"walbus.{unique_name}"
+    topic = table_topic("walbus", unique_name, "public", "big")
+    await create_topic(kafka_bootstrap, source)
+    await create_topic(kafka_bootstrap, topic, compact=True)
+    await _fill_topic(kafka_bootstrap, topic, rows)
+    # A text column: the table is kept in the store, loaded from its topic first.
+    await produce(kafka_bootstrap, source, [
+        ev(0x100, 0, "insert", "public.big", ["id"], new={"id": rows, "s": "y"}, types={"id": "int4"}),
+        ev(0x200, 0, "truncate", "public.big", ["id"]),
+    ], partition=0)
+    config = parse_config(demux_args(kafka_bootstrap, source, tmp_path / "state"))
+    demux = Demux(config)
+    worst = 0.0
+
+    async def turns() -> None:
+        nonlocal worst
+        last = time.thread_time()
+        while True:
+            await asyncio.sleep(0.01)
+            now = time.thread_time()
+            worst, last = max(worst, now - last), now
+
+    ticker = asyncio.create_task(turns())
+    running = asyncio.create_task(demux.run())
+    try:
+        await wait_caught_up(kafka_bootstrap, demux_group(source), source, within=300)
+    finally:
+        demux.stop()
+        await running
+        ticker.cancel()
+    table = await read_ktable(client_kwargs={"bootstrap_servers": kafka_bootstrap}, topic=topic)
+    assert table == {}, f"{len(table)} rows left after the truncate"
+    assert worst < 0.5, f"the event loop ran {worst:.2f} CPU seconds without a turn"
+

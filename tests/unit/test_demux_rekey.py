@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 from typing import Any
 
 import orjson
 import pytest
 
-from demux.rekey import META_FIELDS, OutRecord, Rekeyer, RekeyError, strip_meta
+from demux.rekey import META_FIELDS, OutRecord, Rekeyer, RekeyError, _sorted_in_pieces, strip_meta
 from tests.support.demux import DictState
 from walbus.contract import ChangeEvent, RowImage, decode_event, encode_event
 
@@ -609,3 +610,11 @@ def test_an_identity_without_the_key_needs_the_store(rk: Rekeyer) -> None:
     assert out.needs_state
     out = rk.rekey(event("update", pk=["id"], new=image(id=1, code="c1"), identity=image(code="c1")), state)
     assert out.needs_state
+
+
+def test_keys_sorted_in_pieces_are_sorted() -> None:
+    # A truncate's keys are sorted in pieces and merged (one sort holds the GIL: see the function).
+    rng = random.Random(7)
+    keys = [orjson.dumps({"id": rng.randrange(10**12)}) for _ in range(120_000)]
+    assert list(_sorted_in_pieces(set(keys))) == sorted(set(keys))
+    assert list(_sorted_in_pieces([b"b", b"a"])) == [b"a", b"b"]
