@@ -155,9 +155,16 @@ class Rekeyed:
     truncate: bool = False
 
 
-def unknown_row(reason: str) -> bytes:
-    """The store's value for a key whose row is unknown (see UNKNOWN_ROW)."""
-    return orjson.dumps({UNKNOWN_ROW: reason})
+def unknown_row(reason: str, value: bytes | None = None) -> bytes:
+    """The store's value for a key whose row is unknown (see UNKNOWN_ROW): in its topic, that is.
+
+    ``value``: the row the key holds in the table, which its topic could not take. Its columns
+    are kept beside the mark, so that the row stays findable by them (StateStore.find, REPLICA
+    IDENTITY USING INDEX): marked with no columns, its delete found no key and tombstoned
+    nothing, and the topic kept the row before the one it could not take, for good. The mark
+    keeps its values from being used as the row's (``_fill`` refuses them)."""
+    row = orjson.loads(value) if value is not None else None
+    return orjson.dumps({**row, UNKNOWN_ROW: reason} if isinstance(row, dict) else {UNKNOWN_ROW: reason})
 
 
 def strip_meta(value: dict[str, Any]) -> dict[str, Any]:

@@ -428,7 +428,7 @@ class PartitionWorker:
         """
         assert self.store is not None
         table = out.table
-        self.store.apply((t, k, unknown_row(error)) for t, k, _ in out.changes)
+        self.store.apply((t, k, unknown_row(error, v)) for t, k, v in out.changes)
         self.counts.other[("unwritten", table, reason)] += 1
         log.error(
             "event's output cannot be written; the source record goes to the dead-letter topic",

@@ -551,3 +551,37 @@ async def test_a_large_table_is_loaded_and_truncated_off_the_event_loop(
     assert table == {}, f"{len(table)} rows left after the truncate"
     assert worst < 0.5, f"the event loop ran {worst:.2f} CPU seconds without a turn"
 
+
+async def test_a_row_too_large_for_its_topic_stays_findable_by_its_replica_identity_index(
+    kafka_bootstrap: str, unique_name: str, tmp_path: Path
+) -> None:
+    """Under REPLICA IDENTITY USING INDEX a delete's identity is the index's columns only: the
+    store finds the row's key by them. A row whose update was too large for its topic (DLQ) was
+    marked unknown without its columns, so it was not findable any more: its delete tombstoned
+    nothing (and an update moving its key left the old key), and the topic kept the row before
+    the too-large one for good, a row the table no longer had."""
+    source = f"walbus.{unique_name}"
+    table = f"{source}.public.ri"
+    await create_topic(kafka_bootstrap, source)
+    await create_topic(kafka_bootstrap, table, configs={"cleanup.policy": "compact", "max.message.bytes": "300000"})
+    big = _text(400_000, 4)
+    types = {"id": "int4", "code": "int4"}
+    events = [
+        ev(0x100, 0, "insert", "public.ri", ["id"], new={"id": 1, "code": 10, "body": "a"}, types=types),
+        ev(0x100, 1, "insert", "public.ri", ["id"], new={"id": 2, "code": 20, "body": "b"}, types=types),
+        ev(0x200, 0, "update", "public.ri", ["id"], new={"id": 1, "code": 10, "body": big}, types=types),
+        ev(0x200, 1, "update", "public.ri", ["id"], new={"id": 2, "code": 20, "body": big}, types=types),
+        ev(0x300, 0, "delete", "public.ri", ["id"], identity={"code": 10}, types=types),
+        ev(0x300, 1, "update", "public.ri", ["id"], new={"id": 3, "code": 20, "body": "c"}, identity={"code": 20},
+           types=types),
+    ]
+    await produce(kafka_bootstrap, source, events, partition=0)
+    metrics, proc = await _run_demux(kafka_bootstrap, source, tmp_path, "demux")
+    rows: dict[bytes | None, Any] = {}  # the topic as a KTable
+    for key, row in _rows(await read_records(kafka_bootstrap, table, "read_committed")):
+        if row is None:
+            rows.pop(key, None)
+        else:
+            rows[key] = row
+    assert metrics["walbus_demux_dead_letters_total{reason=size}"] == 2
+    assert rows == {b'{"id":3}': {"id": 3, "code": 20, "body": "c"}}, proc.log_tail()
