@@ -49,6 +49,7 @@ async def read_ktable_raw(
 
     ``min_end_offsets`` (partition -> offset): first wait until the end offsets reach
     these, e.g. until the markers of a transaction just committed are written.
+    ``timeout_s``: for that wait, then for each stretch of the read without progress.
     """
     consumer = AIOKafkaConsumer(
         **client_kwargs,
@@ -101,9 +102,14 @@ async def read_ktable_raw(
             return {}  # deleted meanwhile: as when there was no topic
         todo = {tp for tp in tps if end[tp] > 0}
         table: dict[bytes, bytes] = {}
+        # From here on the timeout is on a read that stops moving: with one deadline for the
+        # whole read, a table too large to read in it (~6M rows in 120 s) failed the worker,
+        # which read it again from the start, and failed again, for good.
+        at: dict[Any, int] = {}
+        moved = time.monotonic()
         while todo:
-            if time.monotonic() > deadline:
-                raise KTableTimeout(f"reading {topic}: end offsets {end} not reached in {timeout_s}s")
+            if time.monotonic() - moved > timeout_s:
+                raise KTableTimeout(f"reading {topic}: no progress in {timeout_s}s (at {at}, end offsets {end})")
             batch = await consumer.getmany(*todo, timeout_ms=500, max_records=READ_RECORDS)
             for tp, messages in batch.items():
                 stop = end[tp]
@@ -115,7 +121,10 @@ async def read_ktable_raw(
                     else:
                         table[m.key] = m.value
             for tp in list(todo):
-                if await consumer.position(tp) >= end[tp]:
+                position = await consumer.position(tp)
+                if position != at.get(tp):
+                    at[tp], moved = position, time.monotonic()
+                if position >= end[tp]:
                     todo.discard(tp)
                     consumer.pause(tp)
             await asyncio.sleep(0)  # see READ_RECORDS

@@ -585,3 +585,18 @@ async def test_a_row_too_large_for_its_topic_stays_findable_by_its_replica_ident
             rows[key] = row
     assert metrics["walbus_demux_dead_letters_total{reason=size}"] == 2
     assert rows == {b'{"id":3}': {"id": 3, "code": 20, "body": "c"}}, proc.log_tail()
+
+
+async def test_a_table_that_takes_longer_than_the_timeout_to_read_is_read(kafka_bootstrap: str, unique_name: str) -> None:
+    """Loading a table from its topic (the last-row store, a truncate's keys) had one deadline for
+    the whole read (120 s): a table too large to read in it (~6M rows here) failed the partition
+    worker with KTableTimeout, which reopened and read it again, and failed again, for good. The
+    timeout is now on a read that stops making progress: 600,000 rows against 1.5 s."""
+    from demux.ktable import read_ktable_raw
+
+    topic = f"{unique_name}.public.t"
+    rows = 600_000
+    await create_topic(kafka_bootstrap, topic, compact=True)
+    await _fill_topic(kafka_bootstrap, topic, rows)
+    table = await read_ktable_raw(client_kwargs={"bootstrap_servers": kafka_bootstrap}, topic=topic, timeout_s=1.5)
+    assert len(table) == rows and table[b'{"id":7}'] == b'{"id":7,"s":"x"}'
