@@ -191,6 +191,10 @@ class StateStore:
                 finder.put(key, value)
         return finder.by_values.get(_Finder.values_key(identity, cols))
 
+    def has_finder(self, table: str, columns: tuple[str, ...]) -> bool:
+        """Whether :meth:`find` by these identity columns is ready (else its first call reads the table)."""
+        return (table, columns) in self._finders
+
     def items(self) -> Iterator[tuple[str, bytes, bytes]]:
         for tbl, k, v in self._db.execute("SELECT tbl, k, v FROM rows ORDER BY tbl, k"):
             yield str(tbl), bytes(k), bytes(v)
