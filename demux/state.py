@@ -38,7 +38,7 @@ from typing import Any, Final
 
 import orjson
 
-from demux.rekey import strip_meta
+from demux.rekey import UNKNOWN_ROW, strip_meta
 from walbus.config import ConfigError
 
 log = logging.getLogger("walbus.demux")
@@ -288,12 +288,16 @@ _ABSENT: Final = object()
 class _Finder:
     """One table's keys by the values of some of its columns (an identity without the key)."""
 
-    __slots__ = ("by_values", "columns", "of_key")
+    __slots__ = ("by_values", "columns", "of_key", "unknown")
 
     def __init__(self, columns: tuple[str, ...]) -> None:
         self.columns = columns
         self.by_values: dict[bytes, bytes] = {}
         self.of_key: dict[bytes, bytes] = {}  # key -> its entry in by_values
+        # Keys whose rows are marked unknown (rekey.unknown_row): their columns may be stale (a
+        # later change of the row dead-lettered too) while a live row took their values, so a
+        # known row is found before them, whatever order the rows come in.
+        self.unknown: set[bytes] = set()
 
     @staticmethod
     def values_key(row: dict[str, Any], columns: tuple[str, ...]) -> bytes:
@@ -304,11 +308,17 @@ class _Finder:
         old = self.of_key.pop(key, None)
         if old is not None and self.by_values.get(old) == key:
             del self.by_values[old]
+        self.unknown.discard(key)
         if value is None:
             return
         row = orjson.loads(value)
-        # A row without one of the columns (an unknown row, a value left out) is not findable by them.
+        # A row without one of the columns (a value left out) is not findable by them.
         if isinstance(row, dict) and all(row.get(c, _ABSENT) is not _ABSENT for c in self.columns):
             entry = self.values_key(row, self.columns)
-            self.by_values[entry] = key
             self.of_key[key] = entry
+            if UNKNOWN_ROW in row:
+                self.unknown.add(key)
+                held = self.by_values.get(entry)
+                if held is not None and held not in self.unknown:
+                    return
+            self.by_values[entry] = key
