@@ -28,6 +28,14 @@ OUTPUT_SETTINGS: Final = (
     # changed gave one instant two texts, so a timestamptz key two keys (the demux's tombstone
     # missed the row, an update left its old version live). UTC: one text per instant.
     ("TimeZone", "UTC"),
+    # reg* values (regclass, regtype, regproc…) name their object relative to search_path and
+    # quote it under quote_all_identifiers: a database or role with `search_path = s, public`
+    # wrote 't' for what the snapshot read as 's.t' (one regclass key, two keys). `public` is
+    # PostgreSQL's default less "$user", so the text does not depend on the producer's login
+    # role either; the producer's own queries name pg_catalog's objects (always searched) or
+    # qualify their tables.
+    ("search_path", "public"),
+    ("quote_all_identifiers", "off"),
 )
 
 
