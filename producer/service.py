@@ -147,7 +147,7 @@ class Producer:
             exclude_tables=setup.table_patterns(config.exclude_tables, "--exclude-tables", exact=False),
             exclude_columns=setup.column_patterns(config.exclude_columns, "--exclude-columns"),
             mask_columns=setup.column_patterns(config.mask_columns, "--mask-columns"),
-            signal_table=setup.table_pattern(config.signal_table, "--signal-table") if config.signal_table else None,
+            signal_table=setup.table_name(config.signal_table, "--signal-table") if config.signal_table else None,
             key_columns=setup.key_column_rules(config.key_columns),
         )
         self._stopping = asyncio.Event()

@@ -99,7 +99,7 @@ def check_encoding(conn: psycopg.Connection[tuple[object, ...]], plugin: str) ->
 
 def table_pattern(pattern: str, flag: str, *, exact: bool = True) -> str:
     """A ``--tables``-style entry (walbus's table patterns, docs/contract.md). With ``exact``
-    (an include list, the signal table) an entry without wildcards names one existing table:
+    (an include list) an entry without wildcards names one existing table:
     ``schema.table`` in the form events name tables (``public."a.b"``). Otherwise it may name
     last parts too (``--exclude-tables orders``: the table in any schema), as the contract says."""
     try:
@@ -107,6 +107,16 @@ def table_pattern(pattern: str, flag: str, *, exact: bool = True) -> str:
             split_pattern(pattern, 2)
             return pattern
         return qualify_table(*split_table(pattern))
+    except ContractError as e:
+        raise ConfigError(f"{flag}: {e} (write schema.table; a name with a dot or quote in double quotes: public.\"a.b\")") from None
+
+
+def table_name(text: str, flag: str) -> str:
+    """One table, named exactly (the signal table): ``schema.table`` as events name it, ``*``,
+    ``?`` and ``[`` being part of the name. As a pattern, ``public."sig*"`` stayed quoted, text
+    no event's ``table`` (``public.sig*``) equals: the producer started and took no signal."""
+    try:
+        return qualify_table(*split_table(text))
     except ContractError as e:
         raise ConfigError(f"{flag}: {e} (write schema.table; a name with a dot or quote in double quotes: public.\"a.b\")") from None
 

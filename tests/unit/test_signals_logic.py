@@ -323,3 +323,21 @@ def test_malformed_watermarks_are_a_warning_a_minute_and_all_counted(caplog: pyt
     lines = [r for r in caplog.records if r.getMessage().startswith("watermark ignored")]
     assert [(r.levelname, getattr(r, "suppressed", None)) for r in lines] == [("WARNING", 0), ("WARNING", 549)]
     assert _ignored(registry, "watermark") == 551
+
+
+@pytest.mark.parametrize(("given", "name"), [('public."sig*"', "sig*"), ('public."s[1]"', "s[1]"), ("public.sig?", "sig?"),
+                                             ('"my.app"."a.b*"', "a.b*")])
+def test_a_signal_table_whose_name_holds_a_wildcard_character_is_that_table(given: str, name: str) -> None:
+    # --signal-table 'public."sig*"' was kept as a pattern, text that no event's table field
+    # (public.sig*) equals: the producer started (the table exists) and never took a signal.
+    from producer.service import Producer
+    from walbus.contract import qualify_table
+
+    cfg = ProducerConfig(pg_dsn="dbname=x", kafka_bootstrap="k:1", signal_table=given)
+    schema = "my.app" if given.startswith('"my.app"') else "public"
+    rel = Relation(1, schema, name, ["id", "type", "data"], ["varchar", "varchar", "text"], [True, False, False], ["id"], "d")
+    capture = Producer(cfg).capture
+    assert capture.signal_table == rel.qualified == qualify_table(schema, name)
+    inc = IncrementalSnapshot(cfg, capture, offsets=OffsetStore({}, "walbus.x", "walbus_x"),
+                              metrics=SnapshotMetrics(CollectorRegistry()))
+    assert inc.watches(rel.prepare(capture))
