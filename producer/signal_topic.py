@@ -80,7 +80,10 @@ class KafkaSignalChannel:
             partitions = await admin.partitions(self.topic, wait=METADATA_WAIT_S)
         if partitions != 1:
             raise ConfigError(f"--signal-topic {self.topic} has {partitions} partitions: signals need one order, give it one partition")
-        consumer = self._consumer = AIOKafkaConsumer(**self._kwargs, enable_auto_commit=False, auto_offset_reset="earliest")
+        # read_committed: a signal written in a Kafka transaction that was then aborted was never
+        # sent (read uncommitted, it snapshotted its tables all the same).
+        consumer = self._consumer = AIOKafkaConsumer(**self._kwargs, enable_auto_commit=False, auto_offset_reset="earliest",
+                                                     isolation_level="read_committed")
         await consumer.start()
         consumer.assign([self._tp])
         await self.seek(offset)

@@ -86,3 +86,32 @@ async def test_signal_table_and_topic_together(pg_dsn: str, kafka_bootstrap: str
         await wait_slot_caught_up(pg_dsn, unique_name)
     reads = sorted(e["values"][0] for e in await events_of(kafka_bootstrap, unique_name) if e["operation"] == "read")
     assert set(reads) == set(range(1, 10001))
+
+
+async def test_a_signal_of_an_aborted_kafka_transaction_is_not_applied(pg_dsn: str, kafka_bootstrap: str, unique_name: str) -> None:
+    """A record of an aborted transaction was never written, as far as Kafka's readers go:
+    the channel read uncommitted, so a signal some tool wrote in a transaction it then aborted
+    snapshotted its tables all the same."""
+    from aiokafka import AIOKafkaProducer
+
+    sql(pg_dsn, "CREATE TABLE orders (id int PRIMARY KEY)", "CREATE TABLE items (id int PRIMARY KEY)",
+        "INSERT INTO orders SELECT generate_series(1, 20)", "INSERT INTO items SELECT generate_series(1, 30)")
+    signals = f"{unique_name}.signals"
+    own = unique_name.encode()
+    await create_topic(kafka_bootstrap, signals)
+    tx = AIOKafkaProducer(bootstrap_servers=kafka_bootstrap, transactional_id=f"{unique_name}-tx", acks="all", enable_idempotence=True)
+    await tx.start()
+    try:
+        await tx.begin_transaction()
+        await (await tx.send(signals, execute("public.items"), key=own, partition=0))
+        await tx.abort_transaction()
+    finally:
+        await tx.stop()
+    await produce(kafka_bootstrap, signals, [(own, execute("public.orders"))], partition=0)
+    options = {"topic": unique_name, "slot": unique_name, "snapshot_mode": "never", "signal_topic": signals, "heartbeat_interval": 0.5}
+    async with running_producer(pg_dsn, kafka_bootstrap, **options) as producer:
+        reg = producer.registry
+        await wait_sample(reg, "walbus_snapshot_completed", {"kind": "incremental"}, 1)
+        assert reg.get_sample_value("walbus_snapshot_rows_scanned_total", {"kind": "incremental", "table": "public.orders"}) == 20
+        assert reg.get_sample_value("walbus_snapshot_rows_scanned_total", {"kind": "incremental", "table": "public.items"}) is None
+        await wait_slot_caught_up(pg_dsn, unique_name)
