@@ -923,8 +923,7 @@ class IncrementalSnapshot:
             chunk.failure = f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
             return None
 
-    @staticmethod
-    def _lock(conn: psycopg.Connection[tuple[object, ...]], chunk: Chunk) -> None:
+    def _lock(self, conn: psycopg.Connection[tuple[object, ...]], chunk: Chunk) -> None:
         """Lock the chunk's table before the transaction's snapshot is taken, and check that
         it is still the table described. A query's snapshot is taken before it waits for its
         table's lock: a rewrite (ALTER TABLE … TYPE, which also changes a key's type) that
@@ -933,8 +932,10 @@ class IncrementalSnapshot:
         scan = chunk.scan
         assert scan is not None
         conn.execute(sql.SQL("LOCK TABLE {} IN ACCESS SHARE MODE").format(scan.ident))
-        if table_identity(conn, scan.relation.schema, scan.relation.name) != (scan.oid, scan.key_types):
-            raise ChunkDeferred("the table was dropped, or its primary key changed, while the chunk was read")
+        rel = scan.relation
+        key_columns = self.capture.key_for(rel.schema, rel.name)  # --key-columns: the key the scan chunks by
+        if table_identity(conn, rel.schema, rel.name, key_columns) != (scan.oid, scan.key_types):
+            raise ChunkDeferred("the table was dropped, or its key changed, while the chunk was read")
 
     @staticmethod
     def _keep_rows(chunk: Chunk, scan: ScanTable, rows: Sequence[Sequence[bytes | None]]) -> None:

@@ -125,18 +125,31 @@ def describe_table(conn: Conn, schema: str, name: str, capture: CaptureFilter, r
     return ScanTable(rel, kind, [str(c[2]) for c in cols], estimate, pages, oid)
 
 
-def table_identity(conn: Conn, schema: str, name: str) -> tuple[int, list[str]] | None:
-    """The table's pg_class oid and its primary key's columns with their types, as
-    :attr:`ScanTable.key_types` gives them; None when it does not exist. Takes no lock."""
+def table_identity(conn: Conn, schema: str, name: str, key_columns: Sequence[str] | None = None) -> tuple[int, list[str]] | None:
+    """The table's pg_class oid and its key's columns with their types, as
+    :attr:`ScanTable.key_types` gives them; None when it does not exist. Takes no lock.
+
+    The key is chosen as :meth:`Relation.prepare` chooses it: ``key_columns`` (``--key-columns``)
+    when the table has them all, else the primary key. Compared with the primary key alone, a
+    table keyed by other columns (or keyless) never matched its own description, and its
+    incremental snapshot retried its first chunk for ever."""
     row = conn.execute(
         "SELECT c.oid::int8, array(SELECT format('%%s %%s', a.attname, format_type(a.atttypid, a.atttypmod)) "
         "FROM pg_index i JOIN LATERAL unnest(i.indkey::int2[]) WITH ORDINALITY AS k(attnum, ord) ON true "
         "JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = k.attnum "
-        "WHERE i.indrelid = c.oid AND i.indisprimary ORDER BY k.ord) "
+        "WHERE i.indrelid = c.oid AND i.indisprimary ORDER BY k.ord), "
+        "array(SELECT format('%%s %%s', a.attname, format_type(a.atttypid, a.atttypmod)) "
+        "FROM unnest(%s::text[]) WITH ORDINALITY AS k(name, ord) "
+        "JOIN pg_attribute a ON a.attrelid = c.oid AND a.attname = k.name "
+        "AND a.attnum > 0 AND NOT a.attisdropped AND a.attgenerated = '' ORDER BY k.ord) "
         "FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace WHERE n.nspname = %s AND c.relname = %s",
-        (schema, name),
+        (list(key_columns or []), schema, name),
     ).fetchone()
-    return None if row is None else (int(str(row[0])), [str(t) for t in cast("list[object]", row[1])])
+    if row is None:
+        return None
+    named = [str(t) for t in cast("list[object]", row[2])]
+    key = named if key_columns and len(named) == len(key_columns) else [str(t) for t in cast("list[object]", row[1])]
+    return int(str(row[0])), key
 
 
 def _str_float(text: str) -> float | str:

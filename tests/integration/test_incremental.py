@@ -534,3 +534,31 @@ async def test_a_locked_table_does_not_hold_the_queue(
     reads = sorted((e["table"], e["values"][0]) for e in events if e["operation"] == "read")
     assert reads == [("public.free", i) for i in range(1, 41)] + [("public.hx", i) for i in range(1, 31)]
     assert [e["values"] for e in events if e["operation"] == "insert" and e["table"] == "public.free"] == [[100]]
+
+
+
+async def test_tables_chunked_by_key_columns_other_than_their_primary_key(pg_dsn: str, kafka_bootstrap: str, unique_name: str) -> None:
+    # A chunk checks, under its table lock, that the table is still the one described: same
+    # oid, same key. That key was the primary key's columns, the described one --key-columns':
+    # they differ for a table keyed by other columns and for a keyless one (which the docs
+    # promise works), so every chunk of such a table was "the table was dropped, or its primary
+    # key changed", retried with backoff for ever, the tables queued behind it never read.
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute("CREATE TABLE walbus_signal (id varchar(64) PRIMARY KEY, type varchar(32) NOT NULL, data text)")
+        conn.execute("CREATE TABLE other (id int PRIMARY KEY, code text NOT NULL UNIQUE)")
+        conn.execute("CREATE TABLE keyless (code int NOT NULL, n int)")
+        conn.execute("ALTER TABLE keyless REPLICA IDENTITY FULL")
+        conn.execute("CREATE TABLE plain (id int PRIMARY KEY)")
+        conn.execute("INSERT INTO other SELECT g, (50 - g)::text FROM generate_series(1, 40) g")
+        conn.execute("INSERT INTO keyless SELECT g, 50 - g FROM generate_series(1, 40) g")
+        conn.execute("INSERT INTO plain SELECT generate_series(1, 10)")
+    async with running_producer(
+        pg_dsn, kafka_bootstrap, topic=unique_name, slot=unique_name, snapshot_mode="never", signal_table=SIGNAL,
+        incremental_chunk_size=7, heartbeat_interval=0.5, key_columns="public.other:code;public.keyless:code",
+    ) as producer:
+        signal(pg_dsn, "sig-1", "execute-snapshot", ["public.other", "public.keyless", "public.plain"])
+        await snapshot_completed(producer)
+    reads = [orjson.loads(v) for _, v in await read_topic(kafka_bootstrap, unique_name) if v]
+    got = sorted((e["table"], e["values"][0]) for e in reads if e["operation"] == "read")
+    assert got == sorted([("public.other", i) for i in range(1, 41)] + [("public.keyless", i) for i in range(1, 41)]
+                         + [("public.plain", i) for i in range(1, 11)])
