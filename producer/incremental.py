@@ -36,6 +36,8 @@ from producer.tablescan import (
     fetch_fields,
     key_text,
     max_key_query,
+    null_key_query,
+    nullable_key_columns,
     select_chunk,
     table_identity,
 )
@@ -255,6 +257,7 @@ class Chunk:
     skip_reason: str | None = None
     partitions: list[str] | None = None  # a partitioned table's leaf partitions: read instead of it
     failure: str | None = None  # the table's query failed (not the connection): given up, not retried
+    null_key: bool = False  # the failure: a row's key holds NULL (not the filter's fault)
     invisible: frozenset[int] = frozenset()  # xids the chunk's snapshot saw in progress (32-bit)
     low_mark: int = 0  # RecentChanges.mark when the low watermark came
     table_oid: int | None = None  # Position.table_oid, then the table's as read
@@ -686,7 +689,7 @@ class IncrementalSnapshot:
                 # SELECT right). The queue and streaming go on; a new signal tries it again.
                 log.error(
                     "incremental snapshot of table failed: its additional-conditions filter does not work"
-                    if chunk.where is not None else "incremental snapshot of table failed",
+                    if chunk.where is not None and not chunk.null_key else "incremental snapshot of table failed",
                     extra={"table": chunk.table, "filter": (chunk.where or "")[:500] or None, "error": chunk.failure,
                            "after_key": chunk.after},
                 )
@@ -825,6 +828,18 @@ class IncrementalSnapshot:
         self._check_identity(chunk, scan)
         role = self._role_for_filters(conn) if chunk.where is not None else ""
         if chunk.max_key is None:
+            nulls = null_key_query(scan, chunk.where)
+            if nulls is not None:
+                got = self._select(conn, chunk, role, nulls)
+                if got is None:
+                    return
+                if got[0]:
+                    # Read around, the rows after the NULL were never read and the table was
+                    # "done" without a word: it fails instead, said and counted.
+                    chunk.null_key = True
+                    chunk.failure = (f"key column(s) {', '.join(nullable_key_columns(scan))} hold NULL: "
+                                     "--key-columns must name columns that are unique and not null")
+                    return
             got = self._select(conn, chunk, role, max_key_query(scan, chunk.where))
             if got is None:
                 return

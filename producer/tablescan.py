@@ -354,15 +354,37 @@ def select_chunk(
     )
 
 
+def nullable_key_columns(table: ScanTable) -> list[str]:
+    """The key's columns without NOT NULL (describe_table says): ``--key-columns`` may name
+    such, a primary key has none."""
+    rel = table.relation
+    return [rel.columns[i] for i in rel.pk_index if i < len(rel.not_null) and not rel.not_null[i]]
+
+
+def null_key_query(table: ScanTable, where: str | None = None) -> sql.Composed | None:
+    """A row (of those ``where`` holds for) whose key holds a NULL; None when no key column
+    can. Such a row cannot be chunked: a row comparison with NULL is never true, and in
+    ``ORDER BY … DESC`` NULL comes first (it was the "largest key")."""
+    nullable = nullable_key_columns(table)
+    if not nullable:
+        return None
+    nulls = sql.SQL(" OR ").join(sql.SQL("{}.{} IS NULL").format(table.ident, sql.Identifier(c)) for c in nullable)
+    return sql.SQL("SELECT 1 FROM {} WHERE {} LIMIT 1").format(table.ident, _filtered([sql.SQL("({})").format(nulls)], where))
+
+
 def max_key_query(table: ScanTable, where: str | None = None) -> sql.Composed:
     """The largest primary key now (text output) of the rows ``where`` holds for; no row when
     there is none. Run it with :func:`fetch_fields`: ``where`` may be anyone's SQL."""
     # Qualified in ORDER BY: a bare name would mean the ::text output column, sorted as text.
     # No alias: a filter may name the table as select_chunk's query does.
     cols = [sql.SQL("{}.{}").format(table.ident, sql.Identifier(c)) for c in table.relation.pk]
+    # A NULL key (--key-columns) sorts first in DESC and is no bound: rows holding one are left
+    # to null_key_query's check, made before.
+    cond: list[sql.Composable] = [sql.SQL("true")]
+    cond += [sql.SQL("{}.{} IS NOT NULL").format(table.ident, sql.Identifier(c)) for c in nullable_key_columns(table)]
     return sql.SQL("SELECT {} FROM {} WHERE {} ORDER BY {} LIMIT 1").format(
         sql.SQL(", ").join(sql.SQL("{}::text").format(c) for c in cols),
         table.ident,
-        _filtered([sql.SQL("true")], where),
+        _filtered(cond, where),
         sql.SQL(", ").join(sql.SQL("{} DESC").format(c) for c in cols),
     )

@@ -562,3 +562,29 @@ async def test_tables_chunked_by_key_columns_other_than_their_primary_key(pg_dsn
     got = sorted((e["table"], e["values"][0]) for e in reads if e["operation"] == "read")
     assert got == sorted([("public.other", i) for i in range(1, 41)] + [("public.keyless", i) for i in range(1, 41)]
                          + [("public.plain", i) for i in range(1, 11)])
+
+
+async def test_key_columns_holding_null_fail_the_table_rather_than_skip_it(pg_dsn: str, kafka_bootstrap: str, unique_name: str) -> None:
+    # --key-columns may name nullable columns (a unique index allows NULLs). The largest key
+    # was read with ORDER BY … DESC, where NULL comes first, and its NULL was taken as '':
+    # one row with a NULL code made the chunks (code) <= '', and the table "completed" with
+    # none of its 40 rows read, without a word. A NULL key cannot be chunked (nor matched in
+    # the window): the table fails, said and counted; a nullable key without NULLs is read.
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute("CREATE TABLE walbus_signal (id varchar(64) PRIMARY KEY, type varchar(32) NOT NULL, data text)")
+        for t in ("u", "v"):
+            conn.execute(f"CREATE TABLE {t} (id int PRIMARY KEY, code text UNIQUE, n int)")
+            conn.execute(f"INSERT INTO {t} SELECT g, 'c' || g, g FROM generate_series(1, 40) g")
+        conn.execute("INSERT INTO u VALUES (41, NULL, 41)")
+    async with running_producer(
+        pg_dsn, kafka_bootstrap, topic=unique_name, slot=unique_name, snapshot_mode="never",
+        signal_table=SIGNAL, incremental_chunk_size=7, heartbeat_interval=0.5, key_columns="public.u:code;public.v:code",
+    ) as producer:
+        signal(pg_dsn, "sig-1", "execute-snapshot", ["public.u", "public.v"])
+        await snapshot_completed(producer)
+        failed = [producer.registry.get_sample_value("walbus_snapshot_tables_failed_total", {"kind": "incremental", "table": t})
+                  for t in ("public.u", "public.v")]
+    events = [orjson.loads(v) for _, v in await read_topic(kafka_bootstrap, unique_name) if v]
+    reads = [e for e in events if e["operation"] == "read"]
+    assert sorted(e["values"][0] for e in reads if e["table"] == "public.v") == list(range(1, 41))
+    assert (failed, [e["values"][0] for e in reads if e["table"] == "public.u"]) == ([1, None], [])

@@ -16,7 +16,7 @@ from producer.incremental import WATERMARK_PREFIX, Chunk, IncrementalSnapshot, L
 from producer.metrics import SnapshotMetrics
 from producer.offsets import OffsetStore
 from producer.signal_topic import read_signal
-from producer.tablescan import ScanTable, max_key_query, select_chunk
+from producer.tablescan import ScanTable, max_key_query, null_key_query, select_chunk
 
 OWN = b"walbus.shop"
 
@@ -341,3 +341,13 @@ def test_a_signal_table_whose_name_holds_a_wildcard_character_is_that_table(give
     inc = IncrementalSnapshot(cfg, capture, offsets=OffsetStore({}, "walbus.x", "walbus_x"),
                               metrics=SnapshotMetrics(CollectorRegistry()))
     assert inc.watches(rel.prepare(capture))
+
+
+def test_a_nullable_key_is_checked_for_nulls_and_left_out_of_the_largest_key() -> None:
+    rel = Relation(1, "public", "t", ["id", "code"], ["int4", "text"], [False, False], ["code"], "d",
+                   not_null=[True, False]).prepare(CaptureFilter())
+    table = ScanTable(rel, "r", ["integer", "text"])
+    q = null_key_query(table, "id > 1")
+    assert q is not None and q.as_string(None).endswith('WHERE ("public"."t"."code" IS NULL) AND (id > 1) LIMIT 1')
+    assert 'WHERE true AND "public"."t"."code" IS NOT NULL ORDER BY' in max_key_query(table).as_string(None)
+    assert null_key_query(_scan()) is None  # a primary key: never NULL
