@@ -683,6 +683,7 @@ class IncrementalSnapshot:
                 self._read_partitions(chunk, chunk.partitions)
             elif chunk.skip_reason is not None:
                 log.warning("table left out of the incremental snapshot", extra={"table": chunk.table, "reason": chunk.skip_reason})
+                self.metrics.tables_skipped.labels(KIND, chunk.table).inc()  # else "completed" looks like every table read
                 self._give_up_table(chunk)
             elif chunk.failure is not None:
                 # Not retried: the same query fails the same way (a filter's error, a missing
@@ -785,6 +786,7 @@ class IncrementalSnapshot:
             return  # stopped meanwhile
         if not leaves:
             log.warning("table left out of the incremental snapshot", extra={"table": chunk.table, "reason": "a partitioned table without partitions"})
+            self.metrics.tables_skipped.labels(KIND, chunk.table).inc()
             self._give_up_table(chunk)
             return
         self._chunk = None

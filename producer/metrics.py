@@ -50,6 +50,10 @@ class SnapshotMetrics:
             "walbus_snapshot_tables_failed", "Tables whose snapshot was given up (a failing filter or query; keys the stream does not carry)",
             ["kind", "table"], registry=registry,
         )
+        self.tables_skipped = Counter(
+            "walbus_snapshot_tables_skipped", "Tables an incremental snapshot was asked for and left out (none such, no "
+            "primary key, not captured or not published; the log line says which)", ["kind", "table"], registry=registry,
+        )
         self.tables_restarted = Counter(
             "walbus_snapshot_tables_restarted", "Tables read again from their first key: dropped and created again, or their "
             "primary key changed, while an incremental snapshot read them", ["kind", "table"], registry=registry,
