@@ -33,8 +33,10 @@ from producer.tablescan import (
     ScanTable,
     convert_fields,
     describe_table,
+    duplicate_key_query,
     fetch_fields,
     key_text,
+    key_unique_indexed,
     max_key_query,
     null_key_query,
     nullable_key_columns,
@@ -257,7 +259,7 @@ class Chunk:
     skip_reason: str | None = None
     partitions: list[str] | None = None  # a partitioned table's leaf partitions: read instead of it
     failure: str | None = None  # the table's query failed (not the connection): given up, not retried
-    null_key: bool = False  # the failure: a row's key holds NULL (not the filter's fault)
+    bad_key: bool = False  # the failure: rows' keys hold NULL or repeat (not the filter's fault)
     invisible: frozenset[int] = frozenset()  # xids the chunk's snapshot saw in progress (32-bit)
     low_mark: int = 0  # RecentChanges.mark when the low watermark came
     table_oid: int | None = None  # Position.table_oid, then the table's as read
@@ -690,7 +692,7 @@ class IncrementalSnapshot:
                 # SELECT right). The queue and streaming go on; a new signal tries it again.
                 log.error(
                     "incremental snapshot of table failed: its additional-conditions filter does not work"
-                    if chunk.where is not None and not chunk.null_key else "incremental snapshot of table failed",
+                    if chunk.where is not None and not chunk.bad_key else "incremental snapshot of table failed",
                     extra={"table": chunk.table, "filter": (chunk.where or "")[:500] or None, "error": chunk.failure,
                            "after_key": chunk.after},
                 )
@@ -838,9 +840,19 @@ class IncrementalSnapshot:
                 if got[0]:
                     # Read around, the rows after the NULL were never read and the table was
                     # "done" without a word: it fails instead, said and counted.
-                    chunk.null_key = True
+                    chunk.bad_key = True
                     chunk.failure = (f"key column(s) {', '.join(nullable_key_columns(scan))} hold NULL: "
                                      "--key-columns must name columns that are unique and not null")
+                    return
+            if self.capture.key_for(schema, name) is not None and not key_unique_indexed(conn, scan):
+                # --key-columns no unique index vouches for: two rows with one key lose one.
+                got = self._select(conn, chunk, role, duplicate_key_query(scan, chunk.where))
+                if got is None:
+                    return
+                if got[0]:
+                    chunk.bad_key = True
+                    chunk.failure = (f"rows share a key ({', '.join(scan.relation.pk)}): --key-columns must name columns "
+                                     "that are unique and not null")
                     return
             got = self._select(conn, chunk, role, max_key_query(scan, chunk.where))
             if got is None:

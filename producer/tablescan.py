@@ -372,6 +372,28 @@ def null_key_query(table: ScanTable, where: str | None = None) -> sql.Composed |
     return sql.SQL("SELECT 1 FROM {} WHERE {} LIMIT 1").format(table.ident, _filtered([sql.SQL("({})").format(nulls)], where))
 
 
+def key_unique_indexed(conn: Conn, table: ScanTable) -> bool:
+    """Whether a unique index (whole, on columns) of the table has only key columns as its keys:
+    then no two rows share a key (NULLs aside: :func:`null_key_query`)."""
+    row = conn.execute(
+        "SELECT EXISTS (SELECT 1 FROM pg_index i WHERE i.indrelid = %s AND i.indisunique AND i.indpred IS NULL "
+        "AND i.indexprs IS NULL AND NOT EXISTS (SELECT 1 FROM unnest((i.indkey::int2[])[0:i.indnkeyatts - 1]) k(attnum) "
+        "JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = k.attnum WHERE a.attname <> ALL(%s::text[])))",
+        (table.oid, list(table.relation.pk)),
+    ).fetchone()
+    return bool(row and row[0])
+
+
+def duplicate_key_query(table: ScanTable, where: str | None = None) -> sql.Composed:
+    """A key two rows (of those ``where`` holds for) share: ``--key-columns`` need not be
+    unique, and chunks go on after the last key read, so the other rows of a chunk's last key
+    would never be read."""
+    return sql.SQL("SELECT 1 FROM {} WHERE {} GROUP BY {} HAVING count(*) > 1 LIMIT 1").format(
+        table.ident, _filtered([sql.SQL("true")], where),
+        sql.SQL(", ").join(sql.SQL("{}.{}").format(table.ident, sql.Identifier(c)) for c in table.relation.pk),
+    )
+
+
 def max_key_query(table: ScanTable, where: str | None = None) -> sql.Composed:
     """The largest primary key now (text output) of the rows ``where`` holds for; no row when
     there is none. Run it with :func:`fetch_fields`: ``where`` may be anyone's SQL."""

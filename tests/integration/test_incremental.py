@@ -609,3 +609,25 @@ async def test_a_table_left_out_of_the_snapshot_is_counted(pg_dsn: str, kafka_bo
                for t in ("public.nopk", "public.missing", "public.ok")}
         scanned = producer.registry.get_sample_value("walbus_snapshot_rows_scanned_total", {"kind": "incremental", "table": "public.ok"})
     assert (got, scanned) == ({"public.nopk": 1, "public.missing": 1, "public.ok": None}, 5)
+
+
+async def test_key_columns_with_duplicate_keys_fail_the_table_rather_than_lose_rows(
+    pg_dsn: str, kafka_bootstrap: str, unique_name: str
+) -> None:
+    # Chunks go on after the last key read ((code) > last): with --key-columns that are not
+    # unique, the rows sharing a key with a chunk's last row were never read, and the table
+    # "completed" without them, without a word. Such keys cannot be chunked: the table fails.
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute("CREATE TABLE walbus_signal (id varchar(64) PRIMARY KEY, type varchar(32) NOT NULL, data text)")
+        conn.execute("CREATE TABLE dup (code int NOT NULL, n int)")
+        conn.execute("ALTER TABLE dup REPLICA IDENTITY FULL")
+        conn.execute("INSERT INTO dup SELECT g / 2, g FROM generate_series(0, 39) g")
+    async with running_producer(
+        pg_dsn, kafka_bootstrap, topic=unique_name, slot=unique_name, snapshot_mode="never", signal_table=SIGNAL,
+        incremental_chunk_size=3, heartbeat_interval=0.5, key_columns="public.dup:code",
+    ) as producer:
+        signal(pg_dsn, "sig-1", "execute-snapshot", ["public.dup"])
+        await snapshot_completed(producer)
+        failed = producer.registry.get_sample_value("walbus_snapshot_tables_failed_total", {"kind": "incremental", "table": "public.dup"})
+    reads = [orjson.loads(v) for _, v in await read_topic(kafka_bootstrap, unique_name) if v]
+    assert (failed, len([e for e in reads if e["operation"] == "read"])) == (1, 0)
