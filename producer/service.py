@@ -186,6 +186,8 @@ class Producer:
                 setup.ensure_publication(conn, cfg.publication_name, self.capture, tables)
                 row = conn.execute("SELECT pubviaroot FROM pg_publication WHERE pubname = %s", (cfg.publication_name,)).fetchone()
                 self._via_root = bool(row and row[0])
+            if self.capture.signal_table:
+                setup.check_signal_table(conn, split_table(self.capture.signal_table), via_root=bool(self._via_root))
             state = setup.check_slot(conn, cfg.slot_name, cfg.plugin, cfg.database)
         return tables, state
 

@@ -121,6 +121,21 @@ def table_name(text: str, flag: str) -> str:
         raise ConfigError(f"{flag}: {e} (write schema.table; a name with a dot or quote in double quotes: public.\"a.b\")") from None
 
 
+def check_signal_table(conn: psycopg.Connection[tuple[object, ...]], table: TableName, *, via_root: bool) -> None:
+    """A partitioned signal table's rows are decoded under their partitions' names (wal2json;
+    pgoutput unless the publication has publish_via_partition_root), never the name signals
+    are recognised by: the producer started and passed over every signal, without a word."""
+    row = conn.execute(
+        "SELECT c.relkind::text FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace WHERE n.nspname = %s AND c.relname = %s",
+        table,
+    ).fetchone()
+    if row is not None and str(row[0]) == "p" and not via_root:
+        raise ConfigError(
+            f"signal table {qualify_table(*table)} is partitioned: its rows are decoded under its partitions' names, so no "
+            "signal would be seen. Use a plain table (or, with pgoutput, a publication WITH (publish_via_partition_root = true))"
+        )
+
+
 def table_patterns(patterns: Sequence[str], flag: str, *, exact: bool = True) -> tuple[str, ...]:
     return tuple(table_pattern(p, flag, exact=exact) for p in patterns)
 

@@ -210,3 +210,19 @@ async def test_a_table_the_role_cannot_read_fails_without_blocking_the_queue(
     events = await events_of(kafka_bootstrap, unique_name)
     assert sorted(e["values"][0] for e in events if e["operation"] == "read") == list(range(1, 26))
     assert [e["values"] for e in events if e["operation"] == "insert" and e["table"] == "public.secret"] == [[100]]
+
+
+@pytest.mark.parametrize("plugin", ["pgoutput", "wal2json"])
+async def test_a_partitioned_signal_table_is_refused_at_start(pg_dsn: str, kafka_bootstrap: str, unique_name: str, plugin: str) -> None:
+    # A partitioned table's rows are decoded under their partition's name (wal2json, and
+    # pgoutput without publish_via_partition_root): signals are recognised by the signal
+    # table's name, so the producer started and passed over every signal row, without a word.
+    from walbus.config import ConfigError
+
+    sql(pg_dsn, "CREATE TABLE walbus_signal (id varchar(64), type varchar(32) NOT NULL, data text, PRIMARY KEY (id, type)) "
+                "PARTITION BY LIST (type)", "CREATE TABLE walbus_signal_all PARTITION OF walbus_signal DEFAULT")
+    with pytest.raises(ConfigError) as err:
+        async with running_producer(pg_dsn, kafka_bootstrap, topic=unique_name, slot=unique_name, snapshot_mode="never",
+                                    signal_table=SIGNAL, plugin=plugin):
+            pass
+    assert "partitioned" in str(err.value) and "public.walbus_signal" in str(err.value)
