@@ -1021,6 +1021,10 @@ class IncrementalSnapshot:
             return "no such table"
         if not self.capture.captures(table) or table == self.capture.signal_table:
             return "not captured (--tables/--exclude-tables)"
+        if scan.persistence != "p":
+            # No change of it is ever decoded (wal2json has no publication to say so): its
+            # reads would stay as they are downstream, deleted rows live for good.
+            return "UNLOGGED or TEMP: PostgreSQL decodes none of its changes (ALTER TABLE … SET LOGGED to capture it)"
         if not scan.relation.pk:
             return "no primary key"
         if len(scan.relation.pk_index) != len(scan.relation.pk) or any(

@@ -58,6 +58,7 @@ class ScanTable:
     estimated_rows: int = 0
     pages: int = 0  # heap pages when described
     oid: int = 0  # pg_class oid when described
+    persistence: str = "p"  # pg_class.relpersistence: u(nlogged) and t(emp) tables' changes are never decoded
 
     @property
     def key_types(self) -> list[str]:
@@ -91,13 +92,14 @@ def describe_table(conn: Conn, schema: str, name: str, capture: CaptureFilter, r
     so that it matches the rows read). None when the table does not exist."""
     row = conn.execute(
         "SELECT c.oid::int8, c.relkind::text, c.relreplident::text, greatest(c.reltuples, 0)::int8, "
-        "(pg_relation_size(c.oid) / current_setting('block_size')::int8)::int8 "
+        "(pg_relation_size(c.oid) / current_setting('block_size')::int8)::int8, c.relpersistence::text "
         "FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace WHERE n.nspname = %s AND c.relname = %s",
         (schema, name),
     ).fetchone()
     if row is None:
         return None
     oid, kind, replident, estimate, pages = int(str(row[0])), str(row[1]), str(row[2]), int(str(row[3])), int(str(row[4]))
+    persistence = str(row[5])
     cols = conn.execute(
         f"WITH RECURSIVE {type_names_cte('SELECT DISTINCT atttypid FROM pg_attribute WHERE attrelid = %s')} "
         f"SELECT a.attname, {TYPE_NAME}, format_type(a.atttypid, a.atttypmod), a.atttypmod, a.attnotnull "
@@ -122,7 +124,7 @@ def describe_table(conn: Conn, schema: str, name: str, capture: CaptureFilter, r
         relid, schema, name, columns, types, identity, pk, replident,
         not_null=[c[4] is True for c in cols], modifiers=[type_modifiers(t, int(str(c[3]))) for t, c in zip(types, cols, strict=True)],
     ).prepare(capture)
-    return ScanTable(rel, kind, [str(c[2]) for c in cols], estimate, pages, oid)
+    return ScanTable(rel, kind, [str(c[2]) for c in cols], estimate, pages, oid, persistence)
 
 
 def table_identity(conn: Conn, schema: str, name: str, key_columns: Sequence[str] | None = None) -> tuple[int, list[str]] | None:
