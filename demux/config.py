@@ -18,7 +18,7 @@ LOG_LEVELS = ["debug", "info", "warning", "error"]
 
 @dataclass(kw_only=True)
 class DemuxConfig(KafkaOptions):
-    source_topic: str = option(help="the database topic to consume, e.g. walbus.shop")
+    source_topic: str = option(topic=True, help="the database topic to consume, e.g. walbus.shop")
     group_id: str | None = option(
         None, help="consumer group (default walbus-demux.<source-topic>); also names the transactional ids",
         env="legacy",
@@ -29,11 +29,11 @@ class DemuxConfig(KafkaOptions):
         "group (a StatefulSet pod name, say). A demux restarted under the same name gets its partitions back at "
         "once instead of after --session-timeout-ms; one stopped for good hands them over only after it",
     )
-    topic_prefix: str = option("walbus", help="per-table topics are <prefix>.<database>.<schema>.<table>")
+    topic_prefix: str = option("walbus", topic=True, help="per-table topics are <prefix>.<database>.<schema>.<table>")
     database: str | None = option(
         None, help="database name in the per-table topic names (default: the source topic without '<prefix>.')"
     )
-    dlq_topic: str | None = option(None, help="dead-letter topic (default <source-topic>.dlq)")
+    dlq_topic: str | None = option(None, topic=True, help="dead-letter topic (default <source-topic>.dlq)")
     emit_delete_records: bool = option(
         False, help="on delete, emit a record with __op=d (the last row) before the tombstone"
     )

@@ -39,8 +39,8 @@ class ProducerConfig(KafkaOptions):
     slot: str | None = option(None, help="logical replication slot (default walbus_<database>)")
     plugin: str = option("pgoutput", help="output plugin", choices=["pgoutput", "wal2json"])
     publication: str | None = option(None, help="pgoutput publication (default walbus_<database>), created if missing")
-    topic: str | None = option(None, help="database topic (default <topic-prefix>.<database>)")
-    topic_prefix: str = option("walbus", help="prefix of the default topic name")
+    topic: str | None = option(None, topic=True, help="database topic (default <topic-prefix>.<database>)")
+    topic_prefix: str = option("walbus", topic=True, help="prefix of the default topic name")
     partitions: int = option(1, minimum=1, maximum=INT32_MAX, help="partitions of the database topic when it is created (1: one total order)")
     repartition: bool = option(
         False, help="write over every partition the database topic has now, not the count recorded at its first start "
@@ -84,7 +84,7 @@ class ProducerConfig(KafkaOptions):
     )
     signal_table: str | None = option(None, help="schema.table of the signal table (incremental snapshots)")
     signal_topic: str | None = option(
-        None, help="Kafka topic of signals (records keyed with the database topic's name), created with one partition if missing",
+        None, topic=True, help="Kafka topic of signals (records keyed with the database topic's name), created with one partition if missing",
     )
     incremental_chunk_size: int = option(1024, minimum=1, maximum=INT32_MAX, help="rows per incremental-snapshot chunk")
     incremental_filter_timeout: float = option(

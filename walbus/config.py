@@ -74,19 +74,22 @@ def option(
     key_values: bool = False,
     minimum: float | None = None,
     maximum: float | None = None,
+    topic: bool = False,
 ) -> Any:
     """Declare a config field. Fields without a default are required.
 
     ``env``: shared (``WALBUS_<OPTION>`` is read by every command), command (only
     ``WALBUS_<COMMAND>_<OPTION>``) or legacy (the shared name still read, deprecated).
     ``key_values``: a list of key=value items whose values may hold commas.
-    ``minimum``, ``maximum``: the range a number must be in (a ConfigError outside it)."""
+    ``minimum``, ``maximum``: the range a number must be in (a ConfigError outside it).
+    ``topic``: a Kafka topic name (or a list of them, or a topic prefix): one Kafka could never
+    create is a ConfigError (a consumer of it waits forever for it to exist)."""
     if env not in ENV_SCOPES:
         raise ValueError(f"env must be one of {ENV_SCOPES}")
     meta = {
         "help": help, "choices": tuple(choices) if choices else None, "secret": secret, "short": short,
         "env": env, "key_values": key_values, "minimum": minimum,
-        "maximum": maximum,
+        "maximum": maximum, "topic": topic,
     }
     if isinstance(default, list):
         items = list(default)
@@ -363,6 +366,8 @@ def load_config(
         if choices and v not in choices:
             raise ConfigError(f"{flag_name(name)}: {v!r} is not one of {', '.join(choices)}")
         _check_number(name, v, fields[name].metadata.get("minimum"), fields[name].metadata.get("maximum"))
+        if fields[name].metadata.get("topic"):
+            _check_topics(name, v)
     try:
         return cls(**values)
     except (TypeError, ValueError) as e:
@@ -404,6 +409,16 @@ def _check_number(name: str, value: Any, minimum: float | None, maximum: float |
         low = "" if minimum is None else f"at least {minimum:g}"
         high = "" if maximum is None else f"at most {maximum:g}"
         raise ConfigError(f"{flag_name(name)}: {value!r} is out of range (it must be {' and '.join(x for x in (low, high) if x)})")
+
+
+def _check_topics(name: str, value: Any) -> None:
+    """A topic option's name(s): ones Kafka accepts (contract.topic_name_error, the one check)."""
+    from walbus.contract import topic_name_error
+
+    for item in value if isinstance(value, list) else [value]:
+        problem = None if item is None else topic_name_error(item)
+        if problem is not None:
+            raise ConfigError(f"{flag_name(name)} {problem}")
 
 
 def _env_key(f: dataclasses.Field[Any], env: Mapping[str, str], command: str | None) -> str | None:

@@ -83,7 +83,7 @@ class CatalogOptions:
 
 @dataclass(kw_only=True)
 class LoadConfig(CatalogOptions, SparkOptions, KafkaOptions):
-    topic: str = option(help="the database topic, walbus.<database>")
+    topic: str = option(topic=True, help="the database topic, walbus.<database>")
     warehouse: str = option(help="warehouse root: a directory or a Hadoop filesystem URI (s3a://, hdfs://, …)")
     tables: list[str] = option([], help="only these tables: table patterns (docs/contract.md), comma-separated")
     numeric_scale: int = option(NUMERIC_SCALE, minimum=0, maximum=38, help="scale of decimal(38, s) for new numeric columns")
@@ -144,7 +144,7 @@ class StreamConfig(LoadConfig):
 @dataclass(kw_only=True)
 class SqlConfig(CatalogOptions, SparkOptions):
     warehouse: str = option(help="warehouse root: a directory or a Hadoop filesystem URI")
-    topic: str | None = option(None, help="the topic whose tables to expose (needed if the warehouse has several)")
+    topic: str | None = option(None, topic=True, help="the topic whose tables to expose (needed if the warehouse has several)")
     query: str | None = option(None, help="the SQL query (or give it as the one argument that is no option's value)")
     format: str = option("table", help="output format", choices=["table", "json"])
     limit: int = option(1000, minimum=0, maximum=INT32_MAX, help="print at most this many rows")

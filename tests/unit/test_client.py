@@ -93,3 +93,17 @@ def test_a_consumer_option_the_feed_sets_itself_is_a_clear_error_when_made(optio
     # Options the readers leave to the caller are taken as before.
     Feed("walbus.d", bootstrap_servers="localhost:9092", consumer_options={"session_timeout_ms": 30000})
     Table("walbus.d.public.t", bootstrap_servers="localhost:9092", consumer_options={"fetch_max_wait_ms": 10})
+
+
+@pytest.mark.parametrize("bad", ["walbus bad", "..", "t" * 250, "wal/bus"])
+def test_a_topic_name_kafka_cannot_have_is_refused_when_made(bad: str) -> None:
+    # Feed("walbus bad") subscribed, aiokafka logged "'walbus bad' is not a valid topic name"
+    # and the feed waited forever for events (as `walbus tail --topic 'walbus bad'` did).
+    from walbus.client import Feed, Table
+
+    with pytest.raises(ValueError, match=r"^topic must be a Kafka topic name"):
+        Feed(bad, bootstrap_servers="localhost:9092")
+    with pytest.raises(ValueError, match=r"^topic must be a Kafka topic name"):
+        Table(bad, bootstrap_servers="localhost:9092")
+    with pytest.raises(ValueError, match=r"^source_topic must be a Kafka topic name"):
+        Table("walbus.d.public.t", source_topic=bad, bootstrap_servers="localhost:9092")

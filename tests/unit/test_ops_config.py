@@ -402,3 +402,80 @@ def test_a_bootstrap_aiokafka_cannot_parse_or_resolve_is_a_configuration_error()
     for good in ("a:1,[::1]:9092,b", "[::1]", "::1", "[fe80::1%eth0]:9093", " broker-1.example.com:9092 , b:1"):
         check_bootstrap(good)
         assert all(1 <= port <= 65535 for _, port, _ in collect_hosts(good))
+
+
+_BAD_TOPICS = ["walbus bad", "..", ".", "t" * 250, "wal/bus", "walbus.sh\u00f6p", "a\nb"]
+
+
+def _topic_cases() -> list[tuple[str, str, list[str], str]]:
+    """(command config, section, the other required flags, the topic flag) of every command
+    that takes a topic name."""
+    return [
+        ("walbus.app.tail:TailConfig", "tail", [], "--topic"),
+        ("walbus.app.groups:GroupsConfig", "groups", [], "--topic"),
+        ("walbus.app.groups:GroupsConfig", "groups", [], "--topic-prefix"),
+        ("walbus.app.deadletters:DeadLettersConfig", "dead-letters", ["--group-id", "g"], "--topic"),
+        ("walbus.app.deadletters:DeadLettersConfig", "dead-letters", ["--topic", "walbus.x", "--demux"], "--dlq-topic"),
+        ("walbus.app.status:StatusConfig", "status", [], "--topic"),
+        ("walbus.app.status:StatusConfig", "status", ["--pg-dsn", "dbname=x"], "--topic-prefix"),
+        ("warehouse.cli:LoadConfig", "warehouse", ["--warehouse", "/tmp/wh"], "--topic"),
+        ("warehouse.cli:StreamConfig", "warehouse", ["--warehouse", "/tmp/wh"], "--topic"),
+        ("warehouse.cli:SqlConfig", "warehouse", ["--warehouse", "/tmp/wh"], "--topic"),
+        ("demux.config:DemuxConfig", "demux", [], "--source-topic"),
+        ("demux.config:DemuxConfig", "demux", ["--source-topic", "walbus.x"], "--dlq-topic"),
+        ("producer.config:ProducerConfig", "produce", ["--pg-dsn", "dbname=x"], "--topic"),
+        ("producer.config:ProducerConfig", "produce", ["--pg-dsn", "dbname=x"], "--signal-topic"),
+    ]
+
+
+@pytest.mark.parametrize(("spec", "section", "required", "flag"), _topic_cases())
+def test_a_topic_name_kafka_cannot_have_is_a_configuration_error(spec: str, section: str, required: list[str], flag: str) -> None:
+    # `walbus tail --topic 'walbus bad'` said "waiting for topic walbus bad to exist" and waited
+    # forever (Kafka can never create it); so did every other reader of such a name.
+    import importlib
+
+    from producer.config import load as load_producer
+    from walbus.config import ConfigError
+
+    module, _, name = spec.partition(":")
+    cls = getattr(importlib.import_module(module), name)
+    kafka = ["--kafka-bootstrap", "k:9092"] if "kafka_bootstrap" in cls.__dataclass_fields__ else []
+    for bad in _BAD_TOPICS:
+        argv = [*kafka, *required, flag, bad]
+        with pytest.raises(ConfigError, match=f"^{flag} must be a Kafka topic name") as err:
+            if cls is ProducerConfig:
+                load_producer(argv)
+            else:
+                load_config(cls, argv, prog="walbus test", env={}, section=section)
+        assert "\n" not in str(err.value).replace(repr(bad), "")
+    # ... and a good one still passes (groups' --topic: a list).
+    load_config(cls, [*kafka, *required, flag, "walbus.My-db_1"], prog="walbus test", env={},
+                section=section)
+
+
+@pytest.mark.parametrize("source", ["env", "file"])
+def test_a_topic_name_from_the_env_or_a_file_is_checked_too(source: str, tmp_path: Any) -> None:
+    from walbus.app.groups import GroupsConfig
+    from walbus.config import ConfigError
+
+    path = tmp_path / "walbus.toml"
+    path.write_text('[groups]\ntopic = ["walbus.ok", "walbus bad"]\n')
+    env = {"WALBUS_GROUPS_TOPIC": "walbus.ok,walbus bad"} if source == "env" else {"WALBUS_CONFIG": str(path)}
+    with pytest.raises(ConfigError, match=r"^--topic must be a Kafka topic name.*'walbus bad'"):
+        load_config(GroupsConfig, ["--kafka-bootstrap", "k:9092"], prog="walbus groups", env=env, section="groups")
+
+
+def test_tail_of_a_topic_name_kafka_cannot_have_exits_at_once() -> None:
+    import os
+    import subprocess
+    import sys
+
+    # An unreachable broker, so that before the fix it ends too (with "cannot reach Kafka").
+    done = subprocess.run(
+        [sys.executable, "-m", "walbus.app.cli", "tail", "--topic", "walbus bad", "--kafka-bootstrap", "127.0.0.1:1"],
+        capture_output=True, text=True, timeout=120, env={k: v for k, v in os.environ.items() if not k.startswith("WALBUS_")},
+    )
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.splitlines() == [
+        "walbus tail: error: --topic must be a Kafka topic name ([A-Za-z0-9._-], at most 249 characters), got 'walbus bad'"
+    ]

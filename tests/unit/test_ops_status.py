@@ -67,10 +67,10 @@ def test_warehouse_lag_counts_database_topic_records_not_loaded(tmp_path: Path) 
 
 
 def test_status_reads_the_warehouse_layout(tmp_path: Path) -> None:
-    cfg = load_config(StatusConfig, ["--topic", "walbus.my db", "--warehouse", str(tmp_path), "--kafka-bootstrap", "k"],
+    cfg = load_config(StatusConfig, ["--topic", "walbus.my-db", "--warehouse", str(tmp_path), "--kafka-bootstrap", "k"],
                       prog="walbus status", env={}, section="status")
     # the warehouse escapes the topic in its path (warehouse/layout.py)
-    assert cfg.sources().warehouse_loads_dir == tmp_path / "walbus~2Emy~20db" / "_walbus_loads"
+    assert cfg.sources().warehouse_loads_dir == tmp_path / "walbus~2Emy-db" / "_walbus_loads"
     with pytest.raises(ConfigError, match="local"):
         load_config(StatusConfig, ["--topic", "t", "--warehouse", "s3a://b/w", "--kafka-bootstrap", "k"],
                     prog="s", env={}).sources()

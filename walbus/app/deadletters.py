@@ -45,11 +45,11 @@ async def _demux_letters(config: DeadLettersConfig) -> list[DeadLetter]:
 
 @dataclass(kw_only=True)
 class DeadLettersConfig(KafkaOptions):
-    topic: str = option(help="the database topic the group reads, e.g. walbus.<database>")
+    topic: str = option(topic=True, help="the database topic the group reads, e.g. walbus.<database>")
     # Per command only, as tail's: a shared WALBUS_GROUP_ID is another service's group.
     group_id: str | None = option(None, help="the consumer group whose dead letters these are", env="command")
     demux: bool = option(False, help="list the demux's dead letters (<topic>.dlq, or --dlq-topic) instead of a group's")
-    dlq_topic: str | None = option(None, help="with --demux: the demux's --dlq-topic, when it set one")
+    dlq_topic: str | None = option(None, topic=True, help="with --demux: the demux's --dlq-topic, when it set one")
     log_level: str = option("warning", help="log level", choices=["debug", "info", "warning", "error"])
 
 

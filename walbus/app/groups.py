@@ -20,8 +20,8 @@ from walbus.logs import setup_logging
 
 @dataclass(kw_only=True)
 class GroupsConfig(KafkaOptions):
-    topic: list[str] = option([], help="only these topics, comma-separated (default: every topic named <topic-prefix>.…)")
-    topic_prefix: str = option("walbus", help="prefix of the walbus topics")
+    topic: list[str] = option([], topic=True, help="only these topics, comma-separated (default: every topic named <topic-prefix>.…)")
+    topic_prefix: str = option("walbus", topic=True, help="prefix of the walbus topics")
     log_level: str = option("warning", help="log level", choices=["debug", "info", "warning", "error"])
 
 

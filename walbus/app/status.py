@@ -28,8 +28,8 @@ from walbus.status import Status, StatusCollector, StatusSources, gather
 class StatusConfig(KafkaOptions):
     pg_dsn: str | None = option(None, help="PostgreSQL connection string: the slots are read from pg_replication_slots")
     slot: str | None = option(None, help="only this replication slot (default: every logical slot)")
-    topic: str | None = option(None, help="the database topic (default <topic-prefix>.<database of --pg-dsn>)")
-    topic_prefix: str = option("walbus", help="prefix of the default topic name")
+    topic: str | None = option(None, topic=True, help="the database topic (default <topic-prefix>.<database of --pg-dsn>)")
+    topic_prefix: str = option("walbus", topic=True, help="prefix of the default topic name")
     warehouse: str | None = option(None, help="the warehouse root (a local directory): its last committed load")
     json: bool = option(False, help="print JSON instead of text")
     metrics_port: int = option(0, minimum=0, maximum=PORT_MAX, help="serve the status as Prometheus metrics on this port instead of printing it", env="command")

@@ -23,7 +23,7 @@ from walbus.logs import setup_logging
 
 @dataclass(kw_only=True)
 class TailConfig(KafkaOptions):
-    topic: str = option(help="database topic to read, e.g. walbus.<database>")
+    topic: str = option(topic=True, help="database topic to read, e.g. walbus.<database>")
     table: list[str] = option([], help="only these tables: fnmatch patterns on schema.table, comma-separated or repeated")
     operation: list[str] = option([], help="only these operations: insert, update, delete, truncate, read")
     from_beginning: bool = option(False, help="start at the oldest event instead of new events only")

@@ -72,6 +72,7 @@ from walbus.contract import (
     ContractError,
     decode_keyed_event_as,
     event_key,
+    topic_name_error,
     try_decode_keyed_event,
 )
 from walbus.kafka import stop_consumer
@@ -296,6 +297,10 @@ class Feed:
         retry: RetryPolicy | None = None,
         dead_letters: bool = True,
     ) -> None:
+        # A name Kafka can never create: the consumer would wait for it forever.
+        problem = topic_name_error(topic)
+        if problem is not None:
+            raise ValueError(f"topic {problem}")
         self.topic = topic
         self.group_id = group_id
         self.filter = EventFilter(tables, operations)

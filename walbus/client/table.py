@@ -33,7 +33,7 @@ from walbus.client._connect import topic_partitions
 from walbus.client._race import until_set
 from walbus.client.metrics import client_metrics
 from walbus.client.progress import SourceProgress
-from walbus.contract import ContractError, Lsn, demux_group, pop_table_meta
+from walbus.contract import ContractError, Lsn, demux_group, pop_table_meta, topic_name_error
 from walbus.kafka import stop_consumer
 
 log = logging.getLogger("walbus.client.table")
@@ -179,6 +179,11 @@ class Table(Mapping[Any, Row]):
         self.rows: MutableMapping[Any, Row] = {} if store is None else store
         self.on_change = on_change
         self.source_topic = source_topic or topic.rsplit(".", 2)[0]
+        # A name Kafka can never create: the consumer would wait for it forever.
+        for what, name in (("topic", topic), ("source_topic", self.source_topic)):
+            problem = topic_name_error(name)
+            if problem is not None:
+                raise ValueError(f"{what} {problem}")
         self.source_group = (source_group or demux_group(self.source_topic)) if follow_demux else None
         self._kwargs = _client_kwargs(bootstrap_servers, client_kwargs)
         self._consumer_options = _consumer_options(consumer_options, self._kwargs, {
