@@ -12,9 +12,10 @@ import asyncio
 import contextlib
 import logging
 import signal
+import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import orjson
 import psycopg
@@ -57,14 +58,17 @@ from walbus.kafka import (
     DEFAULT_MAX_MESSAGE_BYTES,
     METADATA_WAIT_S,
     KafkaAdmin,
+    Stopped,
     TopicSpec,
     require_broker,
+    until_stopped,
 )
 from walbus.logs import setup_logging
 from walbus.metrics import new_registry, sample, serve_metrics
 from walbus.process import exit_on_sigterm
 from walbus.retry import Backoff
 
+_T = TypeVar("_T")
 log = logging.getLogger("walbus.producer")
 
 PUBLICATION_CHECK_S = 10.0  # how often a table-list publication is checked for new captured tables
@@ -367,9 +371,15 @@ class Producer:
         # topics behind (a fuzz). A topic Kafka refuses leaves at most the publication, which
         # the next start takes as it is. The database's set-up needs nothing of Kafka; what
         # needs both (the topic's claims and partition count, the progress records) comes after.
-        await require_broker(client_kwargs)
-        tables, slot = await asyncio.to_thread(self._prepare_database)
-        await self._prepare_kafka(client_kwargs)
+        # Nothing in these steps looks at the stop flag, and each may wait long for an answer (a
+        # broker's retries, PostgreSQL's 10 s connect timeout): a stop abandons them.
+        prepared: tuple[list[setup.TableName], setup.SlotState] | Stopped = Stopped.STOPPED
+        if await until_stopped(require_broker(client_kwargs), self._stopping) is not Stopped.STOPPED:
+            prepared = await until_stopped(in_daemon_thread(self._prepare_database), self._stopping)
+        if prepared is Stopped.STOPPED or await until_stopped(self._prepare_kafka(client_kwargs), self._stopping) is Stopped.STOPPED:
+            log.info("stopped while starting")
+            return
+        tables, slot = prepared
         signal_table = self.capture.signal_table
         if signal_table and split_table(signal_table) not in tables:
             raise ConfigError(
@@ -784,6 +794,36 @@ class Producer:
             value["event_count"] = sum(per_table.values())
             value["data_collections"] = [{"data_collection": t, "event_count": n} for t, n in sorted(per_table.items())]
         await sink.send_side_record(topic, b"%016X" % commit_lsn, orjson.dumps(value))
+
+
+async def in_daemon_thread(fn: Callable[[], _T]) -> _T:
+    """``fn()`` in a thread of its own that does not hold the process: asyncio.to_thread's
+    executor is joined at exit, so a stop while ``fn`` waited for PostgreSQL (a 10 s connect
+    timeout) waited that out. An abandoned ``fn`` ends with the process; PostgreSQL rolls
+    back what its connection had not finished."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[_T] = loop.create_future()
+
+    def settle(result: _T | None, error: BaseException | None) -> None:
+        if future.done():  # abandoned
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)  # type: ignore[arg-type]
+
+    def run() -> None:
+        result: _T | None = None
+        error: BaseException | None = None
+        try:
+            result = fn()
+        except BaseException as e:
+            error = e
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits any more
+            loop.call_soon_threadsafe(settle, result, error)
+
+    threading.Thread(target=run, name="walbus-start-up", daemon=True).start()
+    return await future
 
 
 def _publication_gone(e: BaseException) -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import enum
 import logging
 import re
 import socket
@@ -530,11 +531,9 @@ async def wait_for_broker(
     while stop is None or not stop.is_set():
         admin = KafkaAdmin(client_kwargs=client_kwargs, request_timeout_ms=10000)
         try:
-            await admin.start()
-            await admin.list_topics()
-            return True
+            return await until_stopped(_answers(admin), stop) is not Stopped.STOPPED
         except (KafkaConnectionError, KafkaError, OSError) as e:
-            await raise_refusal(client_kwargs, e)
+            await until_stopped(raise_refusal(client_kwargs, e), stop)
             if attempts and backoff.failures + 1 >= attempts:
                 raise KafkaConnectionError(
                     f"Kafka at {client_kwargs.get('bootstrap_servers')} did not answer after {backoff.failures + 1} attempts: {e}"
@@ -543,6 +542,42 @@ async def wait_for_broker(
         finally:
             await admin.close()
     return False
+
+
+async def _answers(admin: KafkaAdmin) -> bool:
+    await admin.start()
+    await admin.list_topics()
+    return True
+
+
+class Stopped(enum.Enum):
+    """What :func:`until_stopped` returns for a step it abandoned."""
+
+    STOPPED = "stopped"
+
+
+async def until_stopped(step: Awaitable[_T], stop: asyncio.Event | None) -> _T | Stopped:
+    """``await step``, abandoned (cancelled; Stopped.STOPPED) once ``stop`` is set: a step waiting for an
+    answer (a broker or server that accepts connections and says nothing waits out a 10-20 s
+    request timeout, then its retries) looks at no stop flag, so a SIGTERM was not answered."""
+    task = asyncio.ensure_future(step)
+    if stop is None:
+        return await task
+    stopped = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait({task, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        task.cancel()
+        raise
+    finally:
+        stopped.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    await asyncio.wait({task})  # its clean-up (closing connections) runs
+    if not task.cancelled():
+        task.exception()  # whatever it ended with, it was abandoned (and is not logged as unretrieved)
+    return Stopped.STOPPED
 
 
 async def raise_refusal(client_kwargs: Mapping[str, Any], error: BaseException) -> None:

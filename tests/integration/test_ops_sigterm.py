@@ -3,10 +3,13 @@ answers), and a SIGHUP a streaming producer as SIGTERM does."""
 
 from __future__ import annotations
 
+import os
 import signal
+import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -64,3 +67,71 @@ def test_sighup_stops_a_streaming_producer_gracefully(pg_dsn: str, kafka_bootstr
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def _stopped_while_connecting(args: list[str], hole: socket.socket, sig: signal.Signals, *,
+                              sigint_ignored: bool = False) -> tuple[int, float, str]:
+    """Start ``walbus <args>``, wait until it connects to ``hole`` (a listener that never
+    answers: a broker or server that hangs), send ``sig``: (exit code, seconds to exit, stderr)."""
+    def child_setup() -> None:
+        if sigint_ignored:  # as `walbus produce … &` in a non-interactive shell
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WALBUS_")}
+    with subprocess.Popen([sys.executable, "-m", "walbus.app.cli", *args], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                          stderr=subprocess.PIPE, text=True, preexec_fn=child_setup) as proc:
+        try:
+            hole.settimeout(60)
+            conn, _ = hole.accept()  # it is inside its first attempt now
+            time.sleep(0.5)  # (nothing to await: the attempt waits for an answer that never comes)
+            proc.send_signal(sig)
+            sent = time.monotonic()
+            try:
+                code = proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                code = -999
+            took = time.monotonic() - sent
+            conn.close()
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        assert proc.stderr is not None
+        return code, took, proc.stderr.read()
+
+
+@pytest.fixture
+def hole() -> Iterator[socket.socket]:
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(16)
+        yield listener
+
+
+@pytest.mark.parametrize(("sig", "sigint_ignored"), [(signal.SIGTERM, False), (signal.SIGINT, False), (signal.SIGTERM, True)],
+                         ids=["SIGTERM", "SIGINT", "SIGTERM-SIGINT-ignored"])
+@pytest.mark.parametrize("command", ["produce", "demux"])
+def test_a_stop_while_kafka_does_not_answer_at_start_is_prompt(
+    tmp_path: Path, hole: socket.socket, command: str, sig: signal.Signals, sigint_ignored: bool,
+) -> None:
+    # The producer did not look at SIGTERM/SIGINT before its stream loop: with a broker that
+    # accepted connections and never answered it went on retrying (no exit 30 s after the
+    # signal), and the demux waited out the attempt's 20 s request timeout (exit 18 s after).
+    kafka = f"127.0.0.1:{hole.getsockname()[1]}"
+    args = {"produce": ["produce", "--pg-dsn", "postgresql://u:pw@127.0.0.1:1/x"],
+            "demux": ["demux", "--source-topic", "walbus.x", "--state-dir", str(tmp_path / "state")]}[command]
+    code, took, err = _stopped_while_connecting([*args, "--kafka-bootstrap", kafka], hole, sig, sigint_ignored=sigint_ignored)
+    assert (code, "Traceback" in err) == (0, False), err[-3000:]
+    assert took < 5, (took, err[-3000:])
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_stop_while_postgresql_does_not_answer_at_start_is_prompt(kafka_bootstrap: str, hole: socket.socket,
+                                                                   sig: signal.Signals) -> None:
+    # SIGTERM while connecting to PostgreSQL (10 s connect timeout) was answered when the timeout
+    # expired: exit 2 'cannot connect to PostgreSQL … connection timeout expired', 8 s after it.
+    dsn = f"postgresql://u:pw@127.0.0.1:{hole.getsockname()[1]}/x"
+    code, took, err = _stopped_while_connecting(["produce", "--pg-dsn", dsn, "--kafka-bootstrap", kafka_bootstrap], hole, sig)
+    assert (code, "Traceback" in err) == (0, False), err[-3000:]
+    assert took < 5, (took, err[-3000:])
