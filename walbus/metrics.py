@@ -87,10 +87,14 @@ def serve_metrics(
     server_class = _Server6 if ":" in addr else _Server
     try:
         server = make_server(addr, port, health_app(registry, ready), server_class, handler_class=_QuietHandler)
-    except OSError as e:  # in use, or an address not on this host: the operator's to fix
+    except (OSError, TypeError, ValueError) as e:
+        # In use, an address not on this host, or a name no socket takes (a NUL, one idna cannot
+        # encode: TypeError, UnicodeError): the operator's to fix.
         from walbus.config import ConfigError
 
-        raise ConfigError(f"--metrics-port {port} on --metrics-addr {addr}: {e.strerror or e}") from None
+        shown = addr if addr.isprintable() else repr(addr)
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        raise ConfigError(f"--metrics-port {port} on --metrics-addr {shown}: {reason}") from None
     threading.Thread(target=server.serve_forever, name="walbus-metrics", daemon=True).start()
     log.info("metrics served", extra={"addr": addr, "port": port})
     return server

@@ -479,3 +479,27 @@ def test_tail_of_a_topic_name_kafka_cannot_have_exits_at_once() -> None:
     assert done.stderr.splitlines() == [
         "walbus tail: error: --topic must be a Kafka topic name ([A-Za-z0-9._-], at most 249 characters), got 'walbus bad'"
     ]
+
+
+def test_a_metrics_address_no_socket_takes_is_a_configuration_error(tmp_path: Any) -> None:
+    # A host name too long to encode (70 'é': idna refuses it) or holding a NUL (from a TOML
+    # file) was 'walbus status: fatal: TypeError: encoding of hostname failed', exit 1, a traceback.
+    import os
+    import subprocess
+    import sys
+
+    from walbus.config import ConfigError
+    from walbus.metrics import new_registry, serve_metrics
+
+    for addr in ("é" * 70, "a\x00b", "\ud800", "999.1.1.1"):
+        with pytest.raises(ConfigError, match=r"^--metrics-port 1 on --metrics-addr "):
+            serve_metrics(1, new_registry(), addr=addr)
+    path = tmp_path / "walbus.toml"
+    path.write_text('[status]\nmetrics_addr = "a\\u0000b"\n')
+    done = subprocess.run(
+        [sys.executable, "-m", "walbus.app.cli", "status", "--config", str(path), "--topic", "walbus.x",
+         "--kafka-bootstrap", "127.0.0.1:1", "--metrics-port", "1"],
+        capture_output=True, text=True, timeout=60, env={k: v for k, v in os.environ.items() if not k.startswith("WALBUS_")},
+    )
+    assert done.returncode == 2, done.stderr
+    assert len(done.stderr.splitlines()) == 1 and "--metrics-addr 'a\\x00b'" in done.stderr, done.stderr
