@@ -503,3 +503,13 @@ def test_a_metrics_address_no_socket_takes_is_a_configuration_error(tmp_path: An
     )
     assert done.returncode == 2, done.stderr
     assert len(done.stderr.splitlines()) == 1 and "--metrics-addr 'a\\x00b'" in done.stderr, done.stderr
+
+
+def test_tail_as_a_group_whose_dead_letter_topics_kafka_cannot_have_is_a_configuration_error() -> None:
+    # `walbus tail --group-id <300 characters>` was 'walbus tail: fatal: ValueError: the
+    # dead-letter topics of group …', exit 1, with a traceback (the Feed refuses such a group).
+    from walbus.app.tail import main as tail_main
+    from walbus.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^the dead-letter topics of group 'g+' on walbus\.x: must be a Kafka topic name"):
+        tail_main(["--topic", "walbus.x", "--kafka-bootstrap", "127.0.0.1:1", "--group-id", "g" * 300])

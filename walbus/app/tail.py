@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import TextIO
 
 from walbus.client import Feed
+from walbus.client.deadletters import group_topics
 from walbus.client.filters import EventFilter
 from walbus.config import ConfigError, load_config, option
 from walbus.kafka import KafkaAdmin, KafkaOptions, require_broker
@@ -87,6 +88,8 @@ def main(argv: Sequence[str]) -> int:
         raise ConfigError("--max-events: 0 (no limit) or more")
     try:
         EventFilter(config.table, config.operation)
+        if config.group_id is not None:
+            group_topics(config.topic, config.group_id)  # the Feed's dead-letter topics: names Kafka takes
     except ValueError as e:
         raise ConfigError(str(e)) from None
     try:
