@@ -36,6 +36,7 @@ import importlib.metadata
 import os
 import re
 import shutil
+import stat
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -67,9 +68,25 @@ def cache_dir(env: Mapping[str, str] | None = None) -> Path | None:
 
 
 def private_dir(path: Path) -> Path:
-    """Create ``path`` (and its parents) readable by this user only."""
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
-    os.chmod(path, 0o700)
+    """Create ``path`` (and its parents) readable by this user only. One that exists keeps its
+    mode: it may be a directory the user chose (``WALBUS_SPARK_DRIVER_CACHE=/tmp`` made /tmp
+    0700, for every user of the machine); but one that other users may write to is refused:
+    what is kept there (the jar list, the class archive) is loaded by the driver JVM."""
+    try:
+        path.mkdir(mode=0o700, parents=True)
+    except FileExistsError:
+        if not path.is_dir():
+            raise
+        mode = stat.S_IMODE(path.stat().st_mode)
+        if mode & 0o022:
+            from walbus.config import ConfigError
+
+            raise ConfigError(
+                f"the Spark driver cache {path} may be written by other users (mode {mode:o}), and the driver JVM "
+                f"loads what is kept there: chmod go-w it, or set {CACHE_ENV} to a directory of your own"
+            ) from None
+        return path
+    os.chmod(path, 0o700)  # mkdir's mode is cut by the umask
     return path
 
 

@@ -174,3 +174,24 @@ def test_jars_with_the_class_path_separator_in_their_path_bring_ivy_back(tmp_pat
     dc.save_jars(PACKAGES, [str(odd / "x.jar")], env)
     assert dc.resolved_jars(PACKAGES, env) is None
     assert dc.plan_launch(PACKAGES, "local[2]", env=env) == dc.Launch(dict(PACKAGES))
+
+
+def test_a_cache_directory_that_exists_keeps_its_mode_and_one_others_may_write_is_refused(tmp_path: Path) -> None:
+    # WALBUS_SPARK_DRIVER_CACHE=/tmp (or a shared directory): `walbus warehouse prepare` made it
+    # 0700, for every user of the machine (when run as root), or failed on one it did not own.
+    from walbus.config import ConfigError
+
+    env = {**_env(tmp_path), dc.CACHE_ENV: str(tmp_path / "shared")}
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o755)
+    assert dc.save_jars(PACKAGES, _jars(tmp_path), env) is not None
+    assert stat.S_IMODE(os.stat(shared).st_mode) == 0o755
+    for mode in (0o777, 0o1777, 0o775):
+        os.chmod(shared, mode)
+        with pytest.raises(ConfigError, match=f"may be written by other users \\(mode {mode:o}\\)"):
+            dc.save_jars(PACKAGES, _jars(tmp_path), env)
+        assert stat.S_IMODE(os.stat(shared).st_mode) == mode
+    fresh = tmp_path / "fresh" / "cache"
+    kept = dc.save_jars(PACKAGES, _jars(tmp_path), {**env, dc.CACHE_ENV: str(fresh)})
+    assert kept is not None and stat.S_IMODE(os.stat(fresh).st_mode) == 0o700
