@@ -17,6 +17,11 @@ pg_raw_values      map<str,str>     exact text of values the Spark type cannot h
 
 History tables of a table with a primary key add ``_walbus_prev_<key>`` per key column (see
 :func:`prev_fields`); the current table has ``_walbus_deleted`` instead.
+
+Source columns are the tables' (:attr:`~warehouse.schema.SourceColumn.name`: a column whose
+PostgreSQL name clashes is stored under another, :func:`warehouse.schema.stored_name`); so
+are the key names given here, the ``_walbus_prev_`` columns', ``pg_unchanged``'s entries
+and ``pg_raw_values``' keys. Only the events' values are read by PostgreSQL's names.
 """
 
 from __future__ import annotations
@@ -134,7 +139,7 @@ def typed_rows(events: DataFrame, columns: Sequence[SourceColumn], pk: Sequence[
     """
     is_delete = F.col("operation") == "delete"
     in_order = (
-        F.col("columns") == F.array(*[F.lit(c.name) for c in columns]) if columns else F.lit(False)
+        F.col("columns") == F.array(*[F.lit(c.pg_name) for c in columns]) if columns else F.lit(False)
     )
     maps = events.select(
         "*",
@@ -145,13 +150,13 @@ def typed_rows(events: DataFrame, columns: Sequence[SourceColumn], pk: Sequence[
     texts: list[Column] = []
     for i, col in enumerate(columns):
         texts.append(
-            F.when(is_delete, F.col(_OLD)[col.name])
+            F.when(is_delete, F.col(_OLD)[col.pg_name])
             .when(F.col(_IN_ORDER), F.col("values")[i])
-            .otherwise(F.col(_NEW)[col.name])
+            .otherwise(F.col(_NEW)[col.pg_name])
             .alias(_raw(i))
         )
         if col.name in pk:
-            texts.append(F.col(_OLD)[col.name].alias(_old_raw(i)))
+            texts.append(F.col(_OLD)[col.pg_name].alias(_old_raw(i)))
     staged = maps.select(*[F.col(c) for c in events.columns], *texts)
     typed: list[Column] = []
     raw_entries: list[Column] = []
@@ -186,11 +191,21 @@ def typed_rows(events: DataFrame, columns: Sequence[SourceColumn], pk: Sequence[
         F.col("xid").alias("pg_txn_id"),
         F.col("operation").alias("pg_operation"),
         F.col("timestamp").try_cast("timestamp").alias("pg_txn_timestamp"),
-        F.coalesce(F.col("unchanged"), F.array().cast("array<string>")).alias("pg_unchanged"),
+        F.coalesce(_stored_names(F.col("unchanged"), columns), F.array().cast("array<string>")).alias("pg_unchanged"),
         raw_map.alias("pg_raw_values"),
         *typed,
         *prev,
     )
+
+
+def _stored_names(names: Column, columns: Sequence[SourceColumn]) -> Column:
+    """An event's array of column names (PostgreSQL's) with the tables' names: pg_unchanged
+    names the tables' columns, as pg_raw_values' keys do."""
+    renamed = [(c.pg_name, c.name) for c in columns if c.source is not None]
+    if not renamed:
+        return names
+    to_stored = F.create_map(*[F.lit(n) for pair in renamed for n in pair])
+    return F.transform(names, lambda n: F.coalesce(to_stored[n], n))
 
 
 # Spark types that hold every value of the PostgreSQL types mapped to them: a key column of

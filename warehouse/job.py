@@ -39,6 +39,7 @@ from warehouse.frame import (
     META_FIELDS,
     META_NAMES,
     POSITION,
+    PREV_PREFIX,
     prev_fields,
     prev_name,
     typed_rows,
@@ -51,6 +52,7 @@ from warehouse.schema import (
     KeyChange,
     SchemaChangeError,
     SchemaPlan,
+    column_names_of,
     ensure_table,
     existing_columns,
     key_changes_of,
@@ -59,6 +61,7 @@ from warehouse.schema import (
     primary_key_of,
     primary_key_property,
     quote,
+    stored_names,
     table_properties,
     with_key_changes,
 )
@@ -466,35 +469,45 @@ def _load_table(
     started = time.monotonic()
     table = meta["table"]
     paths = layout.table_paths(spec.warehouse, spec.topic, *split_table(table))
-    pk: list[str] = list(meta["pk"] or [])  # the latest keyed event's (see TableTally.pk)
+    pk: list[str] = list(meta["pk"] or [])  # the latest keyed event's (see TableTally.pk), PostgreSQL's names
+    has_history = is_delta_table(spark, paths.history)
+    history_props = table_properties(spark, paths.history) if has_history else {}
     if not pk and is_delta_table(spark, paths.current):
         # Only events without a key in this load (the primary key dropped for a while, only
         # inserts then): the current table goes on under the key it has. Before, such a load
         # was history only, and its rows never reached the current table (a fuzz).
-        pk = primary_key_of(table_properties(spark, paths.current))
+        current_props = table_properties(spark, paths.current)
+        sources = column_names_of(current_props)
+        pk = [sources.get(k, k) for k in primary_key_of(current_props)]  # the table's names -> PostgreSQL's
     summary.events += int(meta["events"])
     summary.history_only = not pk
     existing = None
-    history_props: dict[str, str] = {}
-    if is_delta_table(spark, paths.history):
+    if has_history:
         fields = spark.read.format("delta").load(paths.history).schema.fields
-        history_props = table_properties(spark, paths.history)
         # the _walbus_prev_ columns of every key the table had too: read as source columns
         # after a key change, an earlier key's went into the rebuilt current table (a fuzz)
         earlier = {k for _, key in key_changes_of(history_props) for k in key}
-        meta_names = {*META_NAMES, *(prev_name(k) for k in (*pk, *earlier))}
+        stored = {source: name for name, source in column_names_of(history_props).items()}
+        meta_names = {*META_NAMES, *(prev_name(k) for k in (*(stored.get(k, k) for k in pk), *earlier))}
         existing = existing_columns(fields, history_props, meta_names)
-    key_changes = _key_changes(spark, paths, history_props, meta) if pk else []
-    reserved = {*META_NAMES, DELETED, *(prev_name(k) for k in pk)}
+    elif is_delta_table(spark, paths.current):
+        # a history moved away alone: the current table's columns keep their names
+        fields = spark.read.format("delta").load(paths.current).schema.fields
+        existing = existing_columns(fields, table_properties(spark, paths.current), {*META_NAMES, DELETED})
     schema_plan: SchemaPlan = plan(
-        table, existing, _incoming_pairs(meta), reserved=reserved, numeric_scale=spec.numeric_scale,
+        table, existing, _incoming_pairs(meta), reserved={*META_NAMES, DELETED},
+        reserved_prefixes=(PREV_PREFIX,), numeric_scale=spec.numeric_scale,
         latest=dict(meta["latest_pairs"] or []),
     )
+    # From here on every column is named as the tables name it (see warehouse.frame)
+    names = stored_names(schema_plan.columns)
     if pk:
-        _check_primary_key(spark, table, paths.current, pk)
-        missing = [k for k in pk if k not in {c.name for c in schema_plan.columns}]
+        _check_primary_key(spark, table, paths.current, [names.get(k, k) for k in pk])
+        missing = [k for k in pk if k not in names]
         if missing:
             raise SchemaChangeError(f"{table}: primary-key column(s) {missing} missing from the events")
+        pk = [names[k] for k in pk]
+    key_changes = _key_changes(spark, paths, history_props, meta, names) if pk else []
     history_meta = [*META_FIELDS, *prev_fields(schema_plan.columns, pk)]
     # a table that does not exist yet is created by its first write (one commit, not two)
     # the key changes are noted before the rows are written: a replay notes the same ones again
@@ -512,8 +525,7 @@ def _load_table(
     summary.timed("schema", started)
     columns = list(schema_plan.columns)
     rows = typed_rows(events, columns, pk)
-    known = {c.name for c in columns}
-    unchanged = [c for c in (meta["unchanged"] or []) if c in known and c not in pk]
+    unchanged = [names[c] for c in (meta["unchanged"] or []) if c in names and names[c] not in pk]
     if pk and unchanged:
         rows = resolve_unchanged(spark, rows, pk, unchanged, paths.current if new_current is None else None)
     rows = rows.persist(StorageLevel.MEMORY_AND_DISK)
@@ -557,13 +569,18 @@ def _load_table(
         rows.unpersist()
 
 
-def _key_changes(spark: SparkSession, paths: layout.TablePaths, history: dict[str, str], meta: Any) -> list[KeyChange]:
-    """The history's key changes after this load (:data:`warehouse.schema.KEY_CHANGES_PROPERTY`)."""
+def _key_changes(
+    spark: SparkSession, paths: layout.TablePaths, history: dict[str, str], meta: Any, names: dict[str, str]
+) -> list[KeyChange]:
+    """The history's key changes after this load (:data:`warehouse.schema.KEY_CHANGES_PROPERTY`),
+    in the tables' column names (``names``: PostgreSQL's -> the tables')."""
     noted = key_changes_of(history)
     known: list[str] = []
     if not noted and history and is_delta_table(spark, paths.current):
         known = primary_key_of(table_properties(spark, paths.current))  # a history of an older walbus
-    last_under = {tuple(key): (int(last[0]), int(last[1])) for key, last in meta.get("key_last") or []}
+    last_under = {
+        tuple(names.get(k, k) for k in key): (int(last[0]), int(last[1])) for key, last in meta.get("key_last") or []
+    }
     return with_key_changes(noted, last_under, int(meta["lsn_lo"]), known)
 
 

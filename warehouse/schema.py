@@ -15,7 +15,9 @@ so the rules are unit-tested without Spark:
   fine, and so are narrower ones (bigint -> int) and decimals that would need fewer digits
   than the column has on one side (the column keeps its type; values it cannot hold are null
   with their text in pg_raw_values). A new column takes a type that holds every version in
-  the load.
+  the load;
+* a new column whose name clashes, ignoring case, with one of the table's or walbus' own is
+  stored under another name (:func:`stored_name`), recorded in :data:`COLUMN_NAMES_PROPERTY`.
 """
 
 from __future__ import annotations
@@ -46,9 +48,55 @@ class SchemaChangeError(Exception):
 
 @dataclass(frozen=True)
 class SourceColumn:
-    name: str
+    name: str  # the column's name in the tables: its PostgreSQL name unless that clashes (stored_name)
     pg_type: str
     spark: DataType
+    source: str | None = None  # its PostgreSQL name, when the tables store it under another
+
+    @property
+    def pg_name(self) -> str:
+        """The column's name in the events (PostgreSQL's)."""
+        return self.source if self.source is not None else self.name
+
+
+# A source column stored under another name is stored as STORED_PREFIX + its name, or, when
+# that is taken, STORED_PREFIX[:-1] + N + "_" + its name with the smallest N from 2 that is free.
+# No column of walbus' own starts so (pg_*, _walbus_deleted, _walbus_prev_<key>).
+STORED_PREFIX = "_walbus_col_"
+# The table property: {stored name: PostgreSQL name} of the columns stored under another name.
+COLUMN_NAMES_PROPERTY = "walbus.columnNames"
+
+
+def _folds(name: str) -> set[str]:
+    """The name's case-insensitive forms. Delta and Spark compare names case-insensitively
+    (Java's lower case, and ``equalsIgnoreCase`` char by char); these cover both, and Python's
+    case folding, so names that any of them finds equal share a form."""
+    return {name.lower(), name.casefold(), "".join(c.upper().lower() for c in name)}
+
+
+def stored_name(name: str, taken: set[str], reserved: set[str], reserved_prefixes: Iterable[str] = ()) -> str:
+    """The name a new source column ``name`` is stored under in the tables: its own, unless
+    that is one of ``taken`` (the folded forms of the tables' column names so far, see
+    :func:`_folds`) or ``reserved`` (folded names of walbus' own columns), or starts with one of
+    ``reserved_prefixes`` (walbus' too: _walbus_prev_<key>, whatever the key) in any case;
+    then ``_walbus_col_<name>`` (or ``_walbus_col<N>_<name>``, the first that is free).
+
+    Delta Lake keeps column names case-insensitively, PostgreSQL does not: a table with
+    columns ``a`` and ``"A"``, or ``"PG_LSN"`` (walbus' pg_lsn), was refused. Every name is
+    checked against ``taken`` (a later source column named like a stored name is stored apart
+    in turn), and a stored name is none of walbus' own: names never clash. ``taken`` gets the
+    chosen name's forms."""
+    forms = _folds(name)
+    prefixes = tuple(p.lower() for p in reserved_prefixes)
+    own = not (forms & taken or forms & reserved or any(f.startswith(prefixes) for f in forms if prefixes))
+    chosen = name
+    n = 1
+    while not own:
+        chosen = STORED_PREFIX + name if n == 1 else f"{STORED_PREFIX[:-1]}{n}_{name}"
+        own = not _folds(chosen) & taken
+        n += 1
+    taken.update(_folds(chosen))
+    return chosen
 
 
 @dataclass(frozen=True)
@@ -64,6 +112,7 @@ def plan(
     incoming: Iterable[tuple[str, str]],
     *,
     reserved: Iterable[str] = (),
+    reserved_prefixes: Iterable[str] = (),
     numeric_scale: int,
     latest: Mapping[str, str] | None = None,
 ) -> SchemaPlan:
@@ -74,9 +123,12 @@ def plan(
     do not widen takes its latest type (values of the other that it cannot hold are null with
     their text in pg_raw_values). Before, such a load failed for good: a table dropped and
     created again with other types, replayed after its directory was moved away as advised.
+
+    Columns are matched by their PostgreSQL names. A column new to the tables gets its stored
+    name (:func:`stored_name`; ``reserved``, ``reserved_prefixes``: walbus' own names), in that order, after
+    the existing ones: the same events give the same names, and a column keeps its name.
     """
-    existing_cols = {c.name: c for c in existing or ()}
-    reserved_names = set(reserved)
+    existing_cols = {c.pg_name: c for c in existing or ()}
     seen: dict[str, str] = {}
     seen_types: dict[str, DataType] = {}
     settled: set[str] = set()  # took the latest type
@@ -102,15 +154,13 @@ def plan(
         seen[name] = pg_type
         seen_types[name] = spark
         order.append(name)
-    # Delta Lake keeps column names case-insensitively (PostgreSQL does not): "PG_LSN" clashes
-    # with pg_lsn, and "A" with a, as Delta's DELTA_DUPLICATE_COLUMNS_FOUND, which failed the
-    # whole load with the other tables unwritten (a fuzz). Said here, the table fails alone.
-    folded_reserved = {n.lower() for n in reserved_names}
-    clashes = sorted(n for n in seen if n.lower() in folded_reserved)
-    if clashes:
-        raise SchemaChangeError(f"{table}: source column(s) {clashes} clash with walbus metadata columns")
+    # Delta Lake keeps column names case-insensitively (PostgreSQL does not): "PG_LSN" clashed
+    # with pg_lsn, and "A" with a, as Delta's DELTA_DUPLICATE_COLUMNS_FOUND (a fuzz), then
+    # were refused. Such a column is stored under another name (stored_name).
+    folded_reserved = {f for n in reserved for f in _folds(n)}
+    taken = {f for c in existing_cols.values() for f in _folds(c.name)}
     changes: list[str] = []
-    columns = dict(existing_cols)
+    columns = {c.pg_name: c for c in existing_cols.values()}
     added: list[SourceColumn] = []
     widened: list[SourceColumn] = []
     for name in order:
@@ -118,13 +168,14 @@ def plan(
         incoming_type = seen_types[name]
         old = existing_cols.get(name)
         if old is None:
-            col = SourceColumn(name, pg_type, incoming_type)
+            stored = stored_name(name, taken, folded_reserved, reserved_prefixes)
+            col = SourceColumn(stored, pg_type, incoming_type, None if stored == name else name)
             columns[name] = col
             added.append(col)
         elif (wider := widest(old.spark, incoming_type)) is not None and delta_widens(old.spark, wider):
             # int -> bigint, real -> double, more decimal digits: the tables' column is widened
             # (Delta's type widening, ensure_table). Before, the table failed, on every load.
-            col = SourceColumn(name, pg_type, wider)
+            col = SourceColumn(old.name, pg_type, wider, old.source)
             columns[name] = col
             widened.append(col)
         elif not compatible(old.spark, incoming_type):
@@ -133,17 +184,7 @@ def plan(
                 f"to {describe(pg_type, incoming_type)}"
             )
         else:
-            columns[name] = SourceColumn(name, pg_type, old.spark)
-    by_folded: dict[str, list[str]] = {}
-    for name in columns:
-        by_folded.setdefault(name.lower(), []).append(name)
-    cased = [sorted(names) for names in by_folded.values() if len(names) > 1]
-    if cased:
-        raise SchemaChangeError(
-            f"{table}: columns {'; '.join(map(str, cased))} differ only in case, and Delta Lake keeps column "
-            "names case-insensitively: the table was not loaded; its history and current tables are unchanged. "
-            "Rename one of the columns and move the table's directory away, or leave it out with --tables."
-        )
+            columns[name] = SourceColumn(old.name, pg_type, old.spark, old.source)
     if changes:
         raise SchemaChangeError(
             f"{table}: incompatible schema change: {'; '.join(changes)}, which Delta's type widening "
@@ -152,6 +193,21 @@ def plan(
             "leave it out with --tables."
         )
     return SchemaPlan(tuple(columns.values()), tuple(added), tuple(widened))
+
+
+def stored_names(columns: Iterable[SourceColumn]) -> dict[str, str]:
+    """PostgreSQL name -> the tables' name, of each column."""
+    return {c.pg_name: c.name for c in columns}
+
+
+def column_names_of(properties: Mapping[str, str]) -> dict[str, str]:
+    """The table's {stored name: PostgreSQL name} of its columns stored under another name
+    (:data:`COLUMN_NAMES_PROPERTY`; a column not in it has its PostgreSQL name)."""
+    try:
+        names = orjson.loads(properties.get(COLUMN_NAMES_PROPERTY, "{}"))
+    except orjson.JSONDecodeError:
+        return {}
+    return {str(k): str(v) for k, v in names.items()} if isinstance(names, dict) else {}
 
 
 PG_TYPES_PROPERTY = "walbus.pgTypes"
@@ -228,8 +284,10 @@ def with_key_changes(
 def existing_columns(fields: Iterable[StructField], properties: Mapping[str, str], meta: set[str]) -> list[SourceColumn]:
     """The source columns of an existing table (its schema minus the metadata columns)."""
     pg_types: dict[str, str] = orjson.loads(properties.get(PG_TYPES_PROPERTY, "{}"))
+    sources = column_names_of(properties)
     return [
-        SourceColumn(f.name, pg_types.get(f.name, "?"), f.dataType) for f in fields if f.name not in meta
+        SourceColumn(f.name, pg_types.get(f.name, "?"), f.dataType, sources.get(f.name))
+        for f in fields if f.name not in meta
     ]
 
 
@@ -276,6 +334,9 @@ def ensure_table(
     """
     pg_types = {c.name: c.pg_type for c in schema_plan.columns}
     props = {**properties, PG_TYPES_PROPERTY: orjson.dumps(pg_types).decode()}
+    renamed = {c.name: c.source for c in schema_plan.columns if c.source is not None}
+    if renamed:  # both tables: a reader maps their names back, a load matches the events by it
+        props[COLUMN_NAMES_PROPERTY] = orjson.dumps(renamed).decode()
     wanted = [*meta_fields, *(StructField(c.name, c.spark, True) for c in schema_plan.columns)]
     if not is_delta_table(spark, path):
         return NewTable(StructType(wanted), props)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+from typing import Any
 
 import pytest
 from pyspark.sql.types import (
@@ -145,9 +146,17 @@ def test_plan_two_types_in_one_load() -> None:
         plan("s.t", existing, [("a", "int4"), ("a", "text")], numeric_scale=10, latest={"a": "text"})
 
 
-def test_plan_refuses_metadata_name_clash() -> None:
-    with pytest.raises(SchemaChangeError, match="clash"):
-        plan("s.t", None, [("pg_lsn", "int4")], reserved={"pg_lsn"}, numeric_scale=10)
+def test_plan_stores_a_column_named_like_a_metadata_column_under_another_name() -> None:
+    # refused before ("clash with walbus metadata columns"): a legal PostgreSQL table not loaded
+    reserved = {"pg_lsn", "pg_seq", "_walbus_deleted"}
+    p = plan("s.t", None, [("pg_lsn", "int4"), ("PG_SEQ", "text"), ("_Walbus_Deleted", "bool"), ("_WALBUS_PREV_x", "int4"),
+                           ("_walbus_probe", "text"), ("v", "text")],
+             reserved=reserved, reserved_prefixes=["_walbus_prev_"], numeric_scale=10)
+    assert [(c.name, c.pg_name) for c in p.columns] == [
+        ("_walbus_col_pg_lsn", "pg_lsn"), ("_walbus_col_PG_SEQ", "PG_SEQ"),
+        ("_walbus_col__Walbus_Deleted", "_Walbus_Deleted"), ("_walbus_col__WALBUS_PREV_x", "_WALBUS_PREV_x"),
+        ("_walbus_probe", "_walbus_probe"), ("v", "v")]
+    assert [c.source for c in p.columns] == ["pg_lsn", "PG_SEQ", "_Walbus_Deleted", "_WALBUS_PREV_x", None, None]
 
 
 @pytest.mark.parametrize(
@@ -250,15 +259,49 @@ def test_the_history_notes_each_key_change_once() -> None:
     assert key_changes_of({"walbus.primaryKeys": key_changes_property(between)}) == between
 
 
-def test_plan_refuses_names_that_differ_only_in_case() -> None:
-    # Delta keeps column names case-insensitively: these failed the whole load inside Delta
-    with pytest.raises(SchemaChangeError, match=r"columns \['A', 'a'\] differ only in case"):
-        plan("s.t", None, [("a", "text"), ("A", "text")], numeric_scale=10)
-    existing = [SourceColumn("a", "text", spark_type("text"))]
-    with pytest.raises(SchemaChangeError, match="differ only in case"):
-        plan("s.t", existing, [("A", "text")], numeric_scale=10)
-    with pytest.raises(SchemaChangeError, match=r"\['PG_LSN'\] clash"):
-        plan("s.t", None, [("PG_LSN", "int4")], reserved={"pg_lsn"}, numeric_scale=10)
+def test_plan_stores_names_that_differ_only_in_case_apart() -> None:
+    # Delta keeps column names case-insensitively: these failed the whole load inside Delta,
+    # then were refused ("differ only in case"); now the later one is stored under another name
+    p = plan("s.t", None, [("a", "text"), ("A", "int4")], numeric_scale=10)
+    assert [(c.name, c.pg_name, c.pg_type) for c in p.columns] == [("a", "a", "text"), ("_walbus_col_A", "A", "int4")]
+    # a column added later, in a later load: the existing columns keep their names
+    later = plan("s.t", p.columns, [("A", "int8"), ("a", "text"), ("À", "text"), ("_WALBUS_COL_A", "text")], numeric_scale=10)
+    assert [(c.name, c.pg_name) for c in later.columns] == [
+        ("a", "a"), ("_walbus_col_A", "A"), ("À", "À"), ("_walbus_col__WALBUS_COL_A", "_WALBUS_COL_A")]
+    assert [c.name for c in later.added] == ["À", "_walbus_col__WALBUS_COL_A"]
+    assert [(c.name, c.spark) for c in later.widened] == [("_walbus_col_A", spark_type("int8"))]
+    # two clashes of one name: each its own stored name, none equal to another ignoring case
+    twice = plan("s.t", None, [("pg_lsn", "int4"), ("PG_LSN", "int4"), ("Pg_Lsn", "int4")], reserved={"pg_lsn"}, numeric_scale=10)
+    assert [c.name for c in twice.columns] == ["_walbus_col_pg_lsn", "_walbus_col2_PG_LSN", "_walbus_col3_Pg_Lsn"]
+    # an existing column stored as its own name that starts with _walbus_ (an older walbus) keeps it
+    old = plan("s.t", [SourceColumn("_walbus_x", "text", spark_type("text"))], [("_walbus_x", "text"), ("_WALBUS_X", "text")],
+               numeric_scale=10)
+    assert [(c.name, c.pg_name) for c in old.columns] == [("_walbus_x", "_walbus_x"), ("_walbus_col__WALBUS_X", "_WALBUS_X")]
+
+
+@pytest.mark.parametrize("pair", [("\u0131", "i"), ("\u017f", "s"), ("ß", "SS"), ("\u212a", "k"), ("Σ", "ς")])
+def test_stored_names_are_apart_by_every_case_rule(pair: tuple[str, str]) -> None:
+    # Java's char-wise equalsIgnoreCase (Spark's resolver) finds dotless i and i equal, and case
+    # folding "ß" and "ss": the second is stored apart, to be safe under any of them
+    first, second = plan("s.t", None, [(pair[0], "text"), (pair[1], "text")], numeric_scale=10).columns
+    assert (first.name, second.name) == (pair[0], "_walbus_col_" + pair[1])
+
+
+def test_stored_names_never_clash() -> None:
+    import itertools
+
+    names = ["a", "A", "pg_lsn", "PG_LSN", "_walbus_col_a", "_WALBUS_COL_A", "_walbus_col2_A", "_walbus_prev_id",
+             "_walbus_deleted", "walbus_col_a"]
+    for order in [*itertools.permutations(names, 4), names, names[::-1]]:
+        kw: dict[str, Any] = {"reserved": {"pg_lsn", "_walbus_deleted"}, "reserved_prefixes": ["_walbus_prev_"], "numeric_scale": 10}
+        cols = plan("s.t", None, [(n, "text") for n in order], **kw).columns
+        stored = [c.name.lower() for c in cols]
+        assert len(set(stored)) == len(stored), order
+        assert not {"pg_lsn", "_walbus_deleted"} & set(stored), order
+        assert not [n for n in stored if n.startswith("_walbus_prev_")], order
+        assert all(c.name == c.pg_name or c.name.startswith("_walbus_col") for c in cols), order
+        # the same events in the same order: the same names
+        assert plan("s.t", None, [(n, "text") for n in order], **kw).columns == cols
 
 
 def test_sql_json_lines_keep_nan_infinity_and_bytes_apart_from_null() -> None:
