@@ -345,8 +345,12 @@ def sql_main(argv: Sequence[str]) -> int:
     finally:
         spark.stop()
     if config.format == "json":
-        for row in rows:
-            print(json_line(row.asDict(recursive=True)))
+        try:
+            lines = [json_line(row_dict(row)) for row in rows]  # all checked before the first is printed
+        except ValueError as e:
+            return _failed("sql", e)
+        for line in lines:
+            print(line)
     else:
         print_table(columns, [[row[i] for i in range(len(columns))] for row in rows])
     return 0
@@ -382,6 +386,30 @@ def _json_safe(value: Any) -> Any:
         return {k: _json_safe(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [_json_safe(v) for v in value]
+    return value
+
+
+def row_dict(row: Any) -> dict[str, Any]:
+    """A result row as a dict for ``--format json``, its structs too. Two columns (or struct
+    fields) of one name raise ValueError: a JSON object holds one (``SELECT 1 AS x, 2 AS x``
+    printed ``{"x":2}``, the other value lost without a word)."""
+    names = list(row.__fields__)
+    if len(set(names)) < len(names):
+        twice = sorted({n for n in names if names.count(n) > 1})
+        raise ValueError(
+            f"--format json: the result has more than one column (or struct field) named {', '.join(map(repr, twice))}, "
+            "and a JSON object holds one: name them apart (… AS x2), or use --format table"
+        )
+    return {n: _plain(v) for n, v in zip(names, row, strict=True)}
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, tuple) and hasattr(value, "__fields__"):  # a struct: a pyspark Row
+        return row_dict(value)
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
     return value
 
 

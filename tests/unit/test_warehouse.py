@@ -304,6 +304,24 @@ def test_stored_names_never_clash() -> None:
         assert plan("s.t", None, [(n, "text") for n in order], **kw).columns == cols
 
 
+def test_sql_json_rows_with_two_columns_of_one_name_are_an_error() -> None:
+    # SELECT 1 AS x, 2 AS x printed {"x":2}: the other value lost without a word
+    from pyspark.sql import Row
+
+    from warehouse.cli import json_line, row_dict
+
+    with pytest.raises(ValueError, match=r"more than one column \(or struct field\) named 'x'"):
+        row_dict(Row("x", "x")(1, 2))
+    nested = Row("s", "y")(Row("a", "a")(1, 2), 3)
+    with pytest.raises(ValueError, match="named 'a'"):
+        row_dict(nested)
+    # names apart in case are apart in JSON; structs in arrays and maps are checked too
+    ok = Row("x", "X", "l", "m")(1, 2, [Row("a", "b")(1, 2)], {"k": Row("c")(3)})
+    assert json_line(row_dict(ok)) == '{"x":1,"X":2,"l":[{"a":1,"b":2}],"m":{"k":{"c":3}}}'
+    with pytest.raises(ValueError, match="named 'b'"):
+        row_dict(Row("l")([Row("b", "b")(1, 2)]))
+
+
 def test_sql_json_lines_keep_nan_infinity_and_bytes_apart_from_null() -> None:
     # orjson wrote NaN and ±Infinity as null (a SQL NULL to the reader) and bytea as Python's
     # repr "bytearray(b'\\x00\\xff')"
