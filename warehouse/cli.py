@@ -8,6 +8,7 @@ import logging
 import math
 import os
 import re
+import signal
 import sys
 import time
 from collections.abc import Sequence
@@ -21,6 +22,7 @@ from walbus.contract import ContractError, Lsn, NameMatcher
 from walbus.kafka import KafkaOptions
 from walbus.logs import setup_logging
 from walbus.metrics import DEFAULT_METRICS_ADDR
+from walbus.process import exit_on_sigterm
 from warehouse import NUMERIC_SCALE
 from warehouse.extra import spark_missing
 from warehouse.layout import absolute_root
@@ -164,6 +166,12 @@ class PrepareConfig(SparkOptions):
     force: bool = option(False, help="resolve the jars and write the class archive again even when they are there")
 
 
+def stop_jvm(spark: Any) -> None:
+    from warehouse.spark import stop_jvm as stop
+
+    stop(spark)
+
+
 def _session(config: LoadConfig | SqlConfig) -> Any:
     from warehouse.spark import build_session
 
@@ -233,7 +241,7 @@ def load_main(argv: Sequence[str]) -> int:
     else:
         metrics.succeeded(result, time.monotonic() - started)
     finally:
-        spark.stop()
+        stop_jvm(spark)  # not spark.stop(): after a Ctrl-C the driver JVM ran on, orphaned
         metrics.write()
     for line in result.lines():
         print(line)
@@ -242,6 +250,10 @@ def load_main(argv: Sequence[str]) -> int:
 
 
 def stream_main(argv: Sequence[str]) -> int:
+    # A SIGTERM (an orchestrator's stop) ends the stream as Ctrl-C does, through the finally
+    # below (the query and Spark stopped, the metrics written): it killed the process at once
+    # (-15), and its driver JVM ran on for 20-50 s after it.
+    exit_on_sigterm()
     config = load_config(StreamConfig, argv, prog="walbus warehouse stream", section="warehouse")
     config.kafka_client_kwargs()  # its Kafka settings checked before Spark starts
     setup_logging(config.log_level)
@@ -256,6 +268,16 @@ def stream_main(argv: Sequence[str]) -> int:
         ready=lambda: bool(queries) and bool(queries[0].isActive),
     )
     spark = _session(config)
+    # From here a SIGTERM is a Ctrl-C (PySpark's handler cancels the running jobs), exit 0: a
+    # SystemExit raised inside a Py4J call left the next one (spark.stop()) hanging.
+    terminated: list[int] = []
+    on_interrupt = signal.getsignal(signal.SIGINT)
+    if callable(on_interrupt):
+        def on_terminate(signum: int, frame: Any) -> None:
+            terminated.append(signum)
+            on_interrupt(signal.SIGINT, frame)
+
+        signal.signal(signal.SIGTERM, on_terminate)
     try:
         query = start_stream(
             spark, _spec(config), checkpoint=config.checkpoint, trigger=config.trigger,
@@ -264,7 +286,7 @@ def stream_main(argv: Sequence[str]) -> int:
         queries.append(query)
         query.awaitTermination()
     except KeyboardInterrupt:
-        return 130
+        return 0 if terminated else 130
     except Exception as e:  # the query's failure
         if not metrics.failed_runs:  # not a micro-batch's (that one counted itself): the source's, say
             metrics.failed()
@@ -274,7 +296,7 @@ def stream_main(argv: Sequence[str]) -> int:
     finally:
         if server is not None:  # first: a scrape would ask a stopped JVM whether the query runs
             server.shutdown()
-        spark.stop()
+        stop_jvm(spark)  # not spark.stop(): after a Ctrl-C the driver JVM ran on, orphaned
         metrics.write()
     return 0
 
@@ -343,7 +365,7 @@ def sql_main(argv: Sequence[str]) -> int:
     except Exception as e:
         return _failed("sql", e)
     finally:
-        spark.stop()
+        stop_jvm(spark)  # not spark.stop(): after a Ctrl-C the driver JVM ran on, orphaned
     if config.format == "json":
         try:
             lines = [json_line(row_dict(row)) for row in rows]  # all checked before the first is printed

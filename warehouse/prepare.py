@@ -109,25 +109,9 @@ def _rehearse(spark: Any, root: str) -> None:
 
 
 def _stop_jvm(spark: Any) -> int:
-    """Stop the session and the driver JVM this process started; the JVM's exit status."""
-    from pyspark import SparkContext
+    from warehouse.spark import stop_jvm
 
-    spark.stop()
-    with SparkContext._lock:
-        gateway = SparkContext._gateway
-        SparkContext._gateway = None
-        SparkContext._jvm = None
-    if gateway is None:
-        return -1
-    proc = gateway.proc
-    with contextlib.suppress(Exception):
-        gateway.close()
-    proc.stdin.close()  # PySpark's gateway exits when its stdin closes
-    try:
-        return int(proc.wait(_JVM_EXIT_SECONDS))
-    except Exception:
-        proc.kill()
-        raise
+    return stop_jvm(spark, _JVM_EXIT_SECONDS)
 
 
 @contextlib.contextmanager

@@ -13,6 +13,7 @@ import importlib.metadata
 import logging
 import os
 import re
+import subprocess
 import sys
 import tempfile
 from collections.abc import Mapping
@@ -269,3 +270,29 @@ def _import_hot_classes(session: Any) -> None:
         return
     for name in _HOT_CLASSES:
         java_import(view, name)
+
+
+def stop_jvm(spark: Any, timeout: float = 60.0) -> int:
+    """Stop the session and the driver JVM this process started; the JVM's exit status (-1: none).
+
+    ``spark.stop()`` alone leaves the JVM to notice this process's exit (its stdin closing):
+    after a Ctrl-C inside a Py4J call (``awaitTermination``) it did not, and ran on orphaned."""
+    from pyspark import SparkContext
+
+    spark.stop()
+    with SparkContext._lock:
+        gateway = SparkContext._gateway
+        SparkContext._gateway = None
+        SparkContext._jvm = None
+    if gateway is None:
+        return -1
+    proc = gateway.proc
+    # Not gateway.close(): with a stream's callback server (foreachBatch) it joined a thread
+    # that never ended, and this process hung there, holding the JVM's stdin open.
+    proc.stdin.close()  # PySpark's gateway exits when its stdin closes
+    try:
+        return int(proc.wait(timeout))
+    except subprocess.TimeoutExpired:
+        log.warning("the driver JVM did not exit; killed", extra={"seconds": timeout, "pid": proc.pid})
+        proc.kill()
+        return int(proc.wait())

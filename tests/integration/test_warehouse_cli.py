@@ -271,3 +271,61 @@ def test_stream_says_why_a_micro_batch_failed(tmp_path: Path, kafka_bootstrap: s
     assert failed.returncode == 1
     last = failed.stderr.decode().strip().splitlines()[-1]
     assert last.startswith("walbus warehouse stream: error: ") and "column 'n' changed type from int4" in last, last
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for entry in Path("/proc").iterdir():
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            if entry.name.isdigit() and int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(entry.name))
+    return out
+
+
+@pytest.mark.parametrize(("sig", "code"), [(signal.SIGTERM, 0), (signal.SIGINT, 130)], ids=["SIGTERM", "SIGINT"])
+def test_a_stopped_stream_stops_its_driver_jvm_and_writes_its_metrics(
+    tmp_path: Path, kafka_bootstrap: str, unique_name: str, sig: signal.Signals, code: int,
+) -> None:
+    # Ctrl-C left the driver JVM running, orphaned, for good (seen 68 s and more after the
+    # exit); SIGTERM killed `warehouse stream` at once (-15): no metrics file, the JVM on its own.
+    import socket
+    import urllib.error
+    import urllib.request
+
+    txn = Txn(0x2000)
+    txn.insert(TABLES[0], ["id"], {"id": ("int4", 1)})
+    produce_events(kafka_bootstrap, unique_name, txn.events)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    metrics = tmp_path / "walbus.prom"
+    proc = subprocess.Popen(
+        _cli("stream", "--kafka-bootstrap", kafka_bootstrap, "--topic", unique_name, "--warehouse", str(tmp_path / "wh"),
+             "--master", "local[1]", "--spark-conf", "spark.ui.enabled=false", "--trigger", "2 seconds",
+             "--metrics-port", str(port), "--metrics-file", str(metrics)),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+    )
+    jvms: list[int] = []
+    try:
+        deadline = time.monotonic() + 300
+        ready = False
+        while not ready:  # the query runs
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read().decode()[-3000:]  # type: ignore[union-attr]
+            with contextlib.suppress(OSError), urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=5) as response:
+                ready = response.status == 200
+            time.sleep(0.1)
+        jvms = [p for p in _children(proc.pid) if b"pyspark-shell" in Path(f"/proc/{p}/cmdline").read_bytes()]
+        assert len(jvms) == 1
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=120)
+        assert proc.returncode == code, err.decode()[-3000:]
+        assert not Path(f"/proc/{jvms[0]}").exists() or b"zombie" in Path(f"/proc/{jvms[0]}/status").read_bytes(), \
+            "the driver JVM outlived walbus warehouse stream"
+        assert metrics.exists()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+        for jvm in jvms:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(jvm, signal.SIGKILL)
