@@ -95,6 +95,19 @@ def test_a_consumer_option_the_feed_sets_itself_is_a_clear_error_when_made(optio
     Table("walbus.d.public.t", bootstrap_servers="localhost:9092", consumer_options={"fetch_max_wait_ms": 10})
 
 
+@pytest.mark.parametrize("option", ["session_timeout_ms", "acks", "max_poll_records"])
+def test_a_client_option_that_is_no_connection_option_is_a_clear_error_when_made(option: str) -> None:
+    # client_kwargs go to the reader's consumers, producers and admin clients alike: a consumer's
+    # own option there was aiokafka's "unexpected keyword argument" TypeError at start(), or at
+    # the first dead letter (the admin client's), far from where it was given.
+    from walbus.client import Feed, Table
+
+    for make in (lambda kw: Feed("walbus.d", client_kwargs=kw), lambda kw: Table("walbus.d.public.t", client_kwargs=kw)):
+        with pytest.raises(ValueError, match=rf"client_kwargs: {option} is not a Kafka connection option.*consumer_options="):
+            make({"bootstrap_servers": "localhost:9092", option: 1})
+        make({"bootstrap_servers": "localhost:9092", "request_timeout_ms": 12000, "client_id": "x"})  # taken
+
+
 @pytest.mark.parametrize("bad", ["walbus bad", "..", "t" * 250, "wal/bus"])
 def test_a_topic_name_kafka_cannot_have_is_refused_when_made(bad: str) -> None:
     # Feed("walbus bad") subscribed, aiokafka logged "'walbus bad' is not a valid topic name"

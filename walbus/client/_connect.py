@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import inspect
 import logging
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Final
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka.client import AIOKafkaClient
 
 from walbus.kafka import (
     topic_partitions as topic_partitions,  # the one definition, re-exported for Feed and Table
@@ -15,9 +17,22 @@ from walbus.kafka import (
 log = logging.getLogger("walbus.client")
 
 
+# What every aiokafka client takes (its shared AIOKafkaClient's connection options): a Feed or
+# Table hands client_kwargs to consumers, producers and admin clients alike.
+CONNECTION_OPTIONS: Final = frozenset(inspect.signature(AIOKafkaClient.__init__).parameters) - {"self", "loop"}
+
+
 def client_kwargs(bootstrap_servers: str | None, extra: Mapping[str, Any] | None) -> dict[str, Any]:
     """Merge a bootstrap address with aiokafka options (e.g. ``KafkaOptions.kafka_client_kwargs()``)."""
     kw = dict(extra or {})
+    # A consumer's or producer's own option here (session_timeout_ms, say) was a TypeError from
+    # inside aiokafka at start(), or at the first dead letter (an admin client's): said now.
+    unknown = sorted(set(kw) - CONNECTION_OPTIONS)
+    if unknown:
+        raise ValueError(
+            f"client_kwargs: {', '.join(unknown)} is not a Kafka connection option (those are: "
+            f"{', '.join(sorted(CONNECTION_OPTIONS))}); a consumer's own options go in consumer_options="
+        )
     if bootstrap_servers:
         kw["bootstrap_servers"] = bootstrap_servers
     if not kw.get("bootstrap_servers"):
