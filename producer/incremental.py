@@ -832,28 +832,22 @@ class IncrementalSnapshot:
         self._check_identity(chunk, scan)
         role = self._role_for_filters(conn) if chunk.where is not None else ""
         if chunk.max_key is None:
+            # Read around, the rows after a NULL key were never read and the table was "done"
+            # without a word: it fails instead, said and counted.
             nulls = null_key_query(scan, chunk.where)
-            if nulls is not None:
-                got = self._select(conn, chunk, role, nulls)
-                if got is None:
-                    return
-                if got[0]:
-                    # Read around, the rows after the NULL were never read and the table was
-                    # "done" without a word: it fails instead, said and counted.
-                    chunk.bad_key = True
-                    chunk.failure = (f"key column(s) {', '.join(nullable_key_columns(scan))} hold NULL: "
-                                     "--key-columns must name columns that are unique and not null")
-                    return
-            if self.capture.key_for(schema, name) is not None and not key_unique_indexed(conn, scan):
-                # --key-columns no unique index vouches for: two rows with one key lose one.
-                got = self._select(conn, chunk, role, duplicate_key_query(scan, chunk.where))
-                if got is None:
-                    return
-                if got[0]:
-                    chunk.bad_key = True
-                    chunk.failure = (f"rows share a key ({', '.join(scan.relation.pk)}): --key-columns must name columns "
-                                     "that are unique and not null")
-                    return
+            if nulls is not None and self._key_refused(
+                conn, chunk, role, nulls,
+                f"key column(s) {', '.join(nullable_key_columns(scan))} hold NULL: "
+                "--key-columns must name columns that are unique and not null",
+            ):
+                return
+            # --key-columns no unique index vouches for: two rows with one key lose one.
+            if self.capture.key_for(schema, name) is not None and not key_unique_indexed(conn, scan) and self._key_refused(
+                conn, chunk, role, duplicate_key_query(scan, chunk.where),
+                f"rows share a key ({', '.join(scan.relation.pk)}): --key-columns must name columns "
+                "that are unique and not null",
+            ):
+                return
             got = self._select(conn, chunk, role, max_key_query(scan, chunk.where))
             if got is None:
                 return
@@ -886,6 +880,20 @@ class IncrementalSnapshot:
             self.metrics.tables_restarted.labels(KIND, chunk.table).inc()
             chunk.after = chunk.max_key = None
         chunk.table_oid, chunk.key_types = now
+
+    def _key_refused(
+        self, conn: psycopg.Connection[tuple[object, ...]], chunk: Chunk, role: str, query: sql.Composed, failure: str,
+    ) -> bool:
+        """Run a query for rows the table's key cannot chunk: True when the table stops here
+        (the query could not run, or it found one: the table fails with ``failure``)."""
+        got = self._select(conn, chunk, role, query)
+        if got is None:
+            return True
+        if got[0]:
+            chunk.bad_key = True
+            chunk.failure = failure
+            return True
+        return False
 
     def _select_settled(
         self, conn: psycopg.Connection[tuple[object, ...]], chunk: Chunk, role: str, query: sql.Composed,

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from tests.support.cdc_data import Change, workload
-from tests.support.kafka import create_topic, produce
+from tests.support.kafka import create_topic, delete_topic, produce
 from tests.support.pipeline import ROOT
 from walbus.client import (
     Feed,
@@ -214,8 +214,6 @@ async def test_a_dead_letter_topic_deleted_under_a_running_feed_is_made_again(ka
     # The dead-letter topic was made on first use and then taken for granted: deleted under a
     # running feed (an operator's clean-up), each later dead letter was retried forever against
     # a topic nobody made again, and the feed handled nothing more.
-    from walbus.kafka import KafkaAdmin
-
     changes = workload(random.Random(31), 8, TABLES)
     first, later = changes[:4], changes[4:]
     poison = {first[0].position, later[0].position}
@@ -243,13 +241,7 @@ async def test_a_dead_letter_topic_deleted_under_a_running_feed_is_made_again(ka
         try:
             await asyncio.wait_for(through_first.wait(), 60)
             assert feed.stats.dead_letters == 1
-            async with KafkaAdmin(client_kwargs={"bootstrap_servers": kafka_bootstrap}) as admin:
-                await admin.delete_topics([dlq])
-                async with asyncio.timeout(30):  # the broker has no event for a deletion done
-                    while True:
-                        if dlq not in await admin.list_topics():
-                            break
-                        await asyncio.sleep(0.1)
+            await delete_topic(kafka_bootstrap, dlq)
             await produce(kafka_bootstrap, unique_name, [c.record() for c in later])
             await asyncio.wait_for(through_later.wait(), 90)
             assert feed.stats.dead_letters == 2

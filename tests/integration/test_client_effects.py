@@ -5,14 +5,16 @@ from __future__ import annotations
 
 import asyncio
 import random
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import psycopg
 import pytest
 from aiokafka import TopicPartition
+from psycopg import sql
 
 from tests.support.cdc_data import workload
-from tests.support.kafka import commit_offset, create_topic, produce
+from tests.support.kafka import commit_offset, create_topic, delete_topic, produce
 from walbus.client import AlreadyApplied, Feed, FeedEvent, PgPositions
 
 pytestmark = pytest.mark.integration
@@ -104,7 +106,7 @@ async def test_a_dead_letter_replayed_twice_is_applied(pg_dsn: str, kafka_bootst
     """Replayed events are not in position order (a letter that failed again comes back after
     later ones): PgPositions kept the replay topic's row by position, so the second replay of
     an event older than one applied from the first replay was taken for a repeat and dropped."""
-    from walbus.client import RetryPolicy, replay_dead_letters
+    from walbus.client import replay_dead_letters
     from walbus.client.deadletters import replay_topic
 
     changes = workload(random.Random(5), 8, ["public.t"])
@@ -114,27 +116,9 @@ async def test_a_dead_letter_replayed_twice_is_applied(pg_dsn: str, kafka_bootst
     group = unique_name + "-g"
     positions = PgPositions(pg_dsn, consumer=group, table="positions_replay")
     await positions.create_table()
-    fast = RetryPolicy(attempts=2, initial=0.01, maximum=0.02)
     kafka = {"bootstrap_servers": kafka_bootstrap}
     async with await psycopg.AsyncConnection.connect(pg_dsn) as conn:
-        await conn.execute("CREATE TABLE effects_replay (commit_lsn bigint, seq bigint)")
-        await conn.commit()
-
-        async def effect(conn: psycopg.AsyncConnection[Any], event: FeedEvent) -> None:
-            await conn.execute("INSERT INTO effects_replay VALUES (%s, %s)", event.position)
-
-        async def round_(failing: set[tuple[int, int]]) -> list[bool]:
-            applied: list[bool] = []
-
-            async def handler(event: FeedEvent) -> None:
-                if event.position in failing:
-                    raise RuntimeError("still broken")
-                applied.append(await positions.apply(conn, event, effect))
-
-            feed = Feed(unique_name, group_id=group, start="earliest", retry=fast, bootstrap_servers=kafka_bootstrap, until_end=True)
-            async with feed, asyncio.timeout(60):
-                await feed.run(handler)
-            return applied
+        round_ = await _replay_rounds(conn, positions, "effects_replay", unique_name, group, kafka_bootstrap)
 
         assert await round_({older, newer}) == [True] * (len(changes) - 2)  # both dead-lettered
         assert len(await replay_dead_letters(kafka, unique_name, group)) == 2
@@ -157,9 +141,8 @@ async def test_a_dead_letter_replayed_through_a_re_created_replay_topic_is_appli
     """The replay topic deleted (an operator's clean-up) and made again by the next replay
     starts its offsets at 0 again: PgPositions kept replayed events by offset only, so every
     event of the new replay topic up to the old one's last offset was taken for a repeat."""
-    from walbus.client import RetryPolicy, replay_dead_letters
+    from walbus.client import replay_dead_letters
     from walbus.client.deadletters import replay_topic
-    from walbus.kafka import KafkaAdmin
 
     changes = workload(random.Random(7), 9, ["public.t"])
     first, middle, later = changes[:3], changes[3:6], changes[6:]
@@ -168,27 +151,9 @@ async def test_a_dead_letter_replayed_through_a_re_created_replay_topic_is_appli
     group = unique_name + "-g"
     positions = PgPositions(pg_dsn, consumer=group, table="positions_recreated")
     await positions.create_table()
-    fast = RetryPolicy(attempts=2, initial=0.01, maximum=0.02)
     kafka = {"bootstrap_servers": kafka_bootstrap}
     async with await psycopg.AsyncConnection.connect(pg_dsn) as conn:
-        await conn.execute("CREATE TABLE effects_recreated (commit_lsn bigint, seq bigint)")
-        await conn.commit()
-
-        async def effect(conn: psycopg.AsyncConnection[Any], event: FeedEvent) -> None:
-            await conn.execute("INSERT INTO effects_recreated VALUES (%s, %s)", event.position)
-
-        async def round_(failing: set[tuple[int, int]]) -> list[bool]:
-            applied: list[bool] = []
-
-            async def handler(event: FeedEvent) -> None:
-                if event.position in failing:
-                    raise RuntimeError("broken")
-                applied.append(await positions.apply(conn, event, effect))
-
-            feed = Feed(unique_name, group_id=group, start="earliest", retry=fast, bootstrap_servers=kafka_bootstrap, until_end=True)
-            async with feed, asyncio.timeout(60):
-                await feed.run(handler)
-            return applied
+        round_ = await _replay_rounds(conn, positions, "effects_recreated", unique_name, group, kafka_bootstrap)
 
         replay = replay_topic(unique_name, group)
         # A row as PgPositions kept the replay topic before its ':offset' row (by position, far
@@ -211,13 +176,7 @@ async def test_a_dead_letter_replayed_through_a_re_created_replay_topic_is_appli
         assert await round_({middle[0].position}) == [True] * (len(middle) - 1)
         assert len(await replay_dead_letters(kafka, unique_name, group)) == 1
         assert await round_(set()) == [True]  # replay offset 2
-        async with KafkaAdmin(client_kwargs=kafka) as admin:
-            await admin.delete_topics([replay])
-            async with asyncio.timeout(30):  # the broker has no event for a deletion done
-                while True:
-                    if replay not in await admin.list_topics():
-                        break
-                    await asyncio.sleep(0.1)
+        await delete_topic(kafka_bootstrap, replay)
         await produce(kafka_bootstrap, unique_name, [c.record() for c in later])
         assert await round_({later[0].position}) == [True] * (len(later) - 1)
         assert len(await replay_dead_letters(kafka, unique_name, group)) == 1  # a new replay topic, offset 0
@@ -315,3 +274,35 @@ async def test_positions_are_refused_with_concurrent_handlers(pg_dsn: str, kafka
             later_done.set()  # one after the other: the first event waits for nothing
             await feed.run(handler)
     assert applied == {c.position: True for c in changes}
+
+
+async def _replay_rounds(
+    conn: psycopg.AsyncConnection[Any], positions: PgPositions, effects: str, topic: str, group: str, bootstrap: str,
+) -> Callable[[set[tuple[int, int]]], Awaitable[list[bool]]]:
+    """A table ``effects`` and a round: the group's feed read to its end, each event's position
+    inserted there through ``positions.apply`` unless the event is one of ``failing`` (then
+    dead-lettered after a fast retry); what ``apply`` returned, in delivery order."""
+    from walbus.client import RetryPolicy
+
+    fast = RetryPolicy(attempts=2, initial=0.01, maximum=0.02)
+    await conn.execute(sql.SQL("CREATE TABLE {} (commit_lsn bigint, seq bigint)").format(sql.Identifier(effects)))
+    await conn.commit()
+    insert = sql.SQL("INSERT INTO {} VALUES (%s, %s)").format(sql.Identifier(effects))
+
+    async def effect(conn: psycopg.AsyncConnection[Any], event: FeedEvent) -> None:
+        await conn.execute(insert, event.position)
+
+    async def round_(failing: set[tuple[int, int]]) -> list[bool]:
+        applied: list[bool] = []
+
+        async def handler(event: FeedEvent) -> None:
+            if event.position in failing:
+                raise RuntimeError("broken")
+            applied.append(await positions.apply(conn, event, effect))
+
+        feed = Feed(topic, group_id=group, start="earliest", retry=fast, bootstrap_servers=bootstrap, until_end=True)
+        async with feed, asyncio.timeout(60):
+            await feed.run(handler)
+        return applied
+
+    return round_

@@ -153,6 +153,17 @@ async def list_topics(bootstrap: str) -> set[str]:
         return await admin.list_topics()
 
 
+async def delete_topic(bootstrap: str, topic: str, *, within: float = 30) -> None:
+    """Delete ``topic`` and wait until the broker no longer lists it (no event says so)."""
+    async with KafkaAdmin(client_kwargs=_kw(bootstrap)) as admin:
+        await admin.delete_topics([topic])
+        async with asyncio.timeout(within):  # polled: the broker has no event for a deletion done
+            while True:
+                if topic not in await admin.list_topics():
+                    return
+                await asyncio.sleep(0.1)
+
+
 async def topic_config(bootstrap: str, topic: str) -> dict[str, str]:
     async with KafkaAdmin(client_kwargs=_kw(bootstrap)) as admin:
         return await admin.topic_config(topic)
