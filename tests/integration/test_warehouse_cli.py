@@ -28,6 +28,24 @@ def _cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "walbus.app.cli", "warehouse", *args]
 
 
+def _stream(tmp_path: Path, kafka_bootstrap: str, topic: str, trigger: str) -> tuple[subprocess.Popen[bytes], int, Path]:
+    """``walbus warehouse stream`` of ``topic`` into tmp_path/wh, started in a session of its own
+    with its metrics on a free port and in tmp_path/walbus.prom: (process, port, metrics file)."""
+    import socket
+
+    with socket.socket() as probe:  # a port nobody listens on now
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    metrics = tmp_path / "walbus.prom"
+    proc = subprocess.Popen(
+        _cli("stream", "--kafka-bootstrap", kafka_bootstrap, "--topic", topic, "--warehouse", str(tmp_path / "wh"),
+             "--master", "local[1]", "--spark-conf", "spark.ui.enabled=false", "--trigger", trigger,
+             "--metrics-port", str(port), "--metrics-file", str(metrics)),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+    )
+    return proc, port, metrics
+
+
 def _events() -> list[bytes]:
     events: list[bytes] = []
     for n, table in enumerate(TABLES):
@@ -204,7 +222,6 @@ def test_sql_prints_timestamps_in_utc_in_any_local_zone_and_takes_the_query_anyw
 def test_stream_command_serves_health_and_writes_its_metrics(
     tmp_path: Path, kafka_bootstrap: str, unique_name: str
 ) -> None:
-    import socket
     import urllib.error
     import urllib.request
 
@@ -212,16 +229,7 @@ def test_stream_command_serves_health_and_writes_its_metrics(
     for k in range(3):
         txn.insert(TABLES[0], ["id"], {"id": ("int4", k)})
     produce_events(kafka_bootstrap, unique_name, txn.events)
-    with socket.socket() as probe:  # a port nobody listens on now
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    metrics = tmp_path / "walbus.prom"
-    proc = subprocess.Popen(
-        _cli("stream", "--kafka-bootstrap", kafka_bootstrap, "--topic", unique_name, "--warehouse", str(tmp_path / "wh"),
-             "--master", "local[1]", "--spark-conf", "spark.ui.enabled=false", "--trigger", "available-now",
-             "--metrics-port", str(port), "--metrics-file", str(metrics)),
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
-    )
+    proc, port, metrics = _stream(tmp_path, kafka_bootstrap, unique_name, "available-now")
 
     def status(path: str) -> int:
         try:
@@ -288,23 +296,13 @@ def test_a_stopped_stream_stops_its_driver_jvm_and_writes_its_metrics(
 ) -> None:
     # Ctrl-C left the driver JVM running, orphaned, for good (seen 68 s and more after the
     # exit); SIGTERM killed `warehouse stream` at once (-15): no metrics file, the JVM on its own.
-    import socket
     import urllib.error
     import urllib.request
 
     txn = Txn(0x2000)
     txn.insert(TABLES[0], ["id"], {"id": ("int4", 1)})
     produce_events(kafka_bootstrap, unique_name, txn.events)
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    metrics = tmp_path / "walbus.prom"
-    proc = subprocess.Popen(
-        _cli("stream", "--kafka-bootstrap", kafka_bootstrap, "--topic", unique_name, "--warehouse", str(tmp_path / "wh"),
-             "--master", "local[1]", "--spark-conf", "spark.ui.enabled=false", "--trigger", "2 seconds",
-             "--metrics-port", str(port), "--metrics-file", str(metrics)),
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
-    )
+    proc, port, metrics = _stream(tmp_path, kafka_bootstrap, unique_name, "2 seconds")
     jvms: list[int] = []
     try:
         deadline = time.monotonic() + 300
