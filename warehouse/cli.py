@@ -26,6 +26,7 @@ from walbus.process import exit_on_sigterm
 from warehouse import NUMERIC_SCALE
 from warehouse.extra import spark_missing
 from warehouse.layout import absolute_root
+from warehouse.spark import stop_jvm  # no pyspark import: the commands that need none stay light
 
 if TYPE_CHECKING:
     from warehouse.metrics import WarehouseMetrics
@@ -164,12 +165,6 @@ class SqlConfig(CatalogOptions, SparkOptions):
 @dataclass(kw_only=True)
 class PrepareConfig(SparkOptions):
     force: bool = option(False, help="resolve the jars and write the class archive again even when they are there")
-
-
-def stop_jvm(spark: Any) -> None:
-    from warehouse.spark import stop_jvm as stop
-
-    stop(spark)
 
 
 def _session(config: LoadConfig | SqlConfig) -> Any:

@@ -33,6 +33,7 @@ from typing import Any, Final
 from walbus.contract import encode_event, event_key
 from walbus.kafka import KafkaOptions
 from warehouse import driver_cache
+from warehouse.spark import stop_jvm
 
 log = logging.getLogger("walbus.warehouse")
 
@@ -108,12 +109,6 @@ def _rehearse(spark: Any, root: str) -> None:
             batch += 1
 
 
-def _stop_jvm(spark: Any) -> int:
-    from warehouse.spark import stop_jvm
-
-    return stop_jvm(spark, _JVM_EXIT_SECONDS)
-
-
 @contextlib.contextmanager
 def _scratch() -> Iterator[str]:
     root = tempfile.mkdtemp(prefix="walbus-prepare-")
@@ -131,7 +126,7 @@ def _resolve_jars(master: str, conf: dict[str, str]) -> list[str]:
     try:
         return driver_cache.jar_files(spark.sparkContext.getConf().get("spark.jars", ""))
     finally:
-        _stop_jvm(spark)
+        stop_jvm(spark, _JVM_EXIT_SECONDS)
 
 
 def prepare(*, master: str = "local[2]", conf: dict[str, str] | None = None, force: bool = False) -> Prepared:
@@ -167,7 +162,7 @@ def prepare(*, master: str = "local[2]", conf: dict[str, str] | None = None, for
             with _scratch() as root:
                 _rehearse(spark, root)
         finally:
-            status = _stop_jvm(spark)
+            status = stop_jvm(spark, _JVM_EXIT_SECONDS)
         if status != 0 or not temporary.is_file() or temporary.stat().st_size == 0:
             temporary.unlink(missing_ok=True)
             raise RuntimeError(f"the driver JVM exited with status {status} without writing {temporary}; see the Spark log")
